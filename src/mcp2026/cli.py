@@ -1,0 +1,145 @@
+"""Command line: ``mcp2026 generate | info | ...`` (typer). Errors print one line and exit 2."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from mcp2026.errors import MCPError
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="mcp2026: Model-Centric Pipeline inference engine"
+)
+err = Console(stderr=True, soft_wrap=True)
+out = Console()
+
+ModelOpt = Annotated[
+    Path | None,
+    typer.Option("--model", "-m", help="HF model folder or .gguf file (default: embedded SmolLM2-135M)"),
+]
+
+
+def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn expected failures (bad files, bad values) into a one-line message and exit code 2."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (MCPError, ValueError, FileNotFoundError) as e:
+            err.print(f"[bold red]error:[/] {e}", highlight=False)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            err.print("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+@app.command()
+@user_errors
+def generate(
+    prompt: Annotated[str, typer.Argument(help="the prompt (a user message with --chat)")],
+    model: ModelOpt = None,
+    chat: Annotated[bool, typer.Option("--chat/--no-chat", help="apply the model's chat template")] = True,
+    max_tokens: Annotated[int, typer.Option(help="tokens to generate at most")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    top_k: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int | None, typer.Option()] = None,
+    dtype: Annotated[str, typer.Option(help="auto | fp32 | bf16")] = "auto",
+    stats: Annotated[bool, typer.Option("--stats/--no-stats", help="print speed after the answer")] = True,
+) -> None:
+    """Stream a completion of PROMPT to the terminal."""
+    from mcp2026.pipeline import Pipeline
+    from mcp2026.types import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+    )
+    pipe = Pipeline(model=model, dtype=dtype)
+    engine = pipe.engine
+    request_id = engine.add_request(pipe.encode(prompt, chat), params)
+    final = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == request_id:
+                sys.stdout.write(o.delta_text)
+                sys.stdout.flush()
+                final = o if o.finished else final
+    sys.stdout.write("\n")
+    if stats and final is not None and final.first_token_time is not None:
+        n = len(final.output.token_ids)
+        ttft = final.first_token_time - final.arrival_time
+        decode = final.finish_time - final.first_token_time
+        rate = (n - 1) / decode if n > 1 and decode > 0 else float("nan")
+        err.print(
+            f"[dim]{n} tokens, finish={final.finish_reason}, TTFT {ttft * 1e3:.0f} ms, decode {rate:.1f} tok/s, "
+            f"{str(pipe.dtype).removeprefix('torch.')}[/]"
+        )
+
+
+@app.command()
+@user_errors
+def info(
+    model: Annotated[Path | None, typer.Argument(help="HF folder or .gguf (default: embedded model)")] = None,
+) -> None:
+    """Architecture, parameter count, tensor formats and memory footprint of a model."""
+    from rich.table import Table
+
+    from mcp2026.loading.loader import load_model
+
+    loaded = load_model(model)
+    cfg = loaded.config
+    params = sum(p.numel() for p in {id(p): p for p in loaded.model.parameters()}.values())
+    table = Table(title=str(loaded.source), show_header=False)
+    rows = [
+        ("architecture", cfg.architecture),
+        ("parameters", f"{params / 1e6:.1f} M"),
+        ("layers / hidden / ffn", f"{cfg.num_layers} / {cfg.hidden_size} / {cfg.intermediate_size}"),
+        ("heads (q / kv) x dim", f"{cfg.num_heads} / {cfg.num_kv_heads} x {cfg.head_dim}"),
+        ("vocab", str(cfg.vocab_size)),
+        ("context", str(cfg.max_position_embeddings)),
+        ("rope", f"theta={cfg.rope_theta:g}" + (f" scaling={cfg.rope_scaling}" if cfg.rope_scaling else "")),
+        ("tied embeddings", str(cfg.tie_word_embeddings)),
+        ("file", f"{loaded.file_format}, {loaded.file_bytes / 2**20:.1f} MiB"),
+        ("stored tensor formats", ", ".join(f"{k} x{v}" for k, v in sorted(loaded.tensor_formats.items()))),
+        ("memory fp32 / bf16", f"{params * 4 / 2**20:.0f} MiB / {params * 2 / 2**20:.0f} MiB"),
+        (
+            "KV cache per token (fp32)",
+            f"{2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 / 1024:.1f} KiB",
+        ),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    out.print(table)
+
+
+@app.command("compile")
+@user_errors
+def compile_cmd(
+    model: Annotated[Path | None, typer.Argument(help="model to quantize")] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="quantization YAML")] = None,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="artifact folder")] = None,
+) -> None:
+    """Calibrate, plan and quantize a model into an artifact (not supported yet)."""
+    from mcp2026.errors import NotSupportedYetError
+
+    raise NotSupportedYetError(
+        "`compile` is not supported yet (quantization artifacts are the next milestone)"
+    )
+
+
+def main() -> None:
+    app()
+
+
+def compile_main() -> None:
+    """``mcp-compile``: an alias of ``mcp2026 compile``."""
+    typer.main.get_command(app).main(args=["compile", *sys.argv[1:]], prog_name="mcp-compile")

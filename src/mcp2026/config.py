@@ -1,0 +1,214 @@
+"""Frozen, validated configs, one per layer of the system (model, quantization, KV cache, scheduler).
+
+Each component receives only the config it needs. Validation happens in ``__post_init__`` so a bad value
+fails where it is written, with a message that names the field and the allowed range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+        ):
+            _require(getattr(self, name) > 0, f"model config: {name} must be > 0, got {getattr(self, name)}")
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})",
+        )
+        _require(
+            self.head_dim > 0 and self.head_dim % 2 == 0,
+            f"model config: head_dim must be even, got {self.head_dim}",
+        )
+        _require(self.rms_norm_eps > 0, f"model config: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        _require(self.rope_theta > 0, f"model config: rope_theta must be > 0, got {self.rope_theta}")
+
+    @property
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
+        per_layer = attn + 3 * h * i + 2 * h
+        return self.num_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4", "fp8", "auto")
+GRANULARITIES = ("auto", "per_channel", "per_group", "per_tensor")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """What precision the weights should run in, and how the DQG may choose it per layer.
+
+    ``target_precision`` "fp32"/"bf16"/"fp16" means no weight quantization (the activation dtype);
+    "int8"/"int4"/"fp8" quantize every linear; "auto" lets the DQG pick per layer within a budget.
+    ``enable_dtss`` and ``max_kv_cache_shards`` are forwarded to the KV cache (design notes' DTSS).
+    """
+
+    target_precision: str = "auto"
+    enable_dqg: bool = False
+    bits_budget: float | None = None  # average bits per weight, scales and zero points included
+    bytes_budget: int | None = None
+    max_ppl_increase: float | None = None  # relative, 0.01 = +1%
+    group_size: int = 32
+    granularity: str = "auto"
+    symmetric: bool = False
+    calibration_source: str = "sharegpt"
+    calibration_samples: int = 32
+    strict: bool = False
+    enable_dtss: bool = False
+    max_kv_cache_shards: int = 1
+
+    def __post_init__(self) -> None:
+        _require(
+            self.target_precision in PRECISIONS,
+            f"QuantConfig.target_precision must be one of {PRECISIONS}, got {self.target_precision!r}",
+        )
+        _require(
+            self.granularity in GRANULARITIES,
+            f"QuantConfig.granularity must be one of {GRANULARITIES}, got {self.granularity!r}",
+        )
+        _require(
+            self.group_size in (32, 64, 128),
+            f"QuantConfig.group_size must be 32, 64 or 128, got {self.group_size}",
+        )
+        _require(
+            self.bits_budget is None or 2.0 <= self.bits_budget <= 32.0,
+            f"QuantConfig.bits_budget must be in [2, 32] bits per weight, got {self.bits_budget}",
+        )
+        _require(
+            self.bytes_budget is None or self.bytes_budget > 0,
+            f"QuantConfig.bytes_budget must be > 0, got {self.bytes_budget}",
+        )
+        _require(
+            self.max_ppl_increase is None or self.max_ppl_increase > 0,
+            f"QuantConfig.max_ppl_increase must be > 0 (relative), got {self.max_ppl_increase}",
+        )
+        _require(
+            self.calibration_samples >= 1,
+            f"QuantConfig.calibration_samples must be >= 1, got {self.calibration_samples}",
+        )
+        _require(
+            1 <= self.max_kv_cache_shards <= 64,
+            f"QuantConfig.max_kv_cache_shards must be in [1, 64], got {self.max_kv_cache_shards}",
+        )
+
+    @property
+    def quantizes_weights(self) -> bool:
+        return self.enable_dqg or self.target_precision in ("int8", "int4", "fp8")
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """Paged KV cache: block size and the memory budget that sizes the preallocated pool.
+
+    Exactly one of ``memory_gb`` / ``memory_fraction`` sizes the pool; ``memory_fraction`` is a share of the
+    memory available now (cgroup limits counted). ``num_blocks`` overrides both (tests, tiny pools).
+    """
+
+    block_size: int = 16
+    memory_gb: float | None = None
+    memory_fraction: float = 0.2
+    num_blocks: int | None = None
+    max_kv_cache_shards: int = 1
+    enable_dtss: bool = False
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size in (8, 16, 32, 64, 128),
+            f"KVConfig.block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}",
+        )
+        _require(
+            self.memory_gb is None or self.memory_gb > 0,
+            f"KVConfig.memory_gb must be > 0, got {self.memory_gb}",
+        )
+        _require(
+            0 < self.memory_fraction <= 0.95,
+            f"KVConfig.memory_fraction must be in (0, 0.95], got {self.memory_fraction}",
+        )
+        _require(
+            self.num_blocks is None or self.num_blocks >= 1,
+            f"KVConfig.num_blocks must be >= 1, got {self.num_blocks}",
+        )
+        _require(
+            1 <= self.max_kv_cache_shards <= 64,
+            f"KVConfig.max_kv_cache_shards must be in [1, 64], got {self.max_kv_cache_shards}",
+        )
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority", "deadline")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step token budget and batch limits. Long contexts get fewer sequences through the token budget."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None: the model's context length
+    policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = (
+        512  # a prefill chunk larger than this is split to keep decodes flowing
+    )
+
+    def __post_init__(self) -> None:
+        _require(
+            self.max_num_batched_tokens >= 16,
+            f"SchedulerConfig.max_num_batched_tokens must be >= 16, got {self.max_num_batched_tokens}",
+        )
+        _require(
+            self.max_num_seqs >= 1, f"SchedulerConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}"
+        )
+        _require(
+            self.policy in SCHEDULING_POLICIES,
+            f"SchedulerConfig.policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}",
+        )
+        _require(
+            self.max_model_len is None or self.max_model_len >= 16,
+            f"SchedulerConfig.max_model_len must be >= 16, got {self.max_model_len}",
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, grouped; each part goes only to the component that uses it."""
+
+    kv: KVConfig = field(default_factory=KVConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

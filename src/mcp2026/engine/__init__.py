@@ -1,0 +1,1 @@
+"""Serving engine: requests, the scheduler, and the runner that executes its decisions."""

@@ -1,0 +1,272 @@
+"""LLMEngine: continuous batching over the paged KV cache. ``step()`` = schedule -> run -> sample -> update.
+
+A failure while running one request fails that request only: the step is retried chunk by chunk to find
+the culprit, which finishes with an error and frees its blocks, while every other request keeps running.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from mcp2026.config import EngineConfig, ModelConfig
+from mcp2026.engine.output import ScheduledChunk, SchedulerOutput
+from mcp2026.engine.output_processor import OutputProcessor, RequestOutput, RequestState
+from mcp2026.engine.request import Request
+from mcp2026.engine.runner import ModelRunner
+from mcp2026.engine.sampler import Sampler, SamplingState
+from mcp2026.engine.scheduler import Scheduler
+from mcp2026.kv.manager import KVCacheManager
+from mcp2026.kv.paged_cache import PagedKVCache
+from mcp2026.kv.sizing import plan_kv_blocks
+from mcp2026.types import CompletionOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """Wall time per phase, accumulated (ms); the profile of ``Pipeline.infer`` reads these."""
+
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    sample_ms: float = 0.0
+    detokenize_ms: float = 0.0
+    num_steps: int = 0
+    num_decode_steps: int = 0
+    num_decode_tokens: int = 0
+    peak_kv_usage: float = 0.0
+    decode_context_tokens: int = 0  # sum over decode steps of tokens attended (KV bytes read)
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+@dataclass
+class EngineCounters:
+    num_failed_requests: int = 0
+    num_finished_requests: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: nn.Module,
+        model_config: ModelConfig,
+        tokenizer: object | None,
+        config: EngineConfig | None = None,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        dtype = kv_dtype or next(model.parameters()).dtype
+        self.max_model_len = min(
+            self.config.scheduler.max_model_len or model_config.max_position_embeddings,
+            int(model.rope.cos.shape[0]),
+        )
+        num_blocks = plan_kv_blocks(self.config.kv, model_config, dtype, self.max_model_len)
+        kv = self.config.kv
+        self.cache = PagedKVCache(
+            model_config.num_layers,
+            num_blocks,
+            kv.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            dtype,
+        )
+        self.kv_manager = KVCacheManager(
+            kv.block_size,
+            num_blocks,
+            num_shards=kv.max_kv_cache_shards,
+            enable_prefix_caching=kv.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(self.config.scheduler, self.kv_manager, self.max_model_len)
+        self.runner = ModelRunner(model, self.cache)
+        self.sampler = Sampler()
+        eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or model_config.eos_token_ids)
+        self.eos_token_ids = eos
+        self.outputs = OutputProcessor(tokenizer, eos)
+        self.states: dict[str, RequestState] = {}
+        self.stats = StepStats()
+        self.counters = EngineCounters()
+        self.fault_hook: Callable[[ScheduledChunk], None] | None = None  # tests inject failures here
+        self._ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        ttft_deadline: float | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError (prompt too long, empty, bad token ids) before queueing."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids instead of text")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(
+                f"prompt token ids must be in [0, {vocab}), got {min(token_ids)}..{max(token_ids)}"
+            )
+        if len(token_ids) + 1 > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but this model's context is {self.max_model_len} tokens "
+                "(prompt + at least 1 generated token); shorten the prompt"
+            )
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            priority=priority,
+            ttft_deadline=ttft_deadline,
+            cache_salt=cache_salt,
+        )
+        sampling = SamplingState.create(params, token_ids, eos_token_ids=self.eos_token_ids)
+        sampling.output_token_ids = request.output_token_ids  # one list, appended by the scheduler
+        self.scheduler.add_request(request)
+        self.states[request_id] = RequestState(request, sampling, self.outputs.new_detokenizer(token_ids))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its blocks (no-op for unknown or finished ids)."""
+        if self.states.pop(request_id, None) is not None:
+            self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.states)
+
+    # ---- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        results = self._drain_finished_by_scheduler(out)
+        if out.is_empty:
+            return results
+        t0 = time.perf_counter()
+        sample_ids, logits, failed = self._execute(out)
+        t1 = time.perf_counter()
+        is_prefill = any(not (c.num_tokens == 1 and c.start_pos > 0) for c in out.chunks)
+        if is_prefill:
+            self.stats.prefill_ms += (t1 - t0) * 1e3
+        else:
+            self.stats.decode_ms += (t1 - t0) * 1e3
+            self.stats.num_decode_steps += 1
+            self.stats.num_decode_tokens += len(out.chunks)
+            self.stats.decode_context_tokens += sum(c.start_pos + 1 for c in out.chunks)
+        self.stats.num_steps += 1
+        states = [self.states[r].sampling for r in sample_ids]
+        sampled = self.sampler.sample(logits, states) if sample_ids else None
+        t2 = time.perf_counter()
+        self.stats.sample_ms += (t2 - t1) * 1e3
+        tokens = dict(zip(sample_ids, sampled.token_ids)) if sampled else {}
+        ok_output = out if not failed else self._without(out, failed)
+        self.scheduler.update(ok_output, tokens)
+        self.stats.peak_kv_usage = max(self.stats.peak_kv_usage, self.kv_manager.usage)
+        for request_id, error in failed.items():
+            results.append(self._fail(request_id, error))
+        for i, request_id in enumerate(sample_ids):
+            state = self.states[request_id]
+            logprob = sampled.logprobs[i] if sampled.logprobs else None
+            reason = self.outputs.append(state, tokens[request_id], logprob)
+            if reason is not None:
+                self.scheduler.finish_request(request_id, reason)
+                results.append(self._finish(request_id, reason, num_new_tokens=1))
+            else:
+                results.append(self.outputs.make_output(state, 1, None))
+        self.stats.detokenize_ms += (time.perf_counter() - t2) * 1e3
+        return results
+
+    def _execute(self, out: SchedulerOutput) -> tuple[list[str], torch.Tensor, dict[str, str]]:
+        try:
+            if self.fault_hook is not None:
+                for chunk in out.chunks:
+                    self.fault_hook(chunk)
+            sample_ids, logits = self.runner.execute(out)
+            return sample_ids, logits, {}
+        except Exception:
+            if len(out.chunks) == 1:
+                raise
+        # Isolate: run each chunk alone; the ones that still fail are the culprits.
+        sample_ids, rows, failed = [], [], {}
+        for chunk in out.chunks:
+            single = SchedulerOutput([chunk], chunk.num_tokens)
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook(chunk)
+                ids, logits = self.runner.execute(single)
+            except Exception as e:  # noqa: BLE001 - any failure of one request must not stop the others
+                log.exception("request %s failed", chunk.request_id)
+                failed[chunk.request_id] = f"{type(e).__name__}: {e}"
+                continue
+            sample_ids += ids
+            rows.append(logits)
+        logits = torch.cat(rows) if rows else torch.empty(0)
+        return sample_ids, logits, failed
+
+    @staticmethod
+    def _without(out: SchedulerOutput, failed: dict[str, str]) -> SchedulerOutput:
+        chunks = [c for c in out.chunks if c.request_id not in failed]
+        return SchedulerOutput(chunks, sum(c.num_tokens for c in chunks), out.preempted_ids, out.finished_ids)
+
+    def _drain_finished_by_scheduler(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """Requests the scheduler finished on its own (e.g. too large for the whole pool)."""
+        results = []
+        for request_id in out.finished_ids:
+            state = self.states.get(request_id)
+            if state is not None and state.request.is_finished:
+                reason = state.request.finish_reason or "abort"
+                results.append(self._finish(request_id, reason))
+        return results
+
+    def _fail(self, request_id: str, error: str) -> RequestOutput:
+        state = self.states[request_id]
+        state.request.error = error
+        self.scheduler.finish_request(request_id, "error")
+        self.counters.num_failed_requests += 1
+        self.counters.errors.append(error)
+        return self._finish(request_id, "error")
+
+    def _finish(self, request_id: str, reason: str, num_new_tokens: int = 0) -> RequestOutput:
+        state = self.states.pop(request_id)
+        state.finish_time = time.perf_counter()
+        self.counters.num_finished_requests += 1
+        return self.outputs.make_output(state, num_new_tokens, reason)
+
+    # ---- convenience ----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        """Run a list of prompts to completion, batched; outputs in input order."""
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        done: dict[str, CompletionOutput] = {}
+        while self.has_unfinished():
+            for o in self.step():
+                if o.finished:
+                    done[o.request_id] = o.output
+        return [done[i] for i in ids]
+
+    def request_state(self, request_id: str) -> RequestState | None:
+        return self.states.get(request_id)

@@ -1,0 +1,44 @@
+"""SchedulerOutput: the one contract between the scheduler (decides) and the runner (executes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens of one request to compute this step, at positions ``start_pos .. start_pos+len-1``.
+
+    KV for positions ``< start_pos`` is already in the blocks of ``block_table`` (block ``i`` holds positions
+    ``[i*block_size, (i+1)*block_size)``), which covers every position of this chunk. Nothing may be
+    written into blocks before ``start_pos // block_size``: they can be shared prefix-cache blocks.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int  # == the request's num_computed_tokens before this step
+    block_table: list[int]
+    samples: bool  # the chunk ends at the request's last known token: return one sampled token for it
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step. Chunks with a single token (decodes) come first, then longer prefill chunks."""
+
+    chunks: list[ScheduledChunk]
+    num_batched_tokens: int  # == sum of chunk lengths, <= max_num_batched_tokens
+    preempted_ids: list[str] = field(default_factory=list)  # blocks freed, will recompute from position 0
+    finished_ids: list[str] = field(default_factory=list)  # finished (any reason) since the last step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+    @property
+    def sampling_ids(self) -> list[str]:
+        """Request ids the runner must return a sampled token for, in chunk order."""
+        return [c.request_id for c in self.chunks if c.samples]

@@ -1,0 +1,292 @@
+"""The scheduler decides, each step, which tokens of which requests to compute within a token budget.
+
+Pure Python, no torch: running requests first (decodes, then the next chunk of prompts still catching up),
+then waiting requests in policy order. Preemption frees a request's blocks; it recomputes later through
+the same path as a new prompt (prefix hits make that cheap).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from mcp2026.config import SchedulerConfig
+from mcp2026.engine.output import ScheduledChunk, SchedulerOutput
+from mcp2026.engine.policies import make_policy
+from mcp2026.engine.request import Request, RequestStatus
+from mcp2026.kv.manager import KVCacheManager
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_prefix_query_blocks: int  # full blocks looked up when requests were admitted
+    num_prefix_hit_blocks: int
+    num_cached_tokens: int  # prompt tokens served by prefix hits at first admission
+    kv_usage: float
+
+
+@dataclass
+class _Step:
+    """What one ``schedule`` call has handed out so far."""
+
+    budget: int
+    scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens this step
+    num_preempted: int = 0
+
+    def add(self, request_id: str, num_tokens: int) -> None:
+        self.scheduled[request_id] = num_tokens
+        self.budget -= num_tokens
+
+    def drop(self, request_id: str) -> None:
+        self.budget += self.scheduled.pop(request_id, 0)
+
+
+class Scheduler:
+    """Owns the waiting and running queues and every added, unfinished request.
+
+    Invariants: running requests hold blocks covering their computed tokens; waiting and preempted ones
+    hold none; ``len(running) <= max_num_seqs``; each output's tokens <= ``max_num_batched_tokens``.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        # The config may only lower the model's context length.
+        self.max_model_len = min(max_model_len, config.max_model_len or max_model_len)
+        self.policy = make_policy(config.policy)
+        self._requests: dict[str, Request] = {}
+        self._waiting: list[Request] = []
+        self._running: list[Request] = []
+        self._finished_ids: list[str] = []  # reported by the next schedule()
+        self._preempted_ids: list[str] = []
+        self._next_arrival_index = 0
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0
+
+    # --- queries -------------------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_preemptions=self.num_preemptions,
+            num_prefix_query_blocks=self.kv.cache.num_queries,
+            num_prefix_hit_blocks=self.kv.cache.num_hits,
+            num_cached_tokens=self.num_cached_tokens,
+            kv_usage=self.kv.usage,
+        )
+
+    # --- requests in and out -------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {rid}: the prompt is empty")
+        if rid in self._requests:
+            raise ValueError(f"request {rid}: a request with this id is already scheduled")
+        if request.num_prompt_tokens + 1 > self.max_model_len:
+            raise ValueError(
+                f"request {rid}: prompt of {request.num_prompt_tokens} tokens plus 1 generated token exceeds "
+                f"max_model_len={self.max_model_len}"
+            )
+        if (
+            not self.config.enable_chunked_prefill
+            and request.num_prompt_tokens > self.config.max_num_batched_tokens
+        ):
+            raise ValueError(
+                f"request {rid}: prompt of {request.num_prompt_tokens} tokens exceeds max_num_batched_tokens="
+                f"{self.config.max_num_batched_tokens} and chunked prefill is disabled"
+            )
+        request.arrival_index = self._next_arrival_index
+        self._next_arrival_index += 1
+        request.status = RequestStatus.WAITING
+        self._requests[rid] = request
+        self._waiting.append(request)
+
+    def finish_request(self, request_id: str, reason: RequestStatus | str) -> bool:
+        """Finish with ``reason`` ("stop" | "length" | "abort" | "error" or a FINISHED_* status) and free its
+        blocks. False (a no-op) if the request is unknown or already finished."""
+        status = RequestStatus.finished(reason)
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        queue = self._running if request.status is RequestStatus.RUNNING else self._waiting
+        queue.remove(request)
+        self.kv.free(request)
+        request.status = status
+        self._finished_ids.append(request_id)
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    # --- one step ------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        # NOTE: after a preemption, admitting new work would only take the blocks back (thrashing).
+        if step.num_preempted == 0:
+            self._schedule_waiting(step)
+        chunks = [self._make_chunk(self._requests[rid], n) for rid, n in step.scheduled.items()]
+        chunks.sort(key=lambda c: c.num_tokens > 1)  # stable: decodes first, each group in schedule order
+        output = SchedulerOutput(
+            chunks=chunks,
+            num_batched_tokens=sum(step.scheduled.values()),
+            preempted_ids=self._preempted_ids,
+            finished_ids=self._finished_ids,
+        )
+        self._preempted_ids, self._finished_ids = [], []
+        return output
+
+    def _schedule_running(self, step: _Step) -> None:
+        # Decodes before catching-up prefills so a long prompt cannot stall token streams.
+        order = sorted(
+            self._running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self.policy.key(r))
+        )
+        for request in order:
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if step.budget == 0:
+                break
+            if not self._check_fits(request):
+                continue
+            num_new = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, step.budget)
+            if num_new == 0:
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = max(self._running, key=self.policy.key)
+                self._preempt(victim, step)
+                if victim is request:
+                    break
+            else:
+                step.add(request.request_id, num_new)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        # Strict policy order (stop at the first request that does not fit): nothing overtakes a long
+        # prompt at the head of the queue, so it cannot starve; chunking lets it start within any budget.
+        for request in sorted(self._waiting, key=self.policy.key):
+            if step.budget == 0 or len(self._running) >= self.config.max_num_seqs:
+                break
+            if not self._check_fits(request):
+                continue
+            hit_ids, num_hit = self.kv.get_computed_blocks(request)
+            num_new = self._num_new_tokens(request.num_tokens - num_hit, step.budget)
+            if num_new == 0 or not self._allocate_for_waiting(request, num_new, hit_ids, step):
+                break
+            self._waiting.remove(request)
+            self._running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit
+                self.num_cached_tokens += num_hit
+            step.add(request.request_id, num_new)
+
+    def _allocate_for_waiting(self, request: Request, num_new: int, hit_ids: list[int], step: _Step) -> bool:
+        while not self.kv.allocate_slots(request, num_new, hit_ids):
+            if not self.policy.preempts_for_waiting or not self._running:
+                return False
+            victim = max(self._running, key=self.policy.key)
+            if self.policy.key(victim) < self.policy.key(request):
+                return False
+            self._preempt(victim, step)
+        return True
+
+    def _num_new_tokens(self, num_remaining: int, budget: int) -> int:
+        if self.config.enable_chunked_prefill:
+            return min(num_remaining, self.config.long_prefill_token_threshold, budget)
+        if num_remaining <= budget:
+            return num_remaining
+        # Without chunking, only a recompute longer than any step's budget is split (else it would never run).
+        return budget if num_remaining > self.config.max_num_batched_tokens else 0
+
+    def _check_fits(self, request: Request) -> bool:
+        """Finish (error) a request that needs more blocks than the whole online pool: it could only wait
+        forever or preempt everything forever."""
+        if self.kv.can_ever_fit(request.num_tokens):
+            return True
+        request.error = (
+            f"request {request.request_id} needs {self.kv.num_blocks_for(request.num_tokens)} KV blocks for "
+            f"{request.num_tokens} tokens, but the cache has only {self.kv.num_online_blocks} blocks of "
+            f"{self.kv.block_size} tokens online"
+        )
+        self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+        return False
+
+    def _preempt(self, request: Request, step: _Step | None) -> None:
+        self.kv.free(request, preempted=True)
+        self._running.remove(request)
+        self._waiting.append(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._preempted_ids.append(request.request_id)
+        if step is not None:
+            step.drop(request.request_id)
+            step.num_preempted += 1
+
+    def _make_chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=request.token_ids_slice(start, start + num_tokens),
+            start_pos=start,
+            block_table=self.kv.block_table(request.request_id),
+            samples=start + num_tokens == request.num_tokens,
+        )
+
+    # --- after the runner ----------------------------------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+        """Advance each chunk's request by its tokens and append the sampled token where ``samples``.
+        Chunks of requests finished or preempted since ``output`` was made are skipped. Returns the
+        requests that got a token; one that reached max_model_len is already FINISHED_LENGTH."""
+        missing = [rid for rid in output.sampling_ids if rid not in sampled]
+        if missing:
+            raise ValueError(f"runner returned no sampled token for requests {missing}")
+        new_token: list[Request] = []
+        for chunk in output.chunks:
+            request = self._requests.get(chunk.request_id)
+            if (
+                request is None
+                or request.status is not RequestStatus.RUNNING
+                or request.num_computed_tokens != chunk.start_pos
+            ):
+                continue
+            request.num_computed_tokens += chunk.num_tokens
+            if chunk.samples:
+                request.output_token_ids.append(int(sampled[chunk.request_id]))
+                new_token.append(request)
+            self.kv.cache_full_blocks(request)
+            if chunk.samples and request.num_tokens >= self.max_model_len:
+                self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
+        return new_token
+
+    # --- DTSS ----------------------------------------------------------------------------------------------
+    def release_kv_shards(self, num_shards: int) -> list[str]:
+        """Take the highest KV shards offline, preempting every request holding blocks there (reported in
+        the next output's ``preempted_ids``). Returns their ids."""
+        block_ids = self.kv.release_shards(num_shards)
+        victim_ids = self.kv.request_ids_holding(block_ids)
+        for rid in victim_ids:
+            self._preempt(self._requests[rid], None)
+        return victim_ids
+
+    def grow_kv_shards(self, num_shards: int) -> None:
+        self.kv.grow_shards(num_shards)

@@ -1,0 +1,152 @@
+"""What this machine offers: CPU features, usable memory and cores (cgroup limits counted), and the
+measured peak memory read bandwidth (cached on disk). Environment variables are read here only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+
+def cache_dir() -> Path:
+    """Where measured machine facts are cached (``MCP2026_CACHE_DIR`` overrides ~/.cache/mcp2026)."""
+    root = os.environ.get("MCP2026_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "mcp2026")
+    return Path(root)
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def has_fast_bf16() -> bool:
+    """bf16 matmuls are only fast with AVX512-BF16 or AMX on CPU (elsewhere ~6x slower than fp32 here)."""
+    if torch.cuda.is_available():
+        return True
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        text = Path(path).read_text().split()[0]
+    except (OSError, IndexError):
+        return None
+    return None if text == "max" else int(text)
+
+
+def cgroup_memory_limit_bytes() -> int | None:
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        value = _read_int(path)
+        if value is not None and value < 1 << 60:
+            return value
+    return None
+
+
+def available_memory_bytes() -> int:
+    """Memory we may still use: MemAvailable, capped by the cgroup limit minus its current usage."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if available is None:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    limit = cgroup_memory_limit_bytes()
+    if limit is not None:
+        used = (
+            _read_int("/sys/fs/cgroup/memory.current")
+            or _read_int("/sys/fs/cgroup/memory/memory.usage_in_bytes")
+            or 0
+        )
+        available = min(available, max(limit - used, 0))
+    return available
+
+
+def usable_cpu_count() -> int:
+    """Cores we may use: affinity mask, capped by a cgroup CPU quota."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            count = min(count, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return count
+
+
+def peak_rss_reset() -> None:
+    """Reset the kernel's peak-RSS mark (VmHWM) so a later read is the peak of what followed."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_bytes() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _measure_read_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return num_bytes / best
+
+
+def peak_read_bandwidth(refresh: bool = False) -> float:
+    """Bytes/s the CPU can stream from memory (a large reduction, best of 5), cached per machine."""
+    key = f"{cpu_model()}|{usable_cpu_count()}|{torch.get_num_threads()}"
+    path = cache_dir() / "bandwidth.json"
+    cached: dict[str, float] = {}
+    if path.exists():
+        try:
+            cached = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            cached = {}
+    if key in cached and not refresh:
+        return float(cached[key])
+    value = _measure_read_bandwidth()
+    cached[key] = value
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cached, indent=1))
+    except OSError:
+        pass
+    return value

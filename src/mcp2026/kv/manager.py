@@ -1,0 +1,265 @@
+"""KV cache manager: per-request block tables over the block pool, with prefix caching.
+
+The scheduler's only view of KV memory. Pure Python: block ids and counts, never tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from mcp2026.kv.block_pool import BlockPool
+from mcp2026.kv.prefix_cache import CacheEntry, ExtraKeys, HashFn, PrefixCache, hash_block
+
+
+class KVRequest(Protocol):
+    """What the manager reads from a request (``engine.request.Request`` satisfies it)."""
+
+    request_id: str
+    num_computed_tokens: int
+    cache_salt: str | None
+    plan_id: str | None
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Owns every block reference: a request's block table holds one reference per block.
+
+    A request's table covers at least its computed tokens; block ``i`` holds token positions
+    ``[i*block_size, (i+1)*block_size)``. Full computed blocks are registered in the prefix cache; when their
+    last holder frees them they stay cached ("evictable") until an allocation needs the space.
+    Failed allocations change nothing.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        num_shards: int = 1,
+        enable_prefix_caching: bool = True,
+        *,
+        hash_fn: HashFn = hash_block,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"KVCacheManager.block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, num_shards)
+        self.cache = PrefixCache(hash_fn)
+        self._tables: dict[str, list[int]] = {}
+        self._chains: dict[str, list[CacheEntry]] = {}  # verified cache entries for a table's first blocks
+        self._keys: dict[str, list[bytes]] = {}  # memo of each request's chained block keys
+        self._uncacheable: set[str] = set()
+        self._broken: set[str] = set()  # hit a key collision: stop registering this request's blocks
+
+    # --- queries -------------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can get now: free ones plus evictable cached ones."""
+        return self.pool.num_free_blocks + self.cache.num_evictable
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return self.cache.num_evictable
+
+    @property
+    def num_online_blocks(self) -> int:
+        return self.pool.num_online_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_table(self, request_id: str) -> list[int]:
+        return list(self._tables.get(request_id, ()))
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether a request of this many tokens fits the online pool with nothing else in it."""
+        return self.num_blocks_for(num_tokens) <= self.pool.num_online_blocks
+
+    def request_ids_holding(self, block_ids: Iterable[int]) -> list[str]:
+        wanted = set(block_ids)
+        return [rid for rid, table in self._tables.items() if wanted.intersection(table)]
+
+    # --- prefix hits ---------------------------------------------------------------------------------------
+    def get_computed_blocks(self, request: KVRequest) -> tuple[list[int], int]:
+        """Longest cached prefix of full blocks: (block ids, tokens they cover). Read-only; pass the ids to
+        ``allocate_slots`` to take them. The last token is never covered, so its logits get computed."""
+        if not self._is_cacheable(request.request_id) or request.request_id in self._tables:
+            return [], 0
+        num_lookup = (request.num_tokens - 1) // self.block_size
+        keys = self._block_keys(request, num_lookup)
+        tokens = request.all_token_ids
+        extra = _extra_keys(request)
+        block_ids: list[int] = []
+        parent: CacheEntry | None = None
+        for i in range(num_lookup):
+            entry = self.cache.lookup(
+                keys[i], parent, tokens[i * self.block_size : (i + 1) * self.block_size], extra
+            )
+            if entry is None:
+                break
+            block_ids.append(entry.block_id)
+            parent = entry
+        return block_ids, len(block_ids) * self.block_size
+
+    # --- allocation ----------------------------------------------------------------------------------------
+    def allocate_slots(
+        self, request: KVRequest, num_new_tokens: int, computed_block_ids: Sequence[int] = ()
+    ) -> bool:
+        """Grow the request's table to cover ``num_computed_tokens`` (plus the tokens of
+        ``computed_block_ids``, prefix hits from ``get_computed_blocks`` for a request without blocks) plus
+        ``num_new_tokens``, evicting cached blocks if needed. False, with nothing changed, if it cannot."""
+        rid = request.request_id
+        table = self._tables.get(rid)
+        if computed_block_ids and (table or request.num_computed_tokens):
+            raise ValueError(f"request {rid}: prefix hits can only seed a request with no blocks")
+        if any(self.cache.entry_of(b) is None for b in computed_block_ids):
+            raise ValueError(
+                f"request {rid}: stale prefix hit (a block was evicted since get_computed_blocks)"
+            )
+        num_covered = request.num_computed_tokens + len(computed_block_ids) * self.block_size + num_new_tokens
+        num_held = len(table or ()) + len(computed_block_ids)
+        num_needed = max(0, self.num_blocks_for(num_covered) - num_held)
+        num_revived = sum(1 for b in computed_block_ids if self.pool.ref_count(b) == 0)
+        if num_needed > self.num_free_blocks - num_revived:
+            return False
+        if table is None:
+            table = self._tables[rid] = []
+            if self._is_cacheable(rid):
+                self.cache.record((request.num_tokens - 1) // self.block_size, len(computed_block_ids))
+        if computed_block_ids:
+            self.pool.incref(computed_block_ids)
+            for b in computed_block_ids:
+                self.cache.set_in_use(b)
+            self.cache.touch(computed_block_ids)
+            self._chains[rid] = [self.cache.entry_of(b) for b in computed_block_ids]
+            table.extend(computed_block_ids)
+        table.extend(self._allocate(num_needed))
+        return True
+
+    def _allocate(self, num_blocks: int) -> list[int]:
+        while self.pool.num_free_blocks < num_blocks:
+            victim = self.cache.pop_evictable()
+            assert victim is not None, "allocate_slots checked capacity; nothing left to evict"
+            self.pool.reclaim([victim])
+        return self.pool.allocate(num_blocks)
+
+    def free(self, request: KVRequest, *, preempted: bool = False) -> None:
+        """Drop the request's references. Cached blocks nobody else holds become evictable. A preempted
+        request keeps its memoized keys and uncacheable mark for when it is recomputed."""
+        rid = request.request_id
+        table = self._tables.pop(rid, None)
+        self._chains.pop(rid, None)
+        if not preempted:
+            self._keys.pop(rid, None)
+            self._uncacheable.discard(rid)
+            self._broken.discard(rid)
+        if not table:
+            return
+        cached: list[int] = []
+        for b in table:
+            if self.cache.entry_of(b) is None:
+                continue
+            if self.pool.is_online(b):
+                cached.append(b)
+            else:
+                self.cache.remove(b)
+        # Tail first: equal-time LRU-2 ties then evict the end of a sequence before its shared head.
+        for b in self.pool.free(reversed(table), park=cached):
+            self.cache.set_evictable(b)
+
+    # --- registration --------------------------------------------------------------------------------------
+    def cache_full_blocks(self, request: KVRequest) -> None:
+        """Register the request's newly full, computed blocks so later requests can hit them."""
+        rid = request.request_id
+        table = self._tables.get(rid)
+        if not table or not self._is_cacheable(rid) or rid in self._broken:
+            return
+        chain = self._chains.setdefault(rid, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        if num_full <= len(chain) or (chain and not self.cache.is_live(chain[-1])):
+            return
+        keys = self._block_keys(request, num_full)
+        tokens = request.all_token_ids
+        extra = _extra_keys(request)
+        parent = chain[-1] if chain else None
+        for i in range(len(chain), num_full):
+            if not self.pool.is_online(table[i]):
+                return
+            block_tokens = tokens[i * self.block_size : (i + 1) * self.block_size]
+            entry = self.cache.insert(keys[i], table[i], parent, block_tokens, extra)
+            if entry is None:
+                self._broken.add(rid)
+                return
+            chain.append(entry)
+            parent = entry
+
+    def mark_uncacheable(self, request_id: str) -> None:
+        """The request's KV will be rewritten (compression): never offer its blocks as prefix hits, and
+        stop offering any it already registered. Blocks shared with others (``pool.ref_count > 1``) must
+        not be rewritten in place. Lasts until the request is freed without ``preempted``."""
+        self._uncacheable.add(request_id)
+        self._chains.pop(request_id, None)
+        for b in self._tables.get(request_id, ()):
+            if self.cache.entry_of(b) is not None:
+                self.cache.remove(b)
+
+    def _is_cacheable(self, request_id: str) -> bool:
+        return self.enable_prefix_caching and request_id not in self._uncacheable
+
+    def _block_keys(self, request: KVRequest, num_blocks: int) -> list[bytes]:
+        keys = self._keys.setdefault(request.request_id, [])
+        if len(keys) < num_blocks:
+            tokens = request.all_token_ids
+            extra = _extra_keys(request)
+            bs = self.block_size
+            for i in range(len(keys), num_blocks):
+                keys.append(self.cache.key(keys[-1] if keys else None, tokens[i * bs : (i + 1) * bs], extra))
+        return keys
+
+    # --- DTSS ----------------------------------------------------------------------------------------------
+    def release_shards(self, num_shards: int) -> list[int]:
+        """Take the highest shards offline. Returns the block ids still held there; the caller must free
+        (preempt) every request in ``request_ids_holding`` them."""
+        used = self.pool.release_shards(num_shards)
+        for b in self.pool.offline_parked_blocks():
+            self.cache.remove(b)
+            self.pool.reclaim([b])
+        for b in used:
+            if self.cache.entry_of(b) is not None:
+                self.cache.remove(b)
+        return used
+
+    def grow_shards(self, num_shards: int) -> None:
+        self.pool.grow_shards(num_shards)
+
+    # --- invariants ----------------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        self.pool.check_integrity(self._tables.values())
+        self.cache.check_integrity()
+        for rid, table in self._tables.items():
+            assert len(set(table)) == len(table), f"request {rid} holds a block twice: {table}"
+        evictable = set(self.cache.evictable_block_ids())
+        parked = {b for b in self.cache.cached_block_ids() if self.pool.is_parked(b)}
+        assert evictable == parked, f"evictable {sorted(evictable)[:8]} != parked {sorted(parked)[:8]}"
+        assert self.pool.num_parked_blocks == len(parked), "a parked block is not in the prefix cache"
+        for b in self.cache.cached_block_ids():
+            assert self.pool.is_online(b), f"cached block {b} is in an offline shard"
+            assert self.pool.ref_count(b) > 0 or self.pool.is_parked(b), f"cached block {b} is on a free list"
+
+
+def _extra_keys(request: KVRequest) -> ExtraKeys:
+    return (request.cache_salt, request.plan_id)

@@ -1,0 +1,32 @@
+"""How many KV blocks the pool gets: an explicit count, a size in GB, or a share of available memory."""
+
+from __future__ import annotations
+
+import torch
+
+from mcp2026.config import KVConfig, ModelConfig
+from mcp2026.hardware import available_memory_bytes
+
+
+def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * element
+
+
+def plan_kv_blocks(
+    kv: KVConfig, model: ModelConfig, dtype: torch.dtype, max_model_len: int, max_num_seqs: int = 256
+) -> int:
+    """Blocks for the budget, never fewer than one full-length sequence needs, never more than
+    ``max_num_seqs`` full-length sequences could use (a larger pool would only reserve address space)."""
+    if kv.num_blocks is not None:
+        return kv.num_blocks
+    block_bytes = kv.block_size * kv_bytes_per_token(model, dtype)
+    budget = kv.memory_gb * 1e9 if kv.memory_gb is not None else kv.memory_fraction * available_memory_bytes()
+    blocks_per_seq = -(-max_model_len // kv.block_size)
+    num_blocks = int(budget // block_bytes)
+    if num_blocks < blocks_per_seq:
+        raise ValueError(
+            f"KV budget of {budget / 1e9:.2f} GB holds {num_blocks * kv.block_size} tokens, fewer than one "
+            f"{max_model_len}-token sequence; raise KVConfig.memory_gb or lower max_model_len"
+        )
+    return min(num_blocks, blocks_per_seq * max_num_seqs)

@@ -1,0 +1,118 @@
+"""GGUF files via the ``gguf`` package: metadata -> ModelConfig, tensors dequantized to our layout.
+
+llama.cpp's converter permutes Q and K rows for its rotary layout; we undo that so both formats share the
+HF "rotate half" convention. Every tensor type the gguf package can dequantize is accepted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mcp2026.config import ModelConfig
+from mcp2026.errors import ModelLoadError
+from mcp2026.loading.names import GGUF_GLOBAL_NAMES, GGUF_LAYER, GGUF_LAYER_NAMES, map_name
+from mcp2026.loading.progress import load_progress
+from mcp2026.models.registry import resolve_architecture
+
+GGUF_MAGIC = b"GGUF"
+
+
+def open_gguf(path: Path) -> Any:
+    """A GGUFReader, or a one-line error naming the file and what is wrong with it."""
+    from gguf import GGUFReader
+
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ModelLoadError(f"{path}: not a GGUF file (bad magic bytes)")
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on damage
+        raise ModelLoadError(f"{path}: truncated or corrupted GGUF file ({type(e).__name__}: {e})") from None
+
+
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def config_from_gguf(reader: Any, source: str) -> ModelConfig:
+    arch = resolve_architecture(str(gguf_field(reader, "general.architecture", "")), source)
+
+    def get(key: str, default: Any = None) -> Any:
+        value = gguf_field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{source}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    kv_heads = get("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per-layer lists appear in some hybrid models
+        kv_heads = kv_heads[0]
+    scaling = None
+    scaling_type = gguf_field(reader, f"{arch}.rope.scaling.type")
+    if scaling_type in ("linear",):
+        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    names = {t.name for t in reader.tensors}
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    try:
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(gguf_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0)),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(kv_heads),
+            head_dim=int(gguf_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=int(get("context_length", 4096)),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_ids=(int(eos),) if eos is not None else (),
+        )
+    except ValueError as e:
+        raise ModelLoadError(f"{source}: inconsistent GGUF metadata: {e}") from None
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's convert permute: rows (heads, 2, hd/2) were stored as (heads, hd/2, 2)."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def load_gguf_tensors(
+    reader: Any, config: ModelConfig, dtype: torch.dtype, source: str
+) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+
+    tensors: dict[str, torch.Tensor] = {}
+    with load_progress(f"loading {Path(source).name}", len(reader.tensors)) as advance:
+        for t in reader.tensors:
+            ours = map_name(t.name, GGUF_LAYER, GGUF_LAYER_NAMES, GGUF_GLOBAL_NAMES)
+            advance(1)
+            if ours is None:
+                continue
+            try:
+                data = dequantize(t.data, t.tensor_type)
+            except NotImplementedError:
+                raise ModelLoadError(
+                    f"{source}: tensor {t.name} has type {t.tensor_type.name}, which the gguf package cannot dequantize"
+                ) from None
+            except Exception as e:
+                raise ModelLoadError(
+                    f"{source}: tensor {t.name} cannot be read ({type(e).__name__}: {e})"
+                ) from None
+            if ours.endswith("q.weight") or ours.endswith("q.bias"):
+                data = _unpermute(data.reshape(data.shape[0], -1), config.num_heads).reshape(data.shape)
+            elif ours.endswith("k.weight") or ours.endswith("k.bias"):
+                data = _unpermute(data.reshape(data.shape[0], -1), config.num_kv_heads).reshape(data.shape)
+            tensors[ours] = torch.from_numpy(np.array(data, dtype=np.float32, copy=True)).to(dtype)
+    return tensors

@@ -1,0 +1,108 @@
+"""HF model folders: config.json + safetensors (single file or sharded with an index)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from mcp2026.config import ModelConfig
+from mcp2026.errors import ModelLoadError
+from mcp2026.loading.names import HF_GLOBAL_NAMES, HF_LAYER, HF_LAYER_NAMES, map_name
+from mcp2026.loading.progress import load_progress
+from mcp2026.models.registry import resolve_architecture
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+
+
+def _rope_params(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    # transformers >= 5 writes "rope_parameters"; older configs "rope_theta" + "rope_scaling".
+    params = raw.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    scaling = raw.get("rope_scaling") or params or None
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return theta, scaling
+
+
+def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
+    arch = resolve_architecture(raw.get("architectures") or raw.get("model_type") or [], source)
+    try:
+        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        theta, scaling = _rope_params(raw)
+        eos = raw.get("eos_token_id")
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"{source}: config.json lacks required field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{source}: inconsistent config.json: {e}") from None
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(read_json(index).get("weight_map", {}).values()))
+        if not shards:
+            raise ModelLoadError(f"{index}: weight_map is empty")
+        return [folder / s for s in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"{folder}: no *.safetensors weights found (pytorch .bin files are not supported)"
+        )
+    return files
+
+
+def load_hf_tensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """All weights under our intermediate names, converted to ``dtype``."""
+    tensors: dict[str, torch.Tensor] = {}
+    files = _weight_files(folder)
+    for f in files:
+        if not f.exists():
+            raise ModelLoadError(f"{f}: shard listed in the index is missing")
+    try:
+        handles = [(f, safe_open(str(f), framework="pt")) for f in files]
+    except Exception as e:  # safetensors raises its own SafetensorError for truncated/corrupt headers
+        raise ModelLoadError(f"{files[0].parent}: corrupted safetensors file ({e})") from None
+    total = sum(len(list(h.keys())) for _, h in handles)  # noqa: SIM118
+    with load_progress(f"loading {folder.name}", total) as advance:
+        for f, handle in handles:
+            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                ours = map_name(name, HF_LAYER, HF_LAYER_NAMES, HF_GLOBAL_NAMES)
+                try:
+                    t = handle.get_tensor(name)
+                except Exception as e:
+                    raise ModelLoadError(
+                        f"{f}: tensor {name} cannot be read, the file is truncated or corrupted ({e})"
+                    ) from None
+                if ours is not None:
+                    tensors[ours] = t.to(dtype)
+                advance(1)
+    return tensors

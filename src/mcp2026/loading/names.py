@@ -1,0 +1,120 @@
+"""Weight names: HF and GGUF tensors -> our fused layout (qkv_proj, gate_up_proj), q rows pre-scaled."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from mcp2026.config import ModelConfig
+from mcp2026.errors import ModelLoadError
+
+HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+HF_LAYER_NAMES = {
+    "self_attn.q_proj.weight": "q.weight",
+    "self_attn.k_proj.weight": "k.weight",
+    "self_attn.v_proj.weight": "v.weight",
+    "self_attn.q_proj.bias": "q.bias",
+    "self_attn.k_proj.bias": "k.bias",
+    "self_attn.v_proj.bias": "v.bias",
+    "self_attn.o_proj.weight": "attn.o_proj.weight",
+    "mlp.gate_proj.weight": "gate.weight",
+    "mlp.up_proj.weight": "up.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+}
+HF_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "embed_tokens.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+
+GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
+GGUF_LAYER_NAMES = {
+    "attn_q.weight": "q.weight",
+    "attn_k.weight": "k.weight",
+    "attn_v.weight": "v.weight",
+    "attn_q.bias": "q.bias",
+    "attn_k.bias": "k.bias",
+    "attn_v.bias": "v.bias",
+    "attn_output.weight": "attn.o_proj.weight",
+    "ffn_gate.weight": "gate.weight",
+    "ffn_up.weight": "up.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# Tensors that are not weights of the decoder (precomputed rope tables etc.) are skipped.
+IGNORED = re.compile(r"(rotary_emb\.inv_freq|rope_freqs\.weight)$")
+
+
+def map_name(name: str, layer_re: re.Pattern, layer_names: dict, global_names: dict) -> str | None:
+    """Our intermediate name ("layers.3.q.weight"), or None for ignored tensors; unknown -> error."""
+    if IGNORED.search(name):
+        return None
+    if name in global_names:
+        return global_names[name]
+    m = layer_re.match(name)
+    if m and m.group(2) in layer_names:
+        return f"layers.{m.group(1)}.{layer_names[m.group(2)]}"
+    raise ModelLoadError(f"unexpected tensor {name!r}: not part of a Llama-family decoder")
+
+
+def fuse_weights(
+    tensors: dict[str, torch.Tensor], config: ModelConfig, source: str
+) -> dict[str, torch.Tensor]:
+    """Concatenate q/k/v and gate/up per layer, fold the attention scale into the q rows."""
+    out: dict[str, torch.Tensor] = {}
+    scale = 1.0 / math.sqrt(config.head_dim)
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+
+        def take(key: str, prefix: str = p) -> torch.Tensor:
+            try:
+                return tensors.pop(prefix + key)
+            except KeyError:
+                raise ModelLoadError(f"{source}: missing tensor {prefix}{key}") from None
+
+        q, k, v = take("q.weight"), take("k.weight"), take("v.weight")
+        out[p + "attn.qkv_proj.weight"] = torch.cat([q * scale, k, v], dim=0)
+        if config.attention_bias:
+            out[p + "attn.qkv_proj.bias"] = torch.cat(
+                [take("q.bias") * scale, take("k.bias"), take("v.bias")]
+            )
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat([take("gate.weight"), take("up.weight")], dim=0)
+        for key in (
+            "attn.o_proj.weight",
+            "mlp.down_proj.weight",
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+        ):
+            out[p + key] = take(key)
+    for key in ("embed_tokens.weight", "norm.weight"):
+        if key not in tensors:
+            raise ModelLoadError(f"{source}: missing tensor {key}")
+        out[key] = tensors.pop(key)
+    if "lm_head.weight" in tensors:
+        out["lm_head.weight"] = tensors.pop("lm_head.weight")
+    if tensors:
+        raise ModelLoadError(
+            f"{source}: tensors not used by a {config.num_layers}-layer model: {sorted(tensors)[:3]}; "
+            "the config does not match the weights"
+        )
+    return out
+
+
+def check_shapes(state: dict[str, torch.Tensor], expected: dict[str, torch.Size], source: str) -> None:
+    for name, shape in expected.items():
+        if name in state and state[name].shape != shape:
+            raise ModelLoadError(
+                f"{source}: tensor {name} has shape {tuple(state[name].shape)} but the config implies {tuple(shape)}; "
+                "the config does not match the weights"
+            )

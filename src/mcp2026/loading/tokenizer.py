@@ -1,0 +1,437 @@
+"""Tokenizer: a real ``tokenizers.Tokenizer`` rebuilt from GGUF metadata (or loaded from an HF folder),
+with HF-compatible chat templating and streaming detokenization.
+
+The GGUF rebuild reproduces the model's original pre-tokenizer, chosen by ``tokenizer.ggml.pre`` from
+``PRE_TOKENIZERS`` (the same families as llama.cpp's ``llama-vocab.cpp``); transformers' own GGUF
+conversion splits digits and whitespace differently for e.g. SmolLM2, so we do not use it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+
+from mcp2026.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# gguf.TokenType values (llama.cpp's llama_token_type); copied so importing this module needs no gguf.
+_TOKEN_TYPE_CONTROL = 3  # HF added token with special=True
+_TOKEN_TYPE_USER_DEFINED = 4  # HF added token with special=False
+
+# Chat templates close a turn with one of these; a model emits it when done, so it must stop generation
+# even where the file's eos is another token (Llama-3 base eos is <|end_of_text|>, turns end <|eot_id|>).
+_END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+
+# Original tokenizer.json regexes (llama.cpp keeps an equivalent rewrite of each in llama-vocab.cpp).
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+class TokenizerLoadError(ModelLoadError, ValueError):
+    """A tokenizer file or GGUF tokenizer section that cannot be used; the message names file and problem."""
+
+
+@dataclass(frozen=True)
+class BpeFamily:
+    """How one ``tokenizer.ggml.pre`` family splits text before BPE (mirrors its HF tokenizer.json)."""
+
+    pre_tokenizer: Callable[[], pre_tokenizers.PreTokenizer]
+    normalizer: Callable[[], normalizers.Normalizer] | None = None
+    ignore_merges: bool = False  # Llama-3: a word already in the vocab is one token, merges are skipped
+
+
+def _gpt2() -> pre_tokenizers.PreTokenizer:
+    # ByteLevel's built-in regex is GPT-2's: 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_then_gpt2() -> pre_tokenizers.PreTokenizer:
+    # NOTE: digits are isolated one by one *before* the GPT-2 regex, so "In 2026" -> "In", " ", "2", "0", ...
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2()])
+
+
+def _regex_then_bytes(pattern: str) -> Callable[[], pre_tokenizers.PreTokenizer]:
+    def build() -> pre_tokenizers.PreTokenizer:
+        split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
+        return pre_tokenizers.Sequence(
+            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+
+    return build
+
+
+_GPT2 = BpeFamily(_gpt2)
+_STARCODER = BpeFamily(_digits_then_gpt2)
+PRE_TOKENIZERS: dict[str, BpeFamily] = {
+    "gpt-2": _GPT2,
+    "gpt2": _GPT2,
+    "smollm": _STARCODER,  # SmolLM/SmolLM2: Sequence[Digits(individual), ByteLevel(use_regex)]
+    "starcoder": _STARCODER,
+    "llama-bpe": BpeFamily(_regex_then_bytes(_LLAMA3_PATTERN), ignore_merges=True),
+    "qwen2": BpeFamily(_regex_then_bytes(_QWEN2_PATTERN), normalizer=normalizers.NFC),
+}
+
+
+class Tokenizer:
+    """Our wrapper over a ``tokenizers.Tokenizer``: ids in and out, chat prompts, stop tokens.
+
+    ``encode`` prepends ``bos_token_id`` iff ``add_bos`` and ``add_special_tokens``; it never relies on the
+    backend's post-processor, so GGUF and HF sources behave alike. Special-token text inside ``text`` is
+    always matched to its id (as HF does).
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        add_bos: bool,
+        chat_template: str | None,
+    ) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.add_bos = add_bos and bos_token_id is not None
+        self.chat_template = chat_template
+        markers = _end_of_turn_ids(backend, chat_template)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*eos_token_ids, *markers]))
+        self._compiled: tuple[str, jinja2.Template] | None = None  # (source, compiled) chat template
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_token_id is None else self.backend.id_to_token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.backend.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        return [self.bos_token_id, *ids] if add_special_tokens and self.add_bos else ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render like transformers' ``apply_chat_template(tokenize=False)``."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template; encode plain text instead")
+        if self._compiled is None or self._compiled[0] != self.chat_template:
+            self._compiled = (self.chat_template, _chat_environment().from_string(self.chat_template))
+        specials = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        return self._compiled[1].render(
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            tools=None,  # transformers passes these too; templates test them with `is not none`
+            documents=None,
+            **{name: token for name, token in specials.items() if token is not None},
+        )
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        # The template writes any BOS itself, so no special tokens are added here (as in transformers).
+        return self.encode(
+            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+        )
+
+    @classmethod
+    def from_gguf(cls, source: str | os.PathLike[str] | Any) -> Tokenizer:
+        """From a GGUF path (only the metadata is read) or an open ``gguf.GGUFReader``."""
+        if isinstance(source, (str, os.PathLike)):
+            path, metadata = os.fspath(source), read_gguf_metadata(source)
+        else:
+            path = str(getattr(source.data, "filename", "<GGUF reader>"))
+            metadata = {k: f.contents() for k, f in source.fields.items() if k.startswith("tokenizer.")}
+
+        def fail(problem: str) -> TokenizerLoadError:
+            return TokenizerLoadError(f"{path}: {problem}")
+
+        kind = metadata.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise fail(f"tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') is supported")
+        tokens, merges = metadata.get("tokenizer.ggml.tokens"), metadata.get("tokenizer.ggml.merges")
+        if not tokens:
+            raise fail("GGUF has no tokenizer.ggml.tokens field (the vocabulary); cannot build a tokenizer")
+        if merges is None:
+            raise fail("GGUF has no tokenizer.ggml.merges field; a 'gpt2' BPE tokenizer needs its merges")
+        token_types = metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))
+        if len(token_types) != len(tokens):
+            raise fail(f"tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens")
+        pre = metadata.get("tokenizer.ggml.pre")
+        family = PRE_TOKENIZERS.get(pre) if pre is not None else None
+        if family is None:
+            logger.warning(
+                "%s: unknown tokenizer.ggml.pre %r; falling back to the GPT-2 pre-tokenizer", path, pre
+            )
+            family = _GPT2
+
+        def token_id(key: str) -> int | None:
+            value = metadata.get(key)
+            if value is not None and not 0 <= int(value) < len(tokens):
+                raise fail(f"{key} = {value} is outside the vocabulary (size {len(tokens)})")
+            return None if value is None else int(value)
+
+        eos_ids = [token_id(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
+        return cls(
+            _build_bpe(tokens, merges, token_types, family, fail),
+            bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=[i for i in eos_ids if i is not None],
+            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=metadata.get("tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """From tokenizer.json plus tokenizer_config.json, and generation_config.json, special_tokens_map.json,
+        chat_template.jinja / chat_template.json where present."""
+        folder = Path(path)
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises its own Exception type for a missing or broken file
+            raise TokenizerLoadError(f"{folder / 'tokenizer.json'}: cannot load ({e})") from None
+        config = _read_json(folder / "tokenizer_config.json")
+        special_map = _read_json(folder / "special_tokens_map.json")
+        generation = _read_json(folder / "generation_config.json")
+
+        def special_id(name: str) -> int | None:
+            entry = config.get(name) or special_map.get(name)
+            content = entry.get("content") if isinstance(entry, dict) else entry
+            token_id = backend.token_to_id(content) if content else None
+            if content and token_id is None:
+                raise TokenizerLoadError(f"{folder}: {name} {content!r} is not in tokenizer.json")
+            return token_id
+
+        bos_id = special_id("bos_token")
+        if bos_id is None and isinstance(generation.get("bos_token_id"), int):
+            bos_id = generation["bos_token_id"]
+        generation_eos = generation.get("eos_token_id")
+        generation_eos = [generation_eos] if isinstance(generation_eos, int) else list(generation_eos or [])
+        add_bos = config.get("add_bos_token")
+        if add_bos is None:  # not configured: does the tokenizer.json post-processor add it?
+            with_bos = backend.encode("a", add_special_tokens=True).ids
+            add_bos = bos_id is not None and with_bos[:1] == [bos_id] and len(with_bos) > 1
+        return cls(
+            backend,
+            bos_token_id=bos_id,
+            eos_token_ids=[i for i in (special_id("eos_token"), *generation_eos) if i is not None],
+            add_bos=bool(add_bos),
+            chat_template=_hf_chat_template(folder, config),
+        )
+
+
+class IncrementalDetokenizer:
+    """Streams text for ids pushed one at a time; the deltas (plus ``flush()``) concatenate to
+    ``tokenizer.decode(all_ids)``. A delta never ends in half a UTF-8 character.
+
+    Each push decodes only a short window: ids from ``prefix`` (text already emitted, kept for context)
+    to the end, as vLLM/TGI do. Text is released once it no longer ends in U+FFFD (an incomplete byte run).
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._window: list[int] = list(prompt_ids[-4:])  # a little prompt context, never emitted
+        self._num_emitted = len(self._window)  # window[:num_emitted] is text already returned
+
+    def push(self, token_id: int) -> str:
+        self._window.append(token_id)
+        emitted_text = self._decode(self._window[: self._num_emitted])
+        text = self._decode(self._window)
+        if len(text) <= len(emitted_text) or text.endswith("\ufffd"):
+            return ""
+        del self._window[: self._num_emitted]
+        self._num_emitted = len(self._window)
+        return text[len(emitted_text) :]
+
+    def flush(self) -> str:
+        """What is still held back (an unfinished UTF-8 run decodes to U+FFFD, as ``decode`` does)."""
+        emitted_text = self._decode(self._window[: self._num_emitted])
+        text = self._decode(self._window)
+        del self._window[: self._num_emitted]
+        self._num_emitted = len(self._window)
+        return text[len(emitted_text) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens) if ids else ""
+
+
+def _build_bpe(
+    tokens: list[str],
+    merges: list[str],
+    token_types: list[int],
+    family: BpeFamily,
+    fail: Callable[[str], Exception],
+) -> tokenizers.Tokenizer:
+    vocab = {token: i for i, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise fail(f"tokenizer.ggml.tokens has {len(tokens) - len(vocab)} duplicate entries")
+    pairs = [tuple(merge.split(" ")) for merge in merges]
+    if bad := next((m for m, p in zip(merges, pairs, strict=True) if len(p) != 2), None):
+        raise fail(f"tokenizer.ggml.merges entry {bad!r} is not two space-separated symbols")
+    # NOTE: unk_token stays None as in the HF files: a byte missing from the vocab is dropped, not <unk>.
+    model = models.BPE(vocab=vocab, merges=pairs, unk_token=None, ignore_merges=family.ignore_merges)
+    backend = tokenizers.Tokenizer(model)
+    if family.normalizer is not None:
+        backend.normalizer = family.normalizer()
+    backend.pre_tokenizer = family.pre_tokenizer()
+    backend.decoder = decoders.ByteLevel()
+    added = [
+        AddedToken(token, special=kind == _TOKEN_TYPE_CONTROL, normalized=False)
+        for token, kind in zip(tokens, token_types, strict=True)
+        if kind in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
+    ]
+    backend.add_special_tokens([t for t in added if t.special])
+    backend.add_tokens([t for t in added if not t.special])
+    return backend
+
+
+def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The key/value metadata of a GGUF file (v2/v3), without touching tensors.
+
+    NOTE: ``gguf.GGUFReader`` builds a numpy view per array element, which takes seconds for a 49k-token
+    vocabulary; this reads the same values with ``struct`` in a fraction of that.
+    """
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            if buf[:4] != b"GGUF":
+                raise ValueError("bad magic bytes")
+            endian = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"
+            version, _num_tensors, num_kv = struct.unpack_from(endian + "IQQ", buf, 4)
+            if version < 2:
+                raise ValueError(f"GGUF version {version} is too old")
+            return dict(_GgufCursor(buf, endian, 24).read_pairs(num_kv))
+    except (OSError, ValueError, struct.error) as e:  # UnicodeDecodeError is a ValueError
+        raise TokenizerLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+@dataclass
+class _GgufCursor:
+    buf: Any  # the mmap'ed file
+    endian: str
+    pos: int
+
+    def read_pairs(self, num_kv: int) -> Iterable[tuple[str, Any]]:
+        for _ in range(num_kv):
+            key = self._string()
+            yield key, self._value(self._scalar("I"))
+
+    def _scalar(self, fmt: str) -> Any:
+        return self._array(fmt, 1)[0]
+
+    def _array(self, fmt: str, count: int) -> list[Any]:
+        fmt = f"{self.endian}{count}{fmt}"
+        values = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return list(values)
+
+    def _string(self) -> str:
+        size = self._scalar("Q")
+        self.pos += size
+        return bytes(self.buf[self.pos - size : self.pos]).decode("utf-8")
+
+    def _value(self, kind: int) -> Any:
+        if kind == _GGUF_STRING:
+            return self._string()
+        if kind == _GGUF_ARRAY:
+            item_kind, count = self._scalar("I"), self._scalar("Q")
+            if item_kind in _GGUF_SCALARS:
+                return self._array(_GGUF_SCALARS[item_kind], count)
+            return [self._value(item_kind) for _ in range(count)]
+        if kind not in _GGUF_SCALARS:
+            raise ValueError(f"unknown GGUF value type {kind} at byte {self.pos}")
+        return self._scalar(_GGUF_SCALARS[kind])
+
+
+def _end_of_turn_ids(backend: tokenizers.Tokenizer, chat_template: str | None) -> list[int]:
+    """Ids of special end-of-turn tokens that the chat template writes."""
+    if not chat_template:
+        return []
+    specials = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+    return [specials[m] for m in _END_OF_TURN_MARKERS if m in chat_template and m in specials]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise TokenizerLoadError(f"{path}: not valid JSON ({e})") from None
+
+
+def _hf_chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
+    # transformers saves the template beside the config in newer versions; that copy wins.
+    if (folder / "chat_template.jinja").exists():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    template = _read_json(folder / "chat_template.json").get("chat_template") or config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        template = {t["name"]: t["template"] for t in template}.get("default")
+    return template
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` marks assistant text for training masks; render as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, **options: Any) -> str:
+    # Jinja's own tojson HTML-escapes; chat templates expect plain JSON (indent, separators, sort_keys).
+    return json.dumps(value, ensure_ascii=ensure_ascii, **options)
+
+
+def _chat_environment() -> ImmutableSandboxedEnvironment:
+    """The jinja environment transformers renders chat templates in (untrusted code: sandboxed)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env

@@ -1,0 +1,1 @@
+"""Model architectures: a registry from architecture names to implementations."""

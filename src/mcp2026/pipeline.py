@@ -1,0 +1,207 @@
+"""Pipeline: the one-call facade. load -> (quantize) -> engine -> infer, with an optional profile."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mcp2026 import hardware
+from mcp2026.config import EngineConfig, KVConfig, QuantConfig, SchedulerConfig
+from mcp2026.engine.engine import LLMEngine
+from mcp2026.errors import NotSupportedYetError
+from mcp2026.kv.sizing import kv_bytes_per_token
+from mcp2026.loading.loader import LoadedModel, load_model
+from mcp2026.types import CompletionOutput, InferResult, SamplingParams
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+Messages = Sequence[Mapping[str, Any]]
+Inputs = str | Sequence[str] | Sequence[Messages] | Messages
+
+
+def resolve_dtype(dtype: str | torch.dtype, quant: QuantConfig | None) -> torch.dtype:
+    """ "auto": bf16 where it is fast (AVX512-BF16/AMX CPUs, CUDA), else fp32; QuantConfig may pin it."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto" and quant is not None and quant.target_precision in ("fp32", "bf16"):
+        dtype = quant.target_precision
+    if dtype == "auto":
+        return torch.bfloat16 if hardware.has_fast_bf16() else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of auto, fp32, bf16, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def _check_quant_supported(quant: QuantConfig | None) -> None:
+    if quant is None:
+        return
+    if quant.quantizes_weights:
+        raise NotSupportedYetError(
+            f"QuantConfig(target_precision={quant.target_precision!r}, enable_dqg={quant.enable_dqg}) asks for "
+            "weight quantization, which is not supported yet; use target_precision='fp32' or 'bf16'"
+        )
+    if quant.target_precision == "fp16":
+        raise NotSupportedYetError("fp16 weights are not supported yet; use 'fp32' or 'bf16'")
+
+
+def normalize_inputs(inputs: Inputs) -> list[str | Messages]:
+    """A str, a list of str, one conversation (list of messages) or a list of conversations -> a list."""
+    if isinstance(inputs, str):
+        return [inputs]
+    items = list(inputs)
+    if items and all(isinstance(m, Mapping) for m in items):
+        return [items]  # one conversation
+    for i, item in enumerate(items):
+        is_chat = (
+            isinstance(item, Sequence)
+            and not isinstance(item, str)
+            and all(isinstance(m, Mapping) for m in item)
+        )
+        if not isinstance(item, str) and not is_chat:
+            raise ValueError(
+                f"inputs[{i}] must be a string or a list of chat messages, got {type(item).__name__}"
+            )
+    return items
+
+
+class Pipeline:
+    """``Pipeline(model=None | path, config=QuantConfig(...)).infer(inputs=[...], profile=True)``."""
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        config: QuantConfig | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str = "cpu",
+        kv: Any = None,
+        scheduler: SchedulerConfig | None = None,
+        kv_config: KVConfig | None = None,
+    ) -> None:
+        _check_quant_supported(config)
+        if kv is not None:
+            raise NotSupportedYetError("KV compression (kv=KVCompressor(...)) is not supported yet")
+        if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+            raise ValueError(
+                f"device {device!r} is not available here; use 'cpu'"
+                + (" or 'cuda'" if torch.cuda.is_available() else "")
+            )
+        self.quant_config = config
+        self.dtype = resolve_dtype(dtype, config)
+        self.device = torch.device(device)
+        self.loaded: LoadedModel = load_model(model, dtype=self.dtype)
+        kv_config = kv_config or KVConfig(
+            max_kv_cache_shards=config.max_kv_cache_shards if config else 1,
+            enable_dtss=config.enable_dtss if config else False,
+        )
+        self.engine = LLMEngine(
+            self.loaded.model,
+            self.loaded.config,
+            self.loaded.tokenizer,
+            EngineConfig(kv_config, scheduler or SchedulerConfig()),
+        )
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.loaded.tokenizer
+
+    def encode(self, item: str | Messages, chat: bool | None = None) -> list[int]:
+        """Token ids for one input: chat template for message lists (and for strings when ``chat``)."""
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("this model has no tokenizer; pass token ids to the engine directly")
+        if isinstance(item, str):
+            if chat:
+                return tok.encode_chat([{"role": "user", "content": item}])
+            return tok.encode(item)
+        return tok.encode_chat(list(item))
+
+    def infer(
+        self,
+        inputs: Inputs,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        profile: bool = False,
+        chat: bool | None = None,
+    ) -> InferResult:
+        """Generate for every input, batched on the engine. Outputs keep the input order."""
+        items = normalize_inputs(inputs)
+        if profile:
+            hardware.peak_rss_reset()
+            self.engine.stats.reset()
+        t0 = time.perf_counter()
+        prompts = [self.encode(item, chat) for item in items]
+        t_tok = time.perf_counter()
+        params = (
+            list(sampling)
+            if isinstance(sampling, Sequence)
+            else [sampling or SamplingParams()] * len(prompts)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} inputs")
+        engine = self.engine
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        finals = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        latency = time.perf_counter() - t0
+        outputs = [finals[i].output for i in ids]
+        result = InferResult(outputs=outputs)
+        if profile:
+            self._fill_profile(result, [finals[i] for i in ids], latency, (t_tok - t0) * 1e3)
+        return result
+
+    def _fill_profile(self, result: InferResult, finals: list, latency_s: float, tokenize_ms: float) -> None:
+        stats = self.engine.stats
+        num_generated = sum(len(o.output.token_ids) for o in finals)
+        ttfts = [o.first_token_time - o.arrival_time for o in finals if o.first_token_time]
+        tpots = [
+            (o.finish_time - o.first_token_time) / (len(o.output.token_ids) - 1)
+            for o in finals
+            if o.first_token_time and o.finish_time and len(o.output.token_ids) > 1
+        ]
+        result.latency_ms = latency_s * 1e3
+        result.ttft_ms = 1e3 * sum(ttfts) / len(ttfts) if ttfts else None
+        result.tpot_ms = 1e3 * sum(tpots) / len(tpots) if tpots else None
+        result.tokens_per_s = num_generated / latency_s if latency_s > 0 else None
+        result.peak_rss_bytes = hardware.peak_rss_bytes()
+        result.mem_saturation = stats.peak_kv_usage
+        result.breakdown = {
+            "tokenize": tokenize_ms,
+            "prefill": stats.prefill_ms,
+            "decode": stats.decode_ms,
+            "sample": stats.sample_ms,
+            "detokenize": stats.detokenize_ms,
+        }
+        if stats.decode_ms > 0:
+            moved = (
+                stats.num_decode_steps * self.weight_bytes()
+                + stats.decode_context_tokens
+                * kv_bytes_per_token(self.loaded.config, self.engine.cache.k.dtype)
+            )
+            result.mem_bw_util = moved / (stats.decode_ms / 1e3) / hardware.peak_read_bandwidth()
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (tied embeddings counted once, the embedding table excluded
+        unless it doubles as the lm_head)."""
+        model = self.loaded.model
+        seen, total = set(), 0
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if id(t) in seen or name.startswith("rope."):
+                continue
+            seen.add(id(t))
+            if name == "embed_tokens.weight" and not self.loaded.config.tie_word_embeddings:
+                continue
+            total += t.numel() * t.element_size()
+        return total
+
+    def generate(
+        self, prompt: str | Messages, sampling: SamplingParams | None = None, chat: bool | None = None
+    ) -> CompletionOutput:
+        return self.infer(
+            [prompt] if isinstance(prompt, str) else [list(prompt)], sampling, chat=chat
+        ).outputs[0]

@@ -1,0 +1,451 @@
+"""Quantized linears, one module per weight format, and the quantization math they are built from.
+
+The math (quantize / dequantize / fake-quantize, MSE clipping, activation-aware scaling) is plain
+functions so the DQG can measure errors without building modules. Each module's forward is one real
+kernel call (``aten._weight_int8pack_mm``, ``aten._weight_int4pack_mm_for_cpu``, ``torch._scaled_mm``,
+``F.linear``) plus dtype casts when its ``compute_dtype`` differs from the input's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mcp2026.quant.plan import DENSE_FORMATS, LayerQuantSpec, linear_modules
+
+# NOTE: scales and zero points are rounded to bf16 once, when quantizing: artifacts store them in
+# 16 bits losslessly and every compute dtype (fp32 or bf16 kernels) sees the same numbers.
+SCALE_DTYPE = torch.bfloat16
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+CLIP_GRID = tuple(round(1.0 - 0.05 * i, 2) for i in range(11))  # 1.0 .. 0.5
+ALPHA_GRID = tuple(i / 10 for i in range(11))  # 0.0 (no scaling) .. 1.0
+_TINY = 1e-8
+
+
+def _round_scale(t: Tensor) -> Tensor:
+    return t.to(SCALE_DTYPE).float()
+
+
+# ---- int8, per output channel, symmetric ---------------------------------------------------------
+def quantize_per_channel_int8(w: Tensor, clip_ratio: float | Tensor = 1.0) -> tuple[Tensor, Tensor]:
+    """w (N, K) -> q int8 (N, K) in [-127, 127], scales (N,) fp32; w ~= q * scales[:, None].
+    ``clip_ratio``: a float or one ratio per output channel (N,)."""
+    w = w.float()
+    scales = _round_scale((w.abs().amax(dim=1) * torch.as_tensor(clip_ratio) / 127).clamp_min(_TINY))
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def dequantize_per_channel_int8(q: Tensor, scales: Tensor) -> Tensor:
+    return q.float() * scales[:, None].float()
+
+
+# ---- int4, group-wise, kernel convention w = (q - 8) * scale + zero ----------------------------
+def _check_int4_shape(out_features: int, in_features: int, group_size: int) -> None:
+    if in_features % group_size:
+        raise ValueError(
+            f"int4 group size {group_size} must divide in_features={in_features}; "
+            f"usable sizes here: {[g for g in (32, 64, 128) if in_features % g == 0] or 'none'}"
+        )
+    if out_features % 16:
+        raise ValueError(
+            f"int4 kernel packs 16 output rows at a time; out_features={out_features} is not a multiple of 16"
+        )
+
+
+def quantize_groupwise_int4(
+    w: Tensor, group_size: int, symmetric: bool = False, clip_ratio: float | Tensor = 1.0
+) -> tuple[Tensor, Tensor, Tensor]:
+    """w (N, K) -> q uint8 (N, K) in [0, 15], scales (N, K/g), zeros (N, K/g), with
+    w ~= (q - 8) * scale + zero (the convention of ``_weight_int4pack_mm_for_cpu``).
+
+    Asymmetric: the group's [min, max] (times ``clip_ratio``) maps onto the 16 levels.
+    Symmetric: zero = 0 and scale = absmax / 7 (levels -7..7). ``clip_ratio`` may be (N, K/g).
+    """
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"int4 group size {group_size} must divide in_features={k}")
+    wg = w.float().reshape(n, k // group_size, group_size)  # (N, G, g)
+    clip = torch.as_tensor(clip_ratio, dtype=torch.float32)
+    clip = clip.unsqueeze(-1) if clip.dim() else clip
+    if symmetric:
+        scales = _round_scale((wg.abs().amax(-1, keepdim=True) * clip / 7).clamp_min(_TINY))
+        zeros = torch.zeros_like(scales)
+    else:
+        hi, lo = wg.amax(-1, keepdim=True) * clip, wg.amin(-1, keepdim=True) * clip
+        scales = _round_scale(((hi - lo) / 15).clamp_min(_TINY))
+        zeros = _round_scale(lo + 8 * scales)
+    q = (torch.round((wg - zeros) / scales) + 8).clamp(0, 15).to(torch.uint8)
+    return q.reshape(n, k), scales.squeeze(-1), zeros.squeeze(-1)
+
+
+def dequantize_groupwise_int4(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int) -> Tensor:
+    n, k = q.shape
+    qg = q.float().reshape(n, k // group_size, group_size) - 8  # (N, G, g)
+    return (qg * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1)).reshape(n, k)
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """q (N, K) values 0..15 -> the CPU kernel's packed layout, uint8 (N, K/2)."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+
+
+def unpack_int4(packed: Tensor, out_features: int, in_features: int) -> Tensor:
+    """Inverse of ``pack_int4``. NOTE: the layout is torch's (checked by a round-trip test): blocks of
+    32 rows, byte (k, j) of a block holds row j in its low nibble and row j + 16 in its high nibble;
+    a last block of 16 rows holds rows 2j / 2j + 1 in the low / high nibble of byte (k, j)."""
+    n, k = out_features, in_features
+    flat = packed.reshape(-1)
+    full = n // 32 * 32
+    blocks = flat[: full * k // 2].view(n // 32, k, 16)  # (nb, K, 16)
+    q = torch.cat([blocks & 0xF, blocks >> 4], dim=2).permute(0, 2, 1).reshape(full, k)
+    if n > full:
+        tail = flat[full * k // 2 :].view(k, 8)  # (K, 8) for the last 16 rows
+        tail_q = torch.stack([tail & 0xF, tail >> 4], dim=2).reshape(k, 16).t()
+        q = torch.cat([q, tail_q])
+    return q
+
+
+# ---- fp8 e4m3, per output channel ---------------------------------------------------------------
+def quantize_per_channel_fp8(w: Tensor, clip_ratio: float | Tensor = 1.0) -> tuple[Tensor, Tensor]:
+    w = w.float()
+    scales = _round_scale((w.abs().amax(dim=1) * torch.as_tensor(clip_ratio) / FP8_MAX).clamp_min(_TINY))
+    return (w / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+
+
+# ---- fake quantization, clipping and activation-aware scaling -------------------------------------
+def _qdq(w: Tensor, spec: LayerQuantSpec, clip: float | Tensor) -> Tensor:
+    if spec.format == "int4":
+        q, s, z = quantize_groupwise_int4(w, spec.group_size, spec.symmetric, clip)
+        return dequantize_groupwise_int4(q, s, z, spec.group_size)
+    if spec.format == "int8":
+        return dequantize_per_channel_int8(*quantize_per_channel_int8(w, clip))
+    if spec.format == "fp8":
+        q, s = quantize_per_channel_fp8(w, clip)
+        return q.float() * s[:, None]
+    return w.to(QuantLinear.dtype_of(spec.format)).float()
+
+
+def mse_clip_ratios(
+    w: Tensor, spec: LayerQuantSpec, ratios: Sequence[float] = CLIP_GRID, channel_weight: Tensor | None = None
+) -> Tensor:
+    """Per-group (int4: (N, K/g)) or per-channel (int8/fp8: (N,)) clip ratio minimizing the squared
+    weight error, optionally weighted per input channel (e.g. by E[x^2] from calibration)."""
+    n, k = w.shape
+    group = spec.group_size if spec.format == "int4" else k
+    weight = torch.ones(k) if channel_weight is None else channel_weight.float()
+    best_err = torch.full((n, k // group), float("inf"))
+    best = torch.ones(n, k // group)
+    for ratio in ratios:
+        clip = ratio if spec.format == "int4" else torch.full((n,), ratio)
+        err = ((_qdq(w, spec, clip) - w.float()) ** 2 * weight).reshape(n, k // group, group).sum(-1)
+        better = err < best_err
+        best = torch.where(better, torch.tensor(float(ratio)), best)
+        best_err = torch.where(better, err, best_err)
+    return best if spec.format == "int4" else best.squeeze(1)
+
+
+def fake_quantize(w: Tensor, spec: LayerQuantSpec, act_scale: Tensor | None = None) -> Tensor:
+    """The effective fp32 weight a module built from ``spec`` computes with (act scale folded back)."""
+    if spec.format in DENSE_FORMATS:
+        return _qdq(w, spec, 1.0)
+    scaled = w.float() if act_scale is None else w.float() * act_scale
+    clip = mse_clip_ratios(scaled, spec) if spec.clip_ratio == "mse" else spec.clip_ratio
+    deq = _qdq(scaled, spec, clip)
+    return deq if act_scale is None else deq / act_scale
+
+
+def search_act_scale(
+    w: Tensor, x: Tensor, spec: LayerQuantSpec, alphas: Sequence[float] = ALPHA_GRID
+) -> tuple[Tensor, float, float]:
+    """Activation-aware scaling (AWQ): s = mean|x|^alpha per input channel, normalized to a geometric
+    mean of 1; returns (s, alpha, relative output error) minimizing ||x W^T - x Wq(s)^T||^2 on the
+    calibration rows ``x`` (T, K). alpha = 0 (no scaling) is in the grid, so it never does worse here."""
+    x = x.float().reshape(-1, w.shape[1])
+    reference = x @ w.float().T
+    magnitude = x.abs().mean(0).clamp_min(1e-5)
+    best: tuple[Tensor, float, float] = (torch.ones_like(magnitude), 0.0, float("inf"))
+    for alpha in alphas:
+        scale = magnitude**alpha
+        scale = scale / (scale.max() * scale.min()).sqrt()
+        err = ((x @ fake_quantize(w, spec, scale).T - reference) ** 2).sum().item()
+        if err < best[2]:
+            best = (scale, float(alpha), err)
+    return best[0], best[1], best[2] / max((reference**2).sum().item(), 1e-30)
+
+
+# ---- modules -------------------------------------------------------------------------------------
+class QuantLinear(nn.Module):
+    """Base of the quantized linears: y = x @ dequantize().T + bias, computed in ``compute_dtype``.
+
+    NOTE: the input is cast to ``compute_dtype`` and the output back only when they differ: two
+    elementwise copies (~1-3 us each at batch 1 on a 2-core CPU), paid because the int kernels can be
+    an order of magnitude faster in bf16 than in fp32 on CPUs without AVX-512 (see backend.py).
+    ``inv_act_scale`` (K,), when set, multiplies the input first: the weight was stored times s
+    (activation-aware scaling), so the module divides by s. It could be folded into a preceding norm.
+    """
+
+    formats: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        spec: LayerQuantSpec,
+        bias: bool,
+        compute_dtype: torch.dtype,
+    ):
+        super().__init__()
+        self.in_features, self.out_features, self.spec = in_features, out_features, spec
+        self.compute_dtype = compute_dtype
+        self.register_buffer("bias", torch.zeros(out_features, dtype=compute_dtype) if bias else None)
+        # 1 / s per input channel, fp32, when the spec names an activation scale (set by from_linear)
+        self.register_buffer("inv_act_scale", torch.ones(in_features) if spec.act_scale else None)
+
+    @staticmethod
+    def dtype_of(fmt: str) -> torch.dtype:
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[fmt]
+
+    @classmethod
+    def kernel_on(cls, device: torch.device) -> str | None:
+        """Name of the real kernel this module runs on ``device``, or None where there is none."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        spec: LayerQuantSpec,
+        compute_dtype: torch.dtype | None = None,
+        act_scale: Tensor | None = None,
+    ) -> QuantLinear:
+        """Quantize ``linear`` (never modifying it: a tied weight stays as it is)."""
+        w = linear.weight.detach()
+        module = cls(
+            linear.in_features, linear.out_features, spec, linear.bias is not None, compute_dtype or w.dtype
+        )
+        if (act_scale is None) != (spec.act_scale is None):
+            raise ValueError(f"spec.act_scale={spec.act_scale!r} needs an act_scale tensor (and only then)")
+        if act_scale is not None:
+            act_scale = act_scale.detach().float().to(w.device)
+            module.inv_act_scale = 1.0 / act_scale  # fp32: applied before the cast to compute_dtype
+        module._load(w.float() if act_scale is None else w.float() * act_scale)
+        if linear.bias is not None:
+            module.bias = linear.bias.detach().to(module.compute_dtype).clone()
+        return module.to(w.device)
+
+    def _load(self, w: Tensor) -> None:
+        raise NotImplementedError
+
+    def _quantized(self) -> Tensor:
+        raise NotImplementedError
+
+    # NOTE: Python-side checks instead of no-op tensor calls: each dispatch costs ~1 us at batch 1.
+    def _input(self, x: Tensor) -> Tensor:
+        """x (..., K) -> (M, K) contiguous in compute_dtype (the kernels take 2-D input only)."""
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if self.inv_act_scale is not None:
+            x2 = x2 * self.inv_act_scale
+        if x2.dtype != self.compute_dtype:
+            x2 = x2.to(self.compute_dtype)
+        return x2 if x2.is_contiguous() else x2.contiguous()
+
+    def _output(self, y: Tensor, x: Tensor) -> Tensor:
+        if self.bias is not None:
+            y = y + self.bias
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def _clip(self, w: Tensor) -> float | Tensor:
+        return mse_clip_ratios(w, self.spec) if self.spec.clip_ratio == "mse" else self.spec.clip_ratio
+
+    def dequantize(self) -> Tensor:
+        """The fp32 (N, K) weight this module computes with: forward(x) ~= x @ dequantize().T + bias."""
+        w = self._quantized()
+        return w if self.inv_act_scale is None else w * self.inv_act_scale
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Stored bits per weight (bf16 scales/zeros), as in ``LayerQuantSpec.bits_per_weight``."""
+        return self.spec.bits_per_weight(self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this module holds now (scales are fp32 when the kernel runs in fp32)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, {self.spec.format}, g={self.spec.group_size}, compute={self.compute_dtype}"
+
+
+class DenseLinear(QuantLinear):
+    """fp32 / bf16 / fp16 weights through ``F.linear``; ``compute_dtype`` is the weight's dtype."""
+
+    formats = DENSE_FORMATS
+
+    def __init__(self, in_features, out_features, spec, bias, compute_dtype):
+        dtype = self.dtype_of(spec.format)
+        super().__init__(in_features, out_features, spec, bias, dtype)
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=dtype))
+
+    @classmethod
+    def kernel_on(cls, device):
+        return "aten.linear"
+
+    def _load(self, w):
+        self.weight = w.to(self.compute_dtype)
+
+    def _quantized(self):
+        return self.weight.float()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x.to(self.compute_dtype), self.weight, self.bias).to(x.dtype)
+
+
+class Int8Linear(QuantLinear):
+    """Per-output-channel symmetric int8 weights; one ``_weight_int8pack_mm`` (x @ q.T * scales)."""
+
+    formats = ("int8",)
+
+    def __init__(self, in_features, out_features, spec, bias, compute_dtype):
+        super().__init__(in_features, out_features, spec, bias, compute_dtype)
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.empty(out_features, dtype=compute_dtype))
+
+    @classmethod
+    def kernel_on(cls, device):
+        return "aten._weight_int8pack_mm" if device.type in ("cpu", "cuda", "mps") else None
+
+    def _load(self, w):
+        self.weight, scales = quantize_per_channel_int8(w, self._clip(w))
+        self.scales = scales.to(self.compute_dtype)
+
+    def _quantized(self):
+        return dequantize_per_channel_int8(self.weight, self.scales)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(self._input(x), self.weight, self.scales)
+        return self._output(y, x)
+
+
+class Int4Linear(QuantLinear):
+    """Group-wise int4 (g32/64/128, symmetric or with zero points), packed for the CPU kernel."""
+
+    formats = ("int4",)
+
+    def __init__(self, in_features, out_features, spec, bias, compute_dtype):
+        _check_int4_shape(out_features, in_features, spec.group_size)
+        super().__init__(in_features, out_features, spec, bias, compute_dtype)
+        num_groups = in_features // spec.group_size
+        self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        # (K/g, N, 2): [..., 0] scale, [..., 1] zero, the kernel's layout
+        self.register_buffer(
+            "scales_and_zeros", torch.empty(num_groups, out_features, 2, dtype=compute_dtype)
+        )
+
+    @classmethod
+    def kernel_on(cls, device):
+        return "aten._weight_int4pack_mm_for_cpu" if device.type == "cpu" else None
+
+    def _load(self, w):
+        q, scales, zeros = quantize_groupwise_int4(
+            w, self.spec.group_size, self.spec.symmetric, self._clip(w)
+        )
+        self.weight = pack_int4(q.cpu()).to(w.device)
+        self.scales_and_zeros = (
+            torch.stack([scales.t(), zeros.t()], dim=-1).to(self.compute_dtype).contiguous()
+        )
+
+    def _quantized(self):
+        q = unpack_int4(self.weight, self.out_features, self.in_features)
+        scales, zeros = self.scales_and_zeros.float().unbind(-1)  # (K/g, N) each
+        return dequantize_groupwise_int4(q, scales.t(), zeros.t(), self.spec.group_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            self._input(x), self.weight, self.spec.group_size, self.scales_and_zeros
+        )
+        return self._output(y, x)
+
+
+class Fp8Linear(QuantLinear):
+    """e4m3 weights per output channel; activations quantized per row at run time (~1 ULP of e4m3,
+    a few % per element), then ``torch._scaled_mm``. Only CUDA sm89+ has fp8 arithmetic; elsewhere
+    the op runs but is not a real fp8 kernel (useful for measuring error, not for speed)."""
+
+    formats = ("fp8",)
+
+    def __init__(self, in_features, out_features, spec, bias, compute_dtype):
+        super().__init__(in_features, out_features, spec, bias, compute_dtype)
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE))
+        self.register_buffer("weight_scale", torch.empty(1, out_features, dtype=torch.float32))
+
+    @classmethod
+    def kernel_on(cls, device):
+        is_sm89 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+        return "torch._scaled_mm" if is_sm89 else None
+
+    def _load(self, w):
+        self.weight, scales = quantize_per_channel_fp8(w, self._clip(w))
+        self.weight_scale = scales[None, :]
+
+    def _quantized(self):
+        return self.weight.float() * self.weight_scale.t()
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = self._input(x)
+        x_scale = (x2.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)  # (M, 1)
+        x8 = (x2 / x_scale).to(FP8_DTYPE)
+        y = torch._scaled_mm(
+            x8, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale, out_dtype=self.compute_dtype
+        )
+        return self._output(y, x)
+
+
+LINEAR_FORMATS: dict[str, type[QuantLinear]] = {
+    fmt: cls for cls in (DenseLinear, Int8Linear, Int4Linear, Fp8Linear) for fmt in cls.formats
+}
+
+
+def quantize_(
+    model: nn.Module,
+    plan,
+    act_scales: Mapping[str, Tensor] | None = None,
+    compute_dtypes: Mapping[str, torch.dtype] | Callable[[str], torch.dtype | None] | None = None,
+) -> nn.Module:
+    """Replace the model's nn.Linear submodules in place as ``plan.spec_for(name)`` says.
+
+    Layers with no spec, or a dense spec of the dtype they already have, stay untouched.
+    ``act_scales``: name -> per-input-channel scale, for specs with ``act_scale``.
+    ``compute_dtypes``: format -> dtype the kernel runs in (pass ``backend.probe().compute_dtypes`` for
+    the measured fastest); default: the layer's own weight dtype.
+    """
+    lookup = compute_dtypes.get if isinstance(compute_dtypes, Mapping) else compute_dtypes
+    for name, linear in list(linear_modules(model)):
+        spec = plan.spec_for(name)
+        if not isinstance(linear, nn.Linear) or spec is None:
+            continue
+        if spec.format in DENSE_FORMATS and QuantLinear.dtype_of(spec.format) == linear.weight.dtype:
+            continue
+        act_scale = None
+        if spec.act_scale is not None:
+            if act_scales is None or spec.act_scale not in act_scales:
+                raise KeyError(
+                    f"{name}: act_scale {spec.act_scale!r} not in the act_scales passed to quantize_"
+                )
+            act_scale = act_scales[spec.act_scale]
+        try:
+            module = LINEAR_FORMATS[spec.format].from_linear(
+                linear, spec, lookup and lookup(spec.format), act_scale
+            )
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from error
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, module)
+    return model

@@ -1,0 +1,258 @@
+"""QuantPlan: which weight format each linear layer gets, as ordered glob patterns with a ``_default``.
+
+A plan is plain data (torchao's name-pattern -> config map): it round-trips through JSON, and its
+``plan_id`` (a hash of the content) salts prefix caches so KV blocks never mix between plans.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, fields, is_dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+from torch import nn
+
+# Bits per stored weight value, before scales and zero points.
+WEIGHT_BITS: dict[str, int] = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "int8": 8, "int4": 4}
+FORMATS: tuple[str, ...] = tuple(WEIGHT_BITS)
+DENSE_FORMATS = ("fp32", "bf16", "fp16")
+INT4_GROUP_SIZES = (32, 64, 128)
+SCALE_BITS = 16  # scales and zero points are stored as bf16 (see linear.SCALE_DTYPE)
+DEFAULT_KEY = "_default"
+
+
+@dataclass(frozen=True)
+class LayerQuantSpec:
+    """How one linear is stored. Fields that do not apply to the format are normalized away, so two
+    specs that quantize identically compare (and hash) equal.
+
+    ``clip_ratio``: a float in (0, 1] shrinks each group's (or channel's) range before rounding;
+    "mse" searches the MSE-optimal ratio per group at quantization time.
+    ``act_scale``: name of a per-input-channel scale vector (activation-aware scaling, AWQ) passed to
+    ``quantize_``; the weight is multiplied by it and the module divides its input by it.
+    """
+
+    format: str = "fp32"
+    group_size: int | None = None  # int4 only; None there means 32
+    symmetric: bool = False  # int4 only; int8 and fp8 are always symmetric
+    clip_ratio: float | str = 1.0
+    act_scale: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.format not in WEIGHT_BITS:
+            raise ValueError(f"unknown weight format {self.format!r}; known formats: {', '.join(FORMATS)}")
+        is_int4 = self.format == "int4"
+        group = (self.group_size or 32) if is_int4 else None
+        if is_int4 and group not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {self.group_size}")
+        if isinstance(self.clip_ratio, str):
+            if self.clip_ratio != "mse":
+                raise ValueError(f"clip_ratio must be a float in (0, 1] or 'mse', got {self.clip_ratio!r}")
+        elif not 0.0 < float(self.clip_ratio) <= 1.0:
+            raise ValueError(f"clip_ratio must be in (0, 1], got {self.clip_ratio}")
+        if self.format in DENSE_FORMATS and (self.act_scale is not None or self.clip_ratio != 1.0):
+            raise ValueError(f"{self.format} is not quantized: act_scale and clip_ratio do not apply")
+        object.__setattr__(self, "group_size", group)
+        object.__setattr__(
+            self, "symmetric", bool(self.symmetric) if is_int4 else self.format in ("int8", "fp8")
+        )
+        if not isinstance(self.clip_ratio, str):
+            object.__setattr__(self, "clip_ratio", float(self.clip_ratio))
+
+    @property
+    def weight_bits(self) -> int:
+        return WEIGHT_BITS[self.format]
+
+    def bits_per_weight(self, in_features: int) -> float:
+        """Stored bits per weight, scales and zero points included (bf16 each).
+
+        int4 keeps a scale and a zero per group even when symmetric (the kernel's layout), so
+        g32 = 4 + 32/32 = 5.0, g64 = 4.5, g128 = 4.25; int8/fp8 keep one scale per output channel.
+        """
+        if self.format == "int4":
+            return 4 + 2 * SCALE_BITS / self.group_size
+        if self.format in ("int8", "fp8"):
+            return 8 + SCALE_BITS / in_features
+        return float(self.weight_bits)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _as_spec(value: LayerQuantSpec | Mapping[str, Any] | str) -> LayerQuantSpec:
+    if isinstance(value, LayerQuantSpec):
+        return value
+    if isinstance(value, str):
+        return LayerQuantSpec(format=value)
+    known = {f.name for f in fields(LayerQuantSpec)}
+    unknown = set(value) - known
+    if unknown:
+        raise ValueError(f"unknown LayerQuantSpec fields {sorted(unknown)}; known: {sorted(known)}")
+    return LayerQuantSpec(**value)
+
+
+def linear_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(qualified name, module) for every nn.Linear or already-quantized linear in the model."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) or hasattr(module, "dequantize"):
+            yield name, module
+
+
+class QuantPlan:
+    """Ordered ``pattern -> LayerQuantSpec``; the first matching glob wins, then ``_default``.
+
+    A layer that matches nothing (and no ``_default``) is left as it is. Immutable after construction.
+    """
+
+    __slots__ = ("_default", "_rules")
+
+    def __init__(self, rules: Mapping[str, LayerQuantSpec | Mapping[str, Any] | str]) -> None:
+        specs = {pattern: _as_spec(spec) for pattern, spec in rules.items()}
+        self._default: LayerQuantSpec | None = specs.pop(DEFAULT_KEY, None)
+        self._rules: tuple[tuple[str, LayerQuantSpec], ...] = tuple(specs.items())
+
+    @classmethod
+    def uniform(cls, fmt: str, **kwargs: Any) -> QuantPlan:
+        return cls({DEFAULT_KEY: LayerQuantSpec(format=fmt, **kwargs)})
+
+    @property
+    def rules(self) -> tuple[tuple[str, LayerQuantSpec], ...]:
+        return self._rules
+
+    @property
+    def default(self) -> LayerQuantSpec | None:
+        return self._default
+
+    def spec_for(self, name: str) -> LayerQuantSpec | None:
+        for pattern, spec in self._rules:
+            if fnmatchcase(name, pattern):
+                return spec
+        return self._default
+
+    def layer_specs(self, model: nn.Module) -> dict[str, LayerQuantSpec | None]:
+        return {name: self.spec_for(name) for name, _ in linear_modules(model)}
+
+    # ---- serialization -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        out = {pattern: spec.to_dict() for pattern, spec in self._rules}
+        if self._default is not None:
+            out[DEFAULT_KEY] = self._default.to_dict()
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps({"version": 1, "rules": self.to_dict()}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> QuantPlan:
+        data = json.loads(text)
+        return cls(data.get("rules", data))
+
+    @property
+    def plan_id(self) -> str:
+        """Stable 16-hex-digit hash of the content (rule order matters: first match wins)."""
+        canonical = json.dumps(list(self.to_dict().items()), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, QuantPlan) and self.to_dict() == other.to_dict()
+
+    def __hash__(self) -> int:
+        return hash(self.plan_id)
+
+    def __repr__(self) -> str:
+        return f"QuantPlan({self.to_dict()!r})"
+
+    # ---- size accounting ----------------------------------------------------------------------
+    def _linear_bits(self, name: str, module: nn.Module) -> tuple[int, float]:
+        """(number of weights, stored bits per weight) for one linear under this plan."""
+        if hasattr(module, "dequantize"):  # already quantized: it knows its own format
+            return module.in_features * module.out_features, float(module.bits_per_weight)
+        spec = self.spec_for(name)
+        if spec is None:
+            return module.weight.numel(), float(module.weight.element_size() * 8)
+        return module.weight.numel(), spec.bits_per_weight(module.in_features)
+
+    def avg_bits_per_weight(self, model: nn.Module) -> float:
+        """Average stored bits per linear weight (scales and zeros included), weighted by size."""
+        total_weights, total_bits = 0, 0.0
+        for name, module in linear_modules(model):
+            count, bits = self._linear_bits(name, module)
+            total_weights += count
+            total_bits += count * bits
+        return total_bits / max(total_weights, 1)
+
+    def _changes(self, name: str, module: nn.Module) -> bool:
+        """Whether the plan stores this linear differently from how it is stored now."""
+        if hasattr(module, "dequantize"):
+            return True
+        spec = self.spec_for(name)
+        if spec is None:
+            return False
+        return not (spec.format in DENSE_FORMATS and spec.weight_bits == module.weight.element_size() * 8)
+
+    def total_bytes(self, model: nn.Module) -> int:
+        """Bytes of all weights once the plan is applied: changed linears as planned, every other
+        parameter or buffer as it is now. A tensor shared by several modules (a tied embedding) counts
+        once; a tied lm_head that gets quantized adds its quantized copy (the embedding keeps its own)."""
+        planned_bytes = 0.0
+        storages: dict[int, int] = {}
+        for name, module in model.named_modules():
+            is_linear = isinstance(module, nn.Linear) or hasattr(module, "dequantize")
+            if is_linear and self._changes(name, module):
+                count, bits = self._linear_bits(name, module)
+                bias = getattr(module, "bias", None)
+                planned_bytes += count * bits / 8 + (
+                    0 if bias is None else bias.numel() * bias.element_size()
+                )
+                continue
+            for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        return int(planned_bytes) + sum(storages.values())
+
+    # ---- rendering -----------------------------------------------------------------------------
+    def to_table(self, stats: Mapping[str, Any] | None = None):
+        """A rich Table: one row per rule, or one row per layer in ``stats`` (name -> WeightStats or dict)
+        with its resolved spec and the statistics as extra columns."""
+        from rich.table import Table
+
+        table = Table(title=f"QuantPlan {self.plan_id}")
+        spec_columns = ("format", "group", "sym", "clip", "act_scale")
+        if stats is None:
+            table.add_column("pattern")
+            for column in spec_columns:
+                table.add_column(column)
+            rows = [*self._rules, *([(DEFAULT_KEY, self._default)] if self._default else [])]
+            for pattern, spec in rows:
+                table.add_row(pattern, *_spec_cells(spec))
+            return table
+        rows = {name: asdict(s) if is_dataclass(s) else dict(s) for name, s in stats.items()}
+        stat_columns = list(next(iter(rows.values()), {}))
+        table.add_column("layer")
+        for column in (*spec_columns, *stat_columns):
+            table.add_column(column, justify="right" if column in stat_columns else "left")
+        for name, row in rows.items():
+            cells = [_fmt(row.get(column)) for column in stat_columns]
+            table.add_row(name, *_spec_cells(self.spec_for(name)), *cells)
+        return table
+
+
+def _spec_cells(spec: LayerQuantSpec | None) -> list[str]:
+    if spec is None:
+        return ["(unchanged)", "", "", "", ""]
+    return [
+        spec.format,
+        str(spec.group_size or ""),
+        "y" if spec.symmetric else "n",
+        str(spec.clip_ratio),
+        spec.act_scale or "",
+    ]
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)

@@ -1,0 +1,106 @@
+"""User-facing value types: sampling parameters and the results of inference."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+def _check_range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
+    ok = (low < value if low_open else low <= value) and value <= high
+    if not ok or (isinstance(value, float) and math.isnan(value)):
+        bracket = "(" if low_open else "["
+        raise ValueError(f"SamplingParams.{name} must be in {bracket}{low}, {high}], got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request. ``temperature == 0`` means greedy.
+
+    Penalties follow OpenAI/vLLM semantics: presence and frequency penalties are subtracted from the logits
+    of tokens already generated; the repetition penalty (CTRL-style, 1.0 = off) divides positive logits and
+    multiplies negative ones of tokens seen in prompt or output.
+    """
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token; 0 = only the sampled token's
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check_range("temperature", self.temperature, 0.0, 100.0)
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        _check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise ValueError(f"SamplingParams.logprobs must be in [0, 20], got {self.logprobs!r}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("SamplingParams.stop must be non-empty strings")
+        if len(self.stop) > 16:
+            raise ValueError(f"SamplingParams.stop takes at most 16 strings, got {len(self.stop)}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"SamplingParams.min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)  # top-n alternatives: token id -> logprob
+
+
+@dataclass
+class CompletionOutput:
+    """One finished (or streaming) generation."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
+    prompt_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+@dataclass
+class InferResult:
+    """What ``Pipeline.infer`` returns. Profile fields are filled only with ``profile=True``."""
+
+    outputs: list[CompletionOutput]
+    latency_ms: float | None = None
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    tokens_per_s: float | None = None
+    peak_rss_bytes: int | None = None
+    mem_saturation: float | None = None  # peak fraction of the KV memory budget in use
+    mem_bw_util: float | None = None  # decode bytes/s over the machine's measured peak read bandwidth
+    breakdown: dict[str, float] = field(default_factory=dict)  # ms per phase
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text if self.outputs else ""

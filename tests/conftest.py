@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny random HF models saved to temp dirs, and the real default model (slow tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def save_tiny_hf(path: Path, arch: str = "llama", tie: bool = False, seed: int = 0, **overrides) -> Path:
+    """A random-weight HF folder (config.json + model.safetensors) built with transformers."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        rms_norm_eps=1e-5,
+    )
+    common.update(overrides)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    # Random init gives tiny logits; scale norms so differences would show.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif "bias" in name:
+                p.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return save_tiny_hf(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    from mcp2026.loading.loader import default_model_path as find
+
+    return find()
