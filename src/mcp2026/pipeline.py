@@ -93,6 +93,7 @@ class Pipeline:
         self.dtype = resolve_dtype(dtype, config)
         self.device = torch.device(device)
         self.loaded: LoadedModel = load_model(model, dtype=self.dtype)
+        self.loaded.model.to(self.device)
         kv_config = kv_config or KVConfig(
             max_kv_cache_shards=config.max_kv_cache_shards if config else 1,
             enable_dtss=config.enable_dtss if config else False,

@@ -33,6 +33,25 @@ class AttentionMetadata:
     decode_bias: torch.Tensor | None = None  # (B, 1, 1, Lmax) 0 / -inf for padding; None if no padding
     prefills: list[PrefillSlice] = field(default_factory=list)
 
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """Built on the CPU (small index tensors), moved once per step to the model's device."""
+        if device.type == "cpu":
+            return self
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        prefills = [
+            PrefillSlice(p.q_start, p.q_len, move(p.context_slots), move(p.mask)) for p in self.prefills
+        ]
+        return AttentionMetadata(
+            move(self.slot_mapping),
+            self.num_decodes,
+            move(self.decode_slots),
+            move(self.decode_bias),
+            prefills,
+        )
+
 
 @dataclass
 class ForwardContext:

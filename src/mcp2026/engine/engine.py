@@ -67,12 +67,16 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.model_config = model_config
         self.tokenizer = tokenizer
-        dtype = kv_dtype or next(model.parameters()).dtype
+        first_param = next(model.parameters())
+        dtype = kv_dtype or first_param.dtype
+        self.device = first_param.device
         self.max_model_len = min(
             self.config.scheduler.max_model_len or model_config.max_position_embeddings,
             int(model.rope.cos.shape[0]),
         )
-        num_blocks = plan_kv_blocks(self.config.kv, model_config, dtype, self.max_model_len)
+        num_blocks = plan_kv_blocks(
+            self.config.kv, model_config, dtype, self.max_model_len, device=self.device
+        )
         kv = self.config.kv
         self.cache = PagedKVCache(
             model_config.num_layers,
@@ -81,6 +85,7 @@ class LLMEngine:
             model_config.num_kv_heads,
             model_config.head_dim,
             dtype,
+            device=self.device,
         )
         self.kv_manager = KVCacheManager(
             kv.block_size,
@@ -142,7 +147,9 @@ class LLMEngine:
             ttft_deadline=ttft_deadline,
             cache_salt=cache_salt,
         )
-        sampling = SamplingState.create(params, token_ids, eos_token_ids=self.eos_token_ids)
+        sampling = SamplingState.create(
+            params, token_ids, eos_token_ids=self.eos_token_ids, device=self.device
+        )
         sampling.output_token_ids = request.output_token_ids  # one list, appended by the scheduler
         self.scheduler.add_request(request)
         self.states[request_id] = RequestState(request, sampling, self.outputs.new_detokenizer(token_ids))

@@ -28,6 +28,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, cache: PagedKVCache) -> None:
         self.model = model
         self.cache = cache
+        self.device = cache.k.device
         self.block_size = cache.block_size
 
     def _metadata(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> AttentionMetadata:
@@ -69,11 +70,12 @@ class ModelRunner:
         decodes = [c for c in output.chunks if len(c.token_ids) == 1 and c.start_pos > 0]
         prefills = [c for c in output.chunks if not (len(c.token_ids) == 1 and c.start_pos > 0)]
         chunks = decodes + prefills
-        meta = self._metadata(decodes, prefills)
+        meta = self._metadata(decodes, prefills).to(self.device)
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
         positions = torch.tensor(
             [p for c in chunks for p in range(c.start_pos, c.start_pos + len(c.token_ids))], dtype=torch.long
         )
+        ids, positions = ids.to(self.device), positions.to(self.device)
         hidden = self.model(ids, positions, ForwardContext(meta, self.cache))
         rows, sample_ids, end = [], [], 0
         for c in chunks:
@@ -83,4 +85,4 @@ class ModelRunner:
                 sample_ids.append(c.request_id)
         if not rows:
             return [], torch.empty(0)
-        return sample_ids, self.model.compute_logits(hidden[torch.tensor(rows)])
+        return sample_ids, self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])

@@ -13,15 +13,29 @@ def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * model.num_layers * model.num_kv_heads * model.head_dim * element
 
 
+def available_device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_memory_bytes()
+
+
 def plan_kv_blocks(
-    kv: KVConfig, model: ModelConfig, dtype: torch.dtype, max_model_len: int, max_num_seqs: int = 256
+    kv: KVConfig,
+    model: ModelConfig,
+    dtype: torch.dtype,
+    max_model_len: int,
+    max_num_seqs: int = 256,
+    device: torch.device | None = None,
 ) -> int:
     """Blocks for the budget, never fewer than one full-length sequence needs, never more than
     ``max_num_seqs`` full-length sequences could use (a larger pool would only reserve address space)."""
     if kv.num_blocks is not None:
         return kv.num_blocks
     block_bytes = kv.block_size * kv_bytes_per_token(model, dtype)
-    budget = kv.memory_gb * 1e9 if kv.memory_gb is not None else kv.memory_fraction * available_memory_bytes()
+    if kv.memory_gb is not None:
+        budget = kv.memory_gb * 1e9
+    else:
+        budget = kv.memory_fraction * available_device_memory(device or torch.device("cpu"))
     blocks_per_seq = -(-max_model_len // kv.block_size)
     num_blocks = int(budget // block_bytes)
     if num_blocks < blocks_per_seq:

@@ -84,13 +84,14 @@ def load_hf_tensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]
     """All weights under our intermediate names, converted to ``dtype``."""
     tensors: dict[str, torch.Tensor] = {}
     files = _weight_files(folder)
+    handles = []
     for f in files:
         if not f.exists():
-            raise ModelLoadError(f"{f}: shard listed in the index is missing")
-    try:
-        handles = [(f, safe_open(str(f), framework="pt")) for f in files]
-    except Exception as e:  # safetensors raises its own SafetensorError for truncated/corrupt headers
-        raise ModelLoadError(f"{files[0].parent}: corrupted safetensors file ({e})") from None
+            raise ModelLoadError(f"{f}: shard listed in model.safetensors.index.json is missing")
+        try:
+            handles.append((f, safe_open(str(f), framework="pt")))
+        except Exception as e:  # safetensors raises its own SafetensorError for truncated/corrupt headers
+            raise ModelLoadError(f"{f}: corrupted or truncated safetensors file ({e})") from None
     total = sum(len(list(h.keys())) for _, h in handles)  # noqa: SIM118
     with load_progress(f"loading {folder.name}", total) as advance:
         for f, handle in handles:
