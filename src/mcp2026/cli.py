@@ -143,3 +143,7 @@ def main() -> None:
 def compile_main() -> None:
     """``mcp-compile``: an alias of ``mcp2026 compile``."""
     typer.main.get_command(app).main(args=["compile", *sys.argv[1:]], prog_name="mcp-compile")
+
+
+if __name__ == "__main__":
+    main()

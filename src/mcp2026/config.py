@@ -147,6 +147,10 @@ class KVConfig:
     num_blocks: int | None = None
     max_kv_cache_shards: int = 1
     enable_dtss: bool = False
+    # DTSS: take a shard offline when free memory falls below low, bring one back above high (of total RAM).
+    dtss_low_free_fraction: float = 0.05
+    dtss_high_free_fraction: float = 0.15
+    dtss_check_interval_steps: int = 8
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -169,6 +173,15 @@ class KVConfig:
         _require(
             1 <= self.max_kv_cache_shards <= 64,
             f"KVConfig.max_kv_cache_shards must be in [1, 64], got {self.max_kv_cache_shards}",
+        )
+        _require(
+            0 < self.dtss_low_free_fraction < self.dtss_high_free_fraction < 1,
+            "KVConfig needs 0 < dtss_low_free_fraction < dtss_high_free_fraction < 1, "
+            f"got {self.dtss_low_free_fraction} and {self.dtss_high_free_fraction}",
+        )
+        _require(
+            not self.enable_dtss or self.max_kv_cache_shards >= 2,
+            "KVConfig.enable_dtss needs max_kv_cache_shards >= 2 (one shard always stays online)",
         )
 
 

@@ -67,6 +67,13 @@ def cgroup_memory_limit_bytes() -> int | None:
     return None
 
 
+def total_memory_bytes() -> int:
+    """Physical memory, capped by the cgroup limit."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = cgroup_memory_limit_bytes()
+    return min(total, limit) if limit is not None else total
+
+
 def available_memory_bytes() -> int:
     """Memory we may still use: MemAvailable, capped by the cgroup limit minus its current usage."""
     available = None

@@ -140,3 +140,39 @@ def test_abort_frees_blocks(tiny):
     assert not engine.has_unfinished()
     assert engine.kv_manager.num_free_blocks == 64  # free + evictable cached blocks
     engine.kv_manager.check_integrity()
+
+
+def test_dtss_releases_shards_under_pressure_and_regrows(tiny):
+    ps = prompts(6, seed=7)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = [o.token_ids for o in make_engine(tiny).generate(ps, params)]
+    kv = KVConfig(
+        block_size=8, num_blocks=64, max_kv_cache_shards=4, enable_dtss=True, dtss_check_interval_steps=1
+    )
+    engine = LLMEngine(tiny.model, tiny.config, None, EngineConfig(kv, SchedulerConfig()))
+    free = {"bytes": 0}  # simulated free memory: starts under pressure
+    engine.dtss.available_bytes = lambda: free["bytes"]
+    ids = [engine.add_request(p, params) for p in ps]
+    finals, steps = {}, 0
+    while engine.has_unfinished():
+        steps += 1
+        if steps == 6:
+            free["bytes"] = 1 << 62  # pressure passes
+        for o in engine.step():
+            if o.finished:
+                finals[o.request_id] = o.output.token_ids
+        engine.kv_manager.check_integrity()
+    assert engine.dtss.num_releases >= 3 and engine.dtss.num_grows >= 1
+    assert engine.kv_manager.pool.num_online_shards == 4
+    assert engine.stats.kv_bytes_released > 0
+    assert [finals[i] for i in ids] == ref
+
+
+def test_kv_cache_release_returns_memory_and_zeroes(tiny):
+    from mcp2026.kv.paged_cache import PagedKVCache
+
+    cache = PagedKVCache(2, 64, 16, 2, 64)
+    cache.k.fill_(1.0)
+    released = cache.release_blocks(32, 64)
+    assert released >= 2 * 2 * 32 * 16 * 2 * 64 * 4 * 0.9
+    assert cache.k[:, 32 * 16 :].abs().sum() == 0 and cache.k[:, : 32 * 16].min() == 1.0

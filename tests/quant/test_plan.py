@@ -106,3 +106,17 @@ def test_table_renders_rules_and_stats():
     console.print(plan.to_table(model_weight_stats(model)))
     text = console.export_text()
     assert "lm_head" in text and "kurtosis" in text
+
+
+def test_only_linears_are_counted():
+    class HasDequantize(nn.Module):  # e.g. transformers' PreTrainedModel.dequantize
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(32, 16, bias=False)
+
+        def dequantize(self):
+            return self
+
+    model = HasDequantize()
+    assert [name for name, _ in QuantPlan({}).layer_specs(model).items()] == ["proj"]
+    assert QuantPlan({"proj": LayerQuantSpec("int4")}).avg_bits_per_weight(model) == 5.0

@@ -15,13 +15,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mcp2026.config import EngineConfig, ModelConfig
+from mcp2026 import hardware
+from mcp2026.config import EngineConfig, KVConfig, ModelConfig
 from mcp2026.engine.output import ScheduledChunk, SchedulerOutput
 from mcp2026.engine.output_processor import OutputProcessor, RequestOutput, RequestState
 from mcp2026.engine.request import Request
 from mcp2026.engine.runner import ModelRunner
 from mcp2026.engine.sampler import Sampler, SamplingState
 from mcp2026.engine.scheduler import Scheduler
+from mcp2026.kv.dtss import DTSSController
 from mcp2026.kv.manager import KVCacheManager
 from mcp2026.kv.paged_cache import PagedKVCache
 from mcp2026.kv.sizing import plan_kv_blocks
@@ -43,6 +45,7 @@ class StepStats:
     num_decode_tokens: int = 0
     peak_kv_usage: float = 0.0
     decode_context_tokens: int = 0  # sum over decode steps of tokens attended (KV bytes read)
+    kv_bytes_released: int = 0  # returned to the OS by DTSS shard releases
 
     def reset(self) -> None:
         self.__init__()
@@ -103,6 +106,7 @@ class LLMEngine:
         self.stats = StepStats()
         self.counters = EngineCounters()
         self.fault_hook: Callable[[ScheduledChunk], None] | None = None  # tests inject failures here
+        self.dtss = self._make_dtss(kv)
         self._ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------------
@@ -163,8 +167,47 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.states)
 
+    # ---- memory pressure (DTSS) ---------------------------------------------------------------------
+    def _make_dtss(self, kv: KVConfig) -> DTSSController | None:
+        if not kv.enable_dtss:
+            return None
+        if self.device.type == "cuda":
+            total, available = (
+                torch.cuda.mem_get_info(self.device)[1],
+                lambda: torch.cuda.mem_get_info(self.device)[0],
+            )
+        else:
+            total, available = hardware.total_memory_bytes(), hardware.available_memory_bytes
+        return DTSSController.from_config(kv, total, available)
+
+    def release_kv_shards(self, num_shards: int = 1) -> list[str]:
+        """Take KV shards offline now: preempt the requests holding blocks there, free the memory."""
+        victims = self.scheduler.release_kv_shards(num_shards)
+        pool = self.kv_manager.pool
+        self.stats.kv_bytes_released += self.cache.release_blocks(pool.num_online_blocks, pool.num_blocks)
+        log.warning(
+            "DTSS: %d KV shard(s) offline under memory pressure, %d request(s) preempted",
+            num_shards,
+            len(victims),
+        )
+        return victims
+
+    def grow_kv_shards(self, num_shards: int = 1) -> None:
+        self.scheduler.grow_kv_shards(num_shards)
+        log.info("DTSS: %d KV shard(s) back online", num_shards)
+
+    def _apply_memory_pressure(self) -> None:
+        pool = self.kv_manager.pool
+        decision = self.dtss.decide(pool.num_online_shards, pool.num_shards)
+        if decision < 0:
+            self.release_kv_shards(1)
+        elif decision > 0:
+            self.grow_kv_shards(1)
+
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.dtss is not None:
+            self._apply_memory_pressure()
         out = self.scheduler.schedule()
         results = self._drain_finished_by_scheduler(out)
         if out.is_empty:
@@ -210,9 +253,10 @@ class LLMEngine:
                     self.fault_hook(chunk)
             sample_ids, logits = self.runner.execute(out)
             return sample_ids, logits, {}
-        except Exception:
-            if len(out.chunks) == 1:
-                raise
+        except Exception as e:  # noqa: BLE001 - any failure of one request must not stop the others
+            if len(out.chunks) == 1:  # the culprit is known: fail it without running it again
+                log.exception("request %s failed", out.chunks[0].request_id)
+                return [], torch.empty(0), {out.chunks[0].request_id: f"{type(e).__name__}: {e}"}
         # Isolate: run each chunk alone; the ones that still fail are the culprits.
         sample_ids, rows, failed = [], [], {}
         for chunk in out.chunks:

@@ -2,8 +2,9 @@
 
 ``probe()`` times each format's actual module (linear.py) on a representative shape, in every compute
 dtype its kernel accepts, against dense ``F.linear`` in the engine's activation dtype, and caches the
-report on disk per machine. Nothing is assumed from the ISA name: a format is a candidate only if its
-measured time clears the rule in ``is_candidate`` (dequantize-then-matmul never counts as a kernel).
+report on disk per machine. Nothing is assumed from the ISA name. Candidate rule (``_judge``): a real
+kernel (dequantize-then-matmul never counts) that is at most 1.2x slower than the dense baseline at
+batch 1 and 2x at batch 32; the baseline and fp32 (the exact reference) always qualify.
 """
 
 from __future__ import annotations
@@ -234,7 +235,7 @@ def _build_modules(device: torch.device, settings: BenchSettings) -> dict[tuple[
             try:
                 module = cls.from_linear(linear, _bench_spec(fmt), compute_dtype=dtype)
                 module(x.to(dtype))
-            except (RuntimeError, NotImplementedError, ValueError):
+            except (RuntimeError, NotImplementedError, ValueError, TypeError):
                 continue  # this dtype (or the op) is not supported by this build on this device
             modules[(fmt, _DTYPE_NAMES[dtype])] = module
     return modules

@@ -94,10 +94,16 @@ def _as_spec(value: LayerQuantSpec | Mapping[str, Any] | str) -> LayerQuantSpec:
     return LayerQuantSpec(**value)
 
 
+def _is_quantized(module: nn.Module) -> bool:
+    from mcp2026.quant.linear import QuantLinear  # linear.py imports this module
+
+    return isinstance(module, QuantLinear)
+
+
 def linear_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """(qualified name, module) for every nn.Linear or already-quantized linear in the model."""
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) or hasattr(module, "dequantize"):
+        if isinstance(module, nn.Linear) or _is_quantized(module):
             yield name, module
 
 
@@ -168,7 +174,7 @@ class QuantPlan:
     # ---- size accounting ----------------------------------------------------------------------
     def _linear_bits(self, name: str, module: nn.Module) -> tuple[int, float]:
         """(number of weights, stored bits per weight) for one linear under this plan."""
-        if hasattr(module, "dequantize"):  # already quantized: it knows its own format
+        if _is_quantized(module):  # already quantized: it knows its own format
             return module.in_features * module.out_features, float(module.bits_per_weight)
         spec = self.spec_for(name)
         if spec is None:
@@ -186,7 +192,7 @@ class QuantPlan:
 
     def _changes(self, name: str, module: nn.Module) -> bool:
         """Whether the plan stores this linear differently from how it is stored now."""
-        if hasattr(module, "dequantize"):
+        if _is_quantized(module):
             return True
         spec = self.spec_for(name)
         if spec is None:
@@ -200,7 +206,7 @@ class QuantPlan:
         planned_bytes = 0.0
         storages: dict[int, int] = {}
         for name, module in model.named_modules():
-            is_linear = isinstance(module, nn.Linear) or hasattr(module, "dequantize")
+            is_linear = isinstance(module, nn.Linear) or _is_quantized(module)
             if is_linear and self._changes(name, module):
                 count, bits = self._linear_bits(name, module)
                 bias = getattr(module, "bias", None)
@@ -229,7 +235,7 @@ class QuantPlan:
             for pattern, spec in rows:
                 table.add_row(pattern, *_spec_cells(spec))
             return table
-        rows = {name: asdict(s) if is_dataclass(s) else dict(s) for name, s in stats.items()}
+        rows = {name: _stat_row(s) for name, s in stats.items()}
         stat_columns = list(next(iter(rows.values()), {}))
         table.add_column("layer")
         for column in (*spec_columns, *stat_columns):
@@ -256,3 +262,10 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return "" if value is None else str(value)
+
+
+def _stat_row(stats: Any) -> dict[str, Any]:
+    row = asdict(stats) if is_dataclass(stats) else dict(stats)
+    if hasattr(stats, "needs_precompensation"):
+        row["precompensate"] = "yes" if stats.needs_precompensation else ""
+    return row

@@ -1,0 +1,94 @@
+"""ServeConfig: what the HTTP server needs (address, keys, limits, SLOs), and the serve YAML reader.
+
+One YAML holds the same keys as ``mcp2026 serve``'s options, plus ``kv:`` and ``scheduler:`` sections that
+go to the engine's KVConfig and SchedulerConfig unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mcp2026.config import EngineConfig, KVConfig, SchedulerConfig
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str | None = None  # HF folder or .gguf; None = the embedded default model
+    model_name: str | None = None  # the id clients send as "model"; None = the model file's stem
+    dtype: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tenants_file: str | None = None  # API keys -> tenants YAML; None = one open tenant
+    cors_origins: tuple[str, ...] = ()
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    # Admission: reject early (429) rather than time out late.
+    max_queued_requests: int = 256  # requests accepted but without a first token yet
+    max_queued_tokens: int = 256 * 1024  # their prompt tokens
+    max_n: int = 16  # choices per request
+    # SLOs: requests slower than these count as violations for the circuit breaker.
+    slo_ttft_ms: float = 2000.0
+    slo_tpot_ms: float = 200.0
+    drain_on_sigterm: bool = True  # False: abort in-flight requests (finish_reason "abort")
+    drain_timeout_s: float = 30.0
+    warmup: bool = True  # /readyz only after one request went through the engine
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cors_origins", tuple(self.cors_origins))
+        _require(0 <= self.port <= 65535, f"ServeConfig.port must be in [0, 65535], got {self.port}")
+        for name in ("max_queued_requests", "max_queued_tokens", "max_n"):
+            value = getattr(self, name)
+            _require(value >= 1, f"ServeConfig.{name} must be >= 1, got {value}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms", "drain_timeout_s"):
+            value = getattr(self, name)
+            _require(value > 0, f"ServeConfig.{name} must be > 0, got {value}")
+        _require(
+            (self.ssl_certfile is None) == (self.ssl_keyfile is None),
+            "ServeConfig: give both ssl_certfile and ssl_keyfile, or neither",
+        )
+
+    @property
+    def is_loopback(self) -> bool:
+        return self.host in LOOPBACK_HOSTS or self.host.startswith("127.")
+
+
+def load_serve_yaml(path: str | Path) -> tuple[ServeConfig, EngineConfig]:
+    """Read a serve YAML: ServeConfig keys at the top level, ``kv:`` and ``scheduler:`` sections."""
+    import yaml
+
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"{path}: cannot read the serve config ({e})") from None
+    _require(isinstance(raw, dict), f"{path}: the serve config must be a mapping of keys to values")
+    raw = dict(raw)
+    kv, scheduler = raw.pop("kv", None) or {}, raw.pop("scheduler", None) or {}
+    if "tenants" in raw:  # the CLI option's name
+        raw["tenants_file"] = raw.pop("tenants")
+    known = {f.name for f in dataclasses.fields(ServeConfig)}
+    unknown = sorted(set(raw) - known)
+    _require(not unknown, f"{path}: unknown keys {unknown}; known: {sorted(known | {'kv', 'scheduler'})}")
+    try:
+        engine = EngineConfig(KVConfig(**kv), SchedulerConfig(**scheduler))
+    except TypeError as e:
+        raise ValueError(f"{path}: bad kv/scheduler section ({e})") from None
+    return ServeConfig(**_resolve_paths(raw, path.parent)), engine
+
+
+def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
+    """File paths in the YAML are relative to the YAML's folder."""
+    for key in ("model", "tenants_file", "ssl_certfile", "ssl_keyfile"):
+        if raw.get(key) is not None and not Path(str(raw[key])).expanduser().is_absolute():
+            raw[key] = str(base / str(raw[key]))
+    return raw

@@ -1,0 +1,328 @@
+"""From a validated OpenAI request to engine streams and back: tokenize, check, admit, merge the n choices.
+
+One HTTP request is a ``Job``: ``len(prompts) * n`` engine requests ("choices"), admitted together against
+the queue caps and the tenant's quota, released together with the tokens they really used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mcp2026.engine.async_engine import AsyncEngine, RequestTiming
+from mcp2026.engine.output_processor import RequestOutput
+from mcp2026.serve.config import ServeConfig
+from mcp2026.serve.errors import APIError
+from mcp2026.serve.metrics import ServerMetrics
+from mcp2026.serve.protocol import (
+    ChatCompletionRequest,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    CompletionRequest,
+    TopLogprob,
+)
+from mcp2026.serve.tenants import RateLimitExceeded, Tenant, TenantRegistry
+from mcp2026.types import SamplingParams, TokenLogprob
+
+log = logging.getLogger("mcp2026.serve")
+
+
+@dataclass
+class Choice:
+    """What the server accumulates for one engine request."""
+
+    index: int
+    prompt_index: int
+    num_prompt_tokens: int
+    timing: RequestTiming = field(default_factory=RequestTiming)
+    text: str = ""
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    text_offset: int = 0  # completions logprobs: offset of the next token's text
+    finish_reason: str | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+    last_output_time: float | None = None
+
+    def update(self, out: RequestOutput) -> None:
+        self.text += out.delta_text
+        self.num_output_tokens = len(out.output.token_ids)
+        self.num_cached_tokens = out.num_cached_tokens
+        self.logprobs += out.delta_logprobs or []
+        self.first_token_time = self.first_token_time or out.first_token_time
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.error = out.error
+            self.text = out.output.text  # the final text (stop strings cut)
+
+
+@dataclass
+class Job:
+    id: str
+    kind: str  # "completion" | "chat"
+    tenant: Tenant
+    prompts: list[list[int]]
+    params: list[SamplingParams]  # one per choice; choice i uses prompt i // n
+    n: int
+    num_logprobs: int | None
+    estimated_tokens: int
+    echo_texts: list[str] | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    choices: list[Choice] = field(default_factory=list)
+    was_cancelled: bool = False
+    is_released: bool = False
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(c.num_output_tokens for c in self.choices)
+        cached = sum(c.num_cached_tokens for c in self.choices if c.index % self.n == 0)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+
+class GenerationService:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        tokenizer: Any,
+        config: ServeConfig,
+        tenants: TenantRegistry,
+        metrics: ServerMetrics,
+        model_name: str,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.tenants = tenants
+        self.metrics = metrics
+        self.model_name = model_name
+        self.is_draining = False
+        self._token_text_cache: dict[int, str] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    # ---- checks before any work -----------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_ready(self) -> None:
+        if self.engine.dead_error is not None:
+            raise APIError(
+                503, "the engine failed and is not serving; restart the server", code="engine_dead"
+            )
+        if self.is_draining or not self.engine.is_ready:
+            state = "shutting down" if self.is_draining else "not ready yet"
+            raise APIError(503, f"the server is {state}; retry later", code="not_ready", retry_after_s=1)
+
+    def _need_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send prompts as token id lists", param="prompt")
+        return self.tokenizer
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise APIError(400, "the prompt is empty after tokenization", param=param)
+        vocab = self.engine.engine.model_config.vocab_size
+        if max(ids) >= vocab:
+            raise APIError(400, f"prompt token ids must be < the vocabulary size {vocab}", param=param)
+        if len(ids) + 1 > self.max_model_len:
+            raise APIError(
+                400,
+                f"the prompt has {len(ids)} tokens but this model's maximum context length is "
+                f"{self.max_model_len} tokens (prompt + at least 1 generated token); shorten the prompt",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def completion_prompts(self, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+        prompts, texts = [], []
+        for p in req.prompts():
+            if isinstance(p, str):
+                ids, text = self._need_tokenizer().encode(p), p
+            else:
+                ids = list(p)
+                text = self.tokenizer.decode(ids) if req.echo and self.tokenizer is not None else ""
+            self.check_prompt(ids, "prompt")
+            prompts.append(ids)
+            texts.append(text)
+        return prompts, texts
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        tokenizer = self._need_tokenizer()
+        messages = [m.as_template_message() for m in req.messages]
+        try:
+            ids = tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - a template that rejects the conversation is the client's 400
+            raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from None
+        self.check_prompt(ids, "messages")
+        return ids
+
+    # ---- admission ------------------------------------------------------------------------------
+    def make_job(
+        self,
+        kind: str,
+        req: CompletionRequest | ChatCompletionRequest,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        num_logprobs: int | None,
+        tenant: Tenant,
+    ) -> Job:
+        if req.n > self.config.max_n:
+            raise APIError(400, f"n must be <= {self.config.max_n}, got {req.n}", param="n")
+        num_requests = len(prompts) * req.n
+        num_tokens = sum(len(p) for p in prompts) * req.n
+        if self.engine.num_queued_requests + num_requests > self.config.max_queued_requests:
+            raise APIError(429, "the server queue is full; retry later", code="queue_full", retry_after_s=1)
+        if self.engine.num_queued_tokens + num_tokens > self.config.max_queued_tokens:
+            raise APIError(
+                429,
+                "the server queue holds too many prompt tokens; retry later",
+                code="queue_full",
+                retry_after_s=1,
+            )
+        params = []
+        for p in prompts:
+            limit = self.max_model_len - len(p)
+            for i in range(req.n):
+                params.append(req.sampling_params(min(max_tokens or limit, limit), num_logprobs, i))
+        estimated = num_tokens + (max_tokens or 0) * num_requests
+        try:
+            self.tenants.acquire(tenant, estimated)
+        except RateLimitExceeded as e:
+            self.metrics.observe_rejected(tenant.name, 429)
+            raise APIError(429, str(e), code="rate_limit_exceeded", retry_after_s=e.retry_after_s) from None
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        job = Job(
+            f"{prefix}-{uuid.uuid4().hex[:24]}", kind, tenant, prompts, params, req.n, num_logprobs, estimated
+        )
+        job.choices = [Choice(i, i // req.n, len(prompts[i // req.n])) for i in range(num_requests)]
+        return job
+
+    # ---- running --------------------------------------------------------------------------------
+    async def outputs(self, job: Job) -> AsyncIterator[tuple[Choice, RequestOutput | Exception]]:
+        """Every choice's outputs, interleaved as they come. Engine failures arrive as exceptions.
+        Closing this iterator early cancels (aborts) every choice still running."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            try:
+                stream = self.engine.generate(
+                    job.prompts[choice.prompt_index],
+                    job.params[choice.index],
+                    f"{job.id}-{choice.index}",
+                    priority=job.tenant.priority,
+                    cache_salt=job.tenant.cache_salt,
+                    timing=choice.timing,
+                )
+                async for out in stream:
+                    queue.put_nowait((choice, out))
+            except Exception as e:  # noqa: BLE001 - reported to the client as this choice's error
+                queue.put_nowait((choice, e))
+            finally:
+                queue.put_nowait((choice, None))
+
+        tasks = [asyncio.create_task(pump(c)) for c in job.choices]
+        num_done = 0
+        try:
+            while num_done < len(tasks):
+                choice, item = await queue.get()
+                if item is None:
+                    num_done += 1
+                    continue
+                if isinstance(item, RequestOutput):
+                    self._observe_output(job, choice, item)
+                yield choice, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            if any(not t.done() for t in tasks):
+                job.was_cancelled = True
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _observe_output(self, job: Job, choice: Choice, out: RequestOutput) -> None:
+        now = time.perf_counter()
+        if choice.last_output_time is not None:
+            self.metrics.observe_itl(job.tenant.name, now - choice.last_output_time)
+        choice.last_output_time = now
+        choice.update(out)
+
+    def release(self, job: Job) -> None:
+        """Quota and metrics once the job is over, however it ended (idempotent)."""
+        if job.is_released:
+            return
+        job.is_released = True
+        used = sum(len(p) for p in job.prompts) * job.n + sum(c.num_output_tokens for c in job.choices)
+        self.tenants.release(job.tenant, job.estimated_tokens, used)
+        for c in job.choices:
+            arrival = c.timing.arrival_time
+            end = c.last_output_time
+            self.metrics.observe_finished(
+                job.tenant.name,
+                c.finish_reason or "abort",
+                num_prompt_tokens=c.num_prompt_tokens,
+                num_output_tokens=c.num_output_tokens,
+                ttft_s=None if c.first_token_time is None else c.first_token_time - arrival,
+                e2e_s=None if end is None or c.finish_reason is None else end - arrival,
+                queue_s=c.timing.queue_time_s,
+            )
+
+    # ---- formatting -----------------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = (
+                str(token_id)
+                if self.tokenizer is None
+                else self.tokenizer.decode([token_id], skip_special_tokens=False)
+            )
+            self._token_text_cache[token_id] = text
+        return text
+
+    def completion_logprobs(
+        self, choice: Choice, logprobs: Sequence[TokenLogprob], num_top: int
+    ) -> CompletionLogprobs:
+        tokens = [self.token_text(lp.token_id) for lp in logprobs]
+        offsets = []
+        for t in tokens:
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(t)
+        top = None
+        if num_top:
+            top = [{self.token_text(i): v for i, v in lp.top.items()} for lp in logprobs]
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[lp.logprob for lp in logprobs],
+            top_logprobs=top,
+            text_offset=offsets,
+        )
+
+    def chat_logprobs(self, logprobs: Sequence[TokenLogprob]) -> ChatLogprobs:
+        def entry(token_id: int, value: float) -> TopLogprob:
+            text = self.token_text(token_id)
+            return TopLogprob(token=text, logprob=value, bytes=list(text.encode("utf-8")))
+
+        content = []
+        for lp in logprobs:
+            top = [entry(i, v) for i, v in sorted(lp.top.items(), key=lambda kv: -kv[1])]
+            head = entry(lp.token_id, lp.logprob)
+            content.append(ChatTokenLogprob(**head.model_dump(), top_logprobs=top))
+        return ChatLogprobs(content=content)

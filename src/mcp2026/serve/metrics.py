@@ -1,0 +1,145 @@
+"""Prometheus metrics of one server (its own CollectorRegistry). Names start with ``mcp2026_``; per-request
+series carry ``tenant`` and ``model`` labels, engine-wide ones ``model``.
+
+Engine-wide values (running/waiting requests, KV usage, preemptions, prefix-cache lookups) are read from
+the engine's latest stats at scrape time, so the engine loop never waits on the metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from mcp2026.engine.scheduler import SchedulerStats
+
+LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+LABELS = ("tenant", "model")
+
+
+class _EngineCollector(Collector):
+    def __init__(self, model: str, read_stats: Callable[[], SchedulerStats]) -> None:
+        self.model = model
+        self.read_stats = read_stats
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self.read_stats()
+        gauges = [
+            ("mcp2026_num_requests_running", "Requests in the running batch", stats.num_running),
+            ("mcp2026_num_requests_waiting", "Requests waiting for admission", stats.num_waiting),
+            ("mcp2026_kv_cache_usage_ratio", "Fraction of KV blocks in use", stats.kv_usage),
+        ]
+        for name, doc, value in gauges:
+            metric = GaugeMetricFamily(name, doc, labels=["model"])
+            metric.add_metric([self.model], value)
+            yield metric
+        counters = [
+            (
+                "mcp2026_num_preemptions",
+                "Requests preempted (blocks freed, recomputed)",
+                stats.num_preemptions,
+            ),
+            (
+                "mcp2026_prefix_cache_queries",
+                "Full KV blocks looked up in the prefix cache",
+                stats.num_prefix_query_blocks,
+            ),
+            (
+                "mcp2026_prefix_cache_hits",
+                "Full KV blocks found in the prefix cache",
+                stats.num_prefix_hit_blocks,
+            ),
+        ]
+        for name, doc, value in counters:
+            metric = CounterMetricFamily(name, doc, labels=["model"])
+            metric.add_metric([self.model], value)
+            yield metric
+
+
+class ServerMetrics:
+    """Everything /metrics shows; ``observe_*`` are called by the request handlers."""
+
+    def __init__(self, model: str, read_stats: Callable[[], SchedulerStats]) -> None:
+        self.model = model
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "mcp2026_time_to_first_token_seconds",
+            "Time to first token",
+            LABELS,
+            registry=r,
+            buckets=LATENCY_BUCKETS_S,
+        )
+        self.tpot = Histogram(
+            "mcp2026_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request",
+            LABELS,
+            registry=r,
+            buckets=TOKEN_BUCKETS_S,
+        )
+        self.itl = Histogram(
+            "mcp2026_inter_token_latency_seconds",
+            "Time between consecutive streamed outputs",
+            LABELS,
+            registry=r,
+            buckets=TOKEN_BUCKETS_S,
+        )
+        self.e2e = Histogram(
+            "mcp2026_e2e_request_latency_seconds",
+            "Arrival to last token",
+            LABELS,
+            registry=r,
+            buckets=LATENCY_BUCKETS_S,
+        )
+        self.queue_time = Histogram(
+            "mcp2026_request_queue_time_seconds",
+            "Arrival to first scheduled step",
+            LABELS,
+            registry=r,
+            buckets=LATENCY_BUCKETS_S,
+        )
+        self.prompt_tokens = Counter("mcp2026_prompt_tokens", "Prompt tokens processed", LABELS, registry=r)
+        self.generation_tokens = Counter("mcp2026_generation_tokens", "Tokens generated", LABELS, registry=r)
+        self.requests = Counter(
+            "mcp2026_requests",
+            "Requests by outcome (stop, length, abort, error, or rejected_<http status>)",
+            (*LABELS, "status"),
+            registry=r,
+        )
+        r.register(_EngineCollector(model, read_stats))
+
+    def observe_finished(
+        self,
+        tenant: str,
+        status: str,
+        *,
+        num_prompt_tokens: int,
+        num_output_tokens: int,
+        ttft_s: float | None,
+        e2e_s: float | None,
+        queue_s: float | None,
+    ) -> None:
+        labels = (tenant, self.model)
+        self.requests.labels(*labels, status).inc()
+        self.prompt_tokens.labels(*labels).inc(num_prompt_tokens)
+        self.generation_tokens.labels(*labels).inc(num_output_tokens)
+        if ttft_s is not None:
+            self.ttft.labels(*labels).observe(ttft_s)
+        if e2e_s is not None:
+            self.e2e.labels(*labels).observe(e2e_s)
+        if queue_s is not None:
+            self.queue_time.labels(*labels).observe(queue_s)
+        if ttft_s is not None and e2e_s is not None and num_output_tokens > 1:
+            self.tpot.labels(*labels).observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+
+    def observe_itl(self, tenant: str, seconds: float) -> None:
+        self.itl.labels(tenant, self.model).observe(seconds)
+
+    def observe_rejected(self, tenant: str, http_status: int) -> None:
+        self.requests.labels(tenant, self.model, f"rejected_{http_status}").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

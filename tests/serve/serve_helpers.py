@@ -1,0 +1,125 @@
+"""Live servers on 127.0.0.1 for the serve tests: a tiny random Llama with the real SmolLM2 vocabulary
+(so the real tokenizer and chat template work) behind uvicorn in a thread.
+
+Not a conftest.py: a second ``conftest`` module would shadow ``tests/conftest.py`` for later imports.
+Model and tokenizer are memoized per process, so each test module's fixtures share them.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+import uvicorn
+
+from mcp2026.config import EngineConfig, KVConfig, ModelConfig, SchedulerConfig
+from mcp2026.engine.async_engine import AsyncEngine
+from mcp2026.engine.engine import LLMEngine
+from mcp2026.loading.loader import LoadedModel, default_model_path
+from mcp2026.loading.tokenizer import Tokenizer
+from mcp2026.models.registry import build_model
+from mcp2026.serve.app import create_app
+from mcp2026.serve.config import ServeConfig
+from mcp2026.serve.tenants import TenantRegistry
+
+NUM_BLOCKS = 128
+MAX_MODEL_LEN = 512
+MODEL = "tiny"
+
+
+@functools.cache
+def smol_tokenizer() -> Tokenizer:
+    return Tokenizer.from_gguf(default_model_path())
+
+
+@functools.cache
+def tiny_vocab_model() -> LoadedModel:
+    """Random weights, built directly (no transformers import): 2 layers, hidden 64, vocab 49152."""
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=MAX_MODEL_LEN,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+    torch.manual_seed(0)
+    model = build_model(config).eval().requires_grad_(False)
+    return LoadedModel(model, config, None, Path("tiny-random"), "random")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Live:
+    url: str
+    engine: LLMEngine
+    async_engine: AsyncEngine
+    server: uvicorn.Server
+    app: object
+
+    def wait_blocks_back(self, timeout_s: float = 10.0) -> None:
+        """Every block free (or evictable) again, and the pool consistent."""
+        deadline = time.monotonic() + timeout_s
+        kv = self.engine.kv_manager
+        while time.monotonic() < deadline:
+            if kv.num_free_blocks == NUM_BLOCKS and not self.engine.has_unfinished():
+                break
+            time.sleep(0.02)
+        assert kv.num_free_blocks == NUM_BLOCKS, f"{NUM_BLOCKS - kv.num_free_blocks} blocks leaked"
+        assert not self.engine.has_unfinished()
+        kv.check_integrity()
+
+
+@contextmanager
+def live_server(
+    config: ServeConfig | None = None,
+    tenants: TenantRegistry | None = None,
+    num_blocks: int = NUM_BLOCKS,
+    **scheduler,
+) -> Iterator[Live]:
+    engine_config = EngineConfig(KVConfig(block_size=16, num_blocks=num_blocks), SchedulerConfig(**scheduler))
+    model, tokenizer = tiny_vocab_model(), smol_tokenizer()
+    engine = LLMEngine(model.model, model.config, tokenizer, engine_config)
+    async_engine = AsyncEngine(engine)
+    config = config or ServeConfig(model_name=MODEL)
+    app = create_app(async_engine, tokenizer, config, tenants)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    else:
+        server.should_exit = True
+        raise RuntimeError("the test server did not become ready in 20 s")
+    try:
+        yield Live(url, engine, async_engine, server, app)
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        assert not thread.is_alive(), "the test server did not stop"

@@ -1,0 +1,106 @@
+"""The ``mcp2026`` command line: bad input exits 2 with one "error:" line (no traceback); info, generate, help."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mcp2026.cli import app
+
+
+def run_cli(*args: str, prog: tuple[str, ...] = ("-m", "mcp2026.cli")) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *prog, *map(str, args)], capture_output=True, text=True, timeout=300
+    )
+
+
+def assert_user_error(returncode: int, stderr: str, *phrases: str) -> None:
+    assert returncode == 2, stderr
+    assert "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), stderr
+    assert all(p in lines[0] for p in phrases), stderr
+
+
+def test_missing_model_path(tmp_path):
+    result = run_cli("generate", "hi", "--model", tmp_path / "no_such_model")
+    assert_user_error(result.returncode, result.stderr, "no_such_model", "no such file or directory")
+    assert result.stdout == ""
+
+
+def test_corrupted_gguf(tmp_path):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    result = run_cli("info", path)
+    assert_user_error(result.returncode, result.stderr, "broken.gguf", "GGUF")
+
+
+def test_unknown_architecture(tmp_path):
+    folder = tmp_path / "neox"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"]}))
+    result = run_cli("generate", "hi", "--model", folder)
+    assert_user_error(
+        result.returncode, result.stderr, "GPTNeoXForCausalLM", "supported: ", "LlamaForCausalLM"
+    )
+
+
+@pytest.mark.parametrize(
+    ("option", "phrase"),
+    [
+        (["--temperature", "-1"], "temperature must be in [0.0, 100.0]"),
+        (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
+        (["--top-p", "0"], "top_p must be in"),
+    ],
+)
+def test_invalid_sampling_values(option, phrase):
+    result = CliRunner().invoke(app, ["generate", "hi", *option])
+    assert_user_error(result.exit_code, result.stderr, phrase)
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_invalid_values_in_a_subprocess():
+    result = run_cli("generate", "hi", "--max-tokens", "0")
+    assert_user_error(result.returncode, result.stderr, "max_tokens")
+
+
+def test_info_on_tiny_hf_dir(tiny_llama_dir: Path):
+    result = CliRunner().invoke(app, ["info", str(tiny_llama_dir)])
+    assert result.exit_code == 0, result.output
+    for row in ("architecture", "LlamaForCausalLM", "parameters", "layers / hidden / ffn", "2 / 64 / 128"):
+        assert row in result.stdout
+    assert "safetensors" in result.stdout and "float32 x" in result.stdout
+
+
+def test_compile_not_supported_yet():
+    result = CliRunner().invoke(app, ["compile"])
+    assert_user_error(result.exit_code, result.stderr, "not supported yet")
+
+
+def test_mcp_compile_help():
+    script = Path(sys.executable).with_name("mcp-compile")
+    if not script.exists():
+        pytest.skip("the mcp-compile console script is not installed next to this interpreter")
+    result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Usage" in result.stdout and "--config" in result.stdout and "--out" in result.stdout
+
+
+def test_help_lists_commands():
+    result = CliRunner().invoke(app, ["--help"])
+    assert result.exit_code == 0
+    assert all(cmd in result.stdout for cmd in ("generate", "info", "compile"))
+
+
+@pytest.mark.slow
+def test_generate_streams_with_default_model():
+    result = run_cli("generate", "Name a color.", "--max-tokens", "8", "--dtype", "fp32")
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout.strip()
+    assert "tokens, finish=" in result.stderr
