@@ -121,6 +121,54 @@ def info(
     out.print(table)
 
 
+@app.command()
+@user_errors
+def serve(
+    model: ModelOpt = None,
+    host: Annotated[str | None, typer.Option(help="address to bind (default 127.0.0.1)")] = None,
+    port: Annotated[int | None, typer.Option(help="port (default 8000)")] = None,
+    tenants: Annotated[Path | None, typer.Option("--tenants", help="API keys -> tenants YAML")] = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", help="serve YAML (same keys as these options)")
+    ] = None,
+    ssl_certfile: Annotated[Path | None, typer.Option(help="TLS certificate (PEM)")] = None,
+    ssl_keyfile: Annotated[Path | None, typer.Option(help="TLS private key (PEM)")] = None,
+    dtype: Annotated[str | None, typer.Option(help="auto | fp32 | bf16")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="the model id clients send")] = None,
+    log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (completions, chat, models, metrics)."""
+    import dataclasses
+    import logging
+
+    from mcp2026.config import EngineConfig
+    from mcp2026.serve.config import ServeConfig, load_serve_yaml
+    from mcp2026.serve.server import build_server
+
+    serve_config, engine_config = load_serve_yaml(config) if config else (ServeConfig(), EngineConfig())
+    given = {
+        "model": model,
+        "host": host,
+        "port": port,
+        "tenants_file": tenants,
+        "ssl_certfile": ssl_certfile,
+        "ssl_keyfile": ssl_keyfile,
+        "dtype": dtype,
+        "model_name": served_model_name,
+    }
+    overrides = {k: str(v) if isinstance(v, Path) else v for k, v in given.items() if v is not None}
+    serve_config = dataclasses.replace(serve_config, **overrides)
+    if not serve_config.is_loopback and serve_config.tenants_file is None:
+        err.print(
+            f"[bold yellow]warning:[/] binding {serve_config.host} without API keys: anyone who can reach this "
+            "address can use the server (pass --tenants FILE)",
+            highlight=False,
+        )
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = build_server(serve_config, engine_config, log_level=log_level)
+    server.run()
+
+
 @app.command("compile")
 @user_errors
 def compile_cmd(

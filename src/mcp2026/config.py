@@ -7,7 +7,10 @@ fails where it is written, with a message that names the field and the allowed r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mcp2026.kv.compressor import KVCompressor
 
 
 def _require(ok: bool, message: str) -> None:
@@ -225,3 +228,12 @@ class EngineConfig:
 
     kv: KVConfig = field(default_factory=KVConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # KV codec and eviction policy (``kv.compressor.KVCompressor``); None stores KV as the model's dtype.
+    kv_compressor: KVCompressor | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.kv_compressor is None or self.kv_compressor.block_size == self.kv.block_size,
+            f"KVCompressor.block_size ({getattr(self.kv_compressor, 'block_size', None)}) must equal "
+            f"KVConfig.block_size ({self.kv.block_size}): the compressor works on the cache's blocks",
+        )

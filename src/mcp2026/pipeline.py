@@ -13,7 +13,6 @@ from mcp2026 import hardware
 from mcp2026.config import EngineConfig, KVConfig, QuantConfig, SchedulerConfig
 from mcp2026.engine.engine import LLMEngine
 from mcp2026.errors import NotSupportedYetError
-from mcp2026.kv.sizing import kv_bytes_per_token
 from mcp2026.loading.loader import LoadedModel, load_model
 from mcp2026.types import CompletionOutput, InferResult, SamplingParams
 
@@ -77,13 +76,15 @@ class Pipeline:
         config: QuantConfig | None = None,
         dtype: str | torch.dtype = "auto",
         device: str = "cpu",
-        kv: Any = None,
+        kv: Any = None,  # KVCompressor, a dict of its fields, or a YAML path
         scheduler: SchedulerConfig | None = None,
         kv_config: KVConfig | None = None,
     ) -> None:
         _check_quant_supported(config)
         if kv is not None:
-            raise NotSupportedYetError("KV compression (kv=KVCompressor(...)) is not supported yet")
+            from mcp2026.kv.compressor import KVCompressor
+
+            kv = KVCompressor.coerce(kv)
         if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
             raise ValueError(
                 f"device {device!r} is not available here; use 'cpu'"
@@ -95,6 +96,7 @@ class Pipeline:
         self.loaded: LoadedModel = load_model(model, dtype=self.dtype)
         self.loaded.model.to(self.device)
         kv_config = kv_config or KVConfig(
+            block_size=kv.block_size if kv is not None else 16,
             max_kv_cache_shards=config.max_kv_cache_shards if config else 1,
             enable_dtss=config.enable_dtss if config else False,
         )
@@ -102,7 +104,7 @@ class Pipeline:
             self.loaded.model,
             self.loaded.config,
             self.loaded.tokenizer,
-            EngineConfig(kv_config, scheduler or SchedulerConfig()),
+            EngineConfig(kv_config, scheduler or SchedulerConfig(), kv_compressor=kv),
         )
 
     @property
@@ -181,8 +183,7 @@ class Pipeline:
         if stats.decode_ms > 0:
             moved = (
                 stats.num_decode_steps * self.weight_bytes()
-                + stats.decode_context_tokens
-                * kv_bytes_per_token(self.loaded.config, self.engine.cache.k.dtype)
+                + stats.decode_context_tokens * self.engine.cache.bytes_per_token
             )
             result.mem_bw_util = moved / (stats.decode_ms / 1e3) / hardware.peak_read_bandwidth()
 

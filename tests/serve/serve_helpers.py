@@ -28,6 +28,7 @@ from mcp2026.loading.tokenizer import Tokenizer
 from mcp2026.models.registry import build_model
 from mcp2026.serve.app import create_app
 from mcp2026.serve.config import ServeConfig
+from mcp2026.serve.server import GracefulServer
 from mcp2026.serve.tenants import TenantRegistry
 
 NUM_BLOCKS = 128
@@ -72,7 +73,7 @@ class Live:
     url: str
     engine: LLMEngine
     async_engine: AsyncEngine
-    server: uvicorn.Server
+    server: GracefulServer
     app: object
 
     def wait_blocks_back(self, timeout_s: float = 10.0) -> None:
@@ -102,7 +103,9 @@ def live_server(
     config = config or ServeConfig(model_name=MODEL)
     app = create_app(async_engine, tokenizer, config, tenants)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = GracefulServer(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"), async_engine, config
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

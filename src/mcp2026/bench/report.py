@@ -62,9 +62,9 @@ def _version(dist: str) -> str | None:
 
 def machine_info() -> dict[str, Any]:
     """What the numbers depend on: CPU and its SIMD flags, cores, memory, library versions, git commit."""
-    from mcp2026 import hardware
-
     import torch
+
+    from mcp2026 import hardware
 
     flags = hardware.cpu_flags()
     return {

@@ -59,8 +59,8 @@ class _Stream:
 
 
 class AsyncEngine:
-    """``await start()``-free: call ``start()`` from inside the running event loop that will consume
-    streams; ``generate`` then yields the request's ``RequestOutput``s until one is finished."""
+    """Call ``start()`` from inside the running event loop that will consume the streams; ``generate``
+    then yields the request's ``RequestOutput``s until one is finished. Not bound to a second loop."""
 
     def __init__(self, engine: LLMEngine, *, warmup: bool = True) -> None:
         self.engine = engine
@@ -89,6 +89,10 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="mcp2026-engine-loop", daemon=True)
         self._is_accepting = True
         self._thread.start()
+
+    @property
+    def is_started(self) -> bool:
+        return self._thread is not None
 
     @property
     def is_alive(self) -> bool:

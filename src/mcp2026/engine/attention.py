@@ -1,8 +1,12 @@
 """Attention over the paged KV cache for a mixed batch of decode tokens and prefill chunks.
 
 The runner builds one ``AttentionMetadata`` per step (shared by every layer). Tokens are laid out with
-all single-token decodes first (batched together: one gather and two matmuls per layer), then each
+all single-token decodes first (batched together: one block gather and two matmuls per layer), then each
 prefill chunk (SDPA; causal over fresh tokens, masked over cached context when the chunk continues).
+Each layer writes the new K/V through the cache's codec, then reads whole live blocks back (decoded); blocks
+a request evicted are not read at all. Keys carry RoPE from before caching, so reading a subset of blocks
+never shifts a position. When eviction needs scores, the decode softmax (already explicit) and the
+attention of a prefill chunk's last queries are summed per block, across layers and heads.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from mcp2026.kv.paged_cache import PagedKVCache
+from mcp2026.kv.paged_cache import BlockRead, PagedKVCache, WritePlan
 
 
 @dataclass
@@ -21,16 +25,37 @@ class PrefillSlice:
 
     q_start: int
     q_len: int
-    context_slots: torch.Tensor | None  # (ctx,) slots incl. the new ones; None when the chunk starts at 0
-    mask: torch.Tensor | None  # (q_len, ctx) bool, True = attend; None with context_slots None
+    context: BlockRead | None  # the live blocks incl. the new tokens; None when the chunk starts at 0
+    mask: torch.Tensor | None  # (q_len, ctx) bool, True = attend; None with context None (causal)
+    num_observed: int = 0  # last queries whose attention is summed per block (eviction scores)
+    observe_mask: torch.Tensor | None = None  # (num_observed, ctx) bool
+    mass: torch.Tensor | None = None  # (num context blocks,) float32, accumulated over layers
+
+    def to(self, device: torch.device) -> PrefillSlice:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        context = None if self.context is None else self.context.to(device)
+        return PrefillSlice(
+            self.q_start,
+            self.q_len,
+            context,
+            move(self.mask),
+            self.num_observed,
+            move(self.observe_mask),
+            move(self.mass),
+        )
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # (T,) where each new token's K/V is written
+    write: WritePlan  # where each new token's K/V goes
+    block_size: int = 16
     num_decodes: int = 0  # the first num_decodes tokens are decodes, one per sequence
-    decode_slots: torch.Tensor | None = None  # (B, Lmax) context slots per decode sequence (padded)
+    decode_read: BlockRead | None = None  # B * nb live blocks, each sequence's padded to nb
+    decode_len: int = 0  # tokens attended by the longest decode sequence (Lmax <= nb * block_size)
     decode_bias: torch.Tensor | None = None  # (B, 1, 1, Lmax) 0 / -inf for padding; None if no padding
+    decode_mass: torch.Tensor | None = None  # (B, nb) float32 attention mass per live block (scoring)
     prefills: list[PrefillSlice] = field(default_factory=list)
 
     def to(self, device: torch.device) -> AttentionMetadata:
@@ -41,15 +66,15 @@ class AttentionMetadata:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=True)
 
-        prefills = [
-            PrefillSlice(p.q_start, p.q_len, move(p.context_slots), move(p.mask)) for p in self.prefills
-        ]
         return AttentionMetadata(
-            move(self.slot_mapping),
+            self.write.to(device),
+            self.block_size,
             self.num_decodes,
-            move(self.decode_slots),
+            None if self.decode_read is None else self.decode_read.to(device),
+            self.decode_len,
             move(self.decode_bias),
-            prefills,
+            move(self.decode_mass),
+            [p.to(device) for p in self.prefills],
         )
 
 
@@ -64,8 +89,19 @@ class ForwardContext:
     cache: PagedKVCache | None = None
 
 
+def _block_sums(per_pos: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
+    # per_pos: (..., L) -> (..., num_blocks), L <= num_blocks * block_size
+    padded = F.pad(per_pos.float(), (0, num_blocks * block_size - per_pos.shape[-1]))
+    return padded.unflatten(-1, (num_blocks, block_size)).sum(-1)
+
+
 def _decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    mass: torch.Tensor | None,
+    block_size: int,
 ) -> torch.Tensor:
     # q: (B, nh, hd) pre-scaled; k, v: (B, L, nkv, hd)
     b, nh, hd = q.shape
@@ -75,6 +111,8 @@ def _decode_attention(
     if bias is not None:
         scores = scores + bias
     probs = torch.softmax(scores, dim=-1)
+    if mass is not None:
+        mass += _block_sums(probs.sum(dim=(1, 2)), mass.shape[1], block_size)
     out = torch.matmul(probs, v.transpose(1, 2))  # (B, nkv, g, hd)
     return out.reshape(b, nh, hd)
 
@@ -95,6 +133,16 @@ def _prefill_attention(
     return out.transpose(0, 1)
 
 
+def _observe(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, mass: torch.Tensor, block_size: int) -> None:
+    """Add the attention mass the queries q (W, nh, hd) give each block of k (S, nkv, hd) to mass (nb,)."""
+    w, nh, hd = q.shape
+    nkv = k.shape[1]
+    qg = q.view(w, nkv, nh // nkv, hd).permute(1, 2, 0, 3)  # (nkv, g, W, hd)
+    scores = torch.matmul(qg, k.permute(1, 2, 0).unsqueeze(1))  # (nkv, g, W, S)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    mass += _block_sums(probs.sum(dim=(0, 1, 2)), mass.shape[0], block_size)
+
+
 def attention(
     layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
 ) -> torch.Tensor:
@@ -102,17 +150,23 @@ def attention(
     if ctx.cache is None:
         return _prefill_attention(q, k, v, None)
     meta, cache = ctx.meta, ctx.cache
-    cache.write(layer, meta.slot_mapping, k, v)
+    cache.write(layer, meta.write, k, v)
     parts = []
+    nkv, hd = k.shape[1:]
     if meta.num_decodes:
-        kc, vc = cache.gather(layer, meta.decode_slots)
-        parts.append(_decode_attention(q[: meta.num_decodes], kc, vc, meta.decode_bias))
+        b = meta.num_decodes
+        kb, vb = cache.gather(layer, meta.decode_read)  # (B*nb, bs, nkv, hd)
+        kc = kb.view(b, -1, nkv, hd)[:, : meta.decode_len]
+        vc = vb.view(b, -1, nkv, hd)[:, : meta.decode_len]
+        parts.append(_decode_attention(q[:b], kc, vc, meta.decode_bias, meta.decode_mass, meta.block_size))
     for p in meta.prefills:
         qs = q[p.q_start : p.q_start + p.q_len]
-        if p.context_slots is None:
-            ks, vs = k[p.q_start : p.q_start + p.q_len], v[p.q_start : p.q_start + p.q_len]
-            parts.append(_prefill_attention(qs, ks.to(q.dtype), vs.to(q.dtype), None))
+        if p.context is None:
+            kc, vc = k[p.q_start : p.q_start + p.q_len].to(q.dtype), v[p.q_start : p.q_start + p.q_len].to(q.dtype)
         else:
-            kc, vc = cache.gather(layer, p.context_slots)
-            parts.append(_prefill_attention(qs, kc.to(q.dtype), vc.to(q.dtype), p.mask))
+            kb, vb = cache.gather(layer, p.context)
+            kc, vc = kb.flatten(0, 1), vb.flatten(0, 1)  # (ctx, nkv, hd)
+        parts.append(_prefill_attention(qs, kc, vc, p.mask))
+        if p.num_observed:
+            _observe(qs[-p.num_observed :], kc, p.observe_mask, p.mass, meta.block_size)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

@@ -23,6 +23,7 @@ from mcp2026.engine.request import Request
 from mcp2026.engine.runner import ModelRunner
 from mcp2026.engine.sampler import Sampler, SamplingState
 from mcp2026.engine.scheduler import Scheduler
+from mcp2026.kv.compressor import fragmentation_report
 from mcp2026.kv.dtss import DTSSController
 from mcp2026.kv.manager import KVCacheManager
 from mcp2026.kv.paged_cache import PagedKVCache
@@ -72,13 +73,16 @@ class LLMEngine:
         self.tokenizer = tokenizer
         first_param = next(model.parameters())
         dtype = kv_dtype or first_param.dtype
+        self.kv_dtype = kv_dtype
         self.device = first_param.device
         self.max_model_len = min(
             self.config.scheduler.max_model_len or model_config.max_position_embeddings,
             int(model.rope.cos.shape[0]),
         )
+        compressor = self.config.kv_compressor
+        codec = compressor.make_codec() if compressor is not None else None
         num_blocks = plan_kv_blocks(
-            self.config.kv, model_config, dtype, self.max_model_len, device=self.device
+            self.config.kv, model_config, dtype, self.max_model_len, device=self.device, codec=codec
         )
         kv = self.config.kv
         self.cache = PagedKVCache(
@@ -89,6 +93,12 @@ class LLMEngine:
             model_config.head_dim,
             dtype,
             device=self.device,
+            codec=codec,
+            **(
+                {"max_error": compressor.max_error, "error_check_interval": compressor.error_check_interval}
+                if compressor is not None
+                else {}
+            ),
         )
         self.kv_manager = KVCacheManager(
             kv.block_size,
@@ -97,7 +107,8 @@ class LLMEngine:
             enable_prefix_caching=kv.enable_prefix_caching,
         )
         self.scheduler = Scheduler(self.config.scheduler, self.kv_manager, self.max_model_len)
-        self.runner = ModelRunner(model, self.cache)
+        self.evictor = compressor.make_evictor(self.kv_manager, self.max_model_len) if compressor else None
+        self.runner = ModelRunner(model, self.cache, self.evictor.scoring if self.evictor else None)
         self.sampler = Sampler()
         eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or model_config.eos_token_ids)
         self.eos_token_ids = eos
@@ -209,6 +220,7 @@ class LLMEngine:
         if self.dtss is not None:
             self._apply_memory_pressure()
         out = self.scheduler.schedule()
+        self._forget_kv(out.finished_ids + out.preempted_ids)
         results = self._drain_finished_by_scheduler(out)
         if out.is_empty:
             return results
@@ -231,6 +243,8 @@ class LLMEngine:
         tokens = dict(zip(sample_ids, sampled.token_ids)) if sampled else {}
         ok_output = out if not failed else self._without(out, failed)
         self.scheduler.update(ok_output, tokens)
+        if self.evictor is not None:
+            self.evictor.after_step(ok_output.chunks, self.runner.take_scores(), self.scheduler.get_request)
         self.stats.peak_kv_usage = max(self.stats.peak_kv_usage, self.kv_manager.usage)
         for request_id, error in failed.items():
             results.append(self._fail(request_id, error))
@@ -245,6 +259,28 @@ class LLMEngine:
                 results.append(self.outputs.make_output(state, 1, None))
         self.stats.detokenize_ms += (time.perf_counter() - t2) * 1e3
         return results
+
+    def _forget_kv(self, request_ids: list[str]) -> None:
+        """Finished or preempted requests: drop their staging blocks and eviction scores."""
+        if request_ids:
+            self.cache.release_requests(request_ids)
+            if self.evictor is not None:
+                self.evictor.forget(request_ids)
+
+    def kv_debug_report(self) -> dict:
+        """KV compression debug checks (our notes): codec error per layer vs ``max_error``, shape checks,
+        eviction counters, pool fragmentation."""
+        report = self.cache.debug_report()
+        computed = {
+            rid: s.request.num_computed_tokens
+            for rid, s in self.states.items()
+            if s.request.num_computed_tokens > 0
+        }
+        report["pool"] = fragmentation_report(self.kv_manager, computed)
+        report["eviction"] = self.evictor.report() if self.evictor is not None else None
+        compressor = self.config.kv_compressor
+        report["compressor"] = compressor.to_dict() if compressor is not None else None
+        return report
 
     def _execute(self, out: SchedulerOutput) -> tuple[list[str], torch.Tensor, dict[str, str]]:
         try:

@@ -31,13 +31,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+HOLE = -1  # a block table entry whose block was evicted (kv.eviction): its positions hold no KV
+
+
 class KVCacheManager:
     """Owns every block reference: a request's block table holds one reference per block.
 
     A request's table covers at least its computed tokens; block ``i`` holds token positions
     ``[i*block_size, (i+1)*block_size)``. Full computed blocks are registered in the prefix cache; when their
     last holder frees them they stay cached ("evictable") until an allocation needs the space.
-    Failed allocations change nothing.
+    Failed allocations change nothing. Entries dropped by ``evict_blocks`` are ``HOLE`` and hold no reference.
     """
 
     def __init__(
@@ -59,7 +62,8 @@ class KVCacheManager:
         self._chains: dict[str, list[CacheEntry]] = {}  # verified cache entries for a table's first blocks
         self._keys: dict[str, list[bytes]] = {}  # memo of each request's chained block keys
         self._uncacheable: set[str] = set()
-        self._broken: set[str] = set()  # hit a key collision: stop registering this request's blocks
+        # Hit a key collision, or evicted blocks (later KV differs from a fresh prefill): stop registering.
+        self._broken: set[str] = set()
 
     # --- queries -------------------------------------------------------------------------------------------
     @property
@@ -167,6 +171,7 @@ class KVCacheManager:
             self._keys.pop(rid, None)
             self._uncacheable.discard(rid)
             self._broken.discard(rid)
+        table = [b for b in table or () if b != HOLE]
         if not table:
             return
         cached: list[int] = []
@@ -206,6 +211,35 @@ class KVCacheManager:
                 return
             chain.append(entry)
             parent = entry
+
+    def evict_blocks(self, request_id: str, block_indices: Iterable[int]) -> list[int]:
+        """Drop the request's blocks at these table indices (KV eviction): the entries become ``HOLE``, the
+        other entries keep their positions, and the dropped blocks go back to the pool. Blocks the request
+        already registered stay offered as prefix hits (their KV is what a fresh prefill stores; cached ones
+        nobody holds become evictable), but it registers none from now on: KV computed after an eviction
+        attended to a partial context. Returns the freed block ids."""
+        table = self._tables[request_id]
+        freed = []
+        for i in block_indices:
+            if table[i] == HOLE:
+                raise ValueError(f"request {request_id}: block {i} is already evicted")
+            freed.append(table[i])
+            table[i] = HOLE
+        self._broken.add(request_id)
+        cached = []
+        for b in freed:
+            if self.cache.entry_of(b) is None:
+                continue
+            if self.pool.is_online(b):
+                cached.append(b)
+            else:
+                self.cache.remove(b)
+        for b in self.pool.free(freed, park=cached):
+            self.cache.set_evictable(b)
+        return freed
+
+    def num_holes(self, request_id: str) -> int:
+        return sum(1 for b in self._tables.get(request_id, ()) if b == HOLE)
 
     def mark_uncacheable(self, request_id: str) -> None:
         """The request's KV will be rewritten (compression): never offer its blocks as prefix hits, and
@@ -251,7 +285,8 @@ class KVCacheManager:
         self.pool.check_integrity(self._tables.values())
         self.cache.check_integrity()
         for rid, table in self._tables.items():
-            assert len(set(table)) == len(table), f"request {rid} holds a block twice: {table}"
+            held = [b for b in table if b != HOLE]
+            assert len(set(held)) == len(held), f"request {rid} holds a block twice: {table}"
         evictable = set(self.cache.evictable_block_ids())
         parked = {b for b in self.cache.cached_block_ids() if self.pool.is_parked(b)}
         assert evictable == parked, f"evictable {sorted(evictable)[:8]} != parked {sorted(parked)[:8]}"

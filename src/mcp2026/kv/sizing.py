@@ -6,11 +6,19 @@ import torch
 
 from mcp2026.config import KVConfig, ModelConfig
 from mcp2026.hardware import available_memory_bytes
+from mcp2026.kv.codecs import KVCodec, identity_codec
 
 
-def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * element
+def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype, codec: KVCodec | None = None) -> int:
+    """Bytes of one block, all layers, K and V, as ``codec`` (default: ``dtype`` as is) stores it."""
+    codec = codec or identity_codec(dtype)
+    return model.num_layers * codec.block_bytes(block_size, model.num_kv_heads, model.head_dim)
+
+
+def kv_bytes_per_token(
+    model: ModelConfig, dtype: torch.dtype, codec: KVCodec | None = None, block_size: int = 16
+) -> float:
+    return kv_block_bytes(model, block_size, dtype, codec) / block_size
 
 
 def available_device_memory(device: torch.device) -> int:
@@ -26,12 +34,14 @@ def plan_kv_blocks(
     max_model_len: int,
     max_num_seqs: int = 256,
     device: torch.device | None = None,
+    codec: KVCodec | None = None,
 ) -> int:
     """Blocks for the budget, never fewer than one full-length sequence needs, never more than
-    ``max_num_seqs`` full-length sequences could use (a larger pool would only reserve address space)."""
+    ``max_num_seqs`` full-length sequences could use (a larger pool would only reserve address space).
+    A quantizing ``codec`` stores fewer bytes per block, so the same budget buys more blocks."""
     if kv.num_blocks is not None:
         return kv.num_blocks
-    block_bytes = kv.block_size * kv_bytes_per_token(model, dtype)
+    block_bytes = kv_block_bytes(model, kv.block_size, dtype, codec)
     if kv.memory_gb is not None:
         budget = kv.memory_gb * 1e9
     else:

@@ -160,6 +160,10 @@ class ActivationStatsCollector:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
+    def observe(self, name: str, x: Tensor) -> None:
+        """Feed one input of linear ``name`` by hand (e.g. the lm_head input when logits are not computed)."""
+        self._accumulators[name].update(x)
+
     def stats(self, names: Iterable[str] | None = None) -> dict[str, ActivationStats]:
         """name -> ActivationStats for each hooked linear that has seen at least one batch."""
         chosen = self.names if names is None else list(names)

@@ -139,7 +139,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if async_engine._thread is None:
+        if not async_engine.is_started:
             async_engine.start()
         yield
         await async_engine.shutdown(drain=False)

@@ -7,11 +7,12 @@ go to the engine's KVConfig and SchedulerConfig unchanged.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mcp2026.config import EngineConfig, KVConfig, SchedulerConfig
+from mcp2026.serve.slo import BreakerConfig
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -39,6 +40,7 @@ class ServeConfig:
     # SLOs: requests slower than these count as violations for the circuit breaker.
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 200.0
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
     drain_on_sigterm: bool = True  # False: abort in-flight requests (finish_reason "abort")
     drain_timeout_s: float = 30.0
     warmup: bool = True  # /readyz only after one request went through the engine
@@ -63,7 +65,7 @@ class ServeConfig:
 
 
 def load_serve_yaml(path: str | Path) -> tuple[ServeConfig, EngineConfig]:
-    """Read a serve YAML: ServeConfig keys at the top level, ``kv:`` and ``scheduler:`` sections."""
+    """Read a serve YAML: ServeConfig keys at the top level; ``kv:``, ``scheduler:``, ``breaker:`` sections."""
     import yaml
 
     path = Path(path)
@@ -74,6 +76,10 @@ def load_serve_yaml(path: str | Path) -> tuple[ServeConfig, EngineConfig]:
     _require(isinstance(raw, dict), f"{path}: the serve config must be a mapping of keys to values")
     raw = dict(raw)
     kv, scheduler = raw.pop("kv", None) or {}, raw.pop("scheduler", None) or {}
+    try:
+        raw["breaker"] = BreakerConfig(**(raw.pop("breaker", None) or {}))
+    except TypeError as e:
+        raise ValueError(f"{path}: bad breaker section ({e})") from None
     if "tenants" in raw:  # the CLI option's name
         raw["tenants_file"] = raw.pop("tenants")
     known = {f.name for f in dataclasses.fields(ServeConfig)}

@@ -27,6 +27,7 @@ from mcp2026.serve.protocol import (
     CompletionRequest,
     TopLogprob,
 )
+from mcp2026.serve.slo import STATE_VALUES, BreakerOpen, CircuitBreaker
 from mcp2026.serve.tenants import RateLimitExceeded, Tenant, TenantRegistry
 from mcp2026.types import SamplingParams, TokenLogprob
 
@@ -76,8 +77,8 @@ class Job:
     echo_texts: list[str] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     choices: list[Choice] = field(default_factory=list)
-    was_cancelled: bool = False
     is_released: bool = False
+    is_probe: bool = False  # admitted as a half-open breaker probe
 
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(p) for p in self.prompts)
@@ -108,6 +109,7 @@ class GenerationService:
         self.metrics = metrics
         self.model_name = model_name
         self.is_draining = False
+        self.breaker = CircuitBreaker(config.breaker, self._on_breaker_change)
         self._token_text_cache: dict[int, str] = {}
 
     @property
@@ -210,11 +212,18 @@ class GenerationService:
         except RateLimitExceeded as e:
             self.metrics.observe_rejected(tenant.name, 429)
             raise APIError(429, str(e), code="rate_limit_exceeded", retry_after_s=e.retry_after_s) from None
+        try:
+            is_probe = self.breaker.admit(tenant.priority)
+        except BreakerOpen as e:
+            self.tenants.release(tenant, estimated, 0)
+            self.metrics.observe_rejected(tenant.name, 429)
+            raise APIError(429, str(e), code="breaker_open", retry_after_s=e.retry_after_s) from None
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         job = Job(
             f"{prefix}-{uuid.uuid4().hex[:24]}", kind, tenant, prompts, params, req.n, num_logprobs, estimated
         )
         job.choices = [Choice(i, i // req.n, len(prompts[i // req.n])) for i in range(num_requests)]
+        job.is_probe = is_probe
         return job
 
     # ---- running --------------------------------------------------------------------------------
@@ -255,7 +264,6 @@ class GenerationService:
             for task in tasks:
                 task.cancel()
             if any(not t.done() for t in tasks):
-                job.was_cancelled = True
                 await asyncio.gather(*tasks, return_exceptions=True)
 
     def _observe_output(self, job: Job, choice: Choice, out: RequestOutput) -> None:
@@ -272,6 +280,12 @@ class GenerationService:
         job.is_released = True
         used = sum(len(p) for p in job.prompts) * job.n + sum(c.num_output_tokens for c in job.choices)
         self.tenants.release(job.tenant, job.estimated_tokens, used)
+        outcome = self._slo_outcome(job)
+        if outcome is None:
+            if job.is_probe:
+                self.breaker.cancel_probe()
+        else:
+            self.breaker.record(is_bad=outcome, is_probe=job.is_probe)
         for c in job.choices:
             arrival = c.timing.arrival_time
             end = c.last_output_time
@@ -284,6 +298,27 @@ class GenerationService:
                 e2e_s=None if end is None or c.finish_reason is None else end - arrival,
                 queue_s=c.timing.queue_time_s,
             )
+
+    def _slo_outcome(self, job: Job) -> bool | None:
+        """True if the job failed or missed an SLO, False if it met them, None if it was cut short."""
+        if any(c.finish_reason == "error" for c in job.choices):
+            return True
+        if any(c.finish_reason in (None, "abort") for c in job.choices):
+            return None
+        ttft_slo, tpot_slo = self.config.slo_ttft_ms / 1e3, self.config.slo_tpot_ms / 1e3
+        for c in job.choices:
+            if c.first_token_time is None or c.last_output_time is None:
+                continue
+            if c.first_token_time - c.timing.arrival_time > ttft_slo:
+                return True
+            decode_s = c.last_output_time - c.first_token_time
+            if c.num_output_tokens > 1 and decode_s / (c.num_output_tokens - 1) > tpot_slo:
+                return True
+        return False
+
+    def _on_breaker_change(self, state: str) -> None:
+        log.warning("SLO circuit breaker is now %s (bad share %.1f%%)", state, 100 * self.breaker.bad_share())
+        self.metrics.observe_breaker(state, STATE_VALUES[state])
 
     # ---- formatting -----------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:

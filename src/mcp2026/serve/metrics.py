@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -109,6 +109,19 @@ class ServerMetrics:
             (*LABELS, "status"),
             registry=r,
         )
+        self.breaker_state = Gauge(
+            "mcp2026_breaker_state",
+            "SLO circuit breaker: 0 closed, 1 half-open, 2 open",
+            ["model"],
+            registry=r,
+        )
+        self.breaker_transitions = Counter(
+            "mcp2026_breaker_transitions",
+            "SLO circuit breaker transitions by new state",
+            ["model", "state"],
+            registry=r,
+        )
+        self.breaker_state.labels(model).set(0)
         r.register(_EngineCollector(model, read_stats))
 
     def observe_finished(
@@ -140,6 +153,10 @@ class ServerMetrics:
 
     def observe_rejected(self, tenant: str, http_status: int) -> None:
         self.requests.labels(tenant, self.model, f"rejected_{http_status}").inc()
+
+    def observe_breaker(self, state: str, value: int) -> None:
+        self.breaker_state.labels(self.model).set(value)
+        self.breaker_transitions.labels(self.model, state).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,155 @@
+"""``mcp2026 bench latency | offline | report``: run a benchmark against its peers in the same process, print
+the table, write runs/<time>-<kind>.json + .md, optionally refresh docs/benchmarks.md. Heavy imports
+(torch, transformers) happen inside the commands so the CLI starts fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from functools import wraps
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+bench_app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="QBench: benchmarks of mcp2026 side by side with HF transformers and llama.cpp, same run.",
+)
+out = Console()
+err = Console(stderr=True, soft_wrap=True)
+
+ModelOpt = Annotated[
+    str | None, typer.Option("--model", "-m", help="HF folder or .gguf (default: embedded SmolLM2-135M)")
+]
+SeedOpt = Annotated[int, typer.Option(help="workload seed")]
+PeerOpt = Annotated[bool, typer.Option("--peer/--no-peer", help="run HF transformers (and llama.cpp) too")]
+DocsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--write-docs/--no-write-docs", help="replace this benchmark's section of docs/benchmarks.md"
+    ),
+]
+OutOpt = Annotated[
+    Path | None, typer.Option("--out", help="folder for the run's JSON and markdown (default: runs/)")
+]
+ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="show progress bars")]
+
+
+def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from mcp2026.errors import MCPError
+
+        try:
+            return fn(*args, **kwargs)
+        except (MCPError, ValueError, FileNotFoundError) as e:
+            err.print(f"[bold red]error:[/] {e}", highlight=False)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            err.print("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def _progress(enabled: bool) -> Any:
+    if not enabled:
+        return nullcontext(None)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err
+    )
+
+
+def _finish(run: Any, out_dir: Path | None, write_docs: bool, section: str) -> None:
+    from mcp2026.bench.report import render_markdown, update_benchmarks_md, write_run
+
+    markdown = render_markdown(run)
+    out.print(markdown, markup=False, highlight=False)
+    path = write_run(run, out_dir)
+    err.print(f"[dim]wrote {path} and {path.with_suffix('.md').name}[/]")
+    if write_docs:
+        err.print(f"[dim]updated {update_benchmarks_md(section, markdown)} (section {section})[/]")
+
+
+@bench_app.command()
+@_user_errors
+def latency(
+    model: ModelOpt = None,
+    dtype: Annotated[str, typer.Option(help="comma-separated: fp32, bf16")] = "fp32,bf16",
+    new_tokens: Annotated[int, typer.Option(help="decode: tokens generated after the prompt")] = 128,
+    prefill_tokens: Annotated[int, typer.Option(help="prefill: prompt length")] = 512,
+    repeats: Annotated[int, typer.Option(help="measured rounds (median reported)")] = 5,
+    warmup: Annotated[int, typer.Option(help="rounds run first and excluded")] = 1,
+    seed: SeedOpt = 0,
+    peer: PeerOpt = True,
+    write_docs: DocsOpt = False,
+    out_dir: OutOpt = None,
+    progress: ProgressOpt = True,
+) -> None:
+    """Single-stream decode and prefill tok/s: ours vs HF transformers (interleaved, median of repeats)."""
+    from mcp2026.bench.latency import LatencyConfig, run_latency
+
+    dtypes = tuple(d.strip() for d in dtype.split(",") if d.strip())
+    config = LatencyConfig(model, dtypes, new_tokens, prefill_tokens, repeats, warmup, peer, seed)
+    with _progress(progress) as bar:
+        run = run_latency(config, bar)
+    _finish(run, out_dir, write_docs, "latency")
+
+
+@bench_app.command()
+@_user_errors
+def offline(
+    model: ModelOpt = None,
+    workload: Annotated[str, typer.Option(help="sharegpt | random | prefix | long")] = "sharegpt",
+    num_prompts: Annotated[int, typer.Option(help="requests to sample")] = 200,
+    max_requests: Annotated[int | None, typer.Option(help="run only the first K sampled requests")] = None,
+    seed: SeedOpt = 0,
+    dtype: Annotated[str, typer.Option(help="auto | fp32 | bf16 (both engines)")] = "auto",
+    peer: PeerOpt = True,
+    batch_size: Annotated[int, typer.Option(help="HF static batch size")] = 16,
+    batched_decode: Annotated[
+        int | None, typer.Option(help="instead: decode tok/s at N concurrent sequences (random workload)")
+    ] = None,
+    input_len: Annotated[int, typer.Option(help="random workload: prompt tokens")] = 128,
+    output_len: Annotated[int, typer.Option(help="random/prefix/long workloads: output tokens")] = 128,
+    write_docs: DocsOpt = False,
+    out_dir: OutOpt = None,
+    progress: ProgressOpt = True,
+) -> None:
+    """Offline throughput: all requests at once on our engine vs HF static batches, same prompts."""
+    from mcp2026.bench.offline import OfflineConfig, run_offline
+
+    config = OfflineConfig(
+        model=model,
+        workload=workload,
+        num_prompts=num_prompts,
+        max_requests=max_requests,
+        seed=seed,
+        dtype=dtype,
+        peer=peer,
+        batch_size=batch_size,
+        input_len=input_len,
+        output_len=output_len,
+        batched_decode=batched_decode,
+    )
+    with _progress(progress) as bar:
+        run = run_offline(config, bar)
+    section = f"offline-batched-decode-{batched_decode}" if batched_decode else f"offline-{workload}"
+    _finish(run, out_dir, write_docs, section)
+
+
+@bench_app.command()
+@_user_errors
+def report(runs: Annotated[list[Path], typer.Argument(help="run JSON files written by a benchmark")]) -> None:
+    """Print the markdown summary of earlier runs."""
+    from mcp2026.bench.report import read_run, render_markdown
+
+    for path in runs:
+        out.print(f"## {path.name}\n", markup=False)
+        out.print(render_markdown(read_run(path)), markup=False, highlight=False)

@@ -1,0 +1,261 @@
+"""Offline throughput (issue 3): N requests (default 200 ShareGPT, sampled as vLLM's ``bench serve``) on our
+engine (all added at once, continuous batching) vs HF transformers ``generate`` in static batches of 16
+(left padding), same process, same token ids, same output lengths, greedy, EOS ignored.
+
+Counted (both engines, as vLLM's ``benchmark_throughput``): output tok/s = sum of each request's own
+``output_len`` / wall time; total tok/s = sum of (prompt_len + output_len) / wall time. Padding and the extra
+tokens a static batch generates for rows that wanted fewer are cost, never counted. ``--batched-decode N``
+instead measures steady decode at N concurrent sequences (random 128-in/128-out prompts): decode tok/s =
+tokens of pure-decode steps / their time (ours: steps after the last prefill chunk; HF: steps 2..end).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mcp2026.bench.report import BenchRun, Table, machine_info
+from mcp2026.bench.workloads import BenchRequest, WorkloadSpec, describe, load_workload
+
+
+@dataclass(frozen=True)
+class OfflineConfig:
+    model: str | None = None  # None: the embedded default model
+    workload: str = "sharegpt"
+    num_prompts: int = 200
+    max_requests: int | None = None  # run only the first K sampled requests (smoke tests; same sample)
+    seed: int = 0
+    dtype: str = "auto"
+    peer: bool = True
+    batch_size: int = 16  # HF static batch
+    input_len: int = 128  # random workload
+    output_len: int = 128  # random / prefix / long workloads
+    batched_decode: int | None = None  # N: decode tok/s at N concurrent sequences (random workload)
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1 or self.batch_size < 1:
+            raise ValueError("num_prompts and batch_size must be >= 1")
+        if self.max_requests is not None and self.max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1, got {self.max_requests}")
+        if self.batched_decode is not None and self.batched_decode < 1:
+            raise ValueError(f"batched_decode must be >= 1, got {self.batched_decode}")
+
+    def spec(self) -> WorkloadSpec:
+        if self.batched_decode is not None:
+            return WorkloadSpec("random", self.batched_decode, self.seed, self.input_len, self.output_len)
+        return WorkloadSpec(self.workload, self.num_prompts, self.seed, self.input_len, self.output_len)
+
+    def command(self) -> str:
+        parts = ["mcp2026 bench offline"]
+        if self.model:
+            parts.append(f"--model {self.model}")
+        if self.batched_decode is not None:
+            parts.append(f"--batched-decode {self.batched_decode}")
+        else:
+            parts += [f"--workload {self.workload}", f"--num-prompts {self.num_prompts}"]
+            parts += [f"--batch-size {self.batch_size}"]
+        if self.workload != "sharegpt" or self.batched_decode is not None:
+            parts += [f"--input-len {self.input_len}", f"--output-len {self.output_len}"]
+        if self.max_requests is not None:
+            parts.append(f"--max-requests {self.max_requests}")
+        parts += [f"--seed {self.seed}", f"--dtype {self.dtype}"]
+        if not self.peer:
+            parts.append("--no-peer")
+        return " ".join(parts)
+
+
+@dataclass
+class EngineRun:
+    seconds: float
+    records: list[dict[str, Any]]
+    decode_seconds: float  # pure-decode steps after the last prefill chunk
+    decode_tokens: int
+    num_steps: int
+
+
+def run_engine(engine: Any, requests: list[BenchRequest], progress: Any = None) -> EngineRun:
+    """Add every request at once, step to completion. Per request: TTFT and E2E from the common start."""
+    from mcp2026.types import SamplingParams
+
+    task = progress.add_task("mcp2026", total=sum(r.output_len for r in requests)) if progress else None
+    start = time.perf_counter()
+    for r in requests:
+        engine.add_request(
+            r.prompt_token_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True), r.request_id
+        )
+    finals: dict[str, Any] = {}
+    started: set[str] = set()
+    decode_s, decode_tokens, num_steps = 0.0, 0, 0
+    while engine.has_unfinished():
+        num_decode_steps = engine.stats.num_decode_steps
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        num_steps += 1
+        new_tokens = sum(len(o.delta_token_ids) for o in outs)
+        # Steady decode: a pure-decode step (no prefill chunk in it) once every request has started.
+        if engine.stats.num_decode_steps > num_decode_steps and len(started) == len(requests):
+            decode_s += dt
+            decode_tokens += new_tokens
+        for o in outs:
+            if o.delta_token_ids:
+                started.add(o.request_id)
+            if o.finished:
+                finals[o.request_id] = o
+        if progress is not None:
+            progress.advance(task, new_tokens)
+    seconds = time.perf_counter() - start
+    records = []
+    for r in requests:
+        o = finals[r.request_id]
+        records.append(
+            {
+                "engine": "mcp2026",
+                "request_id": r.request_id,
+                "prompt_len": r.prompt_len,
+                "output_len": r.output_len,
+                "num_output_tokens": len(o.output.token_ids),
+                "num_cached_tokens": o.num_cached_tokens,
+                "finish_reason": o.finish_reason,
+                "ttft_s": (o.first_token_time - start) if o.first_token_time else None,
+                "e2e_s": (o.finish_time - start) if o.finish_time else None,
+            }
+        )
+    return EngineRun(seconds, records, decode_s, decode_tokens, num_steps)
+
+
+def _warm_up_ours(engine: Any, vocab_size: int) -> None:
+    from mcp2026.types import SamplingParams
+
+    engine.generate(
+        [[i % vocab_size for i in range(1, 17)]] * 2, SamplingParams(max_tokens=4, ignore_eos=True)
+    )
+
+
+def _check_fits(requests: list[BenchRequest], max_model_len: int) -> None:
+    too_long = [r.request_id for r in requests if r.prompt_len + r.output_len > max_model_len]
+    if too_long:
+        raise ValueError(
+            f"{len(too_long)} requests (e.g. {too_long[0]}) need more than the model's {max_model_len}-token "
+            "context; lower --input-len/--output-len"
+        )
+
+
+def run_offline(
+    config: OfflineConfig | None = None, progress: Any = None, use_cache: bool = True
+) -> BenchRun:
+    from mcp2026.pipeline import Pipeline
+
+    config = config or OfflineConfig()
+    notes: list[str] = []
+    t0 = time.perf_counter()
+    pipe = Pipeline(config.model, dtype=config.dtype)
+    load_s = {"mcp2026": time.perf_counter() - t0}
+    dtype = str(pipe.dtype).removeprefix("torch.")
+    vocab = pipe.loaded.config.vocab_size
+    requests = load_workload(config.spec(), pipe.tokenizer, vocab, use_cache=use_cache)
+    requests = requests[: config.max_requests] if config.max_requests else requests
+    _check_fits(requests, pipe.engine.max_model_len)
+    _warm_up_ours(pipe.engine, vocab)
+    ours = run_engine(pipe.engine, requests, progress)
+    hf_result = None
+    if config.peer:
+        from mcp2026.bench import peers
+
+        t0 = time.perf_counter()
+        hf = peers.load_hf_model(config.model, pipe.dtype)
+        load_s["hf"] = time.perf_counter() - t0
+        peers.hf_generate(hf, [[i % vocab for i in range(1, 17)]] * 2, 4)  # warm-up, excluded
+        batch = config.batched_decode or config.batch_size
+        hf_result = peers.hf_generate_static_batches(hf, requests, batch, progress)
+        del hf
+    else:
+        notes.append("HF peer skipped (--no-peer)")
+    if dtype == "bfloat16":
+        from mcp2026 import hardware
+
+        if not hardware.has_fast_bf16():
+            notes.append("bf16 on a CPU without AVX512-BF16/AMX: emulated, several times slower than fp32")
+    aggregates = _aggregate(requests, ours, hf_result)
+    aggregates["load_seconds"] = load_s
+    aggregates["workload"] = describe(requests)
+    aggregates["prefix_cache_hit_tokens"] = sum(x["num_cached_tokens"] for x in ours.records)
+    run = BenchRun(
+        kind="offline-batched-decode" if config.batched_decode else "offline",
+        command=config.command(),
+        config={**asdict(config), "resolved_dtype": dtype},
+        records=ours.records + (hf_result.records if hf_result else []),
+        aggregates=aggregates,
+        notes=notes,
+        machine=machine_info(),
+    )
+    if hf_result is not None:
+        run.aggregates["hf_batches"] = hf_result.batches
+    run.tables = [_table(run.aggregates, config, dtype)]
+    return run
+
+
+def _aggregate(requests: list[BenchRequest], ours: EngineRun, hf: Any) -> dict[str, Any]:
+    prompt_tokens = sum(r.prompt_len for r in requests)
+    ours_out = sum(x["num_output_tokens"] for x in ours.records)
+    result: dict[str, Any] = {
+        "mcp2026": {
+            "seconds": ours.seconds,
+            "output_tok_per_s": ours_out / ours.seconds,
+            "total_tok_per_s": (prompt_tokens + ours_out) / ours.seconds,
+            "decode_tok_per_s": ours.decode_tokens / ours.decode_seconds if ours.decode_seconds else None,
+            "num_output_tokens": ours_out,
+            "num_steps": ours.num_steps,
+        }
+    }
+    if hf is not None:
+        hf_out = sum(x["num_output_tokens"] for x in hf.records)
+        decode_s = sum(b["decode_seconds"] for b in hf.batches)
+        decode_tokens = sum(b["size"] * max(b["num_steps"] - 1, 0) for b in hf.batches)
+        result["hf"] = {
+            "seconds": hf.seconds,
+            "output_tok_per_s": hf_out / hf.seconds,
+            "total_tok_per_s": (prompt_tokens + hf_out) / hf.seconds,
+            "decode_tok_per_s": decode_tokens / decode_s if decode_s else None,
+            "num_output_tokens": hf_out,
+            "num_generated_tokens": hf.num_generated_tokens,
+        }
+        result["ratio"] = {
+            k: result["mcp2026"][k] / result["hf"][k]
+            for k in ("output_tok_per_s", "total_tok_per_s", "decode_tok_per_s")
+            if result["mcp2026"][k] and result["hf"][k]
+        }
+    return result
+
+
+def _table(aggregates: dict[str, Any], config: OfflineConfig, dtype: str) -> Table:
+    """ShareGPT mode: output and total tok/s. Batched-decode mode: steady decode tok/s and output tok/s."""
+    w = aggregates["workload"]
+    keys = (
+        ("decode_tok_per_s", "output_tok_per_s")
+        if config.batched_decode
+        else ("output_tok_per_s", "total_tok_per_s")
+    )
+    hf_label = f"HF transformers (static batch {config.batched_decode or config.batch_size})"
+    rows: list[list[Any]] = []
+    for key, label in (("mcp2026", "mcp2026 (continuous batching)"), ("hf", hf_label)):
+        if key in aggregates:
+            a = aggregates[key]
+            rows.append([label, dtype, *(a[k] for k in keys), a["seconds"]])
+    if "ratio" in aggregates:
+        ratio = aggregates["ratio"]
+        rows.append(["mcp2026 / HF", "", *(f"{ratio[k]:.2f}x" if k in ratio else "—" for k in keys), ""])
+    if config.batched_decode:
+        title = (
+            f"Batched decode: {config.batched_decode} concurrent sequences, "
+            f"{config.input_len} in / {config.output_len} out"
+        )
+        columns = ["engine", "dtype", "decode tok/s", "output tok/s", "seconds"]
+    else:
+        title = (
+            f"Offline throughput: {w['num_requests']} {config.workload} requests (mean {w['mean_prompt_len']:.0f} in"
+            f" / {w['mean_output_len']:.0f} out, seed {config.seed})"
+        )
+        columns = ["engine", "dtype", "output tok/s", "total tok/s", "seconds"]
+    return Table(title, columns, rows)

@@ -1,0 +1,297 @@
+"""KV codecs: how K and V are stored in the paged pool (quantized on write, dequantized on read).
+
+A ``KVCodec`` pairs a key and a value ``TensorCodec``. Each tensor codec stores a block of ``block_size``
+tokens as named planes (data, scales, zero points). Per-token codecs (identity, int8, fp8, int4 values)
+encode each (token, head) row on its own, so tokens are written as they are computed. KIVI's per-channel
+keys (Liu et al. 2024, arXiv:2402.02750) need a whole group of tokens per channel: the group is one block,
+and a request's last, not yet full block lives in a full-precision staging store until it fills
+(``KVCodec.is_staged``; see ``kv.paged_cache``). Scales and zero points are fp16, rounded so that every
+value maps inside the integer range (error <= scale / 2).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+Planes = dict[str, torch.Tensor]
+_FP16_TINY = 2.0**-14  # smallest normal fp16: the floor of every scale
+
+
+@dataclass(frozen=True)
+class PlaneSpec:
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # per block
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+
+
+class TensorCodec(ABC):
+    """Encodes K or V. Invariant: ``decode(encode(x))`` has ``x``'s shape. Per-token codecs take any
+    ``(*, nkv, hd)`` rows and their planes' per-block shapes start with ``block_size``; block codecs take
+    ``(N, block_size, nkv, hd)`` blocks."""
+
+    name: str = ""
+    is_per_token: bool = True
+    is_lossless: bool = False
+
+    @abstractmethod
+    def planes(self, block_size: int, num_kv_heads: int, head_dim: int) -> dict[str, PlaneSpec]: ...
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor) -> Planes: ...
+
+    @abstractmethod
+    def decode(self, planes: Planes, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def check_shape(self, num_kv_heads: int, head_dim: int) -> None:
+        """Raise ValueError when this codec cannot store heads of this size."""
+
+
+# --- fp16 affine parameters ---------------------------------------------------------------------------------
+def _round_fp16(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """Nearest fp16 at or above (``up``) / at or below ``x``, back in float32."""
+    h = x.to(torch.float16)
+    wrong = h.float() < x if up else h.float() > x
+    h = torch.where(wrong, torch.nextafter(h, torch.full_like(h, float("inf" if up else "-inf"))), h)
+    return h.float()
+
+
+def affine_params(lo: torch.Tensor, hi: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16-exact (scale, zero) with ``zero <= lo`` and ``zero + levels * scale >= hi``."""
+    zero = _round_fp16(lo.float(), up=False)
+    scale = _round_fp16(((hi.float() - zero) / levels).clamp_min(_FP16_TINY), up=True)
+    return scale, zero
+
+
+def _quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: int) -> torch.Tensor:
+    return ((x.float() - zero) / scale).round_().clamp_(0, levels).to(torch.uint8)
+
+
+def _pack4(q: torch.Tensor) -> torch.Tensor:
+    # q: (..., hd) values 0..15 -> (..., hd/2), even channels in the low nibble
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def _unpack4(p: torch.Tensor) -> torch.Tensor:
+    return torch.stack((p & 15, p >> 4), dim=-1).flatten(-2)  # (..., hd/2) -> (..., hd)
+
+
+# --- tensor codecs ------------------------------------------------------------------------------------------
+class Identity(TensorCodec):
+    """Stores the values as they are, in ``dtype`` (fp32 / bf16 / fp16)."""
+
+    is_lossless = True
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.name = str(dtype).removeprefix("torch.")
+
+    def planes(self, block_size: int, num_kv_heads: int, head_dim: int) -> dict[str, PlaneSpec]:
+        return {"x": PlaneSpec(self.dtype, (block_size, num_kv_heads, head_dim))}
+
+    def encode(self, x: torch.Tensor) -> Planes:
+        return {"x": x.to(self.dtype)}
+
+    def decode(self, planes: Planes, dtype: torch.dtype) -> torch.Tensor:
+        return planes["x"].to(dtype)
+
+
+class Int8PerToken(TensorCodec):
+    """Asymmetric uint8 per (token, head): x ~ q * scale + zero, fp16 scale and zero."""
+
+    name = "int8"
+
+    def planes(self, block_size: int, num_kv_heads: int, head_dim: int) -> dict[str, PlaneSpec]:
+        return {
+            "q": PlaneSpec(torch.uint8, (block_size, num_kv_heads, head_dim)),
+            "scale": PlaneSpec(torch.float16, (block_size, num_kv_heads)),
+            "zero": PlaneSpec(torch.float16, (block_size, num_kv_heads)),
+        }
+
+    def encode(self, x: torch.Tensor) -> Planes:
+        lo, hi = torch.aminmax(x.float(), dim=-1)
+        scale, zero = affine_params(lo, hi, 255)
+        q = _quantize(x, scale.unsqueeze(-1), zero.unsqueeze(-1), 255)
+        return {"q": q, "scale": scale.half(), "zero": zero.half()}
+
+    def decode(self, planes: Planes, dtype: torch.dtype) -> torch.Tensor:
+        scale, zero = planes["scale"].to(dtype).unsqueeze(-1), planes["zero"].to(dtype).unsqueeze(-1)
+        return torch.addcmul(zero, planes["q"].to(dtype), scale)
+
+
+class Fp8PerToken(TensorCodec):
+    """float8 e4m3 values with an fp16 scale per (token, head) mapping the row's max |x| to 448."""
+
+    name = "fp8"
+    FP8_MAX = 448.0
+
+    def planes(self, block_size: int, num_kv_heads: int, head_dim: int) -> dict[str, PlaneSpec]:
+        return {
+            "q": PlaneSpec(torch.float8_e4m3fn, (block_size, num_kv_heads, head_dim)),
+            "scale": PlaneSpec(torch.float16, (block_size, num_kv_heads)),
+        }
+
+    def encode(self, x: torch.Tensor) -> Planes:
+        x = x.float()
+        scale = _round_fp16((x.abs().amax(dim=-1) / self.FP8_MAX).clamp_min(_FP16_TINY), up=True)
+        q = (x / scale.unsqueeze(-1)).to(torch.float8_e4m3fn)
+        return {"q": q, "scale": scale.half()}
+
+    def decode(self, planes: Planes, dtype: torch.dtype) -> torch.Tensor:
+        return planes["q"].to(dtype) * planes["scale"].to(dtype).unsqueeze(-1)
+
+
+class Int4PerChannel(TensorCodec):
+    """KIVI keys: 4-bit asymmetric per (block, head, channel) over the block's tokens, packed two channels
+    per byte. A block codec: the block must be full before it can be encoded."""
+
+    name = "int4_per_channel"
+    is_per_token = False
+
+    def planes(self, block_size: int, num_kv_heads: int, head_dim: int) -> dict[str, PlaneSpec]:
+        return {
+            "q": PlaneSpec(torch.uint8, (block_size, num_kv_heads, head_dim // 2)),
+            "scale": PlaneSpec(torch.float16, (num_kv_heads, head_dim)),
+            "zero": PlaneSpec(torch.float16, (num_kv_heads, head_dim)),
+        }
+
+    def check_shape(self, num_kv_heads: int, head_dim: int) -> None:
+        if head_dim % 2:
+            raise ValueError(f"int4 KV needs an even head_dim, got {head_dim}")
+
+    def encode(self, x: torch.Tensor) -> Planes:
+        # x: (N, bs, nkv, hd); statistics over the block's tokens (dim 1)
+        lo, hi = torch.aminmax(x.float(), dim=1)  # (N, nkv, hd)
+        scale, zero = affine_params(lo, hi, 15)
+        q = _quantize(x, scale.unsqueeze(1), zero.unsqueeze(1), 15)
+        return {"q": _pack4(q), "scale": scale.half(), "zero": zero.half()}
+
+    def decode(self, planes: Planes, dtype: torch.dtype) -> torch.Tensor:
+        q = _unpack4(planes["q"]).to(dtype)  # (N, bs, nkv, hd)
+        scale, zero = planes["scale"].to(dtype).unsqueeze(1), planes["zero"].to(dtype).unsqueeze(1)
+        return torch.addcmul(zero, q, scale)
+
+
+class Int4PerTokenGroup(TensorCodec):
+    """KIVI values: 4-bit asymmetric per (token, head, group of ``group_size`` channels)."""
+
+    name = "int4_per_token"
+
+    def __init__(self, group_size: int = 32) -> None:
+        self.group_size = group_size
+
+    def _group(self, head_dim: int) -> int:
+        return min(self.group_size, head_dim)
+
+    def planes(self, block_size: int, num_kv_heads: int, head_dim: int) -> dict[str, PlaneSpec]:
+        num_groups = head_dim // self._group(head_dim)
+        return {
+            "q": PlaneSpec(torch.uint8, (block_size, num_kv_heads, head_dim // 2)),
+            "scale": PlaneSpec(torch.float16, (block_size, num_kv_heads, num_groups)),
+            "zero": PlaneSpec(torch.float16, (block_size, num_kv_heads, num_groups)),
+        }
+
+    def check_shape(self, num_kv_heads: int, head_dim: int) -> None:
+        if head_dim % 2 or head_dim % self._group(head_dim):
+            raise ValueError(
+                f"int4 KV values need head_dim ({head_dim}) even and a multiple of the group size "
+                f"({self.group_size})"
+            )
+
+    def encode(self, x: torch.Tensor) -> Planes:
+        hd = x.shape[-1]
+        g = self._group(hd)
+        xg = x.float().unflatten(-1, (hd // g, g))  # (..., nkv, ng, g)
+        lo, hi = torch.aminmax(xg, dim=-1)
+        scale, zero = affine_params(lo, hi, 15)
+        q = _quantize(xg, scale.unsqueeze(-1), zero.unsqueeze(-1), 15).flatten(-2)
+        return {"q": _pack4(q), "scale": scale.half(), "zero": zero.half()}
+
+    def decode(self, planes: Planes, dtype: torch.dtype) -> torch.Tensor:
+        q = _unpack4(planes["q"]).to(dtype)
+        ng = planes["scale"].shape[-1]
+        qg = q.unflatten(-1, (ng, q.shape[-1] // ng))
+        out = torch.addcmul(planes["zero"].to(dtype).unsqueeze(-1), qg, planes["scale"].to(dtype).unsqueeze(-1))
+        return out.flatten(-2)
+
+
+# --- KV codecs and the registry -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KVCodec:
+    """How one layer's K and V are stored. ``is_staged``: a request's last, not yet full block is kept in
+    full precision (the staging store) and encoded when it fills."""
+
+    name: str
+    key: TensorCodec
+    value: TensorCodec
+    is_staged: bool = False
+
+    @property
+    def is_lossless(self) -> bool:
+        return self.key.is_lossless and self.value.is_lossless
+
+    def check_shape(self, num_kv_heads: int, head_dim: int) -> None:
+        self.key.check_shape(num_kv_heads, head_dim)
+        self.value.check_shape(num_kv_heads, head_dim)
+
+    def block_bytes(self, block_size: int, num_kv_heads: int, head_dim: int) -> int:
+        """Bytes of one block of K and V in one layer, scales and zero points included."""
+        specs = [
+            *self.key.planes(block_size, num_kv_heads, head_dim).values(),
+            *self.value.planes(block_size, num_kv_heads, head_dim).values(),
+        ]
+        return sum(s.nbytes for s in specs)
+
+    def bytes_per_token(self, block_size: int, num_kv_heads: int, head_dim: int) -> float:
+        """K + V bytes per token per layer (block-level scales spread over the block's tokens)."""
+        return self.block_bytes(block_size, num_kv_heads, head_dim) / block_size
+
+
+CODECS: dict[str, Callable[[], KVCodec]] = {}
+
+
+def register_codec(name: str) -> Callable[[Callable[[], KVCodec]], Callable[[], KVCodec]]:
+    def wrap(factory: Callable[[], KVCodec]) -> Callable[[], KVCodec]:
+        CODECS[name] = factory
+        return factory
+
+    return wrap
+
+
+def identity_codec(dtype: torch.dtype) -> KVCodec:
+    codec = Identity(dtype)
+    return KVCodec(codec.name, codec, codec)
+
+
+register_codec("fp32")(lambda: identity_codec(torch.float32))
+register_codec("bf16")(lambda: identity_codec(torch.bfloat16))
+register_codec("fp16")(lambda: identity_codec(torch.float16))
+
+
+@register_codec("int8")
+def _int8() -> KVCodec:
+    codec = Int8PerToken()
+    return KVCodec("int8", codec, codec)
+
+
+@register_codec("fp8")
+def _fp8() -> KVCodec:
+    codec = Fp8PerToken()
+    return KVCodec("fp8", codec, codec)
+
+
+@register_codec("int4")
+def _int4() -> KVCodec:
+    return KVCodec("int4", Int4PerChannel(), Int4PerTokenGroup(32), is_staged=True)
+
+
+def make_codec(name: str) -> KVCodec:
+    if name not in CODECS:
+        raise ValueError(f"unknown KV codec {name!r}; available: {', '.join(sorted(CODECS))}")
+    return CODECS[name]()

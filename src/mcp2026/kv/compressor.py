@@ -1,0 +1,229 @@
+"""``KVCompressor``: the user-facing KV compression config (codec + eviction policy + budget), as in our
+design notes: ``Pipeline(kv=KVCompressor(dtype="int8", policy="heavy_hitter", sparsity_ratio=0.7))``.
+
+It is a frozen, validated dataclass; ``inject`` applies it to an existing pipeline or engine (the KV cache is
+rebuilt), ``from_dict`` / ``from_yaml`` read it from configs. The engine turns it into a ``KVCodec`` for the
+paged cache and a ``KVEvictor`` that runs after every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mcp2026.kv.codecs import CODECS, KVCodec, make_codec
+from mcp2026.kv.eviction import POLICIES, EvictionBudget, KVEvictor, make_policy
+from mcp2026.kv.manager import HOLE, KVCacheManager
+
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+DEFAULT_SPARSITY = 0.7
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class KVCompressor:
+    """KV cache compression: how K/V are stored (``dtype``) and which blocks long contexts drop (``policy``).
+
+    dtype: fp32 | bf16 | fp16 (stored as is) | int8 (per token and head) | fp8 (e4m3, scale per token and
+        head) | int4 (KIVI: keys per channel per block, values per token in groups of 32).
+    policy: none | sink_window | heavy_hitter | snap | dynamic_window.
+    Budget: ``sparsity_ratio`` (fraction of the context dropped; 0.7 when neither is given) or
+    ``max_kv_tokens`` (tokens kept per request), never both. ``num_sink_tokens`` and ``recent_window`` are
+    always kept. ``max_error`` is the relative round-trip error above which a layer is reported.
+    """
+
+    dtype: str = "int8"
+    policy: str = "heavy_hitter"
+    sparsity_ratio: float | None = None
+    block_size: int = 16
+    num_sink_tokens: int = 4
+    max_kv_tokens: int | None = None
+    recent_window: int = 64
+    max_error: float = 0.02
+    observation_window: int = 32  # heavy_hitter / snap / dynamic_window: last prompt queries that score blocks
+    heat_fraction: float = 0.6  # dynamic_window: calcLeftBoundary's fraction of the recent mean heat
+    error_check_interval: int = 16  # measure the round-trip error every this many steps
+
+    def __post_init__(self) -> None:
+        _require(
+            self.dtype in CODECS,
+            f"KVCompressor.dtype must be one of {', '.join(sorted(CODECS))}, got {self.dtype!r}",
+        )
+        policies = ("none", *sorted(POLICIES))
+        _require(
+            self.policy in policies,
+            f"KVCompressor.policy must be one of {', '.join(policies)}, got {self.policy!r}",
+        )
+        _require(
+            self.block_size in BLOCK_SIZES,
+            f"KVCompressor.block_size must be one of {BLOCK_SIZES}, got {self.block_size!r}",
+        )
+        if self.policy == "none":
+            _require(
+                self.sparsity_ratio is None and self.max_kv_tokens is None,
+                "KVCompressor: policy='none' drops nothing; sparsity_ratio / max_kv_tokens need an eviction "
+                f"policy ({', '.join(sorted(POLICIES))})",
+            )
+        else:
+            _require(
+                self.sparsity_ratio is None or self.max_kv_tokens is None,
+                "KVCompressor: give sparsity_ratio (fraction dropped) or max_kv_tokens (tokens kept), not both",
+            )
+            if self.sparsity_ratio is None and self.max_kv_tokens is None:
+                object.__setattr__(self, "sparsity_ratio", DEFAULT_SPARSITY)
+        _require(
+            self.sparsity_ratio is None or 0.0 <= self.sparsity_ratio < 1.0,
+            f"KVCompressor.sparsity_ratio must be in [0, 1), got {self.sparsity_ratio}",
+        )
+        _require(
+            self.num_sink_tokens >= 0, f"KVCompressor.num_sink_tokens must be >= 0, got {self.num_sink_tokens}"
+        )
+        _require(self.recent_window >= 1, f"KVCompressor.recent_window must be >= 1, got {self.recent_window}")
+        protected = self.num_sink_tokens + self.recent_window
+        _require(
+            self.max_kv_tokens is None or self.max_kv_tokens > protected,
+            f"KVCompressor.max_kv_tokens ({self.max_kv_tokens}) must exceed num_sink_tokens + recent_window "
+            f"({protected}): those are always kept",
+        )
+        _require(0 < self.max_error <= 1, f"KVCompressor.max_error must be in (0, 1], got {self.max_error}")
+        _require(
+            self.observation_window >= 1,
+            f"KVCompressor.observation_window must be >= 1, got {self.observation_window}",
+        )
+        _require(
+            0 < self.heat_fraction <= 1, f"KVCompressor.heat_fraction must be in (0, 1], got {self.heat_fraction}"
+        )
+        _require(
+            self.error_check_interval >= 1,
+            f"KVCompressor.error_check_interval must be >= 1, got {self.error_check_interval}",
+        )
+
+    # --- construction from configs ---------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> KVCompressor:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        _require(not unknown, f"KVCompressor: unknown keys {unknown}; allowed: {', '.join(sorted(names))}")
+        return cls(**dict(data))
+
+    @classmethod
+    def from_yaml(cls, source: str | Path) -> KVCompressor:
+        """From a YAML file (or YAML text): the mapping itself, or under a top-level ``kv:`` key."""
+        import yaml
+
+        text = Path(source).read_text() if Path(str(source)).is_file() else str(source)
+        data = yaml.safe_load(text)
+        if isinstance(data, Mapping) and set(data) == {"kv"}:
+            data = data["kv"]
+        _require(isinstance(data, Mapping), f"KVCompressor YAML must be a mapping, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+    @classmethod
+    def coerce(cls, value: KVCompressor | Mapping[str, Any] | str | Path) -> KVCompressor:
+        """A KVCompressor, a dict of its fields, or a YAML path / text."""
+        if isinstance(value, KVCompressor):
+            return value
+        if isinstance(value, Mapping):
+            return cls.from_dict(value)
+        if isinstance(value, (str, Path)):
+            return cls.from_yaml(value)
+        raise ValueError(f"kv must be a KVCompressor, a dict or a YAML path, got {type(value).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # --- runtime pieces --------------------------------------------------------------------------------
+    @property
+    def evicts(self) -> bool:
+        return self.policy != "none"
+
+    def make_codec(self) -> KVCodec:
+        return make_codec(self.dtype)
+
+    def budget(self) -> EvictionBudget:
+        return EvictionBudget(
+            block_size=self.block_size,
+            num_sink_tokens=self.num_sink_tokens,
+            recent_window=self.recent_window,
+            sparsity_ratio=self.sparsity_ratio,
+            max_kv_tokens=self.max_kv_tokens,
+            heat_fraction=self.heat_fraction,
+            observation_window=self.observation_window,
+        )
+
+    def make_evictor(self, manager: KVCacheManager, max_model_len: int) -> KVEvictor | None:
+        if not self.evicts:
+            return None
+        return KVEvictor(make_policy(self.policy, self.budget()), manager, max_model_len)
+
+    def inject(self, target: Any) -> Any:
+        """Apply to an existing ``Pipeline`` (its engine is rebuilt; returns the pipeline) or ``LLMEngine``
+        (returns a new engine on the same model). The engine must have no unfinished requests."""
+        from mcp2026.engine.engine import LLMEngine
+
+        engine = target if isinstance(target, LLMEngine) else getattr(target, "engine", None)
+        _require(
+            isinstance(engine, LLMEngine),
+            f"KVCompressor.inject needs a Pipeline or an LLMEngine, got {type(target).__name__}",
+        )
+        _require(not engine.has_unfinished(), "KVCompressor.inject: the engine still has unfinished requests")
+        config = dataclasses.replace(
+            engine.config,
+            kv=dataclasses.replace(engine.config.kv, block_size=self.block_size),
+            kv_compressor=self,
+        )
+        new = LLMEngine(engine.runner.model, engine.model_config, engine.tokenizer, config, engine.kv_dtype)
+        if target is engine:
+            return new
+        target.engine = new
+        return target
+
+
+def fragmentation_report(manager: KVCacheManager, num_computed: Mapping[str, int]) -> dict[str, Any]:
+    """Pool fragmentation: slots held but empty (partial last blocks) and how scattered the free ids are.
+    ``num_computed``: tokens with KV of each request holding blocks."""
+    pool, bs = manager.pool, manager.block_size
+    tokens_in_block: dict[int, int] = {}
+    num_holes = 0
+    for rid, n in num_computed.items():
+        table = manager.block_table(rid)
+        for i, b in enumerate(table):
+            if b == HOLE:
+                num_holes += 1
+            else:
+                tokens_in_block[b] = max(tokens_in_block.get(b, 0), min(bs, max(0, n - i * bs)))
+    num_used = pool.num_used_blocks
+    runs = _free_runs(pool.ref_count(b) == 0 and not pool.is_parked(b) for b in range(pool.num_online_blocks))
+    num_free = sum(runs)
+    return {
+        "num_blocks": pool.num_blocks,
+        "num_used_blocks": num_used,
+        "num_free_blocks": pool.num_free_blocks,
+        "num_evictable_blocks": manager.num_evictable_blocks,
+        "usage": manager.usage,
+        "num_holes": num_holes,
+        "internal_fragmentation": 1.0 - sum(tokens_in_block.values()) / (num_used * bs) if num_used else 0.0,
+        "num_free_runs": len(runs),
+        "largest_free_run": max(runs, default=0),
+        "external_fragmentation": 1.0 - max(runs, default=0) / num_free if num_free else 0.0,
+    }
+
+
+def _free_runs(is_free: Iterable[bool]) -> list[int]:
+    runs, current = [], 0
+    for free in is_free:
+        if free:
+            current += 1
+        elif current:
+            runs.append(current)
+            current = 0
+    if current:
+        runs.append(current)
+    return runs

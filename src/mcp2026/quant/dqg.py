@@ -1,0 +1,496 @@
+"""Dynamic Quantization Gate: choose a weight format per linear layer from measurements.
+
+Analytic mode (the design notes): ``b* = ceil(log2(1 + sigma/eps))`` per layer, clamped to the backend's
+candidate formats. Measured mode: for each layer and candidate spec (int8, int4 g32/64/128 symmetric or
+with zero points, plus pre-compensated variants: zero point, MSE clipping, AWQ scaling) the output error
+on calibration rows, weighted per output channel by the diagonal empirical Fisher (an estimate of the KL
+divergence it adds); then the plan minimising the summed error under a budget, by a greedy walk over
+each layer's lower convex hull of (cost, error) - the Lagrangian knapsack solution - plus a final fill.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from mcp2026.errors import MCPError
+from mcp2026.quant.calibrate import Calibration
+from mcp2026.quant.linear import fake_quantize, search_act_scale
+from mcp2026.quant.plan import DENSE_FORMATS, INT4_GROUP_SIZES, LayerQuantSpec, QuantPlan
+from mcp2026.quant.stats import WeightStats, weight_stats
+
+PRECOMPENSATIONS = ("flagged", "all", "none")
+WEIGHTINGS = ("fisher", "relative")
+
+
+class BudgetError(MCPError, ValueError):
+    """A budget no plan over the candidate formats can meet."""
+
+
+@dataclass(frozen=True)
+class DQGSettings:
+    weighting: str = "fisher"  # "fisher": Fisher-weighted output error (est. KLD); "relative": ||dY||^2/||Y||^2
+    precompensation: str = "flagged"  # try zero point / MSE clip / AWQ on: flagged layers, all, none
+    symmetric_only: bool = False  # int4 with zero points only as pre-compensation (QuantConfig.symmetric)
+    awq_alphas: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    analytic_kld: float = 0.01  # analytic mode: total tolerable KL divergence (nats/token), split evenly
+    ppl_check_samples: int = 4  # max_ppl_increase: calibration samples the perplexity check runs on
+    ppl_iterations: int = 6  # max_ppl_increase: bisection steps over the bits budget
+
+    def __post_init__(self) -> None:
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"dqg.weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+        if self.precompensation not in PRECOMPENSATIONS:
+            raise ValueError(f"dqg.precompensation must be one of {PRECOMPENSATIONS}, got {self.precompensation!r}")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to store one layer, with its measured error."""
+
+    spec: LayerQuantSpec
+    variant: str  # "" (plain) or "+"-joined pre-compensations: zero_point, mse_clip, awq
+    bits: float  # stored bits per weight, scales and zeros included
+    error: float  # what the allocation minimises (est. KLD with Fisher weighting)
+    rel_error: float  # ||x dW^T||^2 / ||x W^T||^2 on the calibration rows
+    act_scale: Tensor | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def label(self) -> str:
+        s = self.spec
+        text = s.format if s.format != "int4" else f"int4 g{s.group_size} {'sym' if s.symmetric else 'asym'}"
+        return f"{text} +{self.variant}" if self.variant else text
+
+
+@dataclass
+class LayerOptions:
+    name: str
+    role: str
+    out_features: int
+    in_features: int
+    is_tied: bool  # shares its weight with another module (a tied lm_head)
+    weight: WeightStats
+    act_sigma: float  # mean over input channels of the activation std
+    act_absmax: float
+    out_sigma: float  # std of x W^T on the calibration rows
+    output_fisher: float  # sum over output channels of E[(dL/dy)^2] (0 without Fisher)
+    options: list[Option]
+
+    @property
+    def numel(self) -> int:
+        return self.out_features * self.in_features
+
+    @property
+    def flagged(self) -> bool:
+        return self.weight.needs_precompensation
+
+
+def role_of(name: str) -> str:
+    for key, role in (("qkv", "attn_qkv"), ("o_proj", "attn_out"), ("gate_up", "ffn_gate_up"),
+                      ("down", "ffn_down"), ("lm_head", "lm_head")):  # fmt: skip
+        if key in name:
+            return role
+    return "linear"
+
+
+def tied_linears(model: nn.Module) -> set[str]:
+    """Names of linears whose weight storage is shared with another parameter (a tied lm_head)."""
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(param.untyped_storage().data_ptr(), []).append(name)
+    shared = {n.removesuffix(".weight") for names in owners.values() if len(names) > 1 for n in names}
+    return {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n in shared}
+
+
+# ---- candidate specs and their errors ------------------------------------------------------------
+def int4_groups(in_features: int, out_features: int) -> list[int]:
+    """Group sizes the int4 kernel accepts for this shape (group | K, N a multiple of 16)."""
+    return [g for g in INT4_GROUP_SIZES if in_features % g == 0] if out_features % 16 == 0 else []
+
+
+def candidate_specs(
+    linear: nn.Linear, formats: Sequence[str], settings: DQGSettings, precompensate: bool
+) -> list[tuple[LayerQuantSpec, str]]:
+    """(spec, variant) pairs to measure; the AWQ variant's act_scale name is filled in by the caller."""
+    out: list[tuple[LayerQuantSpec, str]] = []
+    n, k = linear.out_features, linear.in_features
+    for fmt in formats:
+        if fmt in DENSE_FORMATS:
+            out.append((LayerQuantSpec(fmt), ""))
+        elif fmt in ("int8", "fp8"):
+            out.append((LayerQuantSpec(fmt), ""))
+            if precompensate:
+                out.append((LayerQuantSpec(fmt, clip_ratio="mse"), "mse_clip"))
+        elif fmt == "int4":
+            for g in int4_groups(k, n):
+                for symmetric in (True, False):
+                    zero_point = "zero_point" if settings.symmetric_only and not symmetric else ""
+                    if zero_point and not precompensate:
+                        continue
+                    out.append((LayerQuantSpec("int4", g, symmetric), zero_point))
+                    if precompensate:
+                        joined = "+".join(filter(None, (zero_point, "mse_clip")))
+                        out.append((LayerQuantSpec("int4", g, symmetric, clip_ratio="mse"), joined))
+                        out.append((LayerQuantSpec("int4", g, symmetric, act_scale="awq"), "+".join(filter(None, (zero_point, "awq")))))  # fmt: skip
+    return out
+
+
+def _layer_options(
+    name: str, linear: nn.Linear, calib: Calibration, formats: Sequence[str], settings: DQGSettings, is_tied: bool
+) -> LayerOptions:
+    layer = calib.layers[name]
+    w = linear.weight.detach().float()
+    x = layer.rows.to(w.device)  # (R, K)
+    y = x @ w.T  # (R, N)
+    y_energy = y.pow(2).sum().clamp_min(1e-30)
+    fisher = layer.output_fisher.to(w.device) if layer.output_fisher is not None else None
+    use_fisher = settings.weighting == "fisher" and fisher is not None
+    stats = weight_stats(w)
+    precompensate = settings.precompensation == "all" or (
+        settings.precompensation == "flagged" and stats.needs_precompensation
+    )
+    options = []
+    for spec, variant in candidate_specs(linear, formats, settings, precompensate):
+        scale = None
+        if spec.act_scale is not None:
+            base = LayerQuantSpec(spec.format, spec.group_size, spec.symmetric)
+            scale, alpha, _ = search_act_scale(w, x, base, settings.awq_alphas)
+            if alpha == 0.0:
+                continue  # no scaling helps here: the plain variant already covers this point
+            spec = LayerQuantSpec(spec.format, spec.group_size, spec.symmetric, spec.clip_ratio, act_scale=name)
+        dy = x @ (fake_quantize(w, spec, scale) - w).T  # (R, N)
+        rel = (dy.pow(2).sum() / y_energy).item()
+        error = 0.5 * (dy.pow(2).mean(0) * fisher).sum().item() if use_fisher else rel
+        options.append(Option(spec, variant, spec.bits_per_weight(linear.in_features), error, rel, scale))
+    act = layer.activations
+    return LayerOptions(
+        name, role_of(name), linear.out_features, linear.in_features, is_tied, stats,
+        act.sigma.mean().item(), act.absmax.max().item(), y.std().item(),
+        fisher.sum().item() if fisher is not None else 0.0, options,
+    )  # fmt: skip
+
+
+def measure_options(
+    model: nn.Module,
+    calib: Calibration,
+    formats: Sequence[str],
+    settings: DQGSettings = DQGSettings(),
+    progress: bool = True,
+) -> dict[str, LayerOptions]:
+    """Every candidate spec's measured error for every calibrated nn.Linear (the expensive part)."""
+    from mcp2026.quant.calibrate import _progress
+
+    tied = tied_linears(model)
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n in calib.layers]
+    result = {}
+    with torch.inference_mode(), _progress(progress) as bar:
+        task = bar.add_task("measuring formats", total=len(names))
+        for name in names:
+            result[name] = _layer_options(name, model.get_submodule(name), calib, formats, settings, name in tied)
+            bar.advance(task)
+    return result
+
+
+# ---- allocation ------------------------------------------------------------------------------------
+def _cost(layer: LayerOptions, option: Option, unit: str) -> float:
+    """Cost in bits (unit "bits") or bytes; keeping a tied layer dense costs no bytes (shared storage)."""
+    if unit == "bits":
+        return layer.numel * option.bits
+    if layer.is_tied and option.spec.format in DENSE_FORMATS:
+        return 0.0
+    return layer.numel * option.bits / 8
+
+
+def _hull(points: list[tuple[float, float, Option]]) -> list[tuple[float, float, Option]]:
+    """Lower convex hull of (cost, error) points, cheapest first, error strictly decreasing."""
+    pareto: list[tuple[float, float, Option]] = []
+    for point in sorted(points, key=lambda p: (p[0], p[1])):
+        if not pareto or point[1] < pareto[-1][1]:  # same cost: the first is the best, the rest drop
+            pareto.append(point)
+    hull: list[tuple[float, float, Option]] = []
+    for p in pareto:
+        while len(hull) >= 2:
+            (c1, e1, _), (c2, e2, _) = hull[-2], hull[-1]
+            if (e1 - e2) * (p[0] - c2) <= (e2 - p[1]) * (c2 - c1):  # middle point not below the chord
+                hull.pop()
+            else:
+                break
+        hull.append(p)
+    return hull
+
+
+def allocate(layers: Mapping[str, LayerOptions], budget: float, unit: str = "bits") -> dict[str, Option]:
+    """The option per layer minimising total error with total cost <= ``budget`` (bits or bytes over the
+    linears). Greedy over hull segments by error saved per unit cost, then a fill with any option that
+    still fits. Raises BudgetError when even the cheapest options do not fit."""
+    points = {n: [(_cost(lo, o, unit), o.error, o) for o in lo.options] for n, lo in layers.items()}
+    hulls = {n: _hull(p) for n, p in points.items()}
+    position = dict.fromkeys(hulls, 0)
+    total = sum(h[0][0] for h in hulls.values())
+    if total > budget * (1 + 1e-9):
+        raise BudgetError(f"impossible budget: the cheapest plan needs {total:.4g} {unit}, budget is {budget:.4g}")
+    segments = []
+    for n, h in hulls.items():
+        for i in range(len(h) - 1):
+            slope = (h[i][1] - h[i + 1][1]) / max(h[i + 1][0] - h[i][0], 1e-30)
+            segments.append((-slope, n, i))
+    blocked: set[str] = set()
+    for _, n, i in sorted(segments):
+        if n in blocked or position[n] != i:
+            continue
+        step = hulls[n][i + 1][0] - hulls[n][i][0]
+        if total + step <= budget:
+            total += step
+            position[n] = i + 1
+        else:
+            blocked.add(n)  # later segments of this layer must not be taken before this one
+    chosen = {n: hulls[n][position[n]] for n in hulls}
+    while True:  # fill: the single switch that saves the most error and still fits
+        best = None
+        for n, (cost, error, _) in chosen.items():
+            for point in points[n]:
+                if point[1] < error and total - cost + point[0] <= budget:
+                    gain = error - point[1]
+                    if best is None or gain > best[0]:
+                        best = (gain, n, point)
+        if best is None:
+            break
+        _, n, point = best
+        total += point[0] - chosen[n][0]
+        chosen[n] = point
+    return {n: p[2] for n, p in chosen.items()}
+
+
+# ---- analytic mode ----------------------------------------------------------------------------------
+def analytic_bits(sigma: float, eps: float) -> int:
+    """The design notes' ``b* = ceil(log2(1 + sigma / eps))``."""
+    if sigma < 0 or eps <= 0:
+        raise ValueError(f"need sigma >= 0 and eps > 0, got sigma={sigma}, eps={eps}")
+    return max(1, math.ceil(math.log2(1 + sigma / eps)))
+
+
+def analytic_eps(layers: Mapping[str, LayerOptions], kld: float) -> dict[str, float]:
+    """Tolerable output noise per layer: each layer may add ``kld / L`` nats; with output noise of std eps
+    on every channel a layer adds 0.5 * eps^2 * sum_n F_n (F: output Fisher), so eps = sqrt(2 kld / (L sum F))."""
+    share = kld / max(len(layers), 1)
+    return {n: math.sqrt(2 * share / max(lo.output_fisher, 1e-30)) for n, lo in layers.items()}
+
+
+def analytic_choice(
+    layers: Mapping[str, LayerOptions], eps: Mapping[str, float], formats: Sequence[str], group_size: int, symmetric: bool
+) -> dict[str, tuple[int, Option]]:
+    """b* per layer from its output sigma, clamped to the nearest candidate format; the option measured
+    for that format (int4: ``group_size`` or the largest group the layer allows)."""
+    from mcp2026.quant.backend import clamp_bits
+
+    chosen = {}
+    for name, lo in layers.items():
+        bits = analytic_bits(lo.out_sigma, eps[name])
+        usable = [f for f in formats if f != "int4" or int4_groups(lo.in_features, lo.out_features)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # clamping every layer is the point here, not news
+            fmt = clamp_bits(bits, usable)
+        plain = [o for o in lo.options if o.spec.format == fmt and not o.variant and o.spec.act_scale is None
+                 and o.spec.clip_ratio == 1.0 and (fmt != "int4" or o.spec.symmetric == symmetric)]  # fmt: skip
+        groups = sorted({o.spec.group_size or 0 for o in plain})
+        group = group_size if group_size in groups else max((g for g in groups if g <= group_size), default=groups[0])
+        chosen[name] = (bits, next(o for o in plain if (o.spec.group_size or 0) == group))
+    return chosen
+
+
+# ---- plans -----------------------------------------------------------------------------------------
+def plan_from_choices(choices: Mapping[str, Option]) -> tuple[QuantPlan, dict[str, Tensor]]:
+    """One exact-name rule per layer, and the act scales the AWQ options need."""
+    plan = QuantPlan({name: o.spec for name, o in choices.items()})
+    scales = {o.spec.act_scale: o.act_scale for o in choices.values() if o.spec.act_scale is not None}
+    return plan, scales
+
+
+def uniform_plan(model: nn.Module, spec: LayerQuantSpec) -> QuantPlan:
+    """``spec`` for every linear; int4 layers whose width the group does not divide get the largest group
+    that does (then int8 if none), as exact-name exceptions before the ``_default``."""
+    rules: dict[str, LayerQuantSpec] = {}
+    if spec.format == "int4":
+        for name, m in model.named_modules():
+            if isinstance(m, nn.Linear) and spec.group_size not in int4_groups(m.in_features, m.out_features):
+                groups = [g for g in int4_groups(m.in_features, m.out_features) if g < spec.group_size]
+                rules[name] = (
+                    LayerQuantSpec("int4", max(groups), spec.symmetric, spec.clip_ratio)
+                    if groups
+                    else LayerQuantSpec("int8")
+                )
+    return QuantPlan({**rules, "_default": spec})
+
+
+def fake_quantized_weights(
+    model: nn.Module, plan: QuantPlan, act_scales: Mapping[str, Tensor] | None = None
+) -> dict[str, Tensor]:
+    """name -> the fp weight each planned linear would compute with (for quick quality checks)."""
+    out = {}
+    for name, m in model.named_modules():
+        spec = plan.spec_for(name)
+        if isinstance(m, nn.Linear) and spec is not None and spec.format != "fp32":
+            scale = None if spec.act_scale is None else (act_scales or {})[spec.act_scale]
+            out[name] = fake_quantize(m.weight.detach(), spec, scale).to(m.weight.dtype)
+    return out
+
+
+class swapped_weights:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """Temporarily give linears other weights (new Parameters, so a tied embedding is left alone)."""
+
+    def __init__(self, model: nn.Module, weights: Mapping[str, Tensor]) -> None:
+        self.model, self.weights, self.saved = model, weights, {}
+
+    def __enter__(self) -> nn.Module:
+        for name, w in self.weights.items():
+            m = self.model.get_submodule(name)
+            self.saved[name] = m.weight
+            m.weight = nn.Parameter(w, requires_grad=False)
+        return self.model
+
+    def __exit__(self, *exc: object) -> None:
+        for name, w in self.saved.items():
+            self.model.get_submodule(name).weight = w
+
+
+def total_error(layers: Mapping[str, LayerOptions], choices: Mapping[str, Option]) -> float:
+    return sum(choices[n].error for n in layers)
+
+
+def avg_bits(layers: Mapping[str, LayerOptions], choices: Mapping[str, Option]) -> float:
+    numel = sum(lo.numel for lo in layers.values())
+    return sum(lo.numel * choices[n].bits for n, lo in layers.items()) / max(numel, 1)
+
+
+
+# ---- result ----------------------------------------------------------------------------------------
+@dataclass
+class DQGResult:
+    """A plan plus how it was chosen: per-layer measurements, the budget, perplexity checks."""
+
+    mode: str  # "uniform" | "measured" | "analytic"
+    plan: QuantPlan
+    act_scales: dict[str, Tensor] = field(default_factory=dict, repr=False)
+    budget: str = ""
+    layers: dict[str, LayerOptions] = field(default_factory=dict, repr=False)
+    choices: dict[str, Option] = field(default_factory=dict)
+    analytic: dict[str, int] = field(default_factory=dict)  # analytic mode: b* per layer before clamping
+    ppl_checks: list[dict[str, float]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def avg_bits(self) -> float:
+        return avg_bits(self.layers, self.choices) if self.choices else float("nan")
+
+    @property
+    def predicted_error(self) -> float:
+        return total_error(self.layers, self.choices) if self.choices else float("nan")
+
+    def precompensation_report(self) -> dict[str, dict[str, float]]:
+        """Per technique: variants measured, share that reduced the layer's output error against the same
+        format without it, median reduction, and the layers the plan applies it to with their reduction."""
+        found: dict[str, list[tuple[str, float]]] = {}
+        for name, lo in self.layers.items():
+            for option in lo.options:
+                for technique in filter(None, option.variant.split("+")):
+                    base = _without(option, technique, lo.options)
+                    if base is not None and base.rel_error > 0:
+                        found.setdefault(technique, []).append((name, 1 - option.rel_error / base.rel_error))
+        report = {}
+        for technique, pairs in found.items():
+            gains = sorted(g for _, g in pairs)
+            applied = [
+                1 - o.rel_error / b.rel_error
+                for n, o in self.choices.items()
+                if technique in o.variant.split("+") and (b := _without(o, technique, self.layers[n].options))
+            ]
+            report[technique] = {
+                "measured": len(gains),
+                "helped_share": sum(g > 0 for g in gains) / len(gains),
+                "median_reduction": gains[len(gains) // 2],
+                "applied_layers": len(applied),
+                "applied_mean_reduction": sum(applied) / len(applied) if applied else 0.0,
+            }
+        return report
+
+    def rows(self) -> list[dict[str, object]]:
+        out = []
+        for name, o in self.choices.items():
+            lo = self.layers[name]
+            base = _plain(o, lo.options)
+            out.append({
+                "layer": name, "role": lo.role, "sigma_w": lo.weight.sigma, "skew": lo.weight.skewness,
+                "kurtosis": lo.weight.kurtosis, "outliers": lo.weight.outlier_ratio, "act_sigma": lo.act_sigma,
+                "act_absmax": lo.act_absmax, "flagged": lo.flagged, "format": o.label, "bits": o.bits,
+                "rel_error": o.rel_error, "error": o.error,
+                "precomp_reduction": 1 - o.rel_error / base.rel_error if base and base.rel_error > 0 else None,
+                **({"b_star": self.analytic[name]} if name in self.analytic else {}),
+            })  # fmt: skip
+        return out
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "mode": self.mode, "budget": self.budget, "avg_bits_per_weight": self.avg_bits,
+            "predicted_error": self.predicted_error, "plan": self.plan.to_dict(), "plan_id": self.plan.plan_id,
+            "precompensation": self.precompensation_report(), "ppl_checks": self.ppl_checks,
+            "notes": self.notes, "layers": self.rows(),
+        }  # fmt: skip
+
+    def to_json(self) -> str:
+        import json
+
+        return json.dumps(self.to_dict(), indent=1, default=float)
+
+    def to_table(self):
+        from rich.table import Table
+
+        title = f"DQG {self.mode} plan {self.plan.plan_id}: {self.budget}"
+        if self.choices:
+            title += f" -> {self.avg_bits:.3f} bits/weight, est. error {self.predicted_error:.4g}"
+        table = Table(title=title)
+        rows = self.rows()
+        if not rows:
+            return self.plan.to_table()
+        columns = [c for c in rows[0] if c != "flagged"]
+        for column in columns:
+            table.add_column(column, justify="left" if column in ("layer", "role", "format") else "right")
+        for row in rows:
+            cells = [_cell(row.get(c)) for c in columns]
+            cells[0] += " *" if row["flagged"] else ""
+            table.add_row(*cells)
+        table.caption = "* flagged for pre-compensation (|skew| > 0.8 or kurtosis > 5)"
+        return table
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return "" if value is None else str(value)
+
+
+def _same(a: LayerQuantSpec, b: LayerQuantSpec) -> bool:
+    return (a.format, a.group_size, a.symmetric) == (b.format, b.group_size, b.symmetric)
+
+
+def _without(option: Option, technique: str, options: Sequence[Option]) -> Option | None:
+    """The measured option equal to ``option`` except without ``technique``."""
+    spec, rest = option.spec, [t for t in option.variant.split("+") if t and t != technique]
+    want = LayerQuantSpec(
+        spec.format, spec.group_size, True if technique == "zero_point" else spec.symmetric,
+        1.0 if technique == "mse_clip" else spec.clip_ratio, None if technique == "awq" else spec.act_scale,
+    )  # fmt: skip
+    return next((o for o in options if o.spec == want and o.variant == "+".join(rest)), None)
+
+
+def _plain(option: Option, options: Sequence[Option]) -> Option | None:
+    """The same format without any pre-compensation, when the option has some."""
+    if not option.variant:
+        return None
+    return next((o for o in options if not o.variant and _same(o.spec, option.spec)), None) or next(
+        (o for o in options if not o.variant and o.spec.format == option.spec.format
+         and o.spec.group_size == option.spec.group_size), None)  # fmt: skip

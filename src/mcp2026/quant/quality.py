@@ -1,0 +1,303 @@
+"""Quality of a quantized model: perplexity and KL divergence against the unquantized model.
+
+Scored as llama.cpp's ``llama-perplexity`` does: the text is cut into windows of ``n_ctx`` (512) tokens,
+each run from scratch, and only the second half of each window is scored (positions n_ctx/2 .. n_ctx-2
+predicting the next token), so every scored token has at least n_ctx/2 tokens of context; KLD is the
+mean over scored tokens of KL(p_reference || p_quantized). Text: held-out ShareGPT conversations (the
+calibration split never overlaps it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+N_CTX = 512
+
+
+@dataclass(frozen=True)
+class QualityResult:
+    ppl: float
+    nll: float  # mean negative log-likelihood (nats/token)
+    num_tokens: int  # scored tokens
+    kld: float | None = None  # mean KL(reference || model), nats/token
+    kld_p99: float | None = None
+    top1_agreement: float | None = None  # share of scored tokens where both argmaxes agree
+    reference_ppl: float | None = None
+    delta_ppl: float | None = None  # relative: ppl / reference_ppl - 1
+    delta_ppl_stderr: float | None = None  # of ln(ppl / reference_ppl), from per-token differences
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        return dict(self.__dict__)
+
+
+# ---- windows ---------------------------------------------------------------------------------------
+def windows_from_tokens(
+    tokens: Sequence[int], n_ctx: int = N_CTX, num_windows: int | None = None, bos_token_id: int | None = None
+) -> list[Tensor]:
+    """Consecutive non-overlapping windows of ``n_ctx`` tokens (a short tail is dropped); with
+    ``bos_token_id`` the first token of each window is replaced by BOS, as llama.cpp does."""
+    ids = torch.as_tensor(list(tokens), dtype=torch.long)
+    count = len(ids) // n_ctx if num_windows is None else min(num_windows, len(ids) // n_ctx)
+    windows = [ids[i * n_ctx : (i + 1) * n_ctx].clone() for i in range(count)]
+    if bos_token_id is not None:
+        for w in windows:
+            w[0] = bos_token_id
+    return windows
+
+
+def evaluation_windows(tokenizer, num_windows: int, n_ctx: int = N_CTX, seed: int = 0) -> list[Tensor]:
+    """``num_windows`` windows of held-out ShareGPT text (the evaluation split), fixed by ``seed``."""
+    from mcp2026.quant.calibrate import sharegpt_texts
+
+    tokens: list[int] = []
+    for text in sharegpt_texts("evaluation", seed):
+        tokens.extend(tokenizer.encode(text, add_special_tokens=False))
+        if len(tokens) >= num_windows * n_ctx:
+            break
+    bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos", False) else None
+    return windows_from_tokens(tokens, n_ctx, num_windows, bos)
+
+
+# ---- metrics ---------------------------------------------------------------------------------------
+def nll_of(logprobs: Tensor, targets: Tensor) -> Tensor:
+    """(S, V) log-probabilities, (S,) targets -> (S,) negative log-likelihoods."""
+    return -logprobs.float().gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def kld_of(reference_logprobs: Tensor, logprobs: Tensor) -> Tensor:
+    """(S, V) each -> (S,) KL(reference || model) = sum_v p_ref (log p_ref - log p)."""
+    ref = reference_logprobs.float()
+    return (ref.exp() * (ref - logprobs.float())).sum(-1).clamp_min(0.0)
+
+
+@torch.inference_mode()
+def scored_logprobs(model: nn.Module, window: Tensor) -> tuple[Tensor, Tensor]:
+    """Log-probabilities (S, V) at the scored positions of one window, and their targets (S,)."""
+    device = next(model.parameters()).device
+    ids = window.to(device)
+    n = len(ids)
+    first = n // 2
+    hidden = model(ids, torch.arange(n, device=device))  # (n, H)
+    logits = model.compute_logits(hidden[first : n - 1])  # (S, V)
+    return torch.log_softmax(logits.float(), dim=-1).cpu(), window[first + 1 :]
+
+
+def reference_logprobs(model: nn.Module, windows: Sequence[Tensor]) -> list[Tensor]:
+    return [scored_logprobs(model, w)[0] for w in windows]
+
+
+def evaluate(
+    model: nn.Module, windows: Sequence[Tensor], reference: Sequence[Tensor] | nn.Module | None = None
+) -> QualityResult:
+    """Perplexity of ``model`` on ``windows``; with ``reference`` (the unquantized model, or its
+    ``reference_logprobs`` for these windows) also KLD, top-1 agreement and the perplexity change."""
+    nlls, ref_nlls, klds, agree = [], [], [], []
+    for i, window in enumerate(windows):
+        logprobs, targets = scored_logprobs(model, window)
+        nlls.append(nll_of(logprobs, targets))
+        if reference is None:
+            continue
+        ref = scored_logprobs(reference, window)[0] if isinstance(reference, nn.Module) else reference[i]
+        ref_nlls.append(nll_of(ref, targets))
+        klds.append(kld_of(ref, logprobs))
+        agree.append(ref.argmax(-1) == logprobs.argmax(-1))
+    nll = torch.cat(nlls).double()
+    result = {"ppl": math.exp(nll.mean().item()), "nll": nll.mean().item(), "num_tokens": nll.numel()}
+    if reference is not None:
+        ref_nll, kld = torch.cat(ref_nlls).double(), torch.cat(klds).double()
+        diff = nll - ref_nll
+        result.update(
+            kld=kld.mean().item(),
+            kld_p99=torch.quantile(kld, 0.99).item() if kld.numel() > 1 else kld.max().item(),
+            top1_agreement=torch.cat(agree).double().mean().item(),
+            reference_ppl=math.exp(ref_nll.mean().item()),
+            delta_ppl=math.exp(diff.mean().item()) - 1,
+            delta_ppl_stderr=(diff.std() / math.sqrt(diff.numel())).item() if diff.numel() > 1 else 0.0,
+        )
+    return QualityResult(**result)
+
+
+# ---- the quality benchmark -------------------------------------------------------------------------
+def use_more_bits(layer: int, num_layers: int) -> bool:
+    """llama.cpp's rule (``use_more_bits`` in llama-quant.cpp): the first and last eighth of the layers and
+    every third layer in between get the wider type for attn_v and ffn_down."""
+    eighth = num_layers // 8
+    return layer < eighth or layer >= 7 * num_layers // 8 or (layer - eighth) % 3 == 2
+
+
+def role_mixture_plan(model: nn.Module, base, high=None):
+    """The llama.cpp-style fixed mixture by tensor role. NOTE: our attention projections are fused, so
+    attn_v is the v rows of ``qkv_proj``; a plan is per module, so the whole qkv_proj (q and k rows too)
+    takes the wider type there - more bits than llama.cpp spends, counted in the plan's bits/weight."""
+    from mcp2026.quant.dqg import uniform_plan
+    from mcp2026.quant.plan import LayerQuantSpec, QuantPlan
+
+    high = high or LayerQuantSpec("int8")
+    num_layers = len(model.layers)
+    rules = {}
+    for i in range(num_layers):
+        if use_more_bits(i, num_layers):
+            rules[f"layers.{i}.attn.qkv_proj"] = high
+            rules[f"layers.{i}.mlp.down_proj"] = high
+    return QuantPlan({**rules, **uniform_plan(model, base).to_dict()})
+
+
+@dataclass(frozen=True)
+class QualityBenchSettings:
+    num_windows: int = 20
+    n_ctx: int = N_CTX
+    seed: int = 0
+    dqg_budgets: tuple[float, ...] = (4.5, 5.0)
+    curve_budgets: tuple[float, ...] = (4.25, 4.5, 4.75, 5.0, 5.25, 5.5, 5.75, 6.0)
+    only: tuple[str, ...] = ()  # run only the plans whose name contains one of these (and the curve if "curve")
+    out_dir: str | None = None  # where quality.json / quality.md / quality_curve.png go
+
+
+@dataclass
+class QualityBench:
+    rows: list[dict[str, object]]
+    markdown: str
+    curve_png: str | None = None
+
+
+def _symmetric_family(layers):
+    """The DQG's options when int4 must be symmetric: zero points only as pre-compensation of flagged layers."""
+    import dataclasses
+
+    out = {}
+    for name, lo in layers.items():
+        options = []
+        for o in lo.options:
+            if o.spec.format == "int4" and not o.spec.symmetric:
+                if not lo.flagged:
+                    continue
+                o = dataclasses.replace(o, variant="+".join(filter(None, ("zero_point", o.variant))))
+            options.append(o)
+        out[name] = dataclasses.replace(lo, options=options)
+    return out
+
+
+def _fixed_plans(model):
+    from mcp2026.quant.dqg import uniform_plan
+    from mcp2026.quant.plan import LayerQuantSpec
+
+    plans = {"int8": uniform_plan(model, LayerQuantSpec("int8"))}
+    for sym in (True, False):
+        for g in (32, 64, 128):
+            plans[f"int4 {'sym' if sym else 'asym'} g{g}"] = uniform_plan(model, LayerQuantSpec("int4", g, sym))
+    for sym in (True, False):
+        base = LayerQuantSpec("int4", 64, sym)
+        plans[f"llama.cpp-style mixture ({'sym' if sym else 'asym'} g64 + int8)"] = role_mixture_plan(model, base)
+    return plans
+
+
+def run_quality_bench(
+    model_path=None,
+    settings: QualityBenchSettings = QualityBenchSettings(),
+    calibration=None,
+    progress: bool = True,
+) -> QualityBench:
+    """PPL and KLD vs the unquantized model on held-out ShareGPT for uniform int8 / int4 (sym, asym,
+    g32/64/128), the llama.cpp-style role mixture, the DQG at fixed budgets and at the mixture's bits,
+    and a ΔPPL-vs-bits curve of DQG budgets. Quantized models run the real kernels."""
+    import copy
+
+    from mcp2026.loading.loader import load_model
+    from mcp2026.quant import dqg, recipe
+    from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, calibration_samples
+
+    loaded = load_model(model_path)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    formats, dtypes = recipe.hardware_candidates("cpu")
+    windows = evaluation_windows(tokenizer, settings.num_windows, settings.n_ctx, settings.seed)
+    reference = reference_logprobs(model, windows)
+    wanted = lambda name: not settings.only or any(k in name for k in settings.only)  # noqa: E731
+    plans = {name: (plan, {}, "fixed") for name, plan in _fixed_plans(model).items() if wanted(name)}
+    if any(wanted(n) for n in ("DQG", "curve")):
+        calibration = calibration or CalibrationSettings()
+        calib = calibrate(model, calibration_samples(calibration, tokenizer, model.embed_tokens.num_embeddings),
+                          calibration, progress)  # fmt: skip
+        full = dqg.measure_options(model, calib, formats, dqg.DQGSettings(), progress)
+        families = {"DQG": full, "DQG-sym": _symmetric_family(full)}
+        numel = sum(lo.numel for lo in full.values())
+        budgets = [(f, b) for f in families for b in settings.dqg_budgets]
+        mixtures = {n: p for n, p in _fixed_plans(model).items() if n.startswith("llama")}
+        budgets += [(f"DQG{'-sym' if '(sym' in n else ''}", p.avg_bits_per_weight(model)) for n, p in mixtures.items()]
+        if wanted("curve"):
+            budgets += [(f, b) for f in families for b in settings.curve_budgets]
+        for family, bits in dict.fromkeys(budgets):
+            name = f"{family} {bits:.3g} bpw"
+            if not (wanted(name) or wanted("curve")):
+                continue
+            try:
+                choices = dqg.allocate(families[family], bits * numel, "bits")
+            except dqg.BudgetError:
+                continue  # below the cheapest plan of this family
+            plan, scales = dqg.plan_from_choices(choices)
+            plans[name] = (plan, scales, family)
+    rows = [{"plan": "fp32 (reference)", "family": "reference", "bits": 32.0, "mib": None,
+             **evaluate(model, windows).to_dict()}]  # fmt: skip
+    with _progress(progress) as bar:
+        task = bar.add_task("evaluating plans", total=len(plans))
+        for name, (plan, scales, family) in plans.items():
+            bits, mib = plan.avg_bits_per_weight(model), plan.total_bytes(model) / 2**20
+            quantized = recipe.apply(copy.deepcopy(model), dqg.DQGResult("bench", plan, scales), dtypes, False)
+            rows.append({"plan": name, "family": family, "bits": bits, "mib": mib,
+                         **evaluate(quantized, windows, reference).to_dict()})  # fmt: skip
+            del quantized
+            bar.advance(task)
+    header = f"{loaded.source.name}, {len(windows)} windows x {settings.n_ctx} tokens (second halves scored)"
+    bench = QualityBench(rows, _markdown(rows, header))
+    if settings.out_dir:
+        bench.curve_png = _write(bench, settings.out_dir)
+    return bench
+
+
+def _markdown(rows, header: str) -> str:
+    lines = [f"Quality: {header}", "", "| plan | bits/weight | weights MiB | PPL | ΔPPL | KLD | KLD p99 | top-1 agree |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        delta = "" if r.get("delta_ppl") is None else f"{100 * r['delta_ppl']:+.2f}% ± {100 * r['delta_ppl_stderr']:.2f}"
+        cells = [r["plan"], f"{r['bits']:.3f}", "" if r["mib"] is None else f"{r['mib']:.1f}", f"{r['ppl']:.3f}", delta,
+                 *("" if r.get(k) is None else f"{r[k]:.4f}" for k in ("kld", "kld_p99", "top1_agreement"))]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _write(bench: QualityBench, out_dir: str) -> str | None:
+    import json
+    from pathlib import Path
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quality.json").write_text(json.dumps(bench.rows, indent=1))
+    (out / "quality.md").write_text(bench.markdown + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for family, style in (("DQG", "o-"), ("DQG-sym", "s-")):
+        points = sorted((r["bits"], 100 * r["delta_ppl"]) for r in bench.rows if r["family"] == family)
+        if points:
+            ax.plot(*zip(*points), style, label=family)
+    for r in bench.rows:
+        if r["family"] == "fixed":
+            ax.plot(r["bits"], 100 * r["delta_ppl"], "x", color="k")
+            ax.annotate(r["plan"], (r["bits"], 100 * r["delta_ppl"]), fontsize=7)
+    ax.set_xlabel("bits per weight (scales and zeros included)")
+    ax.set_ylabel("ΔPPL vs fp32 (%)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    path = out / "quality_curve.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return str(path)

@@ -1,0 +1,240 @@
+"""From a QuantConfig to a quantized model: resolve the request against this device's candidate formats,
+then either a uniform plan, or calibrate and let the DQG choose (analytic, or measured under a budget of
+bits per weight, bytes, or perplexity increase), and quantize in place. Used by Pipeline and compile.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from mcp2026.config import QuantConfig
+from mcp2026.quant import dqg
+from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, calibration_samples
+from mcp2026.quant.dqg import BudgetError, DQGResult, DQGSettings
+from mcp2026.quant.linear import quantize_
+from mcp2026.quant.plan import DENSE_FORMATS, WEIGHT_BITS, LayerQuantSpec, QuantPlan
+
+QUANT_FORMATS = ("int8", "int4", "fp8")
+FAST_DTYPE = {"int8": torch.bfloat16, "int4": torch.bfloat16}  # see hardware_candidates
+
+
+def hardware_candidates(device: str | torch.device = "cpu") -> tuple[tuple[str, ...], dict[str, torch.dtype]]:
+    """(candidate formats, format -> compute dtype) from the backend probe.
+
+    NOTE: the probe does not cache timings taken while other processes keep the CPU busy, and such
+    timings are not evidence either way (a busy 2-core machine slows every kernel 10-100x). Then the
+    formats with a real kernel count as candidates, and the int kernels run in bf16, where they are
+    known to be fast (the cached probes of quiet runs on AVX2 and AVX-512 machines agree).
+    """
+    from mcp2026.quant import backend
+
+    device = torch.device(device)
+    report = backend.probe(device)
+    if device.type != "cpu" or report.load_avg <= backend.BUSY_LOAD:
+        return report.candidates(), report.compute_dtypes
+    formats = [f for f, r in report.formats.items() if r.has_kernel and (f in QUANT_FORMATS or f == "fp32")]
+    warnings.warn(
+        f"CPU busy (load {report.load_avg:.1f}): candidate formats by kernel availability: {formats}",
+        stacklevel=2,
+    )
+    dtypes = {**report.compute_dtypes, **{f: d for f, d in FAST_DTYPE.items() if f in formats}}
+    return tuple(sorted(formats, key=WEIGHT_BITS.get)), dtypes
+
+
+def resolve_format(fmt: str, candidates: Sequence[str], strict: bool, device: str = "cpu") -> str:
+    """``fmt`` itself when this device runs it fast, else the nearest candidate by weight width (the
+    notes' clampBitwidth) with a warning naming both; ``strict`` raises listing the candidates."""
+    from mcp2026.quant.backend import clamp_bits
+
+    if fmt in candidates:
+        return fmt
+    usable = [c for c in candidates if c in QUANT_FORMATS] or list(candidates)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        chosen = clamp_bits(WEIGHT_BITS[fmt], usable)
+    listing = ", ".join(f"{c} ({WEIGHT_BITS[c]} bits)" for c in candidates)
+    message = f"{fmt} has no fast kernel on {device}; nearest candidate is {chosen}. Candidates: {listing}"
+    if strict:
+        raise ValueError(message)
+    warnings.warn(message, stacklevel=3)
+    return chosen
+
+
+def _granularity_formats(config: QuantConfig, formats: Sequence[str]) -> list[str]:
+    keep = {"per_channel": ("int8", "fp8"), "per_group": ("int4",)}.get(config.granularity)
+    if config.granularity == "per_tensor":
+        message = "per-tensor granularity has no kernel here; using per-channel int8 / group-wise int4"
+        if config.strict:
+            raise ValueError(message)
+        warnings.warn(message, stacklevel=3)
+    return [f for f in formats if keep is None or f in keep or f in DENSE_FORMATS]
+
+
+def _budget(config: QuantConfig) -> tuple[str, float] | None:
+    given = {
+        k: getattr(config, k)
+        for k in ("bits_budget", "bytes_budget", "max_ppl_increase")
+        if getattr(config, k) is not None
+    }
+    if len(given) > 1:
+        raise ValueError(f"set one budget, not {sorted(given)}")
+    if given:
+        return next(iter(given.items()))
+    if config.target_precision in QUANT_FORMATS:  # DQG at the cost of the uniform target
+        spec = LayerQuantSpec(config.target_precision, config.group_size, config.symmetric)
+        return "bits_budget", spec.bits_per_weight(1 << 20)
+    return None  # analytic
+
+
+def plan_for_config(
+    model: nn.Module,
+    tokenizer: object | None,
+    config: QuantConfig,
+    *,
+    formats: Sequence[str],
+    settings: DQGSettings | None = None,
+    calibration: CalibrationSettings | None = None,
+    progress: bool = True,
+) -> DQGResult:
+    """The plan ``config`` asks for on a device whose candidate formats are ``formats``."""
+    formats = _granularity_formats(config, formats)
+    if not config.enable_dqg and config.target_precision not in QUANT_FORMATS:
+        return DQGResult("uniform", QuantPlan({}), budget=f"unquantized {config.target_precision}")
+    if not config.enable_dqg:
+        fmt = resolve_format(config.target_precision, formats, config.strict)
+        spec = LayerQuantSpec(fmt, config.group_size, config.symmetric) if fmt == "int4" else LayerQuantSpec(fmt)
+        return DQGResult("uniform", dqg.uniform_plan(model, spec), budget=f"uniform {config.target_precision}")
+    settings = settings or DQGSettings(symmetric_only=config.symmetric)
+    calibration = calibration or CalibrationSettings(config.calibration_source, config.calibration_samples)
+    vocab = model.get_submodule("embed_tokens").num_embeddings
+    samples = calibration_samples(calibration, tokenizer, vocab)
+    calib = calibrate(model, samples, calibration, progress)
+    layers = dqg.measure_options(model, calib, formats, settings, progress)
+    budget = _budget(config)
+    if budget is None:
+        return _analytic(layers, config, formats, settings)
+    kind, value = budget
+    if kind == "max_ppl_increase":
+        return _ppl_search(model, calib, layers, value, settings, progress)
+    if kind == "bits_budget":
+        unit, limit = "bits", value * sum(lo.numel for lo in layers.values())
+    else:
+        unit, limit = "bytes", value - fixed_bytes(model, layers)
+    try:
+        choices = dqg.allocate(layers, limit, unit)
+    except BudgetError as error:
+        raise BudgetError(f"{kind}={value}: {error}; candidate formats: {', '.join(formats)}") from None
+    plan, scales = dqg.plan_from_choices(choices)
+    return DQGResult("measured", plan, scales, f"{kind}={value:g}", layers, choices)
+
+
+def fixed_bytes(model: nn.Module, layers: dict[str, dqg.LayerOptions]) -> int:
+    """Bytes a plan does not decide: everything but the planned linears' weights (tied ones count there)."""
+    planned = sum(
+        0 if lo.is_tied else model.get_submodule(n).weight.numel() * model.get_submodule(n).weight.element_size()
+        for n, lo in layers.items()
+    )
+    return QuantPlan({}).total_bytes(model) - planned
+
+
+def _analytic(layers, config: QuantConfig, formats, settings: DQGSettings) -> DQGResult:
+    if not all(lo.output_fisher > 0 for lo in layers.values()):
+        raise ValueError("analytic mode needs output sensitivities: calibrate with fisher_samples > 0")
+    eps = dqg.analytic_eps(layers, settings.analytic_kld)
+    picked = dqg.analytic_choice(layers, eps, formats, config.group_size, config.symmetric)
+    choices = {n: o for n, (_, o) in picked.items()}
+    plan, scales = dqg.plan_from_choices(choices)
+    result = DQGResult("analytic", plan, scales, f"analytic, total KLD {settings.analytic_kld:g}", layers, choices)
+    result.analytic = {n: b for n, (b, _) in picked.items()}
+    return result
+
+
+def _ppl_search(model, calib, layers, max_increase: float, settings: DQGSettings, progress: bool) -> DQGResult:
+    """Bisection over the bits budget for the cheapest measured plan whose perplexity on calibration
+    samples (fake-quantized weights) is within ``max_increase`` (relative) of the unquantized model's."""
+    from mcp2026.quant.quality import evaluate
+
+    windows = calib.samples[: settings.ppl_check_samples]
+    numel = sum(lo.numel for lo in layers.values())
+    base_ppl = evaluate(model, windows).ppl
+    lo_bits = sum(min(lo.numel * o.bits for o in lo.options) for lo in layers.values()) / numel
+    quantized = [o.bits for lo in layers.values() for o in lo.options if o.spec.format not in DENSE_FORMATS]
+    hi_bits = max(quantized, default=lo_bits)
+    checks: list[dict[str, float]] = []
+
+    def check(bits: float) -> tuple[bool, dict]:
+        choices = dqg.allocate(layers, bits * numel, "bits")
+        plan, scales = dqg.plan_from_choices(choices)
+        with dqg.swapped_weights(model, dqg.fake_quantized_weights(model, plan, scales)):
+            ppl = evaluate(model, windows).ppl
+        increase = ppl / base_ppl - 1
+        checks.append({"bits_budget": bits, "avg_bits": dqg.avg_bits(layers, choices), "ppl": ppl,
+                       "base_ppl": base_ppl, "increase": increase})  # fmt: skip
+        return increase <= max_increase, choices
+
+    with _progress(progress) as bar:
+        task = bar.add_task("perplexity search", total=settings.ppl_iterations + 1)
+        ok, best = check(hi_bits)
+        bar.advance(task)
+        if not ok:
+            raise BudgetError(
+                f"max_ppl_increase={max_increase:g}: even {hi_bits:.2f} bits/weight gives "
+                f"+{checks[-1]['increase']:.2%} perplexity on calibration text"
+            )
+        lo, hi = lo_bits, hi_bits
+        for _ in range(settings.ppl_iterations):
+            mid = (lo + hi) / 2
+            ok, choices = check(mid)
+            lo, hi, best = (lo, mid, choices) if ok else (mid, hi, best)
+            bar.advance(task)
+    plan, scales = dqg.plan_from_choices(best)
+    return DQGResult("measured", plan, scales, f"max_ppl_increase={max_increase:g}", layers, best, ppl_checks=checks)
+
+
+def apply(
+    model: nn.Module, result: DQGResult, compute_dtypes: dict[str, torch.dtype] | None, progress: bool = True
+) -> nn.Module:
+    """Quantize ``model`` in place as ``result.plan`` says, one layer at a time (with a progress bar)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    with _progress(progress) as bar:
+        task = bar.add_task("quantizing", total=len(names))
+        for name in names:
+            spec = result.plan.spec_for(name)
+            if spec is not None:
+                quantize_(model, QuantPlan({name: spec}), result.act_scales, compute_dtypes)
+            bar.advance(task)
+    return model
+
+
+def quantize_model(
+    model: nn.Module,
+    tokenizer: object | None,
+    config: QuantConfig,
+    device: str | torch.device = "cpu",
+    *,
+    settings: DQGSettings | None = None,
+    calibration: CalibrationSettings | None = None,
+    progress: bool = True,
+) -> DQGResult:
+    """Plan (on this device's candidates) and quantize in place; returns how the plan was chosen."""
+    formats, dtypes = hardware_candidates(device)
+    result = plan_for_config(
+        model, tokenizer, config, formats=formats, settings=settings, calibration=calibration, progress=progress
+    )
+    apply(model, result, dtypes, progress)
+    return result
+
+
+def describe(result: DQGResult, model: nn.Module) -> str:
+    """One line: mode, average bits per linear weight (as stored) and weight bytes."""
+    bits = result.plan.avg_bits_per_weight(model)
+    size = result.plan.total_bytes(model) / 2**20
+    return f"{result.mode} plan {result.plan.plan_id}: {bits:.3f} bits/weight, {size:.1f} MiB of weights" + (
+        "" if math.isnan(result.predicted_error) else f", est. error {result.predicted_error:.4g}"
+    )
+

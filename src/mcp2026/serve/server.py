@@ -1,0 +1,89 @@
+"""Run the server: load the model, build the app, serve with uvicorn; SIGTERM drains or aborts by config.
+
+The first SIGTERM/SIGINT marks the server draining (new requests get 503, /readyz fails), then either lets
+in-flight requests finish (``drain_on_sigterm``) or aborts them (finish_reason "abort"), and exits 0.
+A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+from types import FrameType
+
+import uvicorn
+
+from mcp2026.config import EngineConfig
+from mcp2026.engine.async_engine import AsyncEngine
+from mcp2026.serve.app import create_app
+from mcp2026.serve.config import ServeConfig
+
+log = logging.getLogger("mcp2026.serve")
+
+
+class GracefulServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, serve_config: ServeConfig) -> None:
+        super().__init__(config)
+        self.async_engine = async_engine
+        self.serve_config = serve_config
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._is_shutting_down = False
+
+    async def serve(self, sockets: list | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._is_shutting_down or self._loop is None:
+            super().handle_exit(sig, frame)  # a second signal: stop now
+            return
+        self._is_shutting_down = True
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.shutdown_gracefully(sig)))
+
+    async def shutdown_gracefully(self, sig: int = signal.SIGTERM) -> None:
+        drain = self.serve_config.drain_on_sigterm
+        log.info(
+            "%s: %s %d in-flight requests",
+            signal.Signals(sig).name,
+            "draining" if drain else "aborting",
+            self.async_engine.num_in_flight,
+        )
+        self.config.app.state.service.is_draining = True
+        await self.async_engine.shutdown(drain=drain, timeout_s=self.serve_config.drain_timeout_s)
+        self.should_exit = True
+
+
+def build_server(
+    serve_config: ServeConfig, engine_config: EngineConfig, log_level: str = "info"
+) -> GracefulServer:
+    """Load the model ``serve_config`` names and wrap it in a server."""
+    from mcp2026.pipeline import Pipeline
+
+    pipe = Pipeline(
+        model=serve_config.model,
+        dtype=serve_config.dtype,
+        scheduler=engine_config.scheduler,
+        kv_config=engine_config.kv,
+    )
+    if serve_config.model_name is None:
+        serve_config = dataclasses.replace(serve_config, model_name=pipe.loaded.source.stem)
+    async_engine = AsyncEngine(pipe.engine, warmup=serve_config.warmup)
+    return make_server(async_engine, pipe.tokenizer, serve_config, log_level)
+
+
+def make_server(
+    async_engine: AsyncEngine, tokenizer: object, serve_config: ServeConfig, log_level: str = "info"
+) -> GracefulServer:
+    app = create_app(async_engine, tokenizer, serve_config)
+    config = uvicorn.Config(
+        app,
+        host=serve_config.host,
+        port=serve_config.port,
+        ssl_certfile=serve_config.ssl_certfile,
+        ssl_keyfile=serve_config.ssl_keyfile,
+        log_level=log_level,
+        timeout_graceful_shutdown=serve_config.drain_timeout_s,
+    )
+    return GracefulServer(config, async_engine, serve_config)

@@ -1,0 +1,72 @@
+"""Offline benchmark end to end on a tiny random model: ours alone, with the HF peer, and via the CLI."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from mcp2026.bench.offline import OfflineConfig, run_offline
+from mcp2026.bench.report import read_run, write_run
+
+from conftest import save_tiny_hf
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return str(save_tiny_hf(tmp_path_factory.mktemp("tiny_bench"), max_position_embeddings=256))
+
+
+def test_offline_ours_only(tiny_dir, tmp_path):
+    config = OfflineConfig(
+        model=tiny_dir, workload="random", num_prompts=4, input_len=16, output_len=8, peer=False, dtype="fp32"
+    )
+    run = run_offline(config)
+    ours = [r for r in run.records if r["engine"] == "mcp2026"]
+    assert len(ours) == 4 and all(r["num_output_tokens"] == 8 for r in ours)
+    assert all(0 < r["ttft_s"] <= r["e2e_s"] for r in ours)
+    agg = run.aggregates["mcp2026"]
+    assert agg["num_output_tokens"] == 32 and agg["output_tok_per_s"] > 0
+    assert agg["total_tok_per_s"] > agg["output_tok_per_s"]
+    assert "hf" not in run.aggregates and any("--no-peer" in n for n in run.notes)
+    assert "--no-peer" in run.command and "--workload random" in run.command
+    assert read_run(write_run(run, tmp_path)) == run
+
+
+def test_offline_with_hf_peer_counts_own_tokens(tiny_dir):
+    config = OfflineConfig(
+        model=tiny_dir,
+        workload="random",
+        num_prompts=3,
+        input_len=12,
+        output_len=6,
+        batch_size=2,
+        dtype="fp32",
+    )
+    run = run_offline(config)
+    hf = [r for r in run.records if r["engine"] == "hf"]
+    assert [r["num_output_tokens"] for r in hf] == [6, 6, 6]
+    assert run.aggregates["hf"]["num_generated_tokens"] == 3 * 6
+    assert [b["size"] for b in run.aggregates["hf_batches"]] == [2, 1]
+    assert run.aggregates["ratio"]["output_tok_per_s"] > 0
+
+
+def test_batched_decode_mode(tiny_dir):
+    config = OfflineConfig(model=tiny_dir, batched_decode=4, input_len=8, output_len=10, dtype="fp32")
+    run = run_offline(config)
+    assert run.kind == "offline-batched-decode"
+    assert run.aggregates["mcp2026"]["decode_tok_per_s"] > 0
+    assert run.aggregates["hf"]["decode_tok_per_s"] > 0
+    assert run.tables[0].columns[2] == "decode tok/s"
+
+
+def test_cli_offline(tiny_dir, tmp_path):
+    from mcp2026.bench.cli import bench_app
+
+    args = ["offline", "--model", tiny_dir, "--workload", "random", "--num-prompts", "2", "--input-len", "8"]
+    args += ["--output-len", "4", "--no-peer", "--no-progress", "--dtype", "fp32", "--out", str(tmp_path)]
+    result = CliRunner().invoke(bench_app, args)
+    assert result.exit_code == 0, result.output
+    assert "Offline throughput: 2 random requests" in result.output
+    assert len(list(tmp_path.glob("*-offline.json"))) == 1
+    bad = CliRunner().invoke(bench_app, ["offline", "--model", str(tmp_path / "missing"), "--no-progress"])
+    assert bad.exit_code == 2
