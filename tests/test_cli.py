@@ -77,9 +77,9 @@ def test_info_on_tiny_hf_dir(tiny_llama_dir: Path):
     assert "safetensors" in result.stdout and "float32 x" in result.stdout
 
 
-def test_compile_not_supported_yet():
-    result = CliRunner().invoke(app, ["compile"])
-    assert_user_error(result.exit_code, result.stderr, "not supported yet")
+def test_compile_without_config_is_a_user_error(tmp_path):
+    result = CliRunner().invoke(app, ["compile", str(tmp_path / "no_model")])
+    assert_user_error(result.exit_code, result.stderr, "--config", "--out")
 
 
 def test_mcp_compile_help():

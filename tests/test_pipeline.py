@@ -39,9 +39,10 @@ def pipe() -> Pipeline:
 # --- fast: checks that run before any model is loaded ------------------------------------------
 
 
-def test_weight_quantization_not_supported_yet():
-    with pytest.raises(NotSupportedYetError, match="int4"):
-        Pipeline(model="/no/such/model", config=QuantConfig(target_precision="int4"))
+def test_unsupported_precision_fails_before_loading():
+    # The model path does not exist: the precision check must come first to raise this error.
+    with pytest.raises(NotSupportedYetError, match="fp16"):
+        Pipeline(model="/no/such/model", config=QuantConfig(target_precision="fp16"))
 
 
 def test_normalize_inputs():

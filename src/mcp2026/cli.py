@@ -135,6 +135,25 @@ def serve(
     ssl_keyfile: Annotated[Path | None, typer.Option(help="TLS private key (PEM)")] = None,
     dtype: Annotated[str | None, typer.Option(help="auto | fp32 | bf16")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="the model id clients send")] = None,
+    quant: Annotated[
+        Path | None, typer.Option("--quant", help="QuantConfig YAML: quantize the weights at load")
+    ] = None,
+    kv_dtype: Annotated[
+        str | None, typer.Option(help="KV cache storage: fp32 | bf16 | fp16 | int8 | fp8 | int4")
+    ] = None,
+    kv_policy: Annotated[
+        str | None,
+        typer.Option(
+            help="KV eviction for long contexts: none | sink_window | heavy_hitter | snap | dynamic_window"
+        ),
+    ] = None,
+    kv_sparsity: Annotated[
+        float | None, typer.Option(help="fraction of each long context the KV policy drops (0.7 if unset)")
+    ] = None,
+    gate: Annotated[
+        str | None,
+        typer.Option(help="what traffic pressure switches: auto | quant | kv | observe | off"),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, models, metrics)."""
@@ -142,7 +161,7 @@ def serve(
     import logging
 
     from mcp2026.config import EngineConfig
-    from mcp2026.serve.config import ServeConfig, load_serve_yaml
+    from mcp2026.serve.config import ServeConfig, kv_compressor_from_options, load_serve_yaml
     from mcp2026.serve.server import build_server
 
     serve_config, engine_config = load_serve_yaml(config) if config else (ServeConfig(), EngineConfig())
@@ -155,9 +174,16 @@ def serve(
         "ssl_keyfile": ssl_keyfile,
         "dtype": dtype,
         "model_name": served_model_name,
+        "quant": quant,
     }
     overrides = {k: str(v) if isinstance(v, Path) else v for k, v in given.items() if v is not None}
     serve_config = dataclasses.replace(serve_config, **overrides)
+    if gate is not None:
+        serve_config = dataclasses.replace(
+            serve_config, traffic=dataclasses.replace(serve_config.traffic, gate=gate)
+        )
+    compressor = kv_compressor_from_options(engine_config, kv_dtype, kv_policy, kv_sparsity)
+    engine_config = dataclasses.replace(engine_config, kv_compressor=compressor)
     if not serve_config.is_loopback and serve_config.tenants_file is None:
         err.print(
             f"[bold yellow]warning:[/] binding {serve_config.host} without API keys: anyone who can reach this "
@@ -172,16 +198,37 @@ def serve(
 @app.command("compile")
 @user_errors
 def compile_cmd(
-    model: Annotated[Path | None, typer.Argument(help="model to quantize")] = None,
-    config: Annotated[Path | None, typer.Option("--config", help="quantization YAML")] = None,
-    out_dir: Annotated[Path | None, typer.Option("--out", help="artifact folder")] = None,
+    model: Annotated[
+        Path | None, typer.Argument(help="HF folder or .gguf to quantize (default: embedded SmolLM2-135M)")
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", help="quantization YAML (see examples/quant/)")
+    ] = None,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="artifact folder to write")] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="progress bars")] = True,
 ) -> None:
-    """Calibrate, plan and quantize a model into an artifact (not supported yet)."""
-    from mcp2026.errors import NotSupportedYetError
+    """Calibrate, plan and quantize a model into an artifact folder that loads without recalibrating."""
+    from mcp2026.quant.compile_cli import compile_model
 
-    raise NotSupportedYetError(
-        "`compile` is not supported yet (quantization artifacts are the next milestone)"
-    )
+    if config is None or out_dir is None:
+        raise ValueError("give --config QUANT.yaml and --out DIR (example configs: examples/quant/*.yaml)")
+    path = compile_model(model, config, out_dir, progress=progress, console=out)
+    out.print(f"wrote {path} (load it with Pipeline(model={str(path)!r}) or --model {path})")
+
+
+def _register_bench() -> None:
+    from mcp2026.bench.cli import bench_app
+
+    try:  # the load generator lives in its own module (it needs httpx)
+        from mcp2026.bench.serve_cli import serve as bench_serve
+
+        bench_app.command("serve")(bench_serve)
+    except ImportError:
+        pass
+    app.add_typer(bench_app, name="bench", help="QBench: latency, offline throughput, serving load, reports")
+
+
+_register_bench()
 
 
 def main() -> None:

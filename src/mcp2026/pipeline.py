@@ -38,11 +38,6 @@ def resolve_dtype(dtype: str | torch.dtype, quant: QuantConfig | None) -> torch.
 def _check_quant_supported(quant: QuantConfig | None) -> None:
     if quant is None:
         return
-    if quant.quantizes_weights:
-        raise NotSupportedYetError(
-            f"QuantConfig(target_precision={quant.target_precision!r}, enable_dqg={quant.enable_dqg}) asks for "
-            "weight quantization, which is not supported yet; use target_precision='fp32' or 'bf16'"
-        )
     if quant.target_precision == "fp16":
         raise NotSupportedYetError("fp16 weights are not supported yet; use 'fp32' or 'bf16'")
 
@@ -95,6 +90,11 @@ class Pipeline:
         self.device = torch.device(device)
         self.loaded: LoadedModel = load_model(model, dtype=self.dtype)
         self.loaded.model.to(self.device)
+        self.quant_result = None  # how the weights were quantized: a mcp2026.quant.dqg.DQGResult
+        if config is not None and config.quantizes_weights:
+            from mcp2026.quant.recipe import quantize_loaded
+
+            self.quant_result = quantize_loaded(self.loaded, config, self.device)
         kv_config = kv_config or KVConfig(
             block_size=kv.block_size if kv is not None else 16,
             max_kv_cache_shards=config.max_kv_cache_shards if config else 1,

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from mcp2026.bench.offline import OfflineConfig, run_offline
 from mcp2026.bench.report import read_run, write_run
 
 from conftest import save_tiny_hf
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A tiny model gains nothing from threads, and spinning workers slow it on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +61,7 @@ def test_offline_with_hf_peer_counts_own_tokens(tiny_dir):
 
 
 def test_batched_decode_mode(tiny_dir):
-    config = OfflineConfig(model=tiny_dir, batched_decode=4, input_len=8, output_len=10, dtype="fp32")
+    config = OfflineConfig(model=tiny_dir, batched_decode=3, input_len=8, output_len=6, dtype="fp32")
     run = run_offline(config)
     assert run.kind == "offline-batched-decode"
     assert run.aggregates["mcp2026"]["decode_tok_per_s"] > 0

@@ -5,6 +5,7 @@ the table, write runs/<time>-<kind>.json + .md, optionally refresh docs/benchmar
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from contextlib import nullcontext
 from functools import wraps
@@ -19,7 +20,7 @@ bench_app = typer.Typer(
     no_args_is_help=True,
     help="QBench: benchmarks of mcp2026 side by side with HF transformers and llama.cpp, same run.",
 )
-out = Console()
+out = Console(soft_wrap=True)  # markdown lines must not be wrapped
 err = Console(stderr=True, soft_wrap=True)
 
 ModelOpt = Annotated[
@@ -153,3 +154,32 @@ def report(runs: Annotated[list[Path], typer.Argument(help="run JSON files writt
     for path in runs:
         out.print(f"## {path.name}\n", markup=False)
         out.print(render_markdown(read_run(path)), markup=False, highlight=False)
+
+
+@bench_app.command()
+@_user_errors
+def quality(
+    model: Annotated[Path | None, typer.Option(help="HF folder or .gguf (default: embedded model)")] = None,
+    num_windows: Annotated[int, typer.Option(help="512-token windows of held-out ShareGPT text")] = 20,
+    only: Annotated[
+        str | None, typer.Option(help="comma list: only plans whose name contains one of these")
+    ] = None,
+    seed: Annotated[int, typer.Option()] = 0,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="where quality.json/.md go")] = None,
+    write_docs: Annotated[bool, typer.Option("--write-docs/--no-write-docs")] = False,
+) -> None:
+    """Perplexity and KLD of quantized plans (int8, int4, role mixture, DQG budgets) vs full precision."""
+    from mcp2026.bench.report import update_benchmarks_md
+    from mcp2026.quant.quality import QualityBenchSettings, run_quality_bench
+
+    settings = QualityBenchSettings(
+        num_windows=num_windows,
+        seed=seed,
+        only=tuple(s.strip() for s in only.split(",")) if only else (),
+        out_dir=str(out_dir) if out_dir else None,
+    )
+    result = run_quality_bench(model, settings)
+    out.print(result.markdown, markup=False, highlight=False)
+    if write_docs:
+        command = "mcp2026 bench quality " + " ".join(sys.argv[3:])
+        update_benchmarks_md("quality", f"Command: `{command}`\n\n{result.markdown}")

@@ -152,13 +152,18 @@ def run_offline(
     t0 = time.perf_counter()
     pipe = Pipeline(config.model, dtype=config.dtype)
     load_s = {"mcp2026": time.perf_counter() - t0}
-    dtype = str(pipe.dtype).removeprefix("torch.")
+    dtype = {"torch.float32": "fp32", "torch.bfloat16": "bf16"}.get(str(pipe.dtype), str(pipe.dtype))
     vocab = pipe.loaded.config.vocab_size
     requests = load_workload(config.spec(), pipe.tokenizer, vocab, use_cache=use_cache)
     requests = requests[: config.max_requests] if config.max_requests else requests
     _check_fits(requests, pipe.engine.max_model_len)
     _warm_up_ours(pipe.engine, vocab)
     ours = run_engine(pipe.engine, requests, progress)
+    failed = [x["request_id"] for x in ours.records if x["finish_reason"] == "error"]
+    if failed:
+        notes.append(
+            f"{len(failed)} requests failed on mcp2026 (e.g. {failed[0]}); their tokens are not counted"
+        )
     hf_result = None
     if config.peer:
         from mcp2026.bench import peers
@@ -172,7 +177,7 @@ def run_offline(
         del hf
     else:
         notes.append("HF peer skipped (--no-peer)")
-    if dtype == "bfloat16":
+    if dtype == "bf16":
         from mcp2026 import hardware
 
         if not hardware.has_fast_bf16():

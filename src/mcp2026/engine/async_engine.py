@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from mcp2026.engine.engine import LLMEngine
 from mcp2026.engine.output_processor import RequestOutput
@@ -143,6 +144,7 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         timing: RequestTiming | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; raises ValueError if the engine rejects the request. Leaving the
         iteration early (break, cancellation, client disconnect) aborts the request and frees its blocks."""
@@ -160,7 +162,8 @@ class AsyncEngine:
         self.num_queued_requests += 1
         self.num_queued_tokens += stream.num_prompt_tokens
         prompt = list(prompt_ids)
-        self._submit(lambda: self._add(request_id, prompt, params, priority, cache_salt, timing, added))
+        keys = {"priority": priority, "cache_salt": cache_salt, "tenant": tenant}
+        self._submit(lambda: self._add(request_id, prompt, params, keys, timing, added))
         finished = False
         try:
             await added
@@ -182,6 +185,26 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed before the next step."""
         self._submit(lambda: self.engine.abort(request_id))
+
+    def run_between_steps(self, command: Callable[[], None]) -> None:
+        """Run ``command`` on the loop thread before the next step (the engine is not thread-safe). An
+        exception it raises is logged, not fatal."""
+
+        def guarded() -> None:
+            try:
+                command()
+            except Exception:  # noqa: BLE001 - a failed command must not kill the loop
+                log.exception("engine command %s failed", getattr(command, "__name__", command))
+
+        self._submit(guarded)
+
+    def set_tenant_weights(self, weights: dict[str, float]) -> None:
+        """Fair-share weights of tenants (``tenant`` of ``generate``); others weigh 1."""
+        bad = {name: w for name, w in weights.items() if not w > 0}
+        if bad:
+            raise ValueError(f"fair-share weights must be > 0, got {bad}")
+        fair_share, weights = self.engine.scheduler.fair_share, dict(weights)
+        self.run_between_steps(lambda: fair_share.weights.update(weights))
 
     # ---- event-loop side ------------------------------------------------------------------------
     def _close_stream(self, request_id: str) -> None:
@@ -226,13 +249,12 @@ class AsyncEngine:
         request_id: str,
         prompt: list[int],
         params: SamplingParams,
-        priority: int,
-        cache_salt: str | None,
+        keys: dict[str, Any],
         timing: RequestTiming,
         added: asyncio.Future[None],
     ) -> None:
         try:
-            self.engine.add_request(prompt, params, request_id, priority=priority, cache_salt=cache_salt)
+            self.engine.add_request(prompt, params, request_id, **keys)
         except Exception as e:  # noqa: BLE001 - a rejected request goes back to its caller, not the loop
             self._to_event_loop(_set_future, added, e)
             return

@@ -52,9 +52,8 @@ class AttentionMetadata:
     write: WritePlan  # where each new token's K/V goes
     block_size: int = 16
     num_decodes: int = 0  # the first num_decodes tokens are decodes, one per sequence
-    decode_read: BlockRead | None = None  # B * nb live blocks, each sequence's padded to nb
-    decode_len: int = 0  # tokens attended by the longest decode sequence (Lmax <= nb * block_size)
-    decode_bias: torch.Tensor | None = None  # (B, 1, 1, Lmax) 0 / -inf for padding; None if no padding
+    decode_read: BlockRead | None = None  # (B, nb) live blocks, each sequence's padded to nb
+    decode_bias: torch.Tensor | None = None  # (B, 1, 1, nb * bs) 0 / -inf past each length; None if none
     decode_mass: torch.Tensor | None = None  # (B, nb) float32 attention mass per live block (scoring)
     prefills: list[PrefillSlice] = field(default_factory=list)
 
@@ -71,7 +70,6 @@ class AttentionMetadata:
             self.block_size,
             self.num_decodes,
             None if self.decode_read is None else self.decode_read.to(device),
-            self.decode_len,
             move(self.decode_bias),
             move(self.decode_mass),
             [p.to(device) for p in self.prefills],
@@ -103,28 +101,28 @@ def _decode_attention(
     mass: torch.Tensor | None,
     block_size: int,
 ) -> torch.Tensor:
-    # q: (B, nh, hd) pre-scaled; k, v: (B, L, nkv, hd)
+    # q: (B, nh, hd) pre-scaled; k, v: (B, nkv, L, hd)
     b, nh, hd = q.shape
-    nkv = k.shape[2]
+    nkv = k.shape[1]
     qg = q.view(b, nkv, nh // nkv, hd)  # (B, nkv, g, hd)
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1))  # (B, nkv, g, L)
+    scores = torch.matmul(qg, k.transpose(-1, -2))  # (B, nkv, g, L)
     if bias is not None:
         scores = scores + bias
     probs = torch.softmax(scores, dim=-1)
     if mass is not None:
         mass += _block_sums(probs.sum(dim=(1, 2)), mass.shape[1], block_size)
-    out = torch.matmul(probs, v.transpose(1, 2))  # (B, nkv, g, hd)
+    out = torch.matmul(probs, v)  # (B, nkv, g, hd)
     return out.reshape(b, nh, hd)
 
 
 def _prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
-    # q: (T, nh, hd) pre-scaled; k, v: (S, nkv, hd); causal when mask is None (S == T)
+    # q: (T, nh, hd) pre-scaled; k, v: (nkv, S, hd); causal when mask is None (S == T)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
+        k,
+        v,
         attn_mask=mask,
         is_causal=mask is None,
         scale=1.0,
@@ -133,12 +131,14 @@ def _prefill_attention(
     return out.transpose(0, 1)
 
 
-def _observe(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, mass: torch.Tensor, block_size: int) -> None:
-    """Add the attention mass the queries q (W, nh, hd) give each block of k (S, nkv, hd) to mass (nb,)."""
+def _observe(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, mass: torch.Tensor, block_size: int
+) -> None:
+    """Add the attention mass the queries q (W, nh, hd) give each block of k (nkv, S, hd) to mass (nb,)."""
     w, nh, hd = q.shape
-    nkv = k.shape[1]
+    nkv = k.shape[0]
     qg = q.view(w, nkv, nh // nkv, hd).permute(1, 2, 0, 3)  # (nkv, g, W, hd)
-    scores = torch.matmul(qg, k.permute(1, 2, 0).unsqueeze(1))  # (nkv, g, W, S)
+    scores = torch.matmul(qg, k.transpose(-1, -2).unsqueeze(1))  # (nkv, g, W, S)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     mass += _block_sums(probs.sum(dim=(0, 1, 2)), mass.shape[0], block_size)
 
@@ -148,24 +148,22 @@ def attention(
 ) -> torch.Tensor:
     """q: (T, nh, hd) already scaled by 1/sqrt(hd); k, v: (T, nkv, hd) -> (T, nh, hd)."""
     if ctx.cache is None:
-        return _prefill_attention(q, k, v, None)
+        return _prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), None)
     meta, cache = ctx.meta, ctx.cache
     cache.write(layer, meta.write, k, v)
     parts = []
-    nkv, hd = k.shape[1:]
     if meta.num_decodes:
         b = meta.num_decodes
-        kb, vb = cache.gather(layer, meta.decode_read)  # (B*nb, bs, nkv, hd)
-        kc = kb.view(b, -1, nkv, hd)[:, : meta.decode_len]
-        vc = vb.view(b, -1, nkv, hd)[:, : meta.decode_len]
+        kc, vc = cache.gather(layer, meta.decode_read)  # (B, nkv, L, hd)
         parts.append(_decode_attention(q[:b], kc, vc, meta.decode_bias, meta.decode_mass, meta.block_size))
     for p in meta.prefills:
         qs = q[p.q_start : p.q_start + p.q_len]
         if p.context is None:
-            kc, vc = k[p.q_start : p.q_start + p.q_len].to(q.dtype), v[p.q_start : p.q_start + p.q_len].to(q.dtype)
+            kc = k[p.q_start : p.q_start + p.q_len].to(q.dtype).transpose(0, 1)  # (nkv, T, hd)
+            vc = v[p.q_start : p.q_start + p.q_len].to(q.dtype).transpose(0, 1)
         else:
-            kb, vb = cache.gather(layer, p.context)
-            kc, vc = kb.flatten(0, 1), vb.flatten(0, 1)  # (ctx, nkv, hd)
+            kc, vc = cache.gather(layer, p.context)
+            kc, vc = kc[0], vc[0]  # (nkv, ctx, hd)
         parts.append(_prefill_attention(qs, kc, vc, p.mask))
         if p.num_observed:
             _observe(qs[-p.num_observed :], kc, p.observe_mask, p.mass, meta.block_size)

@@ -25,7 +25,7 @@ from mcp2026.engine.sampler import Sampler, SamplingState
 from mcp2026.engine.scheduler import Scheduler
 from mcp2026.kv.compressor import fragmentation_report
 from mcp2026.kv.dtss import DTSSController
-from mcp2026.kv.manager import KVCacheManager
+from mcp2026.kv.manager import HOLE, KVCacheManager
 from mcp2026.kv.paged_cache import PagedKVCache
 from mcp2026.kv.sizing import plan_kv_blocks
 from mcp2026.types import CompletionOutput, SamplingParams
@@ -130,6 +130,7 @@ class LLMEngine:
         priority: int = 0,
         ttft_deadline: float | None = None,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> str:
         """Queue a request; raises ValueError (prompt too long, empty, bad token ids) before queueing."""
         params = params or SamplingParams()
@@ -161,6 +162,7 @@ class LLMEngine:
             priority=priority,
             ttft_deadline=ttft_deadline,
             cache_salt=cache_salt,
+            tenant=tenant,
         )
         sampling = SamplingState.create(
             params, token_ids, eos_token_ids=self.eos_token_ids, device=self.device
@@ -234,7 +236,10 @@ class LLMEngine:
             self.stats.decode_ms += (t1 - t0) * 1e3
             self.stats.num_decode_steps += 1
             self.stats.num_decode_tokens += len(out.chunks)
-            self.stats.decode_context_tokens += sum(c.start_pos + 1 for c in out.chunks)
+            bs = self.cache.block_size  # evicted blocks (holes) are not read
+            self.stats.decode_context_tokens += sum(
+                c.start_pos + 1 - bs * c.block_table.count(HOLE) for c in out.chunks
+            )
         self.stats.num_steps += 1
         states = [self.states[r].sampling for r in sample_ids]
         sampled = self.sampler.sample(logits, states) if sample_ids else None

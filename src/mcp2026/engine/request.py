@@ -50,6 +50,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     ttft_deadline: float | None = None  # absolute, same clock as arrival_time ("deadline" policy)
     cache_salt: str | None = None  # per tenant: requests with different salts never share KV blocks
+    tenant: str | None = None  # fair-share group: busy tenants' processed tokens follow their weights
     plan_id: str | None = None  # quantization plan: KV computed under another plan is not reused
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

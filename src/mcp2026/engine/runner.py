@@ -61,11 +61,9 @@ class ModelRunner:
             if staged is not None:
                 tables[b, int(num_live[b]) - 1] = staged
         lengths = (num_live - 1) * bs + starts % bs + 1
-        max_len = int(lengths.max())
-        meta.decode_read = self.cache.block_read(tables.clamp_min(0).flatten())
-        meta.decode_len = max_len
-        if int(lengths.min()) != max_len:
-            pad = torch.arange(max_len).unsqueeze(0) >= lengths.unsqueeze(1)  # (B, L)
+        meta.decode_read = self.cache.block_read(tables.clamp_min(0))
+        if int(lengths.min()) != width * bs:
+            pad = torch.arange(width * bs).unsqueeze(0) >= lengths.unsqueeze(1)  # (B, L)
             bias = torch.zeros(pad.shape, dtype=self.cache.dtype).masked_fill_(pad, float("-inf"))
             meta.decode_bias = bias[:, None, None, :]
         if self.scoring.decode:
@@ -95,7 +93,7 @@ class ModelRunner:
             index = torch.tensor(live, dtype=torch.long)
             key_pos = (index.unsqueeze(1) * bs + torch.arange(bs)).flatten()  # (ctx,) true positions
             mask = key_pos.unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)  # (q_len, ctx)
-            read = self.cache.block_read(torch.tensor(ids, dtype=torch.long))
+            read = self.cache.block_read(torch.tensor([ids], dtype=torch.long))
             p = PrefillSlice(q_start, c.num_tokens, read, mask)
         if not num_observed:
             return p, None
@@ -108,7 +106,9 @@ class ModelRunner:
         self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]
     ) -> tuple[AttentionMetadata, list[tuple[list[str], torch.Tensor, int | None]]]:
         chunks = decodes + prefills
-        write = self.cache.plan_write([(c.request_id, c.start_pos, c.num_tokens, c.block_table) for c in chunks])
+        write = self.cache.plan_write(
+            [(c.request_id, c.start_pos, c.num_tokens, c.block_table) for c in chunks]
+        )
         meta = AttentionMetadata(write, self.block_size, num_decodes=len(decodes))
         observed = []  # (request ids, table index, prefill slice number or None for decodes)
         if decodes:
@@ -134,8 +134,9 @@ class ModelRunner:
             self._scores.append(StepScores(request_ids, index, mass))
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> tuple[list[str], torch.Tensor]:
-        """Run the step; returns the request ids that sample and their logits (N, V) float32, in that order."""
+    def execute(self, output: SchedulerOutput, all_logits: bool = False) -> tuple[list[str], torch.Tensor]:
+        """Run the step; returns the request ids that sample and their logits (N, V) float32, in that order.
+        ``all_logits`` (teacher-forced evaluation): logits of every token, (T, V) in chunk order, and no ids."""
         decodes = [c for c in output.chunks if len(c.token_ids) == 1 and c.start_pos > 0]
         prefills = [c for c in output.chunks if not (len(c.token_ids) == 1 and c.start_pos > 0)]
         chunks = decodes + prefills
@@ -150,6 +151,8 @@ class ModelRunner:
         self.cache.commit(host_meta.write)
         if observed:
             self._collect_scores(meta, observed)
+        if all_logits:
+            return [], self.model.compute_logits(hidden)
         rows, sample_ids, end = [], [], 0
         for c in chunks:
             end += len(c.token_ids)

@@ -2,7 +2,9 @@
 
 Pure Python, no torch: running requests first (decodes, then the next chunk of prompts still catching up),
 then waiting requests in policy order. Preemption frees a request's blocks; it recomputes later through
-the same path as a new prompt (prefix hits make that cheap).
+the same path as a new prompt (prefix hits make that cheap). Across tenants (``Request.tenant``),
+``FairShare`` interleaves both queues so each busy tenant's processed tokens follow its weight; the policy
+orders work inside a tenant, and preemption takes from the tenant furthest ahead first.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from mcp2026.config import SchedulerConfig
+from mcp2026.engine.fair_share import FairShare, Tenant
 from mcp2026.engine.output import ScheduledChunk, SchedulerOutput
 from mcp2026.engine.policies import make_policy
 from mcp2026.engine.request import Request, RequestStatus
@@ -26,6 +29,7 @@ class SchedulerStats:
     num_prefix_hit_blocks: int
     num_cached_tokens: int  # prompt tokens served by prefix hits at first admission
     kv_usage: float
+    tenant_tokens: dict[Tenant, int] = field(default_factory=dict)  # tokens computed per tenant
 
 
 @dataclass
@@ -57,6 +61,7 @@ class Scheduler:
         # The config may only lower the model's context length.
         self.max_model_len = min(max_model_len, config.max_model_len or max_model_len)
         self.policy = make_policy(config.policy)
+        self.fair_share = FairShare()
         self._requests: dict[str, Request] = {}
         self._waiting: list[Request] = []
         self._running: list[Request] = []
@@ -91,6 +96,7 @@ class Scheduler:
             num_prefix_hit_blocks=self.kv.cache.num_hits,
             num_cached_tokens=self.num_cached_tokens,
             kv_usage=self.kv.usage,
+            tenant_tokens=dict(self.fair_share.num_processed),
         )
 
     # --- requests in and out -------------------------------------------------------------------------------
@@ -118,6 +124,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self._requests[rid] = request
         self._waiting.append(request)
+        self.fair_share.add(request.tenant)
 
     def finish_request(self, request_id: str, reason: RequestStatus | str) -> bool:
         """Finish with ``reason`` ("stop" | "length" | "abort" | "error" or a FINISHED_* status) and free its
@@ -128,6 +135,7 @@ class Scheduler:
             return False
         queue = self._running if request.status is RequestStatus.RUNNING else self._waiting
         queue.remove(request)
+        self.fair_share.remove(request.tenant)
         self.kv.free(request)
         request.status = status
         self._finished_ids.append(request_id)
@@ -143,6 +151,7 @@ class Scheduler:
         # NOTE: after a preemption, admitting new work would only take the blocks back (thrashing).
         if step.num_preempted == 0:
             self._schedule_waiting(step)
+        self.fair_share.charge(self._tokens_by_tenant(step))
         chunks = [self._make_chunk(self._requests[rid], n) for rid, n in step.scheduled.items()]
         chunks.sort(key=lambda c: c.num_tokens > 1)  # stable: decodes first, each group in schedule order
         output = SchedulerOutput(
@@ -156,8 +165,11 @@ class Scheduler:
 
     def _schedule_running(self, step: _Step) -> None:
         # Decodes before catching-up prefills so a long prompt cannot stall token streams.
-        order = sorted(
-            self._running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self.policy.key(r))
+        def is_prefill(r: Request) -> bool:
+            return r.num_tokens - r.num_computed_tokens > 1
+
+        order = self.fair_share.order(
+            self._running, lambda r: (is_prefill(r), self.policy.key(r)), self._cost, group=is_prefill
         )
         for request in order:
             if request.status is not RequestStatus.RUNNING:
@@ -170,7 +182,7 @@ class Scheduler:
             if num_new == 0:
                 continue
             while not self.kv.allocate_slots(request, num_new):
-                victim = max(self._running, key=self.policy.key)
+                victim = max(self._running, key=self._victim_key)
                 self._preempt(victim, step)
                 if victim is request:
                     break
@@ -180,7 +192,10 @@ class Scheduler:
     def _schedule_waiting(self, step: _Step) -> None:
         # Strict policy order (stop at the first request that does not fit): nothing overtakes a long
         # prompt at the head of the queue, so it cannot starve; chunking lets it start within any budget.
-        for request in sorted(self._waiting, key=self.policy.key):
+        waiting = self.fair_share.order(
+            self._waiting, self.policy.key, self._cost, self._tokens_by_tenant(step)
+        )
+        for request in waiting:
             if step.budget == 0 or len(self._running) >= self.config.max_num_seqs:
                 break
             if not self._check_fits(request):
@@ -202,11 +217,27 @@ class Scheduler:
         while not self.kv.allocate_slots(request, num_new, hit_ids):
             if not self.policy.preempts_for_waiting or not self._running:
                 return False
-            victim = max(self._running, key=self.policy.key)
-            if self.policy.key(victim) < self.policy.key(request):
+            victim = max(self._running, key=self._victim_key)
+            if self._victim_key(victim) < self._victim_key(request):
                 return False
             self._preempt(victim, step)
         return True
+
+    def _victim_key(self, request: Request) -> tuple:
+        """Preempted first: the largest key (the busy tenant furthest ahead, then the policy's last)."""
+        return (self.fair_share.tag(request.tenant), self.policy.key(request))
+
+    def _cost(self, request: Request) -> int:
+        """Tokens a request would take in one step (the fair-share tag it advances by)."""
+        remaining = request.num_tokens - request.num_computed_tokens
+        return min(remaining, self.config.long_prefill_token_threshold, self.config.max_num_batched_tokens)
+
+    def _tokens_by_tenant(self, step: _Step) -> dict[Tenant, int]:
+        tokens: dict[Tenant, int] = {}
+        for rid, num in step.scheduled.items():
+            tenant = self._requests[rid].tenant
+            tokens[tenant] = tokens.get(tenant, 0) + num
+        return tokens
 
     def _num_new_tokens(self, num_remaining: int, budget: int) -> int:
         if self.config.enable_chunked_prefill:

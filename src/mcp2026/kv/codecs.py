@@ -1,8 +1,8 @@
 """KV codecs: how K and V are stored in the paged pool (quantized on write, dequantized on read).
 
-A ``KVCodec`` pairs a key and a value ``TensorCodec``. Each tensor codec stores a block of ``block_size``
-tokens as named planes (data, scales, zero points). Per-token codecs (identity, int8, fp8, int4 values)
-encode each (token, head) row on its own, so tokens are written as they are computed. KIVI's per-channel
+A ``KVCodec`` pairs a key and a value ``TensorCodec``. Each tensor codec stores a chunk (one head of one block:
+``block_size`` tokens x ``head_dim``) as named planes (data, scales, zero points). Per-token codecs (identity,
+int8, fp8, int4 values) encode each (token, head) row on its own, so tokens are written as they are computed. KIVI's per-channel
 keys (Liu et al. 2024, arXiv:2402.02750) need a whole group of tokens per channel: the group is one block,
 and a request's last, not yet full block lives in a full-precision staging store until it fills
 (``KVCodec.is_staged``; see ``kv.paged_cache``). Scales and zero points are fp16, rounded so that every
@@ -24,7 +24,7 @@ _FP16_TINY = 2.0**-14  # smallest normal fp16: the floor of every scale
 @dataclass(frozen=True)
 class PlaneSpec:
     dtype: torch.dtype
-    shape: tuple[int, ...]  # per block
+    shape: tuple[int, ...]  # per chunk (one head of one block)
 
     @property
     def nbytes(self) -> int:
@@ -33,15 +33,15 @@ class PlaneSpec:
 
 class TensorCodec(ABC):
     """Encodes K or V. Invariant: ``decode(encode(x))`` has ``x``'s shape. Per-token codecs take any
-    ``(*, nkv, hd)`` rows and their planes' per-block shapes start with ``block_size``; block codecs take
-    ``(N, block_size, nkv, hd)`` blocks."""
+    ``(*, hd)`` rows and their chunk shapes are ``(block_size, *row shape)``; block codecs take
+    ``(N, block_size, hd)`` chunks."""
 
     name: str = ""
     is_per_token: bool = True
     is_lossless: bool = False
 
     @abstractmethod
-    def planes(self, block_size: int, num_kv_heads: int, head_dim: int) -> dict[str, PlaneSpec]: ...
+    def planes(self, block_size: int, head_dim: int) -> dict[str, PlaneSpec]: ...
 
     @abstractmethod
     def encode(self, x: torch.Tensor) -> Planes: ...
@@ -51,6 +51,10 @@ class TensorCodec(ABC):
 
     def check_shape(self, num_kv_heads: int, head_dim: int) -> None:
         """Raise ValueError when this codec cannot store heads of this size."""
+        if num_kv_heads < 1 or head_dim < 1:
+            raise ValueError(
+                f"KV heads need num_kv_heads >= 1 and head_dim >= 1, got {num_kv_heads}, {head_dim}"
+            )
 
 
 # --- fp16 affine parameters ---------------------------------------------------------------------------------
@@ -86,14 +90,13 @@ def _unpack4(p: torch.Tensor) -> torch.Tensor:
 class Identity(TensorCodec):
     """Stores the values as they are, in ``dtype`` (fp32 / bf16 / fp16)."""
 
-    is_lossless = True
-
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
+        self.is_lossless = dtype == torch.float32
         self.name = str(dtype).removeprefix("torch.")
 
-    def planes(self, block_size: int, num_kv_heads: int, head_dim: int) -> dict[str, PlaneSpec]:
-        return {"x": PlaneSpec(self.dtype, (block_size, num_kv_heads, head_dim))}
+    def planes(self, block_size: int, head_dim: int) -> dict[str, PlaneSpec]:
+        return {"x": PlaneSpec(self.dtype, (block_size, head_dim))}
 
     def encode(self, x: torch.Tensor) -> Planes:
         return {"x": x.to(self.dtype)}
@@ -107,11 +110,11 @@ class Int8PerToken(TensorCodec):
 
     name = "int8"
 
-    def planes(self, block_size: int, num_kv_heads: int, head_dim: int) -> dict[str, PlaneSpec]:
+    def planes(self, block_size: int, head_dim: int) -> dict[str, PlaneSpec]:
         return {
-            "q": PlaneSpec(torch.uint8, (block_size, num_kv_heads, head_dim)),
-            "scale": PlaneSpec(torch.float16, (block_size, num_kv_heads)),
-            "zero": PlaneSpec(torch.float16, (block_size, num_kv_heads)),
+            "q": PlaneSpec(torch.uint8, (block_size, head_dim)),
+            "scale": PlaneSpec(torch.float16, (block_size,)),
+            "zero": PlaneSpec(torch.float16, (block_size,)),
         }
 
     def encode(self, x: torch.Tensor) -> Planes:
@@ -121,8 +124,9 @@ class Int8PerToken(TensorCodec):
         return {"q": q, "scale": scale.half(), "zero": zero.half()}
 
     def decode(self, planes: Planes, dtype: torch.dtype) -> torch.Tensor:
+        # NOTE: mul_/add_ rather than addcmul: broadcast addcmul has no fast CPU kernel (~6x slower).
         scale, zero = planes["scale"].to(dtype).unsqueeze(-1), planes["zero"].to(dtype).unsqueeze(-1)
-        return torch.addcmul(zero, planes["q"].to(dtype), scale)
+        return planes["q"].to(dtype).mul_(scale).add_(zero)
 
 
 class Fp8PerToken(TensorCodec):
@@ -131,10 +135,10 @@ class Fp8PerToken(TensorCodec):
     name = "fp8"
     FP8_MAX = 448.0
 
-    def planes(self, block_size: int, num_kv_heads: int, head_dim: int) -> dict[str, PlaneSpec]:
+    def planes(self, block_size: int, head_dim: int) -> dict[str, PlaneSpec]:
         return {
-            "q": PlaneSpec(torch.float8_e4m3fn, (block_size, num_kv_heads, head_dim)),
-            "scale": PlaneSpec(torch.float16, (block_size, num_kv_heads)),
+            "q": PlaneSpec(torch.float8_e4m3fn, (block_size, head_dim)),
+            "scale": PlaneSpec(torch.float16, (block_size,)),
         }
 
     def encode(self, x: torch.Tensor) -> Planes:
@@ -144,7 +148,7 @@ class Fp8PerToken(TensorCodec):
         return {"q": q, "scale": scale.half()}
 
     def decode(self, planes: Planes, dtype: torch.dtype) -> torch.Tensor:
-        return planes["q"].to(dtype) * planes["scale"].to(dtype).unsqueeze(-1)
+        return planes["q"].to(dtype).mul_(planes["scale"].to(dtype).unsqueeze(-1))
 
 
 class Int4PerChannel(TensorCodec):
@@ -154,11 +158,11 @@ class Int4PerChannel(TensorCodec):
     name = "int4_per_channel"
     is_per_token = False
 
-    def planes(self, block_size: int, num_kv_heads: int, head_dim: int) -> dict[str, PlaneSpec]:
+    def planes(self, block_size: int, head_dim: int) -> dict[str, PlaneSpec]:
         return {
-            "q": PlaneSpec(torch.uint8, (block_size, num_kv_heads, head_dim // 2)),
-            "scale": PlaneSpec(torch.float16, (num_kv_heads, head_dim)),
-            "zero": PlaneSpec(torch.float16, (num_kv_heads, head_dim)),
+            "q": PlaneSpec(torch.uint8, (block_size, head_dim // 2)),
+            "scale": PlaneSpec(torch.float16, (head_dim,)),
+            "zero": PlaneSpec(torch.float16, (head_dim,)),
         }
 
     def check_shape(self, num_kv_heads: int, head_dim: int) -> None:
@@ -166,16 +170,16 @@ class Int4PerChannel(TensorCodec):
             raise ValueError(f"int4 KV needs an even head_dim, got {head_dim}")
 
     def encode(self, x: torch.Tensor) -> Planes:
-        # x: (N, bs, nkv, hd); statistics over the block's tokens (dim 1)
-        lo, hi = torch.aminmax(x.float(), dim=1)  # (N, nkv, hd)
+        # x: (N, bs, hd) chunks; statistics over the block's tokens (dim 1)
+        lo, hi = torch.aminmax(x.float(), dim=1)  # (N, hd)
         scale, zero = affine_params(lo, hi, 15)
         q = _quantize(x, scale.unsqueeze(1), zero.unsqueeze(1), 15)
         return {"q": _pack4(q), "scale": scale.half(), "zero": zero.half()}
 
     def decode(self, planes: Planes, dtype: torch.dtype) -> torch.Tensor:
-        q = _unpack4(planes["q"]).to(dtype)  # (N, bs, nkv, hd)
+        q = _unpack4(planes["q"]).to(dtype)  # (N, bs, hd)
         scale, zero = planes["scale"].to(dtype).unsqueeze(1), planes["zero"].to(dtype).unsqueeze(1)
-        return torch.addcmul(zero, q, scale)
+        return q.mul_(scale).add_(zero)
 
 
 class Int4PerTokenGroup(TensorCodec):
@@ -189,12 +193,12 @@ class Int4PerTokenGroup(TensorCodec):
     def _group(self, head_dim: int) -> int:
         return min(self.group_size, head_dim)
 
-    def planes(self, block_size: int, num_kv_heads: int, head_dim: int) -> dict[str, PlaneSpec]:
+    def planes(self, block_size: int, head_dim: int) -> dict[str, PlaneSpec]:
         num_groups = head_dim // self._group(head_dim)
         return {
-            "q": PlaneSpec(torch.uint8, (block_size, num_kv_heads, head_dim // 2)),
-            "scale": PlaneSpec(torch.float16, (block_size, num_kv_heads, num_groups)),
-            "zero": PlaneSpec(torch.float16, (block_size, num_kv_heads, num_groups)),
+            "q": PlaneSpec(torch.uint8, (block_size, head_dim // 2)),
+            "scale": PlaneSpec(torch.float16, (block_size, num_groups)),
+            "zero": PlaneSpec(torch.float16, (block_size, num_groups)),
         }
 
     def check_shape(self, num_kv_heads: int, head_dim: int) -> None:
@@ -207,7 +211,7 @@ class Int4PerTokenGroup(TensorCodec):
     def encode(self, x: torch.Tensor) -> Planes:
         hd = x.shape[-1]
         g = self._group(hd)
-        xg = x.float().unflatten(-1, (hd // g, g))  # (..., nkv, ng, g)
+        xg = x.float().unflatten(-1, (hd // g, g))  # (..., ng, g)
         lo, hi = torch.aminmax(xg, dim=-1)
         scale, zero = affine_params(lo, hi, 15)
         q = _quantize(xg, scale.unsqueeze(-1), zero.unsqueeze(-1), 15).flatten(-2)
@@ -217,8 +221,8 @@ class Int4PerTokenGroup(TensorCodec):
         q = _unpack4(planes["q"]).to(dtype)
         ng = planes["scale"].shape[-1]
         qg = q.unflatten(-1, (ng, q.shape[-1] // ng))
-        out = torch.addcmul(planes["zero"].to(dtype).unsqueeze(-1), qg, planes["scale"].to(dtype).unsqueeze(-1))
-        return out.flatten(-2)
+        qg.mul_(planes["scale"].to(dtype).unsqueeze(-1)).add_(planes["zero"].to(dtype).unsqueeze(-1))
+        return qg.flatten(-2)
 
 
 # --- KV codecs and the registry -----------------------------------------------------------------------------
@@ -243,10 +247,10 @@ class KVCodec:
     def block_bytes(self, block_size: int, num_kv_heads: int, head_dim: int) -> int:
         """Bytes of one block of K and V in one layer, scales and zero points included."""
         specs = [
-            *self.key.planes(block_size, num_kv_heads, head_dim).values(),
-            *self.value.planes(block_size, num_kv_heads, head_dim).values(),
+            *self.key.planes(block_size, head_dim).values(),
+            *self.value.planes(block_size, head_dim).values(),
         ]
-        return sum(s.nbytes for s in specs)
+        return num_kv_heads * sum(s.nbytes for s in specs)
 
     def bytes_per_token(self, block_size: int, num_kv_heads: int, head_dim: int) -> float:
         """K + V bytes per token per layer (block-level scales spread over the block's tokens)."""

@@ -47,7 +47,9 @@ class KVCompressor:
     max_kv_tokens: int | None = None
     recent_window: int = 64
     max_error: float = 0.02
-    observation_window: int = 32  # heavy_hitter / snap / dynamic_window: last prompt queries that score blocks
+    observation_window: int = (
+        32  # heavy_hitter / snap / dynamic_window: last prompt queries that score blocks
+    )
     heat_fraction: float = 0.6  # dynamic_window: calcLeftBoundary's fraction of the recent mean heat
     error_check_interval: int = 16  # measure the round-trip error every this many steps
 
@@ -83,9 +85,12 @@ class KVCompressor:
             f"KVCompressor.sparsity_ratio must be in [0, 1), got {self.sparsity_ratio}",
         )
         _require(
-            self.num_sink_tokens >= 0, f"KVCompressor.num_sink_tokens must be >= 0, got {self.num_sink_tokens}"
+            self.num_sink_tokens >= 0,
+            f"KVCompressor.num_sink_tokens must be >= 0, got {self.num_sink_tokens}",
         )
-        _require(self.recent_window >= 1, f"KVCompressor.recent_window must be >= 1, got {self.recent_window}")
+        _require(
+            self.recent_window >= 1, f"KVCompressor.recent_window must be >= 1, got {self.recent_window}"
+        )
         protected = self.num_sink_tokens + self.recent_window
         _require(
             self.max_kv_tokens is None or self.max_kv_tokens > protected,
@@ -98,7 +103,8 @@ class KVCompressor:
             f"KVCompressor.observation_window must be >= 1, got {self.observation_window}",
         )
         _require(
-            0 < self.heat_fraction <= 1, f"KVCompressor.heat_fraction must be in (0, 1], got {self.heat_fraction}"
+            0 < self.heat_fraction <= 1,
+            f"KVCompressor.heat_fraction must be in (0, 1], got {self.heat_fraction}",
         )
         _require(
             self.error_check_interval >= 1,
@@ -118,7 +124,11 @@ class KVCompressor:
         """From a YAML file (or YAML text): the mapping itself, or under a top-level ``kv:`` key."""
         import yaml
 
-        text = Path(source).read_text() if Path(str(source)).is_file() else str(source)
+        try:
+            is_file = Path(source).is_file()
+        except OSError:  # YAML text too long to be a file name
+            is_file = False
+        text = Path(source).read_text() if is_file else str(source)
         data = yaml.safe_load(text)
         if isinstance(data, Mapping) and set(data) == {"kv"}:
             data = data["kv"]

@@ -11,6 +11,7 @@ calcLeftBoundary: the left edge is the oldest block whose heat is >= ``heat_frac
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -146,7 +147,8 @@ class SinkWindow(EvictionPolicy):
 
 @register_policy
 class HeavyHitter(EvictionPolicy):
-    """Keep sinks, the recent window and the blocks with the highest mean attention mass."""
+    """Keep sinks, the recent blocks (as H2O: half the budget, at least the recent window) and the blocks
+    with the highest mean attention mass."""
 
     name = "heavy_hitter"
 
@@ -155,6 +157,13 @@ class HeavyHitter(EvictionPolicy):
         self.scoring = ScoringSpec(True, budget.observation_window, observe_every_chunk=True)
 
     def select(self, view: BlockView) -> torch.Tensor:
+        live_recent = int((view.is_live & view.is_recent).sum())
+        candidates = view.candidates.nonzero().squeeze(1)
+        num_recent = min(max(0, view.num_keep // 2 - live_recent), candidates.numel())
+        if num_recent:
+            recent = view.is_recent.clone()
+            recent[candidates[-num_recent:]] = True
+            view = dataclasses.replace(view, is_recent=recent)
         return _lowest(view, view.score, view.num_over)
 
 
@@ -202,7 +211,12 @@ class DynamicWindow(EvictionPolicy):
         num_over = view.num_over - int(dropped.sum())
         if num_over > 0:
             rest = BlockView(
-                view.num_tokens, view.is_live & ~dropped, view.is_sink, view.is_recent, view.score, view.num_keep
+                view.num_tokens,
+                view.is_live & ~dropped,
+                view.is_sink,
+                view.is_recent,
+                view.score,
+                view.num_keep,
             )
             dropped[_lowest(rest, index.float(), num_over)] = True
         return dropped.nonzero().squeeze(1)
@@ -240,9 +254,7 @@ class KVEvictor:
     """Applies a policy to every request of a step, after the step. Owns per-request attention scores:
     (rows, max blocks per sequence) sums and observation counts, one row per request that has run."""
 
-    def __init__(
-        self, policy: EvictionPolicy, manager: KVCacheManager, max_model_len: int
-    ) -> None:
+    def __init__(self, policy: EvictionPolicy, manager: KVCacheManager, max_model_len: int) -> None:
         self.policy = policy
         self.budget = policy.budget
         self.manager = manager

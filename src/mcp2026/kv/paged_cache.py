@@ -1,8 +1,10 @@
 """Physical KV storage for the paged cache: per layer, K and V planes indexed by block, stored by a codec.
 
 Planar layout (all K, then all V, as in our design notes): every plane of the codec (data, scales, zero
-points) is one contiguous (num_layers, num_blocks, *per_block) tensor. Logical bookkeeping (which request owns
-which block) lives in ``kv.block_pool`` / ``kv.manager``. Reads gather whole blocks and decode them.
+points) is one contiguous (num_layers, num_blocks, num_kv_heads, *chunk) tensor; a chunk is one head of one
+block (``block_size`` tokens). Head-major chunks let a read gather (sequence, head, block) chunks straight into
+(B, nkv, L, hd): the attention matmuls then run on contiguous operands, with no transpose of K or V.
+Logical bookkeeping (which request owns which block) lives in ``kv.block_pool`` / ``kv.manager``.
 
 Staged codecs (int4 KIVI keys are quantized per channel over a block's tokens) keep each request's last, not
 yet full block in a full-precision staging store: a write plan seals a block (staged tokens + new tokens,
@@ -57,30 +59,43 @@ def _copy(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
 
 @dataclass
 class BlockRead:
-    """Blocks to read: ``block_ids`` (N,) pool ids; rows ``stage_pos`` come from staging ``stage_idx``."""
+    """A (B, nb) grid of blocks to read, one row per sequence. ``chunk_ids``: the chunk of every (sequence,
+    head, block), in that order; grid cells (``stage_seq``, ``stage_block``) come from staging ``stage_idx``."""
 
-    block_ids: torch.Tensor
-    stage_pos: torch.Tensor | None = None
+    chunk_ids: torch.Tensor  # (B * nkv * nb,)
+    num_seqs: int
+    num_blocks: int
+    stage_seq: torch.Tensor | None = None
+    stage_block: torch.Tensor | None = None
     stage_idx: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> BlockRead:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=True)
 
-        return BlockRead(move(self.block_ids), move(self.stage_pos), move(self.stage_idx))
+        return BlockRead(
+            move(self.chunk_ids),
+            self.num_seqs,
+            self.num_blocks,
+            move(self.stage_seq),
+            move(self.stage_block),
+            move(self.stage_idx),
+        )
 
 
 @dataclass
 class WritePlan:
-    """Where one step's T new tokens go (the same for every layer).
+    """Where one step's T new tokens go (the same for every layer). Rows index a plane viewed as
+    (num_blocks * nkv * bs, *row): row = (block * nkv + head) * bs + offset; the staging store likewise.
 
-    Unstaged codecs: token ``t`` goes to slot ``slots[t]``. Staged codecs: full blocks ``seal_block_ids``
-    are assembled from new tokens ``seal_src`` (NS*bs,) and staged rows ``seal_stage_src`` (placed at
-    ``seal_stage_dst``), encoded and written; tail tokens ``tail_src`` go to staging rows ``tail_dst``.
+    Unstaged codecs: (token, head) rows ``rows`` (T * nkv,). Staged codecs: full blocks (chunks
+    ``seal_chunk_ids``) are assembled from new tokens ``seal_src`` (NS*bs,) and staged (token, head) rows
+    ``seal_stage_src`` placed at tokens ``seal_stage_dst``, encoded and written; tail tokens ``tail_src`` go
+    to staging rows ``tail_dst`` (Tt * nkv,).
     """
 
-    slots: torch.Tensor | None = None
-    seal_block_ids: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    seal_chunk_ids: torch.Tensor | None = None
     seal_src: torch.Tensor | None = None
     seal_stage_dst: torch.Tensor | None = None
     seal_stage_src: torch.Tensor | None = None
@@ -152,8 +167,9 @@ class PagedKVCache:
 
     def _allocate_planes(self, codec: TensorCodec) -> Planes:
         planes = {}
-        for name, spec in codec.planes(self.block_size, self.num_kv_heads, self.head_dim).items():
-            tensor, buffer = _allocate((self.num_layers, self.num_blocks, *spec.shape), spec.dtype, self.device)
+        for name, spec in codec.planes(self.block_size, self.head_dim).items():
+            shape = (self.num_layers, self.num_blocks, self.num_kv_heads, *spec.shape)
+            tensor, buffer = _allocate(shape, spec.dtype, self.device)
             planes[name] = tensor
             if buffer is not None:
                 self._buffers.append(buffer)
@@ -162,12 +178,16 @@ class PagedKVCache:
     # --- sizes -----------------------------------------------------------------------------------------
     @property
     def k(self) -> torch.Tensor:
-        """The key data plane per slot, (L, num_slots, nkv, ...): the raw values for identity codecs."""
-        return next(iter(self.k_planes.values())).flatten(1, 2)
+        """The key data plane's memory as (L, num_slots, nkv, ...): block ``i`` is rows [i*bs, (i+1)*bs)
+        (inside a block the layout is head-major, so a row is not one token)."""
+        return self._slot_view(next(iter(self.k_planes.values())))
 
     @property
     def v(self) -> torch.Tensor:
-        return next(iter(self.v_planes.values())).flatten(1, 2)
+        return self._slot_view(next(iter(self.v_planes.values())))
+
+    def _slot_view(self, plane: torch.Tensor) -> torch.Tensor:
+        return plane.view(self.num_layers, self.num_slots, self.num_kv_heads, -1)
 
     @property
     def nbytes(self) -> int:
@@ -192,64 +212,75 @@ class PagedKVCache:
         """Plan a step's writes. ``chunks``: (request id, start position, number of tokens, block table),
         the step's tokens in this order. Pure: nothing changes until ``commit(plan)``."""
         self._num_plans += 1
-        is_monitored = not self.codec.is_lossless and self._num_plans % self.error_check_interval == 1
-        if not self.codec.is_staged:
-            slots = [self._chunk_slots(start, n, table) for _, start, n, table in chunks]
-            return WritePlan(slots=torch.cat(slots), is_monitored=is_monitored)
-        return self._plan_staged(chunks, is_monitored)
-
-    def _chunk_slots(self, start: int, num_tokens: int, table: Sequence[int]) -> torch.Tensor:
+        is_monitored = not self.codec.is_lossless and (self._num_plans - 1) % self.error_check_interval == 0
+        if self.codec.is_staged:
+            return self._plan_staged(chunks, is_monitored)
         bs = self.block_size
-        pos = torch.arange(start, start + num_tokens)
-        blocks = torch.tensor(table[start // bs : (start + num_tokens - 1) // bs + 1], dtype=torch.long)
-        return blocks[pos // bs - start // bs] * bs + pos % bs
+        bases = [table[p // bs] for _, start, n, table in chunks for p in range(start, start + n)]
+        offsets = [p % bs for _, start, n, _ in chunks for p in range(start, start + n)]
+        return WritePlan(rows=self._rows(bases, offsets), is_monitored=is_monitored)
 
-    def _plan_staged(self, chunks: Sequence[tuple[str, int, int, Sequence[int]]], is_monitored: bool) -> WritePlan:
+    def _rows(self, chunk_base: Sequence[int], offsets: Sequence[int]) -> torch.Tensor:
+        """(token, head) rows (n * nkv,) of tokens at ``offsets`` in blocks / staging entries ``chunk_base``."""
+        heads = torch.arange(self.num_kv_heads)
+        base = torch.tensor(chunk_base, dtype=torch.long).unsqueeze(1) * self.num_kv_heads
+        return (
+            (base + heads) * self.block_size + torch.tensor(offsets, dtype=torch.long).unsqueeze(1)
+        ).flatten()
+
+    def _plan_staged(
+        self, chunks: Sequence[tuple[str, int, int, Sequence[int]]], is_monitored: bool
+    ) -> WritePlan:
         bs = self.block_size
-        seal_ids, seal_src, stage_dst, stage_src, tail_dst, tail_src = [], [], [], [], [], []
+        seal_ids: list[int] = []
+        seal_src: list[int] = []  # per sealed token: its index among the new tokens (or a dummy)
+        stage_dst: list[int] = []  # sealed tokens that come from staging ...
+        stage_base: list[int] = []  # ... their staging entry and offset
+        stage_off: list[int] = []
+        tail_base: list[int] = []
+        tail_off: list[int] = []
+        tail_src: list[int] = []
         after: dict[str, int | None] = {}
         taken: set[int] = set()
-        offsets = torch.arange(bs)
         tok0 = 0
         for rid, start, n, table in chunks:
             end = start + n
             current = self._staged.get(rid)
             if start % bs and current is None:
                 raise AssertionError(f"request {rid}: block {start // bs} is partly written but not staged")
-            first, num_sealed = start // bs, end // bs - start // bs
-            if num_sealed:
-                seal_ids.extend(table[first : first + num_sealed])
-                src = tok0 - start + (torch.arange(first, first + num_sealed) * bs).unsqueeze(1) + offsets
+            first, last = start // bs, end // bs  # blocks [first, last) fill in this step
+            if last > first:
                 head = start % bs  # staged tokens at the start of the first sealed block
-                if head:
-                    dst0 = len(seal_ids) * bs - num_sealed * bs
-                    stage_dst.append(torch.arange(dst0, dst0 + head))
-                    stage_src.append(torch.arange(current * bs, current * bs + head))
-                    src[0, :head] = tok0
-                seal_src.append(src.flatten())
+                stage_dst.extend(range(len(seal_src), len(seal_src) + head))
+                stage_base.extend([current] * head)
+                stage_off.extend(range(head))
+                seal_ids.extend(table[first:last])
+                seal_src.extend([tok0] * head)
+                seal_src.extend(range(tok0, tok0 + last * bs - start))
             if end % bs:
-                idx = current if (num_sealed == 0 and current is not None) else self._take_stage(taken)
-                lo = max(start, end // bs * bs)
-                tail_dst.append(idx * bs + torch.arange(lo, end) % bs)
-                tail_src.append(torch.arange(tok0 + lo - start, tok0 + n))
+                idx = current if (last == first and current is not None) else self._take_stage(taken)
+                lo = max(start, last * bs)
+                tail_base.extend([idx] * (end - lo))
+                tail_off.extend(p % bs for p in range(lo, end))
+                tail_src.extend(range(tok0 + lo - start, tok0 + n))
                 after[rid] = idx
             else:
                 after[rid] = None
             tok0 += n
 
-        def cat(parts: list[torch.Tensor]) -> torch.Tensor | None:
-            return torch.cat(parts) if parts else None
+        def tensor(values: list[int]) -> torch.Tensor | None:
+            return torch.tensor(values, dtype=torch.long) if values else None
 
-        return WritePlan(
-            seal_block_ids=torch.tensor(seal_ids, dtype=torch.long) if seal_ids else None,
-            seal_src=cat(seal_src),
-            seal_stage_dst=cat(stage_dst),
-            seal_stage_src=cat(stage_src),
-            tail_dst=cat(tail_dst),
-            tail_src=cat(tail_src),
-            stage_after=after,
-            is_monitored=is_monitored,
-        )
+        plan = WritePlan(stage_after=after, is_monitored=is_monitored)
+        if seal_ids:
+            blocks = torch.tensor(seal_ids, dtype=torch.long).unsqueeze(1)
+            plan.seal_chunk_ids = (blocks * self.num_kv_heads + torch.arange(self.num_kv_heads)).flatten()
+            plan.seal_src = tensor(seal_src)
+        if stage_dst:
+            plan.seal_stage_dst, plan.seal_stage_src = tensor(stage_dst), self._rows(stage_base, stage_off)
+        if tail_src:
+            plan.tail_dst, plan.tail_src = self._rows(tail_base, tail_off), tensor(tail_src)
+        return plan
 
     def _take_stage(self, taken: set[int]) -> int:
         available = self._free_stage - taken
@@ -263,7 +294,7 @@ class PagedKVCache:
     def _grow_staging(self) -> None:
         old = self._stage_k.shape[1] if self._stage_k.dim() > 1 else 0
         new = max(8, 2 * old)
-        shape = (self.num_layers, new, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (self.num_layers, new, self.num_kv_heads, self.block_size, self.head_dim)
         k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if old:
@@ -293,11 +324,14 @@ class PagedKVCache:
 
     def write(self, layer: int, plan: WritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: (T, nkv, hd), the step's new tokens in plan order
-        for planes, codec, x, kind in ((self.k_planes, self.codec.key, k, 0), (self.v_planes, self.codec.value, v, 1)):
-            if plan.slots is not None:
-                encoded = codec.encode(x)
+        for planes, codec, x, kind in (
+            (self.k_planes, self.codec.key, k, 0),
+            (self.v_planes, self.codec.value, v, 1),
+        ):
+            if plan.rows is not None:
+                encoded = codec.encode(x)  # (T, nkv, *row) per plane
                 for name, data in encoded.items():
-                    _copy(planes[name][layer].flatten(0, 1), plan.slots, data)
+                    _copy(planes[name][layer].flatten(0, 2), plan.rows, data.flatten(0, 1))
             else:
                 encoded, x = self._write_staged(layer, plan, planes, codec, x, kind)
             if plan.is_monitored and encoded is not None:
@@ -307,48 +341,60 @@ class PagedKVCache:
         self, layer: int, plan: WritePlan, planes: Planes, codec: TensorCodec, x: torch.Tensor, kind: int
     ) -> tuple[Planes | None, torch.Tensor]:
         store = self._stage_k if kind == 0 else self._stage_v
-        stage = store[layer].flatten(0, 1) if store.dim() > 1 else None  # (capacity*bs, nkv, hd)
+        stage = store[layer].flatten(0, 2) if store.dim() > 1 else None  # (capacity*nkv*bs, hd) rows
+        nkv, hd = x.shape[1:]
         encoded, full = None, x
-        if plan.seal_block_ids is not None:
+        if plan.seal_chunk_ids is not None:
             full = x.index_select(0, plan.seal_src).to(self.dtype)  # (NS*bs, nkv, hd)
             if plan.seal_stage_dst is not None:
-                full.index_copy_(0, plan.seal_stage_dst, stage.index_select(0, plan.seal_stage_src))
-            full = full.view(-1, self.block_size, *x.shape[1:])
+                staged = stage.index_select(0, plan.seal_stage_src).view(-1, nkv, hd)
+                full.index_copy_(0, plan.seal_stage_dst, staged)
+            full = full.view(-1, self.block_size, nkv, hd).transpose(1, 2).flatten(0, 1)  # (NS*nkv, bs, hd)
             encoded = codec.encode(full)
             for name, data in encoded.items():
-                _copy(planes[name][layer], plan.seal_block_ids, data)
+                _copy(planes[name][layer].flatten(0, 1), plan.seal_chunk_ids, data)
         if plan.tail_dst is not None:
-            stage.index_copy_(0, plan.tail_dst, x.index_select(0, plan.tail_src).to(self.dtype))
+            tail = x.index_select(0, plan.tail_src).to(self.dtype).flatten(0, 1)  # (Tt*nkv, hd)
+            stage.index_copy_(0, plan.tail_dst, tail)
         return encoded, full
 
     # --- reads -----------------------------------------------------------------------------------------
     def block_read(self, block_ids: torch.Tensor) -> BlockRead:
-        """A read of ``block_ids`` (N,), where ids >= num_blocks name staging entries."""
+        """A read of ``block_ids`` (B, nb), where ids >= num_blocks name staging entries."""
+        num_seqs, num_blocks = block_ids.shape
         staged = block_ids >= self.num_blocks
-        if not self.codec.is_staged or not bool(staged.any()):
-            return BlockRead(block_ids)
-        pos = staged.nonzero().squeeze(1)
-        return BlockRead(block_ids.masked_fill(staged, 0), pos, block_ids[pos] - self.num_blocks)
+        has_staged = self.codec.is_staged and bool(staged.any())
+        ids = block_ids.masked_fill(staged, 0) if has_staged else block_ids
+        heads = torch.arange(self.num_kv_heads).view(1, -1, 1)
+        chunk_ids = (ids.unsqueeze(1) * self.num_kv_heads + heads).flatten()  # (B, nkv, nb) order
+        read = BlockRead(chunk_ids, num_seqs, num_blocks)
+        if has_staged:
+            read.stage_seq, read.stage_block = staged.nonzero(as_tuple=True)
+            read.stage_idx = block_ids[read.stage_seq, read.stage_block] - self.num_blocks
+        return read
 
     def gather(self, layer: int, read: BlockRead) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the blocks, decoded: (N, bs, nkv, hd) each, in the cache's compute dtype."""
+        """K and V of the blocks, decoded: (B, nkv, nb * bs, hd) each, in the cache's compute dtype."""
         out = []
+        shape = (read.num_seqs, self.num_kv_heads, read.num_blocks, self.block_size, self.head_dim)
         for planes, codec, stage in (
             (self.k_planes, self.codec.key, self._stage_k),
             (self.v_planes, self.codec.value, self._stage_v),
         ):
-            picked = {name: _select(p[layer], read.block_ids) for name, p in planes.items()}
-            x = codec.decode(picked, self.dtype)
-            if read.stage_pos is not None:
-                x.index_copy_(0, read.stage_pos, stage[layer].index_select(0, read.stage_idx))
-            out.append(x)
+            picked = {name: _select(p[layer].flatten(0, 1), read.chunk_ids) for name, p in planes.items()}
+            x = codec.decode(picked, self.dtype).view(shape)
+            if read.stage_idx is not None:
+                x[read.stage_seq, :, read.stage_block] = stage[layer][read.stage_idx]  # (S, nkv, bs, hd)
+            out.append(x.flatten(2, 3))
         return out[0], out[1]
 
     # --- debug checks ----------------------------------------------------------------------------------
     def _monitor(self, layer: int, kind: int, codec: TensorCodec, encoded: Planes, x: torch.Tensor) -> None:
         decoded = codec.decode(encoded, torch.float32)
         if decoded.shape != x.shape:
-            raise AssertionError(f"KV codec {codec.name} changed a shape: {tuple(x.shape)} -> {tuple(decoded.shape)}")
+            raise AssertionError(
+                f"KV codec {codec.name} changed a shape: {tuple(x.shape)} -> {tuple(decoded.shape)}"
+            )
         self.num_shape_checks += 1
         x = x.float()
         error = float((decoded - x).norm() / x.norm().clamp_min(1e-12))
@@ -374,7 +420,11 @@ class PagedKVCache:
         checks = stats.num_checks.clamp_min(1)
         mean = (stats.sum_error / checks).tolist()
         over = [
-            {"layer": layer, "kind": "k" if kind == 0 else "v", "max_error": float(stats.max_error[kind, layer])}
+            {
+                "layer": layer,
+                "kind": "k" if kind == 0 else "v",
+                "max_error": float(stats.max_error[kind, layer]),
+            }
             for kind in (0, 1)
             for layer in range(self.num_layers)
             if stats.num_over[kind, layer] > 0

@@ -9,7 +9,9 @@ from mcp2026.hardware import available_memory_bytes
 from mcp2026.kv.codecs import KVCodec, identity_codec
 
 
-def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype, codec: KVCodec | None = None) -> int:
+def kv_block_bytes(
+    model: ModelConfig, block_size: int, dtype: torch.dtype, codec: KVCodec | None = None
+) -> int:
     """Bytes of one block, all layers, K and V, as ``codec`` (default: ``dtype`` as is) stores it."""
     codec = codec or identity_codec(dtype)
     return model.num_layers * codec.block_bytes(block_size, model.num_kv_heads, model.head_dim)

@@ -3,12 +3,13 @@
 Per linear: activation statistics (stats.ActivationStatsCollector), a capped random subset of its input
 rows (to measure each candidate format's output error), and optionally the diagonal empirical Fisher of
 its output, E_t[(dLoss/dy_t)^2] per output channel, from a backward pass on a few samples; it weights
-output errors by how much they move the loss. Calibration and evaluation text never overlap: ShareGPT
-conversations at even positions of the file are calibration text, odd positions evaluation text.
+output errors by how much they move the loss. Calibration and evaluation text never overlap: a hash of
+each ShareGPT conversation's text puts it in one split (``split_of``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -65,16 +66,22 @@ def conversation_text(conversation: Sequence[dict[str, Any]]) -> str:
     return "".join(f"{turn.get('from', '')}: {turn.get('value', '')}\n\n" for turn in conversation)
 
 
+def split_of(text: str) -> str:
+    """The split a text belongs to, by its hash: duplicated conversations (ShareGPT has hundreds)
+    always land on the same side."""
+    return SPLITS[int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) % 2]
+
+
 def sharegpt_texts(split: str, seed: int = 0, path: str | Path | None = None) -> Iterator[str]:
-    """Conversations of one split (even file positions: calibration, odd: evaluation), shuffled by ``seed``."""
+    """Conversation texts of one split, in an order shuffled by ``seed``."""
     from mcp2026.bench.workloads import load_conversations, sharegpt_path
 
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    conversations = load_conversations(str(path or sharegpt_path()))
-    chosen = list(conversations[SPLITS.index(split) :: 2])
+    texts = [conversation_text(c) for c in load_conversations(str(path or sharegpt_path()))]
+    chosen = [t for t in texts if split_of(t) == split]
     random.Random(seed).shuffle(chosen)
-    return (conversation_text(c) for c in chosen)
+    return iter(chosen)
 
 
 def _file_texts(path: Path) -> Iterator[str]:
@@ -110,7 +117,9 @@ def calibration_samples(
         if len(samples) == n:
             break
     if not samples:
-        raise ValueError(f"calibration source {settings.source!r} gave no text of >= {settings.min_len} tokens")
+        raise ValueError(
+            f"calibration source {settings.source!r} gave no text of >= {settings.min_len} tokens"
+        )
     return samples
 
 

@@ -34,7 +34,7 @@ class BudgetError(MCPError, ValueError):
 
 @dataclass(frozen=True)
 class DQGSettings:
-    weighting: str = "fisher"  # "fisher": Fisher-weighted output error (est. KLD); "relative": ||dY||^2/||Y||^2
+    weighting: str = "fisher"  # "fisher": Fisher-weighted output error (est. KLD); "relative": |dY|^2/|Y|^2
     precompensation: str = "flagged"  # try zero point / MSE clip / AWQ on: flagged layers, all, none
     symmetric_only: bool = False  # int4 with zero points only as pre-compensation (QuantConfig.symmetric)
     awq_alphas: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -46,7 +46,9 @@ class DQGSettings:
         if self.weighting not in WEIGHTINGS:
             raise ValueError(f"dqg.weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
         if self.precompensation not in PRECOMPENSATIONS:
-            raise ValueError(f"dqg.precompensation must be one of {PRECOMPENSATIONS}, got {self.precompensation!r}")
+            raise ValueError(
+                f"dqg.precompensation must be one of {PRECOMPENSATIONS}, got {self.precompensation!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,12 @@ def candidate_specs(
 
 
 def _layer_options(
-    name: str, linear: nn.Linear, calib: Calibration, formats: Sequence[str], settings: DQGSettings, is_tied: bool
+    name: str,
+    linear: nn.Linear,
+    calib: Calibration,
+    formats: Sequence[str],
+    settings: DQGSettings,
+    is_tied: bool,
 ) -> LayerOptions:
     layer = calib.layers[name]
     w = linear.weight.detach().float()
@@ -162,7 +169,9 @@ def _layer_options(
             scale, alpha, _ = search_act_scale(w, x, base, settings.awq_alphas)
             if alpha == 0.0:
                 continue  # no scaling helps here: the plain variant already covers this point
-            spec = LayerQuantSpec(spec.format, spec.group_size, spec.symmetric, spec.clip_ratio, act_scale=name)
+            spec = LayerQuantSpec(
+                spec.format, spec.group_size, spec.symmetric, spec.clip_ratio, act_scale=name
+            )
         dy = x @ (fake_quantize(w, spec, scale) - w).T  # (R, N)
         rel = (dy.pow(2).sum() / y_energy).item()
         error = 0.5 * (dy.pow(2).mean(0) * fisher).sum().item() if use_fisher else rel
@@ -191,7 +200,9 @@ def measure_options(
     with torch.inference_mode(), _progress(progress) as bar:
         task = bar.add_task("measuring formats", total=len(names))
         for name in names:
-            result[name] = _layer_options(name, model.get_submodule(name), calib, formats, settings, name in tied)
+            result[name] = _layer_options(
+                name, model.get_submodule(name), calib, formats, settings, name in tied
+            )
             bar.advance(task)
     return result
 
@@ -233,7 +244,9 @@ def allocate(layers: Mapping[str, LayerOptions], budget: float, unit: str = "bit
     position = dict.fromkeys(hulls, 0)
     total = sum(h[0][0] for h in hulls.values())
     if total > budget * (1 + 1e-9):
-        raise BudgetError(f"impossible budget: the cheapest plan needs {total:.4g} {unit}, budget is {budget:.4g}")
+        raise BudgetError(
+            f"impossible budget: the cheapest plan needs {total:.4g} {unit}, budget is {budget:.4g}"
+        )
     segments = []
     for n, h in hulls.items():
         for i in range(len(h) - 1):
@@ -282,7 +295,11 @@ def analytic_eps(layers: Mapping[str, LayerOptions], kld: float) -> dict[str, fl
 
 
 def analytic_choice(
-    layers: Mapping[str, LayerOptions], eps: Mapping[str, float], formats: Sequence[str], group_size: int, symmetric: bool
+    layers: Mapping[str, LayerOptions],
+    eps: Mapping[str, float],
+    formats: Sequence[str],
+    group_size: int,
+    symmetric: bool,
 ) -> dict[str, tuple[int, Option]]:
     """b* per layer from its output sigma, clamped to the nearest candidate format; the option measured
     for that format (int4: ``group_size`` or the largest group the layer allows)."""
@@ -298,7 +315,11 @@ def analytic_choice(
         plain = [o for o in lo.options if o.spec.format == fmt and not o.variant and o.spec.act_scale is None
                  and o.spec.clip_ratio == 1.0 and (fmt != "int4" or o.spec.symmetric == symmetric)]  # fmt: skip
         groups = sorted({o.spec.group_size or 0 for o in plain})
-        group = group_size if group_size in groups else max((g for g in groups if g <= group_size), default=groups[0])
+        group = (
+            group_size
+            if group_size in groups
+            else max((g for g in groups if g <= group_size), default=groups[0])
+        )
         chosen[name] = (bits, next(o for o in plain if (o.spec.group_size or 0) == group))
     return chosen
 
@@ -311,53 +332,6 @@ def plan_from_choices(choices: Mapping[str, Option]) -> tuple[QuantPlan, dict[st
     return plan, scales
 
 
-def uniform_plan(model: nn.Module, spec: LayerQuantSpec) -> QuantPlan:
-    """``spec`` for every linear; int4 layers whose width the group does not divide get the largest group
-    that does (then int8 if none), as exact-name exceptions before the ``_default``."""
-    rules: dict[str, LayerQuantSpec] = {}
-    if spec.format == "int4":
-        for name, m in model.named_modules():
-            if isinstance(m, nn.Linear) and spec.group_size not in int4_groups(m.in_features, m.out_features):
-                groups = [g for g in int4_groups(m.in_features, m.out_features) if g < spec.group_size]
-                rules[name] = (
-                    LayerQuantSpec("int4", max(groups), spec.symmetric, spec.clip_ratio)
-                    if groups
-                    else LayerQuantSpec("int8")
-                )
-    return QuantPlan({**rules, "_default": spec})
-
-
-def fake_quantized_weights(
-    model: nn.Module, plan: QuantPlan, act_scales: Mapping[str, Tensor] | None = None
-) -> dict[str, Tensor]:
-    """name -> the fp weight each planned linear would compute with (for quick quality checks)."""
-    out = {}
-    for name, m in model.named_modules():
-        spec = plan.spec_for(name)
-        if isinstance(m, nn.Linear) and spec is not None and spec.format != "fp32":
-            scale = None if spec.act_scale is None else (act_scales or {})[spec.act_scale]
-            out[name] = fake_quantize(m.weight.detach(), spec, scale).to(m.weight.dtype)
-    return out
-
-
-class swapped_weights:  # noqa: N801 - used as a context manager, like torch.no_grad
-    """Temporarily give linears other weights (new Parameters, so a tied embedding is left alone)."""
-
-    def __init__(self, model: nn.Module, weights: Mapping[str, Tensor]) -> None:
-        self.model, self.weights, self.saved = model, weights, {}
-
-    def __enter__(self) -> nn.Module:
-        for name, w in self.weights.items():
-            m = self.model.get_submodule(name)
-            self.saved[name] = m.weight
-            m.weight = nn.Parameter(w, requires_grad=False)
-        return self.model
-
-    def __exit__(self, *exc: object) -> None:
-        for name, w in self.saved.items():
-            self.model.get_submodule(name).weight = w
-
-
 def total_error(layers: Mapping[str, LayerOptions], choices: Mapping[str, Option]) -> float:
     return sum(choices[n].error for n in layers)
 
@@ -365,7 +339,6 @@ def total_error(layers: Mapping[str, LayerOptions], choices: Mapping[str, Option
 def avg_bits(layers: Mapping[str, LayerOptions], choices: Mapping[str, Option]) -> float:
     numel = sum(lo.numel for lo in layers.values())
     return sum(lo.numel * choices[n].bits for n, lo in layers.items()) / max(numel, 1)
-
 
 
 # ---- result ----------------------------------------------------------------------------------------

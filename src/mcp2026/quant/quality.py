@@ -134,8 +134,8 @@ def role_mixture_plan(model: nn.Module, base, high=None):
     """The llama.cpp-style fixed mixture by tensor role. NOTE: our attention projections are fused, so
     attn_v is the v rows of ``qkv_proj``; a plan is per module, so the whole qkv_proj (q and k rows too)
     takes the wider type there - more bits than llama.cpp spends, counted in the plan's bits/weight."""
-    from mcp2026.quant.dqg import uniform_plan
     from mcp2026.quant.plan import LayerQuantSpec, QuantPlan
+    from mcp2026.quant.recipe import uniform_plan
 
     high = high or LayerQuantSpec("int8")
     num_layers = len(model.layers)
@@ -154,7 +154,7 @@ class QualityBenchSettings:
     seed: int = 0
     dqg_budgets: tuple[float, ...] = (4.5, 5.0)
     curve_budgets: tuple[float, ...] = (4.25, 4.5, 4.75, 5.0, 5.25, 5.5, 5.75, 6.0)
-    only: tuple[str, ...] = ()  # run only the plans whose name contains one of these (and the curve if "curve")
+    only: tuple[str, ...] = ()  # only plans whose name contains one of these ("curve": the curve)
     out_dir: str | None = None  # where quality.json / quality.md / quality_curve.png go
 
 
@@ -183,16 +183,20 @@ def _symmetric_family(layers):
 
 
 def _fixed_plans(model):
-    from mcp2026.quant.dqg import uniform_plan
     from mcp2026.quant.plan import LayerQuantSpec
+    from mcp2026.quant.recipe import uniform_plan
 
     plans = {"int8": uniform_plan(model, LayerQuantSpec("int8"))}
     for sym in (True, False):
         for g in (32, 64, 128):
-            plans[f"int4 {'sym' if sym else 'asym'} g{g}"] = uniform_plan(model, LayerQuantSpec("int4", g, sym))
+            plans[f"int4 {'sym' if sym else 'asym'} g{g}"] = uniform_plan(
+                model, LayerQuantSpec("int4", g, sym)
+            )
     for sym in (True, False):
         base = LayerQuantSpec("int4", 64, sym)
-        plans[f"llama.cpp-style mixture ({'sym' if sym else 'asym'} g64 + int8)"] = role_mixture_plan(model, base)
+        plans[f"llama.cpp-style mixture ({'sym' if sym else 'asym'} g64 + int8)"] = role_mixture_plan(
+            model, base
+        )
     return plans
 
 
@@ -227,7 +231,9 @@ def run_quality_bench(
         numel = sum(lo.numel for lo in full.values())
         budgets = [(f, b) for f in families for b in settings.dqg_budgets]
         mixtures = {n: p for n, p in _fixed_plans(model).items() if n.startswith("llama")}
-        budgets += [(f"DQG{'-sym' if '(sym' in n else ''}", p.avg_bits_per_weight(model)) for n, p in mixtures.items()]
+        budgets += [
+            (f"DQG{'-sym' if '(sym' in n else ''}", p.avg_bits_per_weight(model)) for n, p in mixtures.items()
+        ]
         if wanted("curve"):
             budgets += [(f, b) for f in families for b in settings.curve_budgets]
         for family, bits in dict.fromkeys(budgets):
@@ -246,7 +252,9 @@ def run_quality_bench(
         task = bar.add_task("evaluating plans", total=len(plans))
         for name, (plan, scales, family) in plans.items():
             bits, mib = plan.avg_bits_per_weight(model), plan.total_bytes(model) / 2**20
-            quantized = recipe.apply(copy.deepcopy(model), dqg.DQGResult("bench", plan, scales), dtypes, False)
+            quantized = recipe.apply(
+                copy.deepcopy(model), dqg.DQGResult("bench", plan, scales), dtypes, False
+            )
             rows.append({"plan": name, "family": family, "bits": bits, "mib": mib,
                          **evaluate(quantized, windows, reference).to_dict()})  # fmt: skip
             del quantized
@@ -262,7 +270,11 @@ def _markdown(rows, header: str) -> str:
     lines = [f"Quality: {header}", "", "| plan | bits/weight | weights MiB | PPL | ΔPPL | KLD | KLD p99 | top-1 agree |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        delta = "" if r.get("delta_ppl") is None else f"{100 * r['delta_ppl']:+.2f}% ± {100 * r['delta_ppl_stderr']:.2f}"
+        delta = (
+            ""
+            if r.get("delta_ppl") is None
+            else f"{100 * r['delta_ppl']:+.2f}% ± {100 * r['delta_ppl_stderr']:.2f}"
+        )
         cells = [r["plan"], f"{r['bits']:.3f}", "" if r["mib"] is None else f"{r['mib']:.1f}", f"{r['ppl']:.3f}", delta,
                  *("" if r.get(k) is None else f"{r[k]:.4f}" for k in ("kld", "kld_p99", "top1_agreement"))]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")

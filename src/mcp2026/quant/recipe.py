@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from mcp2026.config import QuantConfig
 from mcp2026.quant import dqg
 from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, calibration_samples
 from mcp2026.quant.dqg import BudgetError, DQGResult, DQGSettings
-from mcp2026.quant.linear import quantize_
+from mcp2026.quant.linear import fake_quantize, quantize_
 from mcp2026.quant.plan import DENSE_FORMATS, WEIGHT_BITS, LayerQuantSpec, QuantPlan
 
 QUANT_FORMATS = ("int8", "int4", "fp8")
@@ -91,6 +91,55 @@ def _budget(config: QuantConfig) -> tuple[str, float] | None:
     return None  # analytic
 
 
+def uniform_plan(model: nn.Module, spec: LayerQuantSpec) -> QuantPlan:
+    """``spec`` for every linear; int4 layers whose width the group does not divide get the largest group
+    that does (then int8 if none), as exact-name exceptions before the ``_default``."""
+    rules: dict[str, LayerQuantSpec] = {}
+    if spec.format == "int4":
+        for name, m in model.named_modules():
+            if isinstance(m, nn.Linear) and spec.group_size not in dqg.int4_groups(
+                m.in_features, m.out_features
+            ):
+                groups = [g for g in dqg.int4_groups(m.in_features, m.out_features) if g < spec.group_size]
+                rules[name] = (
+                    LayerQuantSpec("int4", max(groups), spec.symmetric, spec.clip_ratio)
+                    if groups
+                    else LayerQuantSpec("int8")
+                )
+    return QuantPlan({**rules, "_default": spec})
+
+
+def fake_quantized_weights(
+    model: nn.Module, plan: QuantPlan, act_scales: Mapping[str, Tensor] | None = None
+) -> dict[str, Tensor]:
+    """name -> the fp weight each planned linear would compute with (for quick quality checks)."""
+    out = {}
+    for name, m in model.named_modules():
+        spec = plan.spec_for(name)
+        if isinstance(m, nn.Linear) and spec is not None and spec.format != "fp32":
+            scale = None if spec.act_scale is None else (act_scales or {})[spec.act_scale]
+            out[name] = fake_quantize(m.weight.detach(), spec, scale).to(m.weight.dtype)
+    return out
+
+
+class swapped_weights:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """Temporarily give linears other weights (new Parameters, so a tied embedding is left alone)."""
+
+    def __init__(self, model: nn.Module, weights: Mapping[str, Tensor]) -> None:
+        self.model, self.weights, self.saved = model, weights, {}
+
+    def __enter__(self) -> nn.Module:
+        for name, w in self.weights.items():
+            m = self.model.get_submodule(name)
+            self.saved[name] = m.weight
+            m.weight = nn.Parameter(w, requires_grad=False)
+        return self.model
+
+    def __exit__(self, *exc: object) -> None:
+        for name, w in self.saved.items():
+            self.model.get_submodule(name).weight = w
+
+
 def plan_for_config(
     model: nn.Module,
     tokenizer: object | None,
@@ -107,8 +156,10 @@ def plan_for_config(
         return DQGResult("uniform", QuantPlan({}), budget=f"unquantized {config.target_precision}")
     if not config.enable_dqg:
         fmt = resolve_format(config.target_precision, formats, config.strict)
-        spec = LayerQuantSpec(fmt, config.group_size, config.symmetric) if fmt == "int4" else LayerQuantSpec(fmt)
-        return DQGResult("uniform", dqg.uniform_plan(model, spec), budget=f"uniform {config.target_precision}")
+        spec = (
+            LayerQuantSpec(fmt, config.group_size, config.symmetric) if fmt == "int4" else LayerQuantSpec(fmt)
+        )
+        return DQGResult("uniform", uniform_plan(model, spec), budget=f"uniform {config.target_precision}")
     settings = settings or DQGSettings(symmetric_only=config.symmetric)
     calibration = calibration or CalibrationSettings(config.calibration_source, config.calibration_samples)
     vocab = model.get_submodule("embed_tokens").num_embeddings
@@ -136,7 +187,9 @@ def plan_for_config(
 def fixed_bytes(model: nn.Module, layers: dict[str, dqg.LayerOptions]) -> int:
     """Bytes a plan does not decide: everything but the planned linears' weights (tied ones count there)."""
     planned = sum(
-        0 if lo.is_tied else model.get_submodule(n).weight.numel() * model.get_submodule(n).weight.element_size()
+        0
+        if lo.is_tied
+        else model.get_submodule(n).weight.numel() * model.get_submodule(n).weight.element_size()
         for n, lo in layers.items()
     )
     return QuantPlan({}).total_bytes(model) - planned
@@ -149,12 +202,16 @@ def _analytic(layers, config: QuantConfig, formats, settings: DQGSettings) -> DQ
     picked = dqg.analytic_choice(layers, eps, formats, config.group_size, config.symmetric)
     choices = {n: o for n, (_, o) in picked.items()}
     plan, scales = dqg.plan_from_choices(choices)
-    result = DQGResult("analytic", plan, scales, f"analytic, total KLD {settings.analytic_kld:g}", layers, choices)
+    result = DQGResult(
+        "analytic", plan, scales, f"analytic, total KLD {settings.analytic_kld:g}", layers, choices
+    )
     result.analytic = {n: b for n, (b, _) in picked.items()}
     return result
 
 
-def _ppl_search(model, calib, layers, max_increase: float, settings: DQGSettings, progress: bool) -> DQGResult:
+def _ppl_search(
+    model, calib, layers, max_increase: float, settings: DQGSettings, progress: bool
+) -> DQGResult:
     """Bisection over the bits budget for the cheapest measured plan whose perplexity on calibration
     samples (fake-quantized weights) is within ``max_increase`` (relative) of the unquantized model's."""
     from mcp2026.quant.quality import evaluate
@@ -170,7 +227,7 @@ def _ppl_search(model, calib, layers, max_increase: float, settings: DQGSettings
     def check(bits: float) -> tuple[bool, dict]:
         choices = dqg.allocate(layers, bits * numel, "bits")
         plan, scales = dqg.plan_from_choices(choices)
-        with dqg.swapped_weights(model, dqg.fake_quantized_weights(model, plan, scales)):
+        with swapped_weights(model, fake_quantized_weights(model, plan, scales)):
             ppl = evaluate(model, windows).ppl
         increase = ppl / base_ppl - 1
         checks.append({"bits_budget": bits, "avg_bits": dqg.avg_bits(layers, choices), "ppl": ppl,
@@ -193,7 +250,9 @@ def _ppl_search(model, calib, layers, max_increase: float, settings: DQGSettings
             lo, hi, best = (lo, mid, choices) if ok else (mid, hi, best)
             bar.advance(task)
     plan, scales = dqg.plan_from_choices(best)
-    return DQGResult("measured", plan, scales, f"max_ppl_increase={max_increase:g}", layers, best, ppl_checks=checks)
+    return DQGResult(
+        "measured", plan, scales, f"max_ppl_increase={max_increase:g}", layers, best, ppl_checks=checks
+    )
 
 
 def apply(
@@ -224,7 +283,13 @@ def quantize_model(
     """Plan (on this device's candidates) and quantize in place; returns how the plan was chosen."""
     formats, dtypes = hardware_candidates(device)
     result = plan_for_config(
-        model, tokenizer, config, formats=formats, settings=settings, calibration=calibration, progress=progress
+        model,
+        tokenizer,
+        config,
+        formats=formats,
+        settings=settings,
+        calibration=calibration,
+        progress=progress,
     )
     apply(model, result, dtypes, progress)
     return result
@@ -238,3 +303,13 @@ def describe(result: DQGResult, model: nn.Module) -> str:
         "" if math.isnan(result.predicted_error) else f", est. error {result.predicted_error:.4g}"
     )
 
+
+def quantize_loaded(loaded, config: QuantConfig, device: str | torch.device = "cpu", progress: bool = True):
+    """Pipeline's quantization step: quantize a freshly loaded model as ``config`` asks; a compiled
+    artifact is already quantized, so there the config's plan is not applied again (a warning says so)."""
+    if loaded.file_format == "mcp2026-artifact":
+        warnings.warn(
+            f"{loaded.source} is a compiled artifact (already quantized): QuantConfig ignored", stacklevel=3
+        )
+        return None
+    return quantize_model(loaded.model, loaded.tokenizer, config, device, progress=progress)

@@ -40,6 +40,7 @@ from mcp2026.serve.protocol import (
     ModelList,
 )
 from mcp2026.serve.tenants import Tenant, TenantRegistry
+from mcp2026.serve.traffic import Gate, ObserveGate, PressureController
 
 log = logging.getLogger("mcp2026.serve")
 REQUEST_ID: ContextVar[str] = ContextVar("request_id", default="-")
@@ -129,19 +130,45 @@ def create_app(
     tokenizer: Any,
     config: ServeConfig | None = None,
     tenants: TenantRegistry | None = None,
+    gate: Gate | None = None,
 ) -> FastAPI:
+    """``gate``: what pressure mode switches (a QuantGate, a KVPolicyGate); None observes only. The
+    traffic config's ``gate: off`` disables the pressure rule."""
     config = config or ServeConfig()
     if tenants is None:
         tenants = TenantRegistry.from_yaml(config.tenants_file) if config.tenants_file else TenantRegistry()
     model_name = config.model_name or (Path(config.model).stem if config.model else "default")
     metrics = ServerMetrics(model_name, lambda: async_engine.stats)
     service = GenerationService(async_engine, tokenizer, config, tenants, metrics, model_name)
+    async_engine.set_tenant_weights({t.name: t.weight for t in tenants.tenants.values()})
+    metrics.watch_traffic(service.traffic.snapshot)
+    if config.traffic.gate != "off":
+        gate = gate or ObserveGate()
+        log.info("pressure gate: %s", getattr(gate, "name", type(gate).__name__))
+        service.pressure = PressureController(
+            service.traffic,
+            gate,
+            run=async_engine.run_between_steps,
+            on_switch=lambda plan, _snap: metrics.observe_gate_switch(plan),
+        )
+
+    async def tick_pressure() -> None:
+        # NOTE: without arrivals nothing else re-evaluates the rule; this lets pressure mode end when traffic stops.
+        while True:
+            await asyncio.sleep(config.traffic.tick_s)
+            try:
+                service.update_pressure()
+            except Exception:  # noqa: BLE001 - the ticker must outlive one bad evaluation
+                log.exception("traffic: pressure rule update failed")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not async_engine.is_started:
             async_engine.start()
+        ticker = asyncio.create_task(tick_pressure()) if service.pressure is not None else None
         yield
+        if ticker is not None:
+            ticker.cancel()
         await async_engine.shutdown(drain=False)
 
     app = FastAPI(title="mcp2026", version="0.1.0", lifespan=lifespan)

@@ -1,7 +1,8 @@
 """ServeConfig: what the HTTP server needs (address, keys, limits, SLOs), and the serve YAML reader.
 
 One YAML holds the same keys as ``mcp2026 serve``'s options, plus ``kv:`` and ``scheduler:`` sections that
-go to the engine's KVConfig and SchedulerConfig unchanged.
+go to the engine's KVConfig and SchedulerConfig unchanged, ``kv_compressor:`` (KVCompressor fields),
+``breaker:`` and ``traffic:``.
 """
 
 from __future__ import annotations
@@ -9,10 +10,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mcp2026.config import EngineConfig, KVConfig, SchedulerConfig
+from mcp2026.config import EngineConfig, KVConfig, QuantConfig, SchedulerConfig
 from mcp2026.serve.slo import BreakerConfig
+from mcp2026.serve.traffic import TrafficConfig
+
+if TYPE_CHECKING:
+    from mcp2026.kv.compressor import KVCompressor
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -27,6 +32,7 @@ class ServeConfig:
     model: str | None = None  # HF folder or .gguf; None = the embedded default model
     model_name: str | None = None  # the id clients send as "model"; None = the model file's stem
     dtype: str = "auto"
+    quant: str | None = None  # QuantConfig YAML (as for `mcp2026 compile`); None = weights as stored
     host: str = "127.0.0.1"
     port: int = 8000
     tenants_file: str | None = None  # API keys -> tenants YAML; None = one open tenant
@@ -41,6 +47,7 @@ class ServeConfig:
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 200.0
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    traffic: TrafficConfig = field(default_factory=TrafficConfig)  # profile + pressure gate rule
     drain_on_sigterm: bool = True  # False: abort in-flight requests (finish_reason "abort")
     drain_timeout_s: float = 30.0
     warmup: bool = True  # /readyz only after one request went through the engine
@@ -76,25 +83,73 @@ def load_serve_yaml(path: str | Path) -> tuple[ServeConfig, EngineConfig]:
     _require(isinstance(raw, dict), f"{path}: the serve config must be a mapping of keys to values")
     raw = dict(raw)
     kv, scheduler = raw.pop("kv", None) or {}, raw.pop("scheduler", None) or {}
-    try:
-        raw["breaker"] = BreakerConfig(**(raw.pop("breaker", None) or {}))
-    except TypeError as e:
-        raise ValueError(f"{path}: bad breaker section ({e})") from None
+    compressor = raw.pop("kv_compressor", None)
+    for key, cls in (("breaker", BreakerConfig), ("traffic", TrafficConfig)):
+        try:
+            raw[key] = cls(**(raw.pop(key, None) or {}))
+        except TypeError as e:
+            raise ValueError(f"{path}: bad {key} section ({e})") from None
     if "tenants" in raw:  # the CLI option's name
         raw["tenants_file"] = raw.pop("tenants")
     known = {f.name for f in dataclasses.fields(ServeConfig)}
     unknown = sorted(set(raw) - known)
-    _require(not unknown, f"{path}: unknown keys {unknown}; known: {sorted(known | {'kv', 'scheduler'})}")
+    sections = {"kv", "scheduler", "kv_compressor"}
+    _require(not unknown, f"{path}: unknown keys {unknown}; known: {sorted(known | sections)}")
     try:
-        engine = EngineConfig(KVConfig(**kv), SchedulerConfig(**scheduler))
+        kv_compressor = None
+        if compressor:
+            from mcp2026.kv.compressor import KVCompressor
+
+            kv_compressor = KVCompressor.from_dict(compressor)
+        engine = EngineConfig(KVConfig(**kv), SchedulerConfig(**scheduler), kv_compressor=kv_compressor)
     except TypeError as e:
-        raise ValueError(f"{path}: bad kv/scheduler section ({e})") from None
+        raise ValueError(f"{path}: bad kv/scheduler/kv_compressor section ({e})") from None
     return ServeConfig(**_resolve_paths(raw, path.parent)), engine
 
 
 def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
     """File paths in the YAML are relative to the YAML's folder."""
-    for key in ("model", "tenants_file", "ssl_certfile", "ssl_keyfile"):
+    for key in ("model", "quant", "tenants_file", "ssl_certfile", "ssl_keyfile"):
         if raw.get(key) is not None and not Path(str(raw[key])).expanduser().is_absolute():
             raw[key] = str(base / str(raw[key]))
     return raw
+
+
+def load_quant_config(path: str | Path) -> QuantConfig:
+    """A QuantConfig from a YAML of its fields (``mcp2026 compile``'s configs; their calibration and dqg
+    sections are read by compile, and ignored here)."""
+    try:
+        from mcp2026.quant.compile_cli import load_spec
+    except ImportError:  # the compile module is optional for serving
+        import yaml
+
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        _require(isinstance(raw, dict), f"{path}: the quantization config must be a mapping")
+        try:
+            return QuantConfig(**raw)
+        except TypeError as e:
+            raise ValueError(f"{path}: {e}") from None
+    return load_spec(path).quant
+
+
+def kv_compressor_from_options(
+    engine: EngineConfig, dtype: str | None, policy: str | None, sparsity_ratio: float | None
+) -> KVCompressor | None:
+    """The serve options ``--kv-dtype/--kv-policy/--kv-sparsity`` over the YAML's ``kv_compressor``. Without
+    either, None (KV stored as the model's dtype). ``--kv-dtype`` alone evicts nothing."""
+    base = engine.kv_compressor
+    if dtype is None and policy is None and sparsity_ratio is None:
+        return base
+    from mcp2026.kv.compressor import KVCompressor
+
+    fields = base.to_dict() if base is not None else {"block_size": engine.kv.block_size, "policy": "none"}
+    if dtype is not None:
+        fields["dtype"] = dtype
+    if policy is not None:
+        fields["policy"] = policy
+        if policy == "none":
+            fields["sparsity_ratio"] = fields["max_kv_tokens"] = None
+    if sparsity_ratio is not None:
+        _require(fields["policy"] != "none", "--kv-sparsity needs an eviction policy (--kv-policy)")
+        fields["sparsity_ratio"], fields["max_kv_tokens"] = sparsity_ratio, None
+    return KVCompressor.from_dict(fields)

@@ -29,6 +29,7 @@ from mcp2026.serve.protocol import (
 )
 from mcp2026.serve.slo import STATE_VALUES, BreakerOpen, CircuitBreaker
 from mcp2026.serve.tenants import RateLimitExceeded, Tenant, TenantRegistry
+from mcp2026.serve.traffic import PressureController, TrafficProfile
 from mcp2026.types import SamplingParams, TokenLogprob
 
 log = logging.getLogger("mcp2026.serve")
@@ -110,6 +111,8 @@ class GenerationService:
         self.model_name = model_name
         self.is_draining = False
         self.breaker = CircuitBreaker(config.breaker, self._on_breaker_change)
+        self.traffic = TrafficProfile(config.traffic)
+        self.pressure: PressureController | None = None  # set by create_app when a gate is configured
         self._token_text_cache: dict[int, str] = {}
 
     @property
@@ -224,6 +227,8 @@ class GenerationService:
         )
         job.choices = [Choice(i, i // req.n, len(prompts[i // req.n])) for i in range(num_requests)]
         job.is_probe = is_probe
+        self.traffic.observe_arrival(max(len(p) for p in prompts))
+        self.update_pressure()
         return job
 
     # ---- running --------------------------------------------------------------------------------
@@ -241,6 +246,7 @@ class GenerationService:
                     priority=job.tenant.priority,
                     cache_salt=job.tenant.cache_salt,
                     timing=choice.timing,
+                    tenant=job.tenant.name,
                 )
                 async for out in stream:
                     queue.put_nowait((choice, out))
@@ -286,6 +292,10 @@ class GenerationService:
                 self.breaker.cancel_probe()
         else:
             self.breaker.record(is_bad=outcome, is_probe=job.is_probe)
+            ends = [c.last_output_time - c.timing.arrival_time for c in job.choices if c.last_output_time]
+            is_error = any(c.finish_reason == "error" for c in job.choices)
+            self.traffic.observe_finish(is_error, max(ends, default=None))
+            self.update_pressure()
         for c in job.choices:
             arrival = c.timing.arrival_time
             end = c.last_output_time
@@ -315,6 +325,10 @@ class GenerationService:
             if c.num_output_tokens > 1 and decode_s / (c.num_output_tokens - 1) > tpot_slo:
                 return True
         return False
+
+    def update_pressure(self) -> None:
+        if self.pressure is not None:
+            self.pressure.update()
 
     def _on_breaker_change(self, state: str) -> None:
         log.warning("SLO circuit breaker is now %s (bad share %.1f%%)", state, 100 * self.breaker.bad_share())

@@ -1,5 +1,6 @@
 """Prometheus metrics of one server (its own CollectorRegistry). Names start with ``mcp2026_``; per-request
-series carry ``tenant`` and ``model`` labels, engine-wide ones ``model``.
+series carry ``tenant`` and ``model`` labels, engine-wide ones ``model``. deploy/grafana/mcp2026.json
+charts these names: rename one there too.
 
 Engine-wide values (running/waiting requests, KV usage, preemptions, prefix-cache lookups) are read from
 the engine's latest stats at scrape time, so the engine loop never waits on the metrics.
@@ -14,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mcp2026.engine.scheduler import SchedulerStats
+from mcp2026.serve.traffic import PRESSURE, QUALITY, TrafficSnapshot
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -55,6 +57,50 @@ class _EngineCollector(Collector):
         ]
         for name, doc, value in counters:
             metric = CounterMetricFamily(name, doc, labels=["model"])
+            metric.add_metric([self.model], value)
+            yield metric
+        tokens = CounterMetricFamily(
+            "mcp2026_tenant_processed_tokens",
+            "Tokens computed per tenant (prefill + decode): what weighted fair scheduling shares",
+            labels=["tenant", "model"],
+        )
+        for tenant, value in stats.tenant_tokens.items():
+            tokens.add_metric([tenant or "default", self.model], value)
+        yield tokens
+
+
+class _TrafficCollector(Collector):
+    def __init__(self, model: str, read_snapshot: Callable[[], TrafficSnapshot]) -> None:
+        self.model = model
+        self.read_snapshot = read_snapshot
+
+    def collect(self) -> Iterable[Metric]:
+        snap = self.read_snapshot()
+        gauges = [
+            (
+                "mcp2026_traffic_long_context_share",
+                "Share of recent arrivals with a long context",
+                snap.long_share,
+            ),
+            (
+                "mcp2026_traffic_arrival_rate",
+                "Arrival rate, EWMA of the per-tick Poisson rate (req/s)",
+                snap.arrival_rate,
+            ),
+            ("mcp2026_traffic_burst_ratio", "Arrival rate over the long-run rate", snap.burst_ratio),
+            (
+                "mcp2026_traffic_error_rate",
+                "Failed share of requests finished in the error window",
+                snap.error_rate,
+            ),
+            (
+                "mcp2026_traffic_mean_latency_seconds",
+                "Mean E2E latency in the error window",
+                snap.mean_latency_s,
+            ),
+        ]
+        for name, doc, value in gauges:
+            metric = GaugeMetricFamily(name, doc, labels=["model"])
             metric.add_metric([self.model], value)
             yield metric
 
@@ -121,8 +167,31 @@ class ServerMetrics:
             ["model", "state"],
             registry=r,
         )
+        self.breaker_trips = Counter(
+            "mcp2026_breaker_trips", "Times the SLO circuit breaker opened", ["model"], registry=r
+        )
+        self.gate_switches = Counter(
+            "mcp2026_gate_switches",
+            "Pressure-gate switches by the plan switched to",
+            ["model", "plan"],
+            registry=r,
+        )
+        self.gate_plan = Gauge(
+            "mcp2026_gate_plan",
+            "1 for the plan the pressure gate has installed",
+            ["model", "plan"],
+            registry=r,
+        )
         self.breaker_state.labels(model).set(0)
+        self.breaker_trips.labels(model)
+        for plan in (QUALITY, PRESSURE):
+            self.gate_switches.labels(model, plan)
+            self.gate_plan.labels(model, plan).set(int(plan == QUALITY))
         r.register(_EngineCollector(model, read_stats))
+
+    def watch_traffic(self, read_snapshot: Callable[[], TrafficSnapshot]) -> None:
+        """Export the traffic profile's values, read at scrape time."""
+        self.registry.register(_TrafficCollector(self.model, read_snapshot))
 
     def observe_finished(
         self,
@@ -157,6 +226,13 @@ class ServerMetrics:
     def observe_breaker(self, state: str, value: int) -> None:
         self.breaker_state.labels(self.model).set(value)
         self.breaker_transitions.labels(self.model, state).inc()
+        if state == "open":
+            self.breaker_trips.labels(self.model).inc()
+
+    def observe_gate_switch(self, plan: str) -> None:
+        self.gate_switches.labels(self.model, plan).inc()
+        for p in (QUALITY, PRESSURE):
+            self.gate_plan.labels(self.model, p).set(int(p == plan))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

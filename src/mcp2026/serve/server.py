@@ -18,7 +18,8 @@ import uvicorn
 from mcp2026.config import EngineConfig
 from mcp2026.engine.async_engine import AsyncEngine
 from mcp2026.serve.app import create_app
-from mcp2026.serve.config import ServeConfig
+from mcp2026.serve.config import ServeConfig, load_quant_config
+from mcp2026.serve.traffic import Gate, KVPolicyGate, ObserveGate
 
 log = logging.getLogger("mcp2026.serve")
 
@@ -58,25 +59,49 @@ class GracefulServer(uvicorn.Server):
 def build_server(
     serve_config: ServeConfig, engine_config: EngineConfig, log_level: str = "info"
 ) -> GracefulServer:
-    """Load the model ``serve_config`` names and wrap it in a server."""
+    """Load the model ``serve_config`` names (quantized as its ``quant`` YAML asks, KV compressed as
+    ``engine_config.kv_compressor`` asks) and wrap it in a server."""
     from mcp2026.pipeline import Pipeline
 
     pipe = Pipeline(
         model=serve_config.model,
+        config=load_quant_config(serve_config.quant) if serve_config.quant else None,
         dtype=serve_config.dtype,
+        kv=engine_config.kv_compressor,
         scheduler=engine_config.scheduler,
         kv_config=engine_config.kv,
     )
     if serve_config.model_name is None:
         serve_config = dataclasses.replace(serve_config, model_name=pipe.loaded.source.stem)
     async_engine = AsyncEngine(pipe.engine, warmup=serve_config.warmup)
-    return make_server(async_engine, pipe.tokenizer, serve_config, log_level)
+    gate = pick_gate(serve_config.traffic.gate, pipe, serve_config.traffic.pressure_kv_sparsity)
+    return make_server(async_engine, pipe.tokenizer, serve_config, log_level, gate)
+
+
+def pick_gate(mode: str, pipe: object, pressure_kv_sparsity: float) -> Gate | None:
+    """What pressure mode switches: the model's QuantGate ("quant"), the KV eviction budget ("kv"),
+    nothing but metrics ("observe"); "auto" takes the first available; "off": no pressure rule."""
+    quant_gate = getattr(pipe, "gate", None)  # a QuantGate when the pipeline holds two plans
+    evictor = getattr(getattr(pipe, "engine", None), "evictor", None)
+    if mode == "quant" and quant_gate is None:
+        raise ValueError("traffic gate 'quant' needs a model with a pressure plan (a QuantGate)")
+    if mode == "kv" and evictor is None:
+        raise ValueError("traffic gate 'kv' needs KV eviction: pass --kv-policy (and --kv-sparsity)")
+    if mode in ("quant", "auto") and quant_gate is not None:
+        return quant_gate
+    if mode in ("kv", "auto") and evictor is not None:
+        return KVPolicyGate(evictor, pressure_kv_sparsity)
+    return None if mode == "off" else ObserveGate()
 
 
 def make_server(
-    async_engine: AsyncEngine, tokenizer: object, serve_config: ServeConfig, log_level: str = "info"
+    async_engine: AsyncEngine,
+    tokenizer: object,
+    serve_config: ServeConfig,
+    log_level: str = "info",
+    gate: Gate | None = None,
 ) -> GracefulServer:
-    app = create_app(async_engine, tokenizer, serve_config)
+    app = create_app(async_engine, tokenizer, serve_config, gate=gate)
     config = uvicorn.Config(
         app,
         host=serve_config.host,

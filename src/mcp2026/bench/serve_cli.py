@@ -1,0 +1,129 @@
+"""``mcp2026 bench serve``: the serving load generator against a running OpenAI-compatible server (ours,
+llama.cpp's ``llama-server``, vLLM). Register with ``bench_app.command("serve")(serve)``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+out = Console()
+err = Console(stderr=True, soft_wrap=True)
+
+
+def load_requests(
+    workload: str,
+    num_prompts: int,
+    seed: int,
+    input_len: int,
+    output_len: int,
+    tokenizer_path: str | None,
+) -> list[Any]:
+    """Sample the workload with our tokenizer (the default model's unless ``tokenizer_path``: a .gguf or
+    an HF folder), so every engine under test gets the same token ids."""
+    from mcp2026.bench.workloads import WorkloadSpec, load_workload
+    from mcp2026.loading.loader import default_model_path
+    from mcp2026.loading.tokenizer import Tokenizer
+
+    path = Path(tokenizer_path) if tokenizer_path else default_model_path()
+    tokenizer = Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf(path)
+    spec = WorkloadSpec(workload, num_prompts, seed, input_len=input_len, output_len=output_len)
+    return load_workload(spec, tokenizer)
+
+
+def serve(
+    base_url: Annotated[
+        str, typer.Option(help="the server, e.g. http://127.0.0.1:8000")
+    ] = "http://127.0.0.1:8000",
+    model: Annotated[
+        str | None, typer.Option(help="model id to send (default: the first of /v1/models)")
+    ] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="MCP2026_API_KEY", help="Bearer key")] = None,
+    workload: Annotated[str, typer.Option(help="sharegpt | random | prefix | long")] = "sharegpt",
+    num_prompts: Annotated[int, typer.Option(help="requests to sample")] = 200,
+    input_len: Annotated[int, typer.Option(help="random workload: prompt tokens")] = 128,
+    output_len: Annotated[int, typer.Option(help="random/prefix/long workloads: output tokens")] = 128,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(help="tokenizer for sampling (.gguf or HF folder; default: embedded model's)"),
+    ] = None,
+    request_rate: Annotated[float, typer.Option(help="requests/s (inf: all at once)")] = math.inf,
+    burstiness: Annotated[float, typer.Option(help="Gamma shape: 1 = Poisson, < 1 burstier")] = 1.0,
+    max_concurrency: Annotated[int | None, typer.Option(help="requests in flight at most")] = None,
+    duration: Annotated[
+        float | None, typer.Option(help="seconds: cycle the requests until then instead of sending each once")
+    ] = None,
+    goodput: Annotated[
+        list[str] | None, typer.Option(help="SLO for goodput, repeatable: ttft:MS, tpot:MS, e2el:MS")
+    ] = None,
+    disconnect_share: Annotated[float, typer.Option(help="share of clients leaving mid-stream")] = 0.0,
+    malformed_share: Annotated[float, typer.Option(help="share of malformed requests mixed in")] = 0.0,
+    check_server: Annotated[
+        bool,
+        typer.Option("--check-server/--no-check-server", help="afterwards: our /metrics shows nothing held"),
+    ] = False,
+    seed: Annotated[int, typer.Option(help="workload, arrivals and client-behaviour seed")] = 0,
+    detailed: Annotated[bool, typer.Option("--detailed/--no-detailed", help="keep per-token ITLs")] = False,
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="folder for the run's JSON and markdown")
+    ] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="show a progress bar")] = True,
+) -> None:
+    """Serving benchmark with vLLM bench-serve metrics: TTFT, TPOT, ITL, E2E, throughput and goodput."""
+    import sys
+    from contextlib import nullcontext
+
+    from mcp2026.bench.report import render_markdown, shell_join, write_run
+    from mcp2026.bench.serve import ServeBenchConfig, bench_serve, parse_goodput
+
+    try:
+        config = ServeBenchConfig(
+            base_url=base_url.rstrip("/"),
+            model=model,
+            api_key=api_key,
+            request_rate=request_rate,
+            burstiness=burstiness,
+            max_concurrency=max_concurrency,
+            seed=seed,
+            duration_s=duration,
+            goodput_ms=parse_goodput(goodput or []),
+            disconnect_share=disconnect_share,
+            malformed_share=malformed_share,
+            check_server=check_server,
+            detailed=detailed,
+        )
+        requests = load_requests(workload, num_prompts, seed, input_len, output_len, tokenizer)
+    except (ValueError, FileNotFoundError) as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        raise typer.Exit(2) from None
+    bar: Any = nullcontext(None)
+    if progress:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        bar = Progress(*columns, console=err)
+    command = shell_join(["mcp2026", "bench", "serve", *sys.argv[3:]]) if len(sys.argv) > 2 else ""
+    try:
+        with bar as p:
+            run = bench_serve(config, requests, p, command=command)
+    except Exception as e:  # noqa: BLE001 - an unreachable server is one line, not a traceback
+        import httpx
+
+        if not isinstance(e, (httpx.HTTPError, ValueError)):
+            raise
+        err.print(f"[bold red]error:[/] {base_url}: {e}", highlight=False)
+        raise typer.Exit(2) from None
+    out.print(render_markdown(run), markup=False, highlight=False)
+    path = write_run(run, out_dir)
+    err.print(f"[dim]wrote {path} and {path.with_suffix('.md').name}[/]")
+    if check_server and not run.aggregates["server_after"]["idle"]:
+        err.print(f"[bold red]the server did not go idle:[/] {run.aggregates['server_after']}")
+        raise typer.Exit(1)
+
+
+serve_app = typer.Typer(add_completion=False, help="serving load generator")
+serve_app.command("serve")(serve)

@@ -1,0 +1,176 @@
+"""Measurements for KV compression (the pieces of ``mcp2026 bench kv``): teacher-forced perplexity and KL
+divergence of a long token sequence run through two engines' paged caches in lockstep, KV bytes per token,
+how many sequences fit a memory budget, and decode speed at a given context length.
+
+Teacher forcing goes through the real path: block tables, the codec's write and read, and the evictor
+after every chunk. The prompt part is computed in ``prompt_chunk``-token chunks; the rest in ``chunk_size``
+chunks (1 = token by token, like decoding; larger chunks evict only between chunks).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mcp2026.config import ModelConfig
+from mcp2026.engine.engine import LLMEngine
+from mcp2026.engine.output import ScheduledChunk, SchedulerOutput
+from mcp2026.engine.request import Request, RequestStatus
+from mcp2026.kv.compressor import KVCompressor
+from mcp2026.kv.manager import cdiv
+from mcp2026.kv.sizing import kv_block_bytes
+
+
+@dataclass(frozen=True)
+class QualityResult:
+    num_tokens: int  # predicted tokens scored
+    ppl_ref: float
+    ppl: float
+    kld: float  # mean KL(ref || compressed) per token, nats
+    top1_agreement: float  # share of positions where both argmax agree
+
+    @property
+    def ppl_increase(self) -> float:
+        return self.ppl / self.ppl_ref - 1.0
+
+
+def _chunks(
+    num_tokens: int, prompt_len: int, prompt_chunk: int, chunk_size: int
+) -> Iterator[tuple[int, int]]:
+    start = 0
+    while start < num_tokens:
+        size = prompt_chunk if start < prompt_len else chunk_size
+        end = (
+            min(start + size, num_tokens, prompt_len) if start < prompt_len else min(start + size, num_tokens)
+        )
+        yield start, end
+        start = end
+
+
+def iter_logits(
+    engine: LLMEngine,
+    token_ids: Sequence[int],
+    prompt_len: int | None = None,
+    prompt_chunk: int = 512,
+    chunk_size: int = 1,
+    request_id: str = "kv-measure",
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield (start, logits (n, V)) per chunk: the logits of positions start .. start+n-1. The engine must be
+    idle; its blocks are freed at the end."""
+    if engine.has_unfinished():
+        raise ValueError("iter_logits needs an idle engine")
+    tokens = [int(t) for t in token_ids]
+    prompt_len = len(tokens) if prompt_len is None else prompt_len
+    if not 1 <= prompt_len <= len(tokens) or len(tokens) > engine.max_model_len:
+        raise ValueError(f"need 1 <= prompt_len <= {len(tokens)} tokens <= {engine.max_model_len}")
+    request = Request(request_id, tokens[:prompt_len], output_token_ids=tokens[prompt_len:])
+    request.status = RequestStatus.RUNNING
+    manager, runner, evictor = engine.kv_manager, engine.runner, engine.evictor
+    engine.cache.release_requests([request_id])
+    try:
+        for start, end in _chunks(len(tokens), prompt_len, prompt_chunk, chunk_size):
+            if not manager.allocate_slots(request, end - start):
+                raise RuntimeError(f"the KV pool is full at {start} tokens; raise its budget or evict more")
+            chunk = ScheduledChunk(
+                request_id, tokens[start:end], start, manager.block_table(request_id), end == prompt_len
+            )
+            _, logits = runner.execute(SchedulerOutput([chunk], end - start), all_logits=True)
+            request.num_computed_tokens = end
+            if evictor is not None:
+                evictor.after_step([chunk], runner.take_scores(), lambda _rid: request)
+            yield start, logits
+    finally:
+        manager.free(request)
+        engine.cache.release_requests([request_id])
+        if evictor is not None:
+            evictor.forget([request_id])
+        runner.take_scores()
+
+
+def compare_quality(
+    ref: LLMEngine,
+    test: LLMEngine,
+    token_ids: Sequence[int],
+    prompt_len: int | None = None,
+    prompt_chunk: int = 512,
+    chunk_size: int = 1,
+) -> QualityResult:
+    """Perplexity of both engines and KL(ref || test) on the same teacher-forced sequence."""
+    tokens = torch.tensor([int(t) for t in token_ids])
+    nll_ref = nll = kld = 0.0
+    agree = count = 0
+    pairs = zip(
+        iter_logits(ref, token_ids, prompt_len, prompt_chunk, chunk_size, "kv-ref"),
+        iter_logits(test, token_ids, prompt_len, prompt_chunk, chunk_size, "kv-test"),
+    )
+    for (start, a), (_, b) in pairs:
+        n = min(a.shape[0], len(tokens) - 1 - start)  # the last position has no next token
+        if n <= 0:
+            continue
+        target = tokens[start + 1 : start + 1 + n]
+        la, lb = torch.log_softmax(a[:n].double(), -1), torch.log_softmax(b[:n].double(), -1)
+        nll_ref -= float(la.gather(1, target.unsqueeze(1)).sum())
+        nll -= float(lb.gather(1, target.unsqueeze(1)).sum())
+        kld += float((la.exp() * (la - lb)).sum())
+        agree += int((la.argmax(-1) == lb.argmax(-1)).sum())
+        count += n
+    if count == 0:
+        raise ValueError("need at least 2 tokens")
+    return QualityResult(count, math.exp(nll_ref / count), math.exp(nll / count), kld / count, agree / count)
+
+
+def kv_bytes_per_token(model: ModelConfig, compressor: KVCompressor | None, dtype: torch.dtype) -> float:
+    """Pool bytes per cached token (all layers, K and V), before eviction."""
+    codec = compressor.make_codec() if compressor is not None else None
+    bs = compressor.block_size if compressor is not None else 16
+    return kv_block_bytes(model, bs, dtype, codec) / bs
+
+
+def max_concurrent_sequences(
+    model: ModelConfig,
+    compressor: KVCompressor | None,
+    budget_bytes: int,
+    seq_len: int,
+    dtype: torch.dtype = torch.float32,
+) -> int:
+    """Sequences of ``seq_len`` tokens a KV budget holds at their longest: blocks the eviction budget keeps
+    (with a staged codec, plus one full-precision staging block each)."""
+    bs = compressor.block_size if compressor is not None else 16
+    codec = compressor.make_codec() if compressor is not None else None
+    block_bytes = kv_block_bytes(model, bs, dtype, codec)
+    blocks = cdiv(seq_len, bs)
+    if compressor is not None and compressor.evicts and compressor.policy != "snap":
+        blocks = min(blocks, compressor.budget().num_keep_blocks(seq_len) + 1)  # +1: the block being filled
+    per_seq = blocks * block_bytes
+    if codec is not None and codec.is_staged:
+        per_seq += (
+            2
+            * model.num_layers
+            * bs
+            * model.num_kv_heads
+            * model.head_dim
+            * torch.empty((), dtype=dtype).element_size()
+        )
+    return int(budget_bytes // per_seq)
+
+
+def decode_tokens_per_s(engine: LLMEngine, context_len: int, num_tokens: int = 32, seed: int = 0) -> float:
+    """Decode speed of one sequence after a ``context_len``-token random prompt (prefill not timed)."""
+    from mcp2026.types import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, engine.model_config.vocab_size, (context_len,), generator=g).tolist()
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=num_tokens + 1, ignore_eos=True))
+    request = engine.request_state(rid).request
+    while request.num_output_tokens == 0:
+        engine.step()
+    t0 = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    return steps / (time.perf_counter() - t0)

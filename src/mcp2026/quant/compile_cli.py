@@ -1,0 +1,118 @@
+"""The body of ``mcp2026 compile`` / ``mcp-compile``: read a quantization YAML, calibrate, plan, quantize
+and write an artifact folder that ``Pipeline(model=DIR)`` loads without recalibrating.
+
+YAML keys: the ``QuantConfig`` fields (target_precision, enable_dqg, bits_budget | bytes_budget |
+max_ppl_increase, group_size, granularity, symmetric, strict, calibration_source, calibration_samples),
+plus optional sections ``calibration:`` (CalibrationSettings: source, num_samples, max_len, min_len,
+max_rows, fisher_samples, seed) and ``dqg:`` (DQGSettings). Examples: examples/quant/*.yaml.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from mcp2026.config import QuantConfig
+from mcp2026.quant.calibrate import CalibrationSettings
+from mcp2026.quant.dqg import DQGSettings
+
+_QUANT_KEYS = {f.name for f in dataclasses.fields(QuantConfig)} - {"enable_dtss", "max_kv_cache_shards"}
+_SECTIONS = {"calibration": CalibrationSettings, "dqg": DQGSettings}
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileSpec:
+    quant: QuantConfig
+    calibration: CalibrationSettings
+    dqg: DQGSettings
+
+
+def _section(name: str, cls: type, value: Any, source: str) -> Any:
+    if not isinstance(value, dict):
+        raise ValueError(f"{source}: '{name}' must be a mapping, got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{source}: unknown keys in '{name}': {unknown}; known: {sorted(known)}")
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
+    return cls(**fields)
+
+
+def parse_spec(data: Any, source: str = "<yaml>") -> CompileSpec:
+    """Validate a parsed YAML mapping; every problem is a ValueError naming ``source`` and the key."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a mapping of settings, got {type(data).__name__}")
+    unknown = sorted(set(data) - _QUANT_KEYS - set(_SECTIONS))
+    if unknown:
+        raise ValueError(f"{source}: unknown keys {unknown}; known: {sorted(_QUANT_KEYS | set(_SECTIONS))}")
+    try:
+        quant = QuantConfig(**{k: v for k, v in data.items() if k in _QUANT_KEYS})
+        calibration = _section("calibration", CalibrationSettings, data.get("calibration", {}), source)
+        settings = _section("dqg", DQGSettings, data.get("dqg", {}), source)
+    except TypeError as error:  # a value of the wrong type reaching a dataclass
+        raise ValueError(f"{source}: {error}") from None
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from None
+    flat = {"source": quant.calibration_source, "num_samples": quant.calibration_samples}
+    given = data.get("calibration", {})
+    calibration = dataclasses.replace(calibration, **{k: v for k, v in flat.items() if k not in given})
+    if "symmetric_only" not in data.get("dqg", {}):
+        settings = dataclasses.replace(settings, symmetric_only=quant.symmetric)
+    return CompileSpec(quant, calibration, settings)
+
+
+def load_spec(path: str | Path) -> CompileSpec:
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise FileNotFoundError(f"{path}: cannot read the quantization config ({error.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ValueError(f"{path}: invalid YAML{where}: {problem}") from None
+    return parse_spec(data, str(path))
+
+
+def compile_model(
+    model: str | Path | None,
+    config_path: str | Path,
+    out_dir: str | Path,
+    *,
+    progress: bool = True,
+    console=None,
+) -> Path:
+    """Load, calibrate, plan, quantize, save. Prints the plan table to ``console`` (a rich Console)."""
+    from mcp2026.loading.loader import load_model
+    from mcp2026.quant import recipe
+    from mcp2026.quant.artifact import is_artifact, save_artifact
+
+    spec = load_spec(config_path)
+    if not spec.quant.quantizes_weights:
+        raise ValueError(
+            f"{config_path}: target_precision={spec.quant.target_precision!r} without enable_dqg quantizes "
+            "nothing; set int8 / int4 / fp8, or enable_dqg: true"
+        )
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not is_artifact(out))):
+        raise ValueError(f"{out}: exists and is not an empty folder or an artifact; choose another --out")
+    loaded = load_model(model)
+    if loaded.file_format == "mcp2026-artifact":
+        raise ValueError(f"{loaded.source}: already a compiled artifact; compile the source model instead")
+    result = recipe.quantize_model(
+        loaded.model, loaded.tokenizer, spec.quant, "cpu",
+        settings=spec.dqg, calibration=spec.calibration, progress=progress,
+    )  # fmt: skip
+    if console is not None:
+        if result.layers:
+            console.print(result.to_table(), width=max(console.width, 180))  # 13 columns, even piped
+        console.print(recipe.describe(result, loaded.model))
+    return save_artifact(out, loaded, result, spec.quant)

@@ -1,0 +1,245 @@
+"""KV compression through LLMEngine on a tiny random model: codecs, eviction with holes, positions,
+pool integrity, the prefix-cache rule, and Pipeline / inject wiring."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mcp2026.config import EngineConfig, KVConfig, SchedulerConfig
+from mcp2026.engine.engine import LLMEngine
+from mcp2026.kv.compressor import KVCompressor
+from mcp2026.kv.manager import HOLE
+from mcp2026.kv.measure import compare_quality, max_concurrent_sequences
+from mcp2026.loading.loader import load_model
+from mcp2026.types import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_llama_dir):
+    return tiny_llama_dir
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load_model(tiny_dir)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # NOTE: a tiny model gains nothing from threads, and on a shared CPU they cost 5-10x.
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+def make_engine(tiny, kv=None, num_blocks=96, **sched) -> LLMEngine:
+    block_size = kv.block_size if kv is not None else 16
+    config = EngineConfig(
+        KVConfig(block_size=block_size, num_blocks=num_blocks), SchedulerConfig(**sched), kv_compressor=kv
+    )
+    return LLMEngine(tiny.model, tiny.config, None, config)
+
+
+def prompts(n: int = 3, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(3, 320, (int(k),), generator=g).tolist()
+        for k in torch.randint(20, 90, (n,), generator=g)
+    ]
+
+
+def run(engine: LLMEngine, ps, params=PARAMS, check=False) -> list[list[int]]:
+    ids = [engine.add_request(p, params) for p in ps]
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.output.token_ids
+        if check:
+            engine.kv_manager.check_integrity()
+    return [done[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    return run(make_engine(tiny, max_num_batched_tokens=32), prompts())
+
+
+@pytest.mark.parametrize(
+    "kv",
+    [
+        KVCompressor(dtype="fp32", policy="none"),
+        KVCompressor(dtype="fp32", policy="heavy_hitter", sparsity_ratio=0.0),
+        KVCompressor(dtype="fp32", policy="sink_window", sparsity_ratio=0.0),
+        KVCompressor(dtype="fp32", policy="snap", sparsity_ratio=0.0),
+    ],
+)
+def test_lossless_and_zero_sparsity_equal_uncompressed(tiny, reference, kv):
+    engine = make_engine(tiny, kv, max_num_batched_tokens=32)  # chunked prefill reads the cache too
+    assert run(engine, prompts()) == reference
+    assert engine.kv_debug_report()["pool"]["num_holes"] == 0
+
+
+def test_quantized_kv_stays_close(tiny, reference):
+    tokens = torch.randint(3, 320, (160,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = make_engine(tiny)
+    results = {
+        dtype: compare_quality(
+            ref, make_engine(tiny, KVCompressor(dtype=dtype, policy="none")), tokens, 64, 32, 8
+        )
+        for dtype in ("int8", "fp8", "int4")
+    }
+    assert results["int8"].kld < 1e-5 and results["int8"].top1_agreement > 0.98
+    assert results["int8"].kld < results["fp8"].kld < results["int4"].kld < 1e-3
+    assert abs(results["int4"].ppl_increase) < 0.01
+    engine = make_engine(tiny, KVCompressor(dtype="int8", policy="none"))
+    out = run(engine, prompts())
+    assert sum(a[:8] == b[:8] for a, b in zip(out, reference)) >= 2  # greedy: mostly equal
+    report = engine.kv_debug_report()
+    assert report["codec"] == "int8" and report["num_error_checks"] > 0
+    assert max(report["k_error_max"] + report["v_error_max"]) < 0.02 and not report["layers_over_max_error"]
+
+
+def test_int4_staging_through_the_engine(tiny):
+    engine = make_engine(tiny, KVCompressor(dtype="int4", policy="none"), max_num_batched_tokens=16)
+    out = run(engine, prompts(4, seed=1), check=True)
+    assert all(len(o) == PARAMS.max_tokens for o in out)
+    report = engine.kv_debug_report()
+    assert report["num_shape_checks"] > 0 and report["layers_over_max_error"]  # int4 > 2% is reported
+    engine.step()  # the next step releases the last finished requests' staging blocks
+    assert engine.cache.num_staged == 0
+    assert engine.kv_manager.num_free_blocks == 96
+
+
+def test_eviction_keeps_positions(tiny, monkeypatch):
+    """Decoding over a table with holes == full attention that masks exactly the evicted positions."""
+    from mcp2026.models import llama
+
+    engine = make_engine(tiny)
+    prompt = torch.randint(3, 320, (64,), generator=torch.Generator().manual_seed(4)).tolist()
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0))
+    engine.step()  # the prompt, then the first token
+    engine.kv_manager.evict_blocks(rid, [1, 2])  # positions 16..47
+    assert engine.kv_manager.block_table(rid)[1:3] == [HOLE, HOLE]
+    final = None
+    while engine.has_unfinished():
+        final = next((o for o in engine.step() if o.finished), final)
+    out = final.output
+    seq = torch.tensor(prompt + out.token_ids[:-1])
+    n = len(seq)
+    mask = torch.ones(n, n).tril().bool()
+    mask[64:, 16:48] = False  # queries after the eviction never see those keys
+
+    def masked_attention(layer, q, k, v, ctx):
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            scale=1.0,
+            enable_gqa=True,
+        )
+        return o.transpose(0, 1)
+
+    monkeypatch.setattr(llama, "attention", masked_attention)
+    with torch.inference_mode():
+        logits = tiny.model.compute_logits(tiny.model(seq, torch.arange(n)))[63:]
+    logprobs = torch.log_softmax(logits, -1)
+    assert logits.argmax(-1).tolist() == out.token_ids
+    got = torch.tensor([lp.logprob for lp in out.logprobs])
+    assert torch.allclose(got, logprobs[torch.arange(6), out.token_ids], atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["sink_window", "heavy_hitter", "dynamic_window"])
+def test_eviction_frees_blocks_and_keeps_the_pool_whole(tiny, policy):
+    kv = KVCompressor(
+        dtype="int8", policy=policy, sparsity_ratio=0.6, recent_window=16, num_sink_tokens=4, block_size=8
+    )
+    engine = make_engine(tiny, kv)
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    ps = prompts(3, seed=2)
+    ids = [engine.add_request(p, params) for p in ps]
+    max_holes = 0
+    while engine.has_unfinished():
+        engine.step()
+        engine.kv_manager.check_integrity()
+        max_holes = max(max_holes, sum(engine.kv_manager.num_holes(i) for i in ids))
+        for rid in ids:
+            state = engine.request_state(rid)
+            if state is not None and state.request.num_computed_tokens > 40:  # the budget holds
+                n = state.request.num_computed_tokens
+                assert len(engine.kv_manager.block_table(rid)) - engine.kv_manager.num_holes(rid) <= max(
+                    kv.budget().num_keep_blocks(n) + 1, 0
+                )
+    report = engine.kv_debug_report()
+    assert max_holes > 0 and report["eviction"]["num_evicted_blocks"] >= max_holes
+    assert engine.kv_manager.num_free_blocks == 96  # every block back (free or cached)
+    if policy != "sink_window":
+        assert engine.evictor.counters.score_ms > 0
+
+
+def test_batched_equals_alone_under_eviction(tiny):
+    kv = KVCompressor(dtype="fp32", policy="sink_window", sparsity_ratio=0.5, recent_window=16, block_size=8)
+    ps = prompts(3, seed=5)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    batched = run(make_engine(tiny, kv), ps, params)
+    alone = [run(make_engine(tiny, kv), [p], params)[0] for p in ps]
+    assert batched == alone
+
+
+def test_snap_compresses_once_after_the_prompt(tiny):
+    kv = KVCompressor(dtype="fp32", policy="snap", sparsity_ratio=0.5, recent_window=16, block_size=8)
+    engine = make_engine(tiny, kv)
+    rid = engine.add_request(list(range(10, 90)), SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()
+    assert engine.kv_manager.num_holes(rid) == 5  # 10 blocks -> keep 5 (sink 1 + recent 2 + 2 best)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.evictor.counters.num_eviction_events == 1
+
+
+def test_compressed_blocks_are_not_prefix_hits(tiny):
+    kv = KVCompressor(dtype="int8", policy="sink_window", sparsity_ratio=0.5, recent_window=16)
+    engine = make_engine(tiny, kv)
+    prompt = torch.randint(3, 320, (64,), generator=torch.Generator().manual_seed(6)).tolist()
+    first = run(engine, [prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    # A continuation of the compressed request: only the prompt blocks (a fresh prefill's bytes) hit.
+    follow = prompt + first[:36]
+    rid = engine.add_request(follow, SamplingParams(max_tokens=8, ignore_eos=True))
+    state = engine.request_state(rid)
+    while engine.has_unfinished():
+        engine.step()
+    assert state.request.num_cached_tokens == 64
+    fresh = make_engine(tiny, kv)
+    again = fresh.add_request(follow, SamplingParams(max_tokens=8, ignore_eos=True))
+    fresh_state = fresh.request_state(again)
+    while fresh.has_unfinished():
+        fresh.step()
+    assert state.request.output_token_ids == fresh_state.request.output_token_ids
+    engine.kv_manager.check_integrity()
+
+
+def test_pipeline_kv_and_inject(tiny_dir, tiny):
+    from mcp2026 import Pipeline
+
+    pipe = Pipeline(model=tiny_dir, dtype="fp32", kv=KVCompressor(dtype="int8", policy="sink_window"))
+    assert pipe.engine.cache.codec.name == "int8" and pipe.engine.evictor is not None
+    out = pipe.engine.generate([prompts(1)[0]], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(out[0].token_ids) == 8
+    report = pipe.engine.kv_debug_report()
+    assert report["compressor"]["policy"] == "sink_window" and "internal_fragmentation" in report["pool"]
+    plain = Pipeline(model=tiny_dir, dtype="fp32", kv={"dtype": "int4", "policy": "none", "block_size": 32})
+    assert plain.engine.cache.block_size == 32 and plain.engine.evictor is None
+    assert KVCompressor(dtype="fp8", policy="none").inject(plain) is plain
+    assert plain.engine.cache.codec.name == "fp8" and plain.engine.cache.block_size == 16
+    assert len(plain.engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0].token_ids) == 4
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig(KVConfig(block_size=32), kv_compressor=KVCompressor())
+    int4 = max_concurrent_sequences(tiny.config, KVCompressor(dtype="int4", policy="none"), 10**7, 2048)
+    bf16 = max_concurrent_sequences(tiny.config, KVCompressor(dtype="bf16", policy="none"), 10**7, 2048)
+    assert int4 > 2.5 * bf16

@@ -1,0 +1,58 @@
+"""KVCompressor: defaults, validation errors, dicts and YAML, the lazy package export."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcp2026.kv.compressor import KVCompressor
+
+
+def test_defaults_and_lazy_export():
+    import mcp2026
+
+    c = mcp2026.KVCompressor()
+    assert c == KVCompressor(dtype="int8", policy="heavy_hitter", sparsity_ratio=0.7, block_size=16)
+    assert c.sparsity_ratio == 0.7 and c.max_kv_tokens is None and c.evicts
+    assert KVCompressor(max_kv_tokens=1024).sparsity_ratio is None
+    assert KVCompressor(policy="none").sparsity_ratio is None and not KVCompressor(policy="none").evicts
+    with pytest.raises(AttributeError):
+        c.dtype = "int4"  # frozen
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dtype": "int3"}, "dtype must be one of"),
+        ({"policy": "topk_entropy"}, "policy must be one of"),
+        ({"block_size": 12}, "block_size must be one of"),
+        ({"sparsity_ratio": 1.0}, r"sparsity_ratio must be in \[0, 1\)"),
+        ({"sparsity_ratio": -0.1}, "sparsity_ratio"),
+        ({"sparsity_ratio": 0.5, "max_kv_tokens": 512}, "not both"),
+        ({"policy": "none", "sparsity_ratio": 0.5}, "drops nothing"),
+        ({"max_kv_tokens": 60}, "must exceed num_sink_tokens"),
+        ({"num_sink_tokens": -1}, "num_sink_tokens"),
+        ({"recent_window": 0}, "recent_window"),
+        ({"max_error": 0}, "max_error"),
+        ({"heat_fraction": 1.5}, "heat_fraction"),
+        ({"observation_window": 0}, "observation_window"),
+    ],
+)
+def test_invalid_combinations(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KVCompressor(**kwargs)
+
+
+def test_from_dict_and_yaml(tmp_path):
+    c = KVCompressor.from_dict({"dtype": "int4", "policy": "sink_window", "max_kv_tokens": 256})
+    assert c.dtype == "int4" and c.max_kv_tokens == 256
+    assert KVCompressor.from_dict(c.to_dict()) == c
+    with pytest.raises(ValueError, match="unknown keys"):
+        KVCompressor.from_dict({"dtype": "int8", "sparsity": 0.5})
+    path = tmp_path / "kv.yaml"
+    path.write_text("kv:\n  dtype: fp8\n  policy: snap\n  sparsity_ratio: 0.5\n")
+    assert KVCompressor.from_yaml(path) == KVCompressor(dtype="fp8", policy="snap", sparsity_ratio=0.5)
+    assert KVCompressor.from_yaml("dtype: int8\npolicy: none\n") == KVCompressor(policy="none")
+    assert KVCompressor.coerce({"policy": "none"}) == KVCompressor(policy="none")
+    assert KVCompressor.coerce(str(path)).dtype == "fp8"
+    with pytest.raises(ValueError, match="mapping"):
+        KVCompressor.from_yaml("- 1\n- 2\n")

@@ -1,0 +1,101 @@
+"""Paged KV storage through codecs: slot writes, block reads, and the int4 staging store."""
+
+from __future__ import annotations
+
+import torch
+
+from mcp2026.kv.codecs import make_codec
+from mcp2026.kv.paged_cache import PagedKVCache
+
+BS, NKV, HD = 8, 2, 32
+
+
+def make(codec: str, num_blocks: int = 16) -> PagedKVCache:
+    return PagedKVCache(2, num_blocks, BS, NKV, HD, codec=make_codec(codec), error_check_interval=1)
+
+
+def write(cache: PagedKVCache, chunks, values: dict[str, torch.Tensor]):
+    """chunks: (rid, start, n, table); values[rid]: (len, nkv, hd). Writes both layers and commits."""
+    plan = cache.plan_write(chunks)
+    k = torch.cat([values[rid][s : s + n] for rid, s, n, _ in chunks])
+    for layer in range(cache.num_layers):
+        cache.write(layer, plan, k, -k)
+    cache.commit(plan)
+    return plan
+
+
+def read(cache: PagedKVCache, rid: str, table: list[int], num_tokens: int) -> torch.Tensor:
+    ids = table[: -(-num_tokens // BS)]
+    idx = cache.stage_index(rid)
+    if idx is not None:
+        ids = ids[:-1] + [cache.num_blocks + idx]
+    k, v = cache.gather(1, cache.block_read(torch.tensor([ids])))
+    assert k.shape == v.shape == (1, NKV, len(ids) * BS, HD)
+    return k[0, :, :num_tokens].transpose(0, 1)  # (tokens, nkv, hd)
+
+
+def seal(tc, x: torch.Tensor) -> torch.Tensor:
+    """What a block codec stores for tokens x (n*bs, nkv, hd), decoded back in token order."""
+    chunks = x.view(-1, BS, NKV, HD).transpose(1, 2).flatten(0, 1)
+    return tc.decode(tc.encode(chunks), torch.float32).view(-1, NKV, BS, HD).transpose(1, 2).flatten(0, 1)
+
+
+def test_per_token_codecs_write_and_read_blocks():
+    x = torch.randn(20, NKV, HD)
+    for name in ("fp32", "bf16", "int8", "fp8"):
+        cache = make(name)
+        table = [5, 2, 9]
+        write(cache, [("a", 0, 13, table)], {"a": x})
+        write(cache, [("a", 13, 7, table)], {"a": x})
+        got = read(cache, "a", table, 20)
+        tc = cache.codec.key
+        assert torch.allclose(got, tc.decode(tc.encode(x), torch.float32), atol=1e-6), name
+        assert torch.equal(
+            cache.gather(0, cache.block_read(torch.tensor([table])))[0][0, :, :20], got.transpose(0, 1)
+        )
+        assert cache.num_staged == 0
+
+
+def test_int4_staging_seals_full_blocks_and_keeps_the_tail_exact():
+    cache = make("int4")
+    tc = cache.codec.key
+    xa, xb = torch.randn(30, NKV, HD), torch.randn(12, NKV, HD)
+    ta, tb = [3, 7, 1, 12], [4, 0]
+    # Odd chunk sizes, two requests per step, tails that cross block boundaries.
+    write(cache, [("a", 0, 5, ta), ("b", 0, 3, tb)], {"a": xa, "b": xb})
+    write(cache, [("a", 5, 6, ta), ("b", 3, 9, tb)], {"a": xa, "b": xb})
+    assert cache.num_staged == 2  # a: tokens 8..10 staged; b: 8..11 staged
+    write(cache, [("a", 11, 19, ta)], {"a": xa})
+    got_a, got_b = read(cache, "a", ta, 30), read(cache, "b", tb, 12)
+    assert torch.equal(got_a[:24], seal(tc, xa[:24]))  # full blocks: per-channel int4 of the whole block
+    assert torch.equal(got_a[24:], xa[24:])  # the filling block: full precision
+    assert torch.equal(got_b[:8], seal(tc, xb[:8])) and torch.equal(got_b[8:], xb[8:])
+    report = cache.debug_report()
+    assert report["num_shape_checks"] > 0 and max(report["k_error_max"]) > 0
+
+
+def test_int4_plan_is_pure_until_commit_and_release_frees_staging():
+    cache = make("int4")
+    x = torch.randn(20, NKV, HD)
+    table = [0, 1, 2]
+    write(cache, [("a", 0, 5, table)], {"a": x})
+    before = cache.stage_index("a")
+    plan = cache.plan_write([("a", 5, 6, table)])  # seals block 0: the tail moves to a fresh entry
+    assert plan.stage_after["a"] != before and cache.stage_index("a") == before
+    k = x[5:11]
+    for _ in range(2):  # a failed step rerun: the same plan writes the same bytes
+        for layer in range(2):
+            cache.write(layer, plan, k, -k)
+    cache.commit(plan)
+    assert torch.equal(read(cache, "a", table, 11)[8:], x[8:11])
+    cache.release_requests(["a"])
+    assert cache.num_staged == 0 and cache.stage_index("a") is None
+
+
+def test_release_blocks_for_every_plane():
+    cache = PagedKVCache(2, 64, 16, 2, 64, codec=make_codec("int8"))
+    for plane in (*cache.k_planes.values(), *cache.v_planes.values()):
+        plane.view(torch.uint8).fill_(1)
+    released = cache.release_blocks(32, 64)
+    assert released >= 0.9 * cache.nbytes / 2
+    assert cache.k_planes["q"][:, 32:].sum() == 0 and cache.k_planes["q"][:, :32].min() == 1

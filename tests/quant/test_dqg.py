@@ -1,0 +1,257 @@
+"""DQG: analytic bits, clamping, the knapsack allocation, budgets, and a measured win over uniform int4."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import warnings
+
+import pytest
+import torch
+
+from mcp2026.config import QuantConfig
+from mcp2026.loading.loader import load_model
+from mcp2026.quant import dqg, recipe
+from mcp2026.quant.calibrate import CalibrationSettings, calibrate, calibration_samples
+from mcp2026.quant.linear import fake_quantize
+from mcp2026.quant.plan import LayerQuantSpec
+from mcp2026.quant.quality import evaluate, reference_logprobs, windows_from_tokens
+from mcp2026.quant.stats import weight_stats
+
+FORMATS = ("fp32", "int8", "int4")
+FP32_KERNELS = {"int8": torch.float32, "int4": torch.float32}  # exact activations for comparisons
+CALIB = CalibrationSettings(source="random", num_samples=4, max_len=96, max_rows=128, fisher_samples=4)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # NOTE: tiny ops on 2 threads cost milliseconds each on a busy 2-core machine (OpenMP barriers)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_llama_dir):
+    loaded = load_model(tiny_llama_dir)
+    calib = calibrate(loaded.model, calibration_samples(CALIB, None, 320), CALIB, progress=False)
+    layers = dqg.measure_options(loaded.model, calib, FORMATS, dqg.DQGSettings(precompensation="all"), False)
+    return loaded.model, layers
+
+
+def _config(**kwargs) -> QuantConfig:
+    return QuantConfig(enable_dqg=True, calibration_source="random", calibration_samples=4, **kwargs)
+
+
+# ---- analytic mode and clamping ------------------------------------------------------------------
+def test_analytic_bits_formula():
+    assert dqg.analytic_bits(1.0, 1.0) == 1  # log2(2)
+    assert dqg.analytic_bits(15.0, 1.0) == 4  # log2(16)
+    assert dqg.analytic_bits(16.0, 1.0) == 5  # ceil(log2(17))
+    assert dqg.analytic_bits(255.0, 1.0) == 8
+    assert dqg.analytic_bits(0.0, 1.0) == 1
+    with pytest.raises(ValueError, match="eps > 0"):
+        dqg.analytic_bits(1.0, 0.0)
+
+
+def test_analytic_plan_clamps_to_candidates(measured):
+    model, layers = measured
+    name = next(iter(layers))
+    sigma = layers[name].out_sigma
+    for bits, fmt in ((4, "int4"), (5, "int4"), (6, "int8"), (12, "int8"), (20, "fp32")):
+        eps = {n: sigma / (2**bits - 1.5) for n in layers}  # b* = bits for this layer
+        chosen = dqg.analytic_choice(layers, eps, FORMATS, 32, symmetric=False)
+        assert chosen[name][0] == bits and chosen[name][1].spec.format == fmt
+    result = recipe._analytic(layers, QuantConfig(enable_dqg=True), FORMATS, dqg.DQGSettings())
+    assert result.mode == "analytic" and set(result.analytic) == set(layers)
+    assert all(o.spec.format in FORMATS for o in result.choices.values())
+
+
+def test_unavailable_format_clamps_with_warning_or_raises_when_strict():
+    with pytest.warns(UserWarning, match=r"fp8 has no fast kernel.*nearest candidate is int8"):
+        assert recipe.resolve_format("fp8", FORMATS, strict=False) == "int8"
+    with pytest.raises(ValueError, match=r"Candidates: fp32 \(32 bits\), int8 \(8 bits\), int4 \(4 bits\)"):
+        recipe.resolve_format("fp8", FORMATS, strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert recipe.resolve_format("int4", FORMATS, strict=True) == "int4"
+
+
+# ---- allocation ----------------------------------------------------------------------------------
+def _fake_layers(costs_errors: list[list[tuple[float, float]]]) -> dict[str, dqg.LayerOptions]:
+    stats = weight_stats(torch.randn(8, 8))
+    layers = {}
+    for i, pairs in enumerate(costs_errors):
+        options = [dqg.Option(LayerQuantSpec("int8"), "", bits, err, err) for bits, err in pairs]
+        layers[f"l{i}"] = dqg.LayerOptions(f"l{i}", "linear", 1, 1, False, stats, 0, 0, 0, 0, options)
+    return layers
+
+
+def test_allocate_matches_brute_force_and_respects_budget():
+    rng = random.Random(0)
+    for _ in range(30):
+        instance = []
+        for _ in range(4):
+            bits = sorted(rng.sample([4.25, 4.5, 5.0, 8.0, 16.0, 32.0], 4))
+            instance.append([(b, rng.uniform(0.5, 1.5) * 2.0**-b) for b in bits])
+        layers = _fake_layers(instance)
+        budget = rng.uniform(sum(p[0][0] for p in instance), sum(p[-1][0] for p in instance))
+        chosen = dqg.allocate(layers, budget)
+        assert sum(o.bits for o in chosen.values()) <= budget + 1e-9
+        best = min(
+            sum(e for _, e in combo)
+            for combo in itertools.product(*instance)
+            if sum(c for c, _ in combo) <= budget
+        )
+        assert dqg.total_error(layers, chosen) <= best * 1.5  # greedy + fill: near the optimum
+    convex = _fake_layers([[(4, 8.0), (5, 4.0), (8, 1.0)], [(4, 2.0), (5, 1.5), (8, 1.0)]])
+    assert {n: o.bits for n, o in dqg.allocate(convex, 9).items()} == {"l0": 5, "l1": 4}
+
+
+def test_impossible_budget_is_a_clear_error(measured, tiny_llama_dir):
+    model, layers = measured
+    with pytest.raises(dqg.BudgetError, match="impossible budget: the cheapest plan needs"):
+        dqg.allocate(layers, 3.0 * sum(lo.numel for lo in layers.values()))
+    with pytest.raises(dqg.BudgetError, match=r"bits_budget=3.*candidate formats: fp32, int8, int4"):
+        recipe.plan_for_config(
+            model, None, _config(bits_budget=3.0), formats=FORMATS, calibration=CALIB, progress=False
+        )
+
+
+@pytest.mark.parametrize("bits", [4.5, 5.0, 6.0])
+def test_bits_budget_is_respected(measured, bits):
+    model, layers = measured
+    chosen = dqg.allocate(layers, bits * sum(lo.numel for lo in layers.values()))
+    plan, _ = dqg.plan_from_choices(chosen)
+    assert plan.avg_bits_per_weight(model) <= bits + 1e-9
+    assert dqg.avg_bits(layers, chosen) == pytest.approx(plan.avg_bits_per_weight(model))
+
+
+def test_bytes_budget_is_respected_with_tied_lm_head(tmp_path):
+    from conftest import save_tiny_hf
+
+    model = load_model(save_tiny_hf(tmp_path / "tied", tie=True)).model
+    budget = recipe.uniform_plan(model, LayerQuantSpec("int4", 64)).total_bytes(model)
+    result = recipe.plan_for_config(
+        model, None, _config(bytes_budget=budget), formats=FORMATS, calibration=CALIB, progress=False
+    )
+    assert result.plan.total_bytes(model) <= budget
+    assert recipe.fixed_bytes(model, result.layers) > 0
+
+
+def test_more_bits_never_increase_error(measured):
+    _, layers = measured
+    numel = sum(lo.numel for lo in layers.values())
+    errors = [dqg.total_error(layers, dqg.allocate(layers, b * numel)) for b in (4.5, 5.0, 6.0, 8.1, 32)]
+    assert errors == sorted(errors, reverse=True) and errors[-1] == 0.0
+
+
+# ---- measured plans --------------------------------------------------------------------------------
+def test_precompensation_variants_are_measured_and_reported(measured):
+    model, layers = measured
+    chosen = dqg.allocate(layers, 4.6 * sum(lo.numel for lo in layers.values()))
+    plan, scales = dqg.plan_from_choices(chosen)
+    result = dqg.DQGResult("measured", plan, scales, "bits_budget=4.6", layers, chosen)
+    report = result.precompensation_report()
+    assert {"mse_clip", "awq"} <= set(report)
+    for technique in report.values():
+        assert 0 <= technique["helped_share"] <= 1
+        if technique["applied_layers"]:
+            assert technique["applied_mean_reduction"] > 0  # only chosen where it measurably helps
+    data = json.loads(result.to_json())
+    assert data["plan_id"] == plan.plan_id and len(data["layers"]) == len(layers)
+    assert set(data["layers"][0]) >= {"layer", "role", "sigma_w", "kurtosis", "format", "bits", "rel_error"}
+    from rich.console import Console
+
+    Console(width=250, record=True).print(result.to_table())
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory):
+    from conftest import save_tiny_hf
+
+    return save_tiny_hf(tmp_path_factory.mktemp("wide"), hidden_size=128, intermediate_size=256)
+
+
+def _heterogeneous(model_dir):
+    """Layers of very different sensitivity: layer 0 already on the symmetric int4 g128 grid (nothing to
+    lose at 4.25 bits, like a model shipped pre-quantized), layer 1's o_proj with outlier weights."""
+    model = load_model(model_dir).model
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for linear in (model.layers[0].attn.qkv_proj, model.layers[0].attn.o_proj,
+                       model.layers[0].mlp.gate_up_proj, model.layers[0].mlp.down_proj):  # fmt: skip
+            linear.weight.copy_(fake_quantize(linear.weight, LayerQuantSpec("int4", 128, symmetric=True)))
+        w = model.layers[1].attn.o_proj.weight
+        w[torch.rand(w.shape, generator=g) < 0.02] *= 25
+    return model
+
+
+def test_dqg_beats_uniform_int4_at_equal_bits(wide_dir):
+    import copy
+
+    model = _heterogeneous(wide_dir)
+    tokens = torch.randint(320, (512,), generator=torch.Generator().manual_seed(7)).tolist()
+    windows = windows_from_tokens(tokens, 128)  # random tokens, not the calibration ones (seed 0)
+    reference = reference_logprobs(model, windows)
+    uniform = recipe.uniform_plan(model, LayerQuantSpec("int4", 64, symmetric=True))
+    bits = uniform.avg_bits_per_weight(model)
+    config = _config(bits_budget=bits, symmetric=True)
+    result = recipe.plan_for_config(model, None, config, formats=FORMATS, calibration=CALIB, progress=False)
+    assert result.plan.avg_bits_per_weight(model) <= bits
+    scores = {}
+    for name, res in (("uniform", dqg.DQGResult("uniform", uniform)), ("dqg", result)):
+        quantized = recipe.apply(copy.deepcopy(model), res, FP32_KERNELS, progress=False)
+        scores[name] = evaluate(quantized, windows, reference)
+    assert scores["dqg"].kld < 0.5 * scores["uniform"].kld, scores
+    assert scores["dqg"].ppl <= scores["uniform"].ppl * 1.001
+    assert result.plan.spec_for("layers.1.attn.o_proj").format == "int8"  # the outlier layer gets bits
+    assert result.plan.spec_for("layers.0.mlp.gate_up_proj").group_size == 128  # from the free layer
+
+
+def test_max_ppl_increase_search(wide_dir):
+    model = _heterogeneous(wide_dir)
+    result = recipe.plan_for_config(
+        model, None, _config(max_ppl_increase=0.002), formats=FORMATS, calibration=CALIB, progress=False
+    )
+    assert result.ppl_checks and result.mode == "measured"
+    final = [c for c in result.ppl_checks if c["avg_bits"] == pytest.approx(result.avg_bits)]
+    assert final and all(c["increase"] <= 0.002 for c in final)
+
+
+def test_uniform_plan_falls_back_where_group_does_not_divide(measured):
+    model, _ = measured  # hidden 64: g128 only fits the down projection (K = 128)
+    plan = recipe.uniform_plan(model, LayerQuantSpec("int4", 128, symmetric=True))
+    assert plan.spec_for("layers.0.mlp.down_proj").group_size == 128
+    assert plan.spec_for("layers.0.attn.qkv_proj") == LayerQuantSpec("int4", 64, symmetric=True)
+
+
+# ---- Pipeline wiring ---------------------------------------------------------------------------------
+@pytest.fixture
+def fixed_candidates(monkeypatch):
+    monkeypatch.setattr(recipe, "hardware_candidates", lambda device="cpu": (FORMATS, dict(FP32_KERNELS)))
+
+
+def test_pipeline_uniform_int8(tiny_llama_dir, fixed_candidates):
+    from mcp2026 import Pipeline
+    from mcp2026.quant.linear import Int8Linear
+
+    pipe = Pipeline(model=tiny_llama_dir, config=QuantConfig(target_precision="int8"), dtype="fp32")
+    linears = [m for n, m in pipe.loaded.model.named_modules() if n.endswith(("proj", "lm_head"))]
+    assert linears and all(isinstance(m, Int8Linear) for m in linears)
+    assert pipe.quant_result.mode == "uniform"
+    out = pipe.engine  # the engine runs the quantized model
+    request = out.add_request([1, 2, 3])
+    while out.has_unfinished():
+        out.step()
+    assert request
+
+
+def test_pipeline_dqg_budget(tiny_llama_dir, fixed_candidates):
+    from mcp2026 import Pipeline
+
+    pipe = Pipeline(model=tiny_llama_dir, config=_config(bits_budget=4.5), dtype="fp32")
+    assert pipe.quant_result.mode == "measured"
+    assert pipe.quant_result.plan.avg_bits_per_weight(pipe.loaded.model) <= 4.5 + 1e-9

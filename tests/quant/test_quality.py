@@ -1,0 +1,109 @@
+"""Quality metrics: llama.cpp-style windows, perplexity and KLD on synthetic logits, the role mixture."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from mcp2026.quant.plan import LayerQuantSpec
+from mcp2026.quant.quality import (
+    evaluate,
+    kld_of,
+    nll_of,
+    reference_logprobs,
+    role_mixture_plan,
+    use_more_bits,
+    windows_from_tokens,
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # NOTE: tiny ops on 2 threads cost milliseconds each on a busy 2-core machine (OpenMP barriers)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class FixedLogits(nn.Module):
+    """A 'model' whose logits are a function of the token only (or constant)."""
+
+    def __init__(self, vocab: int, table: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.table = nn.Parameter(
+            table if table is not None else torch.zeros(vocab, vocab), requires_grad=False
+        )
+
+    def forward(self, ids, positions):
+        return self.table[ids]  # hidden = the logits row
+
+    def compute_logits(self, hidden):
+        return hidden.float()
+
+
+def test_windows_and_bos():
+    windows = windows_from_tokens(list(range(1, 1100)), n_ctx=512, bos_token_id=0)
+    assert len(windows) == 2 and all(len(w) == 512 for w in windows)
+    assert windows[0][0] == 0 and windows[1][0] == 0 and windows[1][1] == 514
+    assert len(windows_from_tokens(range(2000), 512, num_windows=1)) == 1
+
+
+def test_uniform_logits_give_perplexity_equal_to_vocab_size():
+    vocab = 50
+    windows = windows_from_tokens(torch.randint(vocab, (1024,)).tolist(), 256)
+    result = evaluate(FixedLogits(vocab), windows)
+    assert result.ppl == pytest.approx(vocab, rel=1e-6)
+    assert result.num_tokens == 4 * (256 // 2 - 1)  # 4 windows: second halves, minus the last position
+
+
+def test_identical_model_has_zero_kld_and_full_agreement():
+    vocab = 40
+    model = FixedLogits(vocab, torch.randn(vocab, vocab) * 3)
+    windows = windows_from_tokens(torch.randint(vocab, (512,)).tolist(), 128)
+    for reference in (model, reference_logprobs(model, windows)):
+        result = evaluate(model, windows, reference)
+        assert result.kld == 0.0 and result.top1_agreement == 1.0
+        assert result.delta_ppl == 0.0 and result.reference_ppl == pytest.approx(result.ppl)
+
+
+def test_kld_and_nll_match_hand_computation():
+    p = torch.tensor([[0.5, 0.25, 0.25]])
+    q = torch.tensor([[0.25, 0.5, 0.25]])
+    expected = 0.5 * math.log(2) + 0.25 * math.log(0.5)
+    assert kld_of(p.log(), q.log()).item() == pytest.approx(expected, rel=1e-6)
+    assert nll_of(q.log(), torch.tensor([1])).item() == pytest.approx(math.log(2))
+
+
+def test_different_model_has_positive_kld_and_ppl_change():
+    vocab = 40
+    table = torch.randn(vocab, vocab) * 3
+    windows = windows_from_tokens(torch.randint(vocab, (512,)).tolist(), 128)
+    result = evaluate(
+        FixedLogits(vocab, table + 0.3 * torch.randn(vocab, vocab)), windows, FixedLogits(vocab, table)
+    )
+    assert result.kld > 0 and result.kld_p99 >= result.kld and 0 <= result.top1_agreement < 1
+    assert result.delta_ppl == pytest.approx(result.ppl / result.reference_ppl - 1, rel=1e-9)
+    assert result.delta_ppl_stderr > 0
+
+
+def test_use_more_bits_is_llama_cpp_rule():
+    # llama.cpp: i < n/8 || i >= 7n/8 || (i - n/8) % 3 == 2, integer division
+    more = [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
+    assert [i for i in range(30) if use_more_bits(i, 30)] == more
+    assert [i for i in range(8) if use_more_bits(i, 8)] == [0, 3, 6, 7]
+
+
+def test_role_mixture_plan(tiny_llama_dir):
+    from mcp2026.loading.loader import load_model
+
+    model = load_model(tiny_llama_dir).model  # 2 layers: only layer 1 is "first/last eighth"
+    plan = role_mixture_plan(model, LayerQuantSpec("int4", 64, symmetric=True))
+    assert plan.spec_for("layers.1.attn.qkv_proj").format == "int8"
+    assert plan.spec_for("layers.1.mlp.down_proj").format == "int8"
+    assert plan.spec_for("layers.1.mlp.gate_up_proj") == LayerQuantSpec("int4", 64, symmetric=True)
+    assert plan.spec_for("layers.0.attn.qkv_proj").format == "int4"
+    assert 4.5 < plan.avg_bits_per_weight(model) < 8
