@@ -35,5 +35,11 @@ format: setup
 test: lint
 	$(BIN)/python -m pytest -q
 
+# Headline numbers into docs/benchmarks.md (run on a quiet machine; bounded to ~20 minutes on 2 cores).
+bench: setup
+	$(BIN)/mcp2026 bench latency --dtype fp32 --new-tokens 128 --prefill-tokens 512 --repeats 3 --write-docs
+	$(BIN)/mcp2026 bench offline --workload sharegpt --num-prompts 200 --batch-size 16 --write-docs
+	$(BIN)/mcp2026 bench quality --num-windows 20 --write-docs
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -23,7 +23,7 @@ from mcp2026.engine.request import Request
 from mcp2026.engine.runner import ModelRunner
 from mcp2026.engine.sampler import Sampler, SamplingState
 from mcp2026.engine.scheduler import Scheduler
-from mcp2026.kv.compressor import fragmentation_report
+from mcp2026.kv.debug import fragmentation_report
 from mcp2026.kv.dtss import DTSSController
 from mcp2026.kv.manager import HOLE, KVCacheManager
 from mcp2026.kv.paged_cache import PagedKVCache

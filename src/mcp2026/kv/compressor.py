@@ -9,14 +9,14 @@ paged cache and a ``KVEvictor`` that runs after every step.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mcp2026.kv.codecs import CODECS, KVCodec, make_codec
 from mcp2026.kv.eviction import POLICIES, EvictionBudget, KVEvictor, make_policy
-from mcp2026.kv.manager import HOLE, KVCacheManager
+from mcp2026.kv.manager import KVCacheManager
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DEFAULT_SPARSITY = 0.7
@@ -194,46 +194,3 @@ class KVCompressor:
             return new
         target.engine = new
         return target
-
-
-def fragmentation_report(manager: KVCacheManager, num_computed: Mapping[str, int]) -> dict[str, Any]:
-    """Pool fragmentation: slots held but empty (partial last blocks) and how scattered the free ids are.
-    ``num_computed``: tokens with KV of each request holding blocks."""
-    pool, bs = manager.pool, manager.block_size
-    tokens_in_block: dict[int, int] = {}
-    num_holes = 0
-    for rid, n in num_computed.items():
-        table = manager.block_table(rid)
-        for i, b in enumerate(table):
-            if b == HOLE:
-                num_holes += 1
-            else:
-                tokens_in_block[b] = max(tokens_in_block.get(b, 0), min(bs, max(0, n - i * bs)))
-    num_used = pool.num_used_blocks
-    runs = _free_runs(pool.ref_count(b) == 0 and not pool.is_parked(b) for b in range(pool.num_online_blocks))
-    num_free = sum(runs)
-    return {
-        "num_blocks": pool.num_blocks,
-        "num_used_blocks": num_used,
-        "num_free_blocks": pool.num_free_blocks,
-        "num_evictable_blocks": manager.num_evictable_blocks,
-        "usage": manager.usage,
-        "num_holes": num_holes,
-        "internal_fragmentation": 1.0 - sum(tokens_in_block.values()) / (num_used * bs) if num_used else 0.0,
-        "num_free_runs": len(runs),
-        "largest_free_run": max(runs, default=0),
-        "external_fragmentation": 1.0 - max(runs, default=0) / num_free if num_free else 0.0,
-    }
-
-
-def _free_runs(is_free: Iterable[bool]) -> list[int]:
-    runs, current = [], 0
-    for free in is_free:
-        if free:
-            current += 1
-        elif current:
-            runs.append(current)
-            current = 0
-    if current:
-        runs.append(current)
-    return runs

@@ -20,7 +20,6 @@ the OS (madvise DONTNEED) when the DTSS takes KV shards offline under memory pre
 
 from __future__ import annotations
 
-import logging
 import math
 import mmap
 from collections.abc import Iterable, Sequence
@@ -29,8 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mcp2026.kv.codecs import KVCodec, Planes, TensorCodec, identity_codec
-
-log = logging.getLogger(__name__)
+from mcp2026.kv.debug import ErrorMonitor
 
 
 def _allocate(
@@ -114,16 +112,6 @@ class WritePlan:
         return WritePlan(**moved)
 
 
-@dataclass
-class _ErrorStats:
-    """Relative round-trip error ||x_hat - x|| / ||x|| per layer, for K and V, on monitored writes."""
-
-    max_error: torch.Tensor  # (2, L)
-    sum_error: torch.Tensor  # (2, L)
-    num_checks: torch.Tensor  # (2, L)
-    num_over: torch.Tensor  # (2, L) checks above the threshold
-
-
 class PagedKVCache:
     def __init__(
         self,
@@ -157,13 +145,7 @@ class PagedKVCache:
         self._stage_k = self._stage_v = torch.empty(0)
         self._staged: dict[str, int] = {}
         self._free_stage: set[int] = set()
-        self.max_error = max_error
-        self.error_check_interval = error_check_interval
-        self._num_plans = 0
-        shape = (2, num_layers)
-        self.errors = _ErrorStats(*(torch.zeros(shape) for _ in range(4)))
-        self.num_shape_checks = 0
-        self._warned_layers: set[tuple[int, int]] = set()
+        self.monitor = ErrorMonitor(num_layers, self.codec.name, max_error, error_check_interval)
 
     def _allocate_planes(self, codec: TensorCodec) -> Planes:
         planes = {}
@@ -211,8 +193,7 @@ class PagedKVCache:
     def plan_write(self, chunks: Sequence[tuple[str, int, int, Sequence[int]]]) -> WritePlan:
         """Plan a step's writes. ``chunks``: (request id, start position, number of tokens, block table),
         the step's tokens in this order. Pure: nothing changes until ``commit(plan)``."""
-        self._num_plans += 1
-        is_monitored = not self.codec.is_lossless and (self._num_plans - 1) % self.error_check_interval == 0
+        is_monitored = self.monitor.is_due() and not self.codec.is_lossless
         if self.codec.is_staged:
             return self._plan_staged(chunks, is_monitored)
         bs = self.block_size
@@ -335,7 +316,7 @@ class PagedKVCache:
             else:
                 encoded, x = self._write_staged(layer, plan, planes, codec, x, kind)
             if plan.is_monitored and encoded is not None:
-                self._monitor(layer, kind, codec, encoded, x)
+                self.monitor.record(layer, kind, codec, encoded, x)
 
     def _write_staged(
         self, layer: int, plan: WritePlan, planes: Planes, codec: TensorCodec, x: torch.Tensor, kind: int
@@ -389,46 +370,7 @@ class PagedKVCache:
         return out[0], out[1]
 
     # --- debug checks ----------------------------------------------------------------------------------
-    def _monitor(self, layer: int, kind: int, codec: TensorCodec, encoded: Planes, x: torch.Tensor) -> None:
-        decoded = codec.decode(encoded, torch.float32)
-        if decoded.shape != x.shape:
-            raise AssertionError(
-                f"KV codec {codec.name} changed a shape: {tuple(x.shape)} -> {tuple(decoded.shape)}"
-            )
-        self.num_shape_checks += 1
-        x = x.float()
-        error = float((decoded - x).norm() / x.norm().clamp_min(1e-12))
-        stats = self.errors
-        stats.max_error[kind, layer] = max(float(stats.max_error[kind, layer]), error)
-        stats.sum_error[kind, layer] += error
-        stats.num_checks[kind, layer] += 1
-        if error > self.max_error:
-            stats.num_over[kind, layer] += 1
-            if (kind, layer) not in self._warned_layers:
-                self._warned_layers.add((kind, layer))
-                log.warning(
-                    "KV %s of layer %d: %s round-trip error %.4f exceeds max_error %.4f",
-                    "keys" if kind == 0 else "values",
-                    layer,
-                    self.codec.name,
-                    error,
-                    self.max_error,
-                )
-
     def debug_report(self) -> dict:
-        stats = self.errors
-        checks = stats.num_checks.clamp_min(1)
-        mean = (stats.sum_error / checks).tolist()
-        over = [
-            {
-                "layer": layer,
-                "kind": "k" if kind == 0 else "v",
-                "max_error": float(stats.max_error[kind, layer]),
-            }
-            for kind in (0, 1)
-            for layer in range(self.num_layers)
-            if stats.num_over[kind, layer] > 0
-        ]
         return {
             "codec": self.codec.name,
             "bytes_per_token": self.bytes_per_token,
@@ -436,14 +378,7 @@ class PagedKVCache:
             "pool_bytes": self.nbytes,
             "staging_bytes": self.staging_nbytes,
             "num_staged_blocks": self.num_staged,
-            "max_error_threshold": self.max_error,
-            "num_error_checks": int(stats.num_checks.sum()),
-            "num_shape_checks": self.num_shape_checks,
-            "k_error_max": stats.max_error[0].tolist(),
-            "v_error_max": stats.max_error[1].tolist(),
-            "k_error_mean": mean[0],
-            "v_error_mean": mean[1],
-            "layers_over_max_error": over,
+            **self.monitor.report(),
         }
 
     # --- DTSS ------------------------------------------------------------------------------------------
