@@ -3,43 +3,23 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from functools import wraps
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.console import Console
 
-from mcp2026.errors import MCPError
+from mcp2026.cli_errors import err, user_errors
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="mcp2026: Model-Centric Pipeline inference engine"
 )
-err = Console(stderr=True, soft_wrap=True)
 out = Console()
 
 ModelOpt = Annotated[
     Path | None,
     typer.Option("--model", "-m", help="HF model folder or .gguf file (default: embedded SmolLM2-135M)"),
 ]
-
-
-def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn expected failures (bad files, bad values) into a one-line message and exit code 2."""
-
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except (MCPError, ValueError, FileNotFoundError) as e:
-            err.print(f"[bold red]error:[/] {e}", highlight=False)
-            raise typer.Exit(2) from None
-        except KeyboardInterrupt:
-            err.print("interrupted")
-            raise typer.Exit(130) from None
-
-    return wrapper
 
 
 @app.command()

@@ -6,14 +6,14 @@ the table, write runs/<time>-<kind>.json + .md, optionally refresh docs/benchmar
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from contextlib import nullcontext
-from functools import wraps
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+
+from mcp2026.cli_errors import err, user_errors
 
 bench_app = typer.Typer(
     add_completion=False,
@@ -21,7 +21,6 @@ bench_app = typer.Typer(
     help="QBench: benchmarks of mcp2026 side by side with HF transformers and llama.cpp, same run.",
 )
 out = Console(soft_wrap=True)  # markdown lines must not be wrapped
-err = Console(stderr=True, soft_wrap=True)
 
 ModelOpt = Annotated[
     str | None, typer.Option("--model", "-m", help="HF folder or .gguf (default: embedded SmolLM2-135M)")
@@ -38,23 +37,6 @@ OutOpt = Annotated[
     Path | None, typer.Option("--out", help="folder for the run's JSON and markdown (default: runs/)")
 ]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="show progress bars")]
-
-
-def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from mcp2026.errors import MCPError
-
-        try:
-            return fn(*args, **kwargs)
-        except (MCPError, ValueError, FileNotFoundError) as e:
-            err.print(f"[bold red]error:[/] {e}", highlight=False)
-            raise typer.Exit(2) from None
-        except KeyboardInterrupt:
-            err.print("interrupted")
-            raise typer.Exit(130) from None
-
-    return wrapper
 
 
 def _progress(enabled: bool) -> Any:
@@ -79,7 +61,7 @@ def _finish(run: Any, out_dir: Path | None, write_docs: bool, section: str) -> N
 
 
 @bench_app.command()
-@_user_errors
+@user_errors
 def latency(
     model: ModelOpt = None,
     dtype: Annotated[str, typer.Option(help="comma-separated: fp32, bf16")] = "fp32,bf16",
@@ -104,7 +86,7 @@ def latency(
 
 
 @bench_app.command()
-@_user_errors
+@user_errors
 def offline(
     model: ModelOpt = None,
     workload: Annotated[str, typer.Option(help="sharegpt | random | prefix | long")] = "sharegpt",
@@ -146,7 +128,7 @@ def offline(
 
 
 @bench_app.command()
-@_user_errors
+@user_errors
 def report(runs: Annotated[list[Path], typer.Argument(help="run JSON files written by a benchmark")]) -> None:
     """Print the markdown summary of earlier runs."""
     from mcp2026.bench.report import read_run, render_markdown
@@ -157,7 +139,7 @@ def report(runs: Annotated[list[Path], typer.Argument(help="run JSON files writt
 
 
 @bench_app.command()
-@_user_errors
+@user_errors
 def quality(
     model: Annotated[Path | None, typer.Option(help="HF folder or .gguf (default: embedded model)")] = None,
     num_windows: Annotated[int, typer.Option(help="512-token windows of held-out ShareGPT text")] = 20,

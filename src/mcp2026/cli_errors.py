@@ -1,0 +1,31 @@
+"""Shared by every typer app: expected failures print one line on stderr and exit 2, never a traceback."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from mcp2026.errors import MCPError
+
+err = Console(stderr=True, soft_wrap=True)
+
+
+def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn expected failures (bad files, bad values) into a one-line message and exit code 2."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (MCPError, ValueError, FileNotFoundError) as e:
+            err.print(f"[bold red]error:[/] {e}", highlight=False)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            err.print("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper
