@@ -40,6 +40,16 @@ def save_tiny_hf(path: Path, arch: str = "llama", tie: bool = False, seed: int =
     return path
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared 2-core CPU idle OpenMP workers make every
+    small op wait on a descheduled sibling (milliseconds each). Use with pytest.mark.usefixtures."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return save_tiny_hf(tmp_path_factory.mktemp("tiny_llama"))

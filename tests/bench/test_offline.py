@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from mcp2026.bench.offline import OfflineConfig, run_offline
@@ -11,14 +10,7 @@ from mcp2026.bench.report import read_run, write_run
 
 from conftest import save_tiny_hf
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A tiny model gains nothing from threads, and spinning workers slow it on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -28,13 +28,7 @@ def tiny(tiny_dir):
     return load_model(tiny_dir)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # NOTE: a tiny model gains nothing from threads, and on a shared CPU they cost 5-10x.
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_engine(tiny, kv=None, num_blocks=96, **sched) -> LLMEngine:

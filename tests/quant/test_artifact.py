@@ -21,13 +21,8 @@ DTYPES = {"int8": torch.bfloat16, "int4": torch.bfloat16}
 
 
 @pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    # NOTE: tiny ops on 2 threads cost milliseconds each on a busy 2-core machine (OpenMP barriers)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def fixed_candidates(monkeypatch, one_thread):
     monkeypatch.setattr(recipe, "hardware_candidates", lambda device="cpu": (FORMATS, dict(DTYPES)))
-    yield
-    torch.set_num_threads(threads)
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:

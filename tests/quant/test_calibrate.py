@@ -20,12 +20,7 @@ from mcp2026.quant.calibrate import (
 SETTINGS = CalibrationSettings(source="random", num_samples=3, max_len=48, max_rows=40, fisher_samples=2)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -24,13 +24,7 @@ FP32_KERNELS = {"int8": torch.float32, "int4": torch.float32}  # exact activatio
 CALIB = CalibrationSettings(source="random", num_samples=4, max_len=96, max_rows=128, fisher_samples=4)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # NOTE: tiny ops on 2 threads cost milliseconds each on a busy 2-core machine (OpenMP barriers)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

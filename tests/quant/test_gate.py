@@ -17,12 +17,7 @@ QUALITY = QuantPlan.uniform("int8")
 PRESSURE = QuantPlan({"layers.*.mlp.*": LayerQuantSpec("int4", 32), "_default": "int8"})
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _logits(model, ids):

@@ -19,14 +19,7 @@ from mcp2026.quant.quality import (
     windows_from_tokens,
 )
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # NOTE: tiny ops on 2 threads cost milliseconds each on a busy 2-core machine (OpenMP barriers)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class FixedLogits(nn.Module):
