@@ -118,17 +118,19 @@ def _decode_attention(
 def _prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
-    # q: (T, nh, hd) pre-scaled; k, v: (nkv, S, hd); causal when mask is None (S == T)
+    # q: (T, nh, hd) pre-scaled; k, v: (nkv, S, hd); causal when mask is None (S == T).
+    # 4-D inputs on purpose: with 3-D ones PyTorch's CPU dispatcher falls back to the math kernel
+    # (materialised scores, ~4x slower at 512 tokens); with a batch dim it takes the flash kernel.
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k,
-        v,
+        q.transpose(0, 1)[None],
+        k[None],
+        v[None],
         attn_mask=mask,
         is_causal=mask is None,
         scale=1.0,
         enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def _observe(
