@@ -1,4 +1,4 @@
-"""GGUF files via the ``gguf`` package: metadata -> ModelConfig, tensors dequantized to our layout.
+"""GGUF files: metadata -> ModelConfig, tensors dequantized (by the ``gguf`` package) to our layout.
 
 llama.cpp's converter permutes Q and K rows for its rotary layout; we undo that so both formats share the
 HF "rotate half" convention. Every tensor type the gguf package can dequantize is accepted.
@@ -14,32 +14,36 @@ import torch
 
 from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
+from mcp2026.loading.gguf_file import GGUFFile, GGUFFormatError
 from mcp2026.loading.names import GGUF_GLOBAL_NAMES, GGUF_LAYER, GGUF_LAYER_NAMES, map_name
 from mcp2026.loading.progress import load_progress
 from mcp2026.models.registry import resolve_architecture
 
-GGUF_MAGIC = b"GGUF"
 
-
-def open_gguf(path: Path) -> Any:
-    """A GGUFReader, or a one-line error naming the file and what is wrong with it."""
-    from gguf import GGUFReader
-
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise ModelLoadError(f"{path}: not a GGUF file (bad magic bytes)")
+def open_gguf(path: Path) -> GGUFFile:
+    """The parsed header and tensor table, or a one-line error naming the file and what is wrong with it."""
     try:
-        return GGUFReader(str(path))
-    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on damage
-        raise ModelLoadError(f"{path}: truncated or corrupted GGUF file ({type(e).__name__}: {e})") from None
+        gguf_file = GGUFFile.open(path)
+    except GGUFFormatError as e:
+        problem = (
+            str(e) if str(e).startswith("not a GGUF file") else f"truncated or corrupted GGUF file ({e})"
+        )
+        raise ModelLoadError(f"{path}: {problem}") from None
+    truncated = gguf_file.truncated_tensors()
+    if truncated:
+        raise ModelLoadError(
+            f"{path}: truncated or corrupted GGUF file: tensor {truncated[0].name} ends past the file's "
+            f"{gguf_file.file_bytes} bytes (re-download or re-convert it)"
+        )
+    return gguf_file
 
 
-def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def gguf_field(gguf_file: GGUFFile, key: str, default: Any = None) -> Any:
+    return gguf_file.metadata.get(key, default)
 
 
-def config_from_gguf(reader: Any, source: str) -> ModelConfig:
+def config_from_gguf(reader: GGUFFile, source: str) -> ModelConfig:
+    """Anything with ``metadata`` (dict) and ``tensors`` (with ``name``) will do, e.g. the doctor's header."""
     arch = resolve_architecture(str(gguf_field(reader, "general.architecture", "")), source)
 
     def get(key: str, default: Any = None) -> Any:
@@ -89,7 +93,7 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def load_gguf_tensors(
-    reader: Any, config: ModelConfig, dtype: torch.dtype, source: str
+    reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, source: str
 ) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
@@ -101,7 +105,7 @@ def load_gguf_tensors(
             if ours is None:
                 continue
             try:
-                data = dequantize(t.data, t.tensor_type)
+                data = dequantize(reader.raw(t), t.tensor_type)
             except NotImplementedError:
                 raise ModelLoadError(
                     f"{source}: tensor {t.name} has type {t.tensor_type.name}, which the gguf package cannot dequantize"
