@@ -86,6 +86,9 @@ class QuantConfig:
     target_precision: str = "auto"
     enable_dqg: bool = False
     bits_budget: float | None = None  # average bits per weight, scales and zero points included
+    # A second, smaller DQG budget: the engine then holds a pressure plan beside the quality plan
+    # (quant/gate.py) and the server's traffic gate switches to it under load.
+    pressure_bits_budget: float | None = None
     bytes_budget: int | None = None
     max_ppl_increase: float | None = None  # relative, 0.01 = +1%
     group_size: int = 32
@@ -113,6 +116,19 @@ class QuantConfig:
         _require(
             self.bits_budget is None or 2.0 <= self.bits_budget <= 32.0,
             f"QuantConfig.bits_budget must be in [2, 32] bits per weight, got {self.bits_budget}",
+        )
+        _require(
+            self.pressure_bits_budget is None
+            or (self.enable_dqg and 2.0 <= self.pressure_bits_budget <= 32.0),
+            "QuantConfig.pressure_bits_budget needs enable_dqg=True and a value in [2, 32] bits per weight, "
+            f"got {self.pressure_bits_budget} (enable_dqg={self.enable_dqg})",
+        )
+        _require(
+            self.pressure_bits_budget is None
+            or self.bits_budget is None
+            or self.pressure_bits_budget < self.bits_budget,
+            f"QuantConfig.pressure_bits_budget ({self.pressure_bits_budget}) must be below bits_budget "
+            f"({self.bits_budget}): the pressure plan is the smaller, faster one",
         )
         _require(
             self.bytes_budget is None or self.bytes_budget > 0,

@@ -91,7 +91,20 @@ class Pipeline:
         self.loaded: LoadedModel = load_model(model, dtype=self.dtype)
         self.loaded.model.to(self.device)
         self.quant_result = None  # how the weights were quantized: a mcp2026.quant.dqg.DQGResult
-        if config is not None and config.quantizes_weights:
+        self.pressure_result = None  # the pressure plan's DQGResult when the config asks for one
+        self.gate = None  # a QuantGate holding both plans (the server's traffic gate switches it)
+        if config is not None and config.pressure_bits_budget is not None:
+            if self.loaded.file_format == "mcp2026-artifact":
+                raise ValueError(
+                    f"{self.loaded.source} is a compiled artifact (one plan); a pressure plan needs the "
+                    "original model: pass the HF folder or GGUF file instead"
+                )
+            from mcp2026.quant.recipe import gate_for_config
+
+            self.quant_result, self.pressure_result, self.gate = gate_for_config(
+                self.loaded.model, self.loaded.tokenizer, config, self.device
+            )
+        elif config is not None and config.quantizes_weights:
             from mcp2026.quant.recipe import quantize_loaded
 
             self.quant_result = quantize_loaded(self.loaded, config, self.device)

@@ -79,3 +79,36 @@ def test_request_applies_at_the_next_forward(models):
     gate.request("quality")
     _logits(base, IDS)
     assert gate.current == "pressure"
+
+
+def test_pipeline_builds_a_gate_from_a_pressure_budget(tiny_llama_dir):
+    from mcp2026.config import QuantConfig
+    from mcp2026.pipeline import Pipeline
+    from mcp2026.serve.server import pick_gate
+
+    config = QuantConfig(
+        enable_dqg=True,
+        bits_budget=8.5,
+        pressure_bits_budget=4.6,
+        calibration_source="random",
+        calibration_samples=2,
+    )
+    pipe = Pipeline(model=tiny_llama_dir, config=config, dtype="fp32")
+    assert isinstance(pipe.gate, QuantGate) and pipe.gate.current == "quality"
+    quality_bits, pressure_bits = pipe.quant_result.avg_bits, pipe.pressure_result.avg_bits
+    assert pressure_bits <= 4.6 < quality_bits <= 8.5
+    assert pipe.gate.differing_layers  # the smaller budget changed some layers
+    ids = torch.arange(1, 20)
+    before = _logits(pipe.loaded.model, ids)
+    assert pipe.gate.switch("pressure")
+    assert not torch.equal(before, _logits(pipe.loaded.model, ids))
+    assert pick_gate("auto", pipe, 0.5) is pipe.gate
+
+
+def test_pressure_budget_must_be_smaller():
+    from mcp2026.config import QuantConfig
+
+    with pytest.raises(ValueError, match="must be below bits_budget"):
+        QuantConfig(enable_dqg=True, bits_budget=4.5, pressure_bits_budget=6.0)
+    with pytest.raises(ValueError, match="needs enable_dqg=True"):
+        QuantConfig(target_precision="int8", pressure_bits_budget=4.5)

@@ -5,6 +5,7 @@ bits per weight, bytes, or perplexity increase), and quantize in place. Used by 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -16,6 +17,7 @@ from mcp2026.config import QuantConfig
 from mcp2026.quant import dqg
 from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, calibration_samples
 from mcp2026.quant.dqg import BudgetError, DQGResult, DQGSettings
+from mcp2026.quant.gate import QuantGate
 from mcp2026.quant.linear import fake_quantize, quantize_
 from mcp2026.quant.plan import DENSE_FORMATS, WEIGHT_BITS, LayerQuantSpec, QuantPlan
 
@@ -161,11 +163,20 @@ def plan_for_config(
         )
         return DQGResult("uniform", uniform_plan(model, spec), budget=f"uniform {config.target_precision}")
     settings = settings or DQGSettings(symmetric_only=config.symmetric)
+    calib, layers = _measure(model, tokenizer, config, formats, settings, calibration, progress)
+    return _allocate(model, calib, layers, config, formats, settings, progress)
+
+
+def _measure(model, tokenizer, config: QuantConfig, formats, settings, calibration, progress: bool):
+    """Calibrate, then measure every layer's options (the expensive part a second budget can reuse)."""
     calibration = calibration or CalibrationSettings(config.calibration_source, config.calibration_samples)
     vocab = model.get_submodule("embed_tokens").num_embeddings
     samples = calibration_samples(calibration, tokenizer, vocab)
     calib = calibrate(model, samples, calibration, progress)
-    layers = dqg.measure_options(model, calib, formats, settings, progress)
+    return calib, dqg.measure_options(model, calib, formats, settings, progress)
+
+
+def _allocate(model, calib, layers, config: QuantConfig, formats, settings, progress: bool) -> DQGResult:
     budget = _budget(config)
     if budget is None:
         return _analytic(layers, config, formats, settings)
@@ -302,6 +313,34 @@ def describe(result: DQGResult, model: nn.Module) -> str:
     return f"{result.mode} plan {result.plan.plan_id}: {bits:.3f} bits/weight, {size:.1f} MiB of weights" + (
         "" if math.isnan(result.predicted_error) else f", est. error {result.predicted_error:.4g}"
     )
+
+
+def gate_for_config(
+    model: nn.Module,
+    tokenizer: object | None,
+    config: QuantConfig,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> tuple[DQGResult, DQGResult, QuantGate]:
+    """Quality plan (``config``'s budget) and pressure plan (``pressure_bits_budget``) from one calibration
+    and one set of layer measurements; returns both results and the gate holding them (quality installed)."""
+    formats, dtypes = hardware_candidates(device)
+    formats = _granularity_formats(config, formats)
+    settings = DQGSettings(symmetric_only=config.symmetric)
+    calib, layers = _measure(model, tokenizer, config, formats, settings, None, progress)
+    quality = _allocate(model, calib, layers, config, formats, settings, progress)
+    pressure_config = dataclasses.replace(
+        config,
+        bits_budget=config.pressure_bits_budget,
+        bytes_budget=None,
+        max_ppl_increase=None,
+        pressure_bits_budget=None,
+    )
+    pressure = _allocate(model, calib, layers, pressure_config, formats, settings, progress)
+    gate = QuantGate(
+        model, quality.plan, pressure.plan, {**quality.act_scales, **pressure.act_scales}, dtypes
+    )
+    return quality, pressure, gate
 
 
 def quantize_loaded(loaded, config: QuantConfig, device: str | torch.device = "cpu", progress: bool = True):
