@@ -21,15 +21,18 @@ def test_latency_interleaves_and_reports_ratios(tmp_path):
 def _check_latency_run(tmp_path):
     model = str(save_tiny_hf(tmp_path / "tiny", max_position_embeddings=128))
     config = LatencyConfig(
-        model=model, dtypes=("fp32",), new_tokens=5, prefill_tokens=12, repeats=1, warmup=1
+        model=model, dtypes=("fp32",), new_tokens=5, prefill_tokens=12, repeats=1, warmup=1, weights=("int8",)
     )
     run = run_latency(config)
-    order = [(r["engine"], r["round"]) for r in run.records if r["metric"] == "decode"]
-    assert order == [("mcp2026", 0), ("hf", 0), ("mcp2026", 1), ("hf", 1)]
+    order = [(r["engine"], r["dtype"], r["round"]) for r in run.records if r["metric"] == "decode"]
+    per_round = [("mcp2026", "fp32"), ("hf", "fp32"), ("mcp2026", "int8 weights")]
+    assert order == [(*c, r) for r in (0, 1) for c in per_round]
     assert all(r["tokens"] == 4 for r in run.records if r["metric"] == "decode")
     assert all(r["tokens"] == 12 for r in run.records if r["metric"] == "prefill")
     medians = run.aggregates["median_tok_per_s"]
     assert medians["mcp2026/fp32"]["decode"] > 0 and medians["hf/fp32"]["prefill"] > 0
     assert "mcp2026/fp32 vs hf/fp32" in run.aggregates["ratios"]
+    assert "mcp2026/int8 weights vs hf/fp32" in run.aggregates["ratios"]
+    assert "--weights int8" in run.command
     assert run.aggregates["greedy_agreement"]["fp32"] == 5  # same weights, same ids: same greedy tokens
     assert run.tables[0].rows[0][0] == "mcp2026"

@@ -30,6 +30,7 @@ class LatencyConfig:
     warmup: int = 1
     peer: bool = True
     seed: int = 0  # random token ids of the prefill prompt
+    weights: tuple[str, ...] = ()  # extra rows of ours with weights quantized uniformly: int8 | int4 | fp8
 
     def __post_init__(self) -> None:
         if self.new_tokens < 2:
@@ -39,6 +40,9 @@ class LatencyConfig:
         bad = [d for d in self.dtypes if d not in ("fp32", "bf16")]
         if bad or not self.dtypes:
             raise ValueError(f"dtypes must be a non-empty list of fp32, bf16; got {list(self.dtypes)}")
+        bad = [w for w in self.weights if w not in ("int8", "int4", "fp8")]
+        if bad:
+            raise ValueError(f"weights must be a list of int8, int4, fp8; got {bad}")
 
     def command(self) -> str:
         parts = ["mcp2026 bench latency"]
@@ -52,6 +56,8 @@ class LatencyConfig:
             f"--warmup {self.warmup}",
             f"--seed {self.seed}",
         ]
+        if self.weights:
+            parts.append(f"--weights {','.join(self.weights)}")
         if not self.peer:
             parts.append("--no-peer")
         return " ".join(parts)
@@ -130,7 +136,7 @@ def _load_contenders(
 ) -> tuple[list[Contender], Any, dict[str, float]]:
     from mcp2026 import hardware
     from mcp2026.bench import peers
-    from mcp2026.config import KVConfig
+    from mcp2026.config import KVConfig, QuantConfig
     from mcp2026.pipeline import DTYPES, Pipeline
 
     load_s: dict[str, float] = {}
@@ -141,6 +147,13 @@ def _load_contenders(
         kv = KVConfig(memory_gb=0.5, enable_prefix_caching=False)
         pipes[dtype] = Pipeline(config.model, dtype=dtype, kv_config=kv)
         load_s[f"mcp2026-{dtype}"] = time.perf_counter() - t0
+    quantized = []
+    for fmt in config.weights:  # activations in the first dtype; the format's kernel picks its compute dtype
+        t0 = time.perf_counter()
+        kv = KVConfig(memory_gb=0.5, enable_prefix_caching=False)
+        pipe = Pipeline(config.model, QuantConfig(target_precision=fmt), config.dtypes[0], kv_config=kv)
+        quantized.append(_ours(pipe, f"{fmt} weights"))
+        load_s[f"mcp2026-{fmt}"] = time.perf_counter() - t0
     hf_models: dict[str, Any] = {}
     if config.peer:
         t0 = time.perf_counter()
@@ -153,6 +166,7 @@ def _load_contenders(
         contenders.append(_ours(pipes[dtype], dtype))
         if dtype in hf_models:
             contenders.append(_hf(hf_models[dtype], dtype))
+    contenders += quantized
     if config.peer:
         try:
             contenders.append(_llama_cpp(peers.load_llama_cpp(config.model)))
