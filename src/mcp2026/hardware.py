@@ -96,16 +96,23 @@ def available_memory_bytes() -> int:
     return available
 
 
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPUs the cgroup quota allows (v2 ``cpu.max``, else v1 ``cpu.cfs_quota_us``); None when unlimited."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    quota = _read_int(str(root / "cpu" / "cpu.cfs_quota_us"))  # -1: no quota
+    period = _read_int(str(root / "cpu" / "cpu.cfs_period_us"))
+    return quota / period if quota is not None and period and quota > 0 else None
+
+
 def usable_cpu_count() -> int:
     """Cores we may use: affinity mask, capped by a cgroup CPU quota."""
     count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-        if quota != "max":
-            count = min(count, max(1, int(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return count
+    quota = cgroup_cpu_quota()
+    return count if quota is None else min(count, max(1, int(quota)))
 
 
 def peak_rss_reset() -> None:

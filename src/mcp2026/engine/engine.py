@@ -52,6 +52,16 @@ class StepStats:
         self.__init__()
 
 
+def cap_cpu_threads() -> int:
+    """Run torch on at most the cores this process may use: torch starts one thread per core it sees,
+    but a container's CPU quota (cgroup) may grant fewer, and oversubscribed threads stall each other.
+    Never raises a lower count (OMP_NUM_THREADS, torch.set_num_threads). Returns the thread count."""
+    usable = hardware.usable_cpu_count()
+    if torch.get_num_threads() > usable:
+        torch.set_num_threads(usable)
+    return torch.get_num_threads()
+
+
 @dataclass
 class EngineCounters:
     num_failed_requests: int = 0
@@ -75,6 +85,8 @@ class LLMEngine:
         dtype = kv_dtype or first_param.dtype
         self.kv_dtype = kv_dtype
         self.device = first_param.device
+        if self.device.type == "cpu":
+            cap_cpu_threads()
         self.max_model_len = min(
             self.config.scheduler.max_model_len or model_config.max_position_embeddings,
             int(model.rope.cos.shape[0]),

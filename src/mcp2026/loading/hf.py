@@ -65,7 +65,7 @@ def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
         raise ModelLoadError(f"{source}: inconsistent config.json: {e}") from None
 
 
-def _weight_files(folder: Path) -> list[Path]:
+def weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
         shards = sorted(set(read_json(index).get("weight_map", {}).values()))
@@ -83,7 +83,7 @@ def _weight_files(folder: Path) -> list[Path]:
 def load_hf_tensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """All weights under our intermediate names, converted to ``dtype``."""
     tensors: dict[str, torch.Tensor] = {}
-    files = _weight_files(folder)
+    files = weight_files(folder)
     handles = []
     for f in files:
         if not f.exists():

@@ -1,0 +1,29 @@
+"""cgroup CPU quota: v2 cpu.max and v1 cfs quota/period both cap usable_cpu_count()."""
+
+from __future__ import annotations
+
+from mcp2026 import hardware
+
+
+def test_cgroup_cpu_quota_v2_and_v1(tmp_path):
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("150000 100000\n")
+    assert hardware.cgroup_cpu_quota(v2) == 1.5
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert hardware.cgroup_cpu_quota(v2) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("200000\n")
+    assert hardware.cgroup_cpu_quota(v1) == 2.0
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert hardware.cgroup_cpu_quota(v1) is None
+    assert hardware.cgroup_cpu_quota(tmp_path / "absent") is None
+
+
+def test_usable_cpu_count_is_capped_by_the_quota(monkeypatch):
+    monkeypatch.setattr(hardware, "cgroup_cpu_quota", lambda: 0.5)
+    assert hardware.usable_cpu_count() == 1  # a fractional quota still runs one thread
+    monkeypatch.setattr(hardware, "cgroup_cpu_quota", lambda: None)
+    assert hardware.usable_cpu_count() >= 1
