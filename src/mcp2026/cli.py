@@ -134,6 +134,12 @@ def serve(
         str | None,
         typer.Option(help="what traffic pressure switches: auto | quant | kv | observe | off"),
     ] = None,
+    canary_config: Annotated[
+        Path | None, typer.Option("--canary-config", help="live canary: the candidate's serve YAML")
+    ] = None,
+    candidate_share: Annotated[
+        float | None, typer.Option(help="live canary: share of tenants routed to the candidate (0.1)")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, models, metrics)."""
@@ -158,6 +164,8 @@ def serve(
     }
     overrides = {k: str(v) if isinstance(v, Path) else v for k, v in given.items() if v is not None}
     serve_config = dataclasses.replace(serve_config, **overrides)
+    canary = serve_config.canary.with_live_options(canary_config, candidate_share)
+    serve_config = dataclasses.replace(serve_config, canary=canary)
     if gate is not None:
         serve_config = dataclasses.replace(
             serve_config, traffic=dataclasses.replace(serve_config.traffic, gate=gate)
@@ -209,6 +217,12 @@ def _register_bench() -> None:
 
 
 _register_bench()
+from mcp2026.doctor.cli import register as register_doctor  # noqa: E402
+
+register_doctor(app)
+from mcp2026.canary.cli import register as register_canary  # noqa: E402
+
+register_canary(app)
 
 
 def main() -> None:

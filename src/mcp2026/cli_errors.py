@@ -14,8 +14,11 @@ from mcp2026.errors import MCPError
 err = Console(stderr=True, soft_wrap=True)
 
 
-def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn expected failures (bad files, bad values) into a one-line message and exit code 2."""
+def user_errors(fn: Callable[..., Any] | None = None, *, exit_code: int = 2) -> Any:
+    """Turn expected failures (bad files, bad values) into a one-line message and exit code 2. Commands whose
+    own exit codes use 2 pick another: ``@user_errors(exit_code=3)``."""
+    if fn is None:
+        return lambda f: user_errors(f, exit_code=exit_code)
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -23,7 +26,7 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except (MCPError, ValueError, FileNotFoundError) as e:
             err.print(f"[bold red]error:[/] {e}", highlight=False)
-            raise typer.Exit(2) from None
+            raise typer.Exit(exit_code) from None
         except KeyboardInterrupt:
             err.print("interrupted")
             raise typer.Exit(130) from None

@@ -62,7 +62,7 @@ def test_pick_gate():
     assert pick_gate("off", evicting, 0.8) is None
     with pytest.raises(ValueError, match="--kv-policy"):
         pick_gate("kv", plain, 0.8)
-    with pytest.raises(ValueError, match="QuantGate"):
+    with pytest.raises(ValueError, match="pressure_bits_budget"):
         pick_gate("quant", evicting, 0.8)
 
 

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: ``create_app(async_engine, tokenizer, config)`` builds a FastAPI app.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream as SSE ending in ``data: [DONE]``),
-GET /v1/models, /healthz (engine loop alive), /readyz (warm and accepting), /metrics (Prometheus).
+GET /v1/models, /healthz (engine loop alive), /readyz (warm and accepting), /metrics (Prometheus),
+/canary (the live canary's verdict, when one runs).
 A client that goes away mid-request (stream or not) aborts its engine requests, freeing their KV blocks.
 """
 
@@ -17,7 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -41,6 +42,9 @@ from mcp2026.serve.protocol import (
 )
 from mcp2026.serve.tenants import Tenant, TenantRegistry
 from mcp2026.serve.traffic import Gate, ObserveGate, PressureController
+
+if TYPE_CHECKING:
+    from mcp2026.canary.live import CanaryRouter
 
 log = logging.getLogger("mcp2026.serve")
 REQUEST_ID: ContextVar[str] = ContextVar("request_id", default="-")
@@ -131,9 +135,11 @@ def create_app(
     config: ServeConfig | None = None,
     tenants: TenantRegistry | None = None,
     gate: Gate | None = None,
+    canary: CanaryRouter | None = None,
 ) -> FastAPI:
     """``gate``: what pressure mode switches (a QuantGate, a KVPolicyGate); None observes only. The
-    traffic config's ``gate: off`` disables the pressure rule."""
+    traffic config's ``gate: off`` disables the pressure rule. ``canary``: a second engine serving a sticky
+    share of the tenants (mcp2026.canary.live); None serves everything from ``async_engine``."""
     config = config or ServeConfig()
     if tenants is None:
         tenants = TenantRegistry.from_yaml(config.tenants_file) if config.tenants_file else TenantRegistry()
@@ -142,6 +148,9 @@ def create_app(
     service = GenerationService(async_engine, tokenizer, config, tenants, metrics, model_name)
     async_engine.set_tenant_weights({t.name: t.weight for t in tenants.tenants.values()})
     metrics.watch_traffic(service.traffic.snapshot)
+    if canary is not None:
+        canary.attach(metrics)
+        canary.candidate.engine.set_tenant_weights({t.name: t.weight for t in tenants.tenants.values()})
     if config.traffic.gate != "off":
         gate = gate or ObserveGate()
         log.info("pressure gate: %s", getattr(gate, "name", type(gate).__name__))
@@ -165,15 +174,20 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not async_engine.is_started:
             async_engine.start()
+        if canary is not None:
+            canary.start()
         ticker = asyncio.create_task(tick_pressure()) if service.pressure is not None else None
         yield
         if ticker is not None:
             ticker.cancel()
         await async_engine.shutdown(drain=False)
+        if canary is not None:
+            await canary.shutdown(drain=False)
 
     app = FastAPI(title="mcp2026", version="0.1.0", lifespan=lifespan)
     app.state.service = service
     app.state.metrics = metrics
+    app.state.canary = canary
     install_error_handlers(app)
     if config.cors_origins:
         app.add_middleware(
@@ -185,10 +199,12 @@ def create_app(
         )
     app.add_middleware(RequestIdMiddleware)
 
-    def tenant_of(request: Request) -> Tenant:
+    def api_key_of(request: Request) -> str | None:
         auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key")
-        tenant = tenants.authenticate(key)
+        return auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key")
+
+    def tenant_of(request: Request) -> Tenant:
+        tenant = tenants.authenticate(api_key_of(request))
         if tenant is None:
             metrics.observe_rejected("unknown", 401)
             raise APIError(
@@ -215,6 +231,17 @@ def create_app(
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/canary")
+    async def canary_status() -> JSONResponse:
+        if canary is None:
+            raise APIError(404, "no canary runs here (serve with --canary-config B.yaml)", code="no_canary")
+        return JSONResponse(canary.status())
+
+    def route_to_arm(job: Job, request: Request, tenant: Tenant) -> None:
+        if canary is not None:
+            host = request.client.host if request.client else None
+            job.arm = canary.route(canary.sticky_key(tenant, api_key_of(request), host, tenants.is_open))
+
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def models(tenant: Tenant = Depends(tenant_of)) -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, max_model_len=service.max_model_len)])
@@ -228,6 +255,7 @@ def create_app(
         prompts, texts = service.completion_prompts(body)
         job = service.make_job("completion", body, prompts, body.max_tokens, body.logprobs, tenant)
         job.echo_texts = texts if body.echo else None
+        route_to_arm(job, request, tenant)
         log.info(
             "request %s: %s, %d choices, tenant %s", REQUEST_ID.get(), job.id, len(job.choices), tenant.name
         )
@@ -246,6 +274,7 @@ def create_app(
         service.check_ready()
         prompt = service.chat_prompt(body)
         job = service.make_job("chat", body, [prompt], body.requested_max_tokens, body.num_logprobs, tenant)
+        route_to_arm(job, request, tenant)
         log.info(
             "request %s: %s, %d choices, tenant %s", REQUEST_ID.get(), job.id, len(job.choices), tenant.name
         )

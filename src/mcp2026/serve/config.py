@@ -2,7 +2,7 @@
 
 One YAML holds the same keys as ``mcp2026 serve``'s options, plus ``kv:`` and ``scheduler:`` sections that
 go to the engine's KVConfig and SchedulerConfig unchanged, ``kv_compressor:`` (KVCompressor fields),
-``breaker:`` and ``traffic:``.
+``breaker:``, ``traffic:`` and ``canary:`` (release-gate thresholds and the live canary, see mcp2026.canary).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mcp2026.canary.config import CanaryConfig
 from mcp2026.config import EngineConfig, KVConfig, QuantConfig, SchedulerConfig
 from mcp2026.serve.slo import BreakerConfig
 from mcp2026.serve.traffic import TrafficConfig
@@ -51,6 +52,7 @@ class ServeConfig:
     drain_on_sigterm: bool = True  # False: abort in-flight requests (finish_reason "abort")
     drain_timeout_s: float = 30.0
     warmup: bool = True  # /readyz only after one request went through the engine
+    canary: CanaryConfig = field(default_factory=CanaryConfig)  # release-gate thresholds, live canary
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins))
@@ -89,6 +91,9 @@ def load_serve_yaml(path: str | Path) -> tuple[ServeConfig, EngineConfig]:
             raw[key] = cls(**(raw.pop(key, None) or {}))
         except TypeError as e:
             raise ValueError(f"{path}: bad {key} section ({e})") from None
+    raw["canary"] = CanaryConfig.from_mapping(raw.pop("canary", None), f"{path}: canary").with_paths_under(
+        path.parent
+    )
     if "tenants" in raw:  # the CLI option's name
         raw["tenants_file"] = raw.pop("tenants")
     known = {f.name for f in dataclasses.fields(ServeConfig)}

@@ -80,6 +80,7 @@ class Job:
     choices: list[Choice] = field(default_factory=list)
     is_released: bool = False
     is_probe: bool = False  # admitted as a half-open breaker probe
+    arm: Any = None  # live canary: the ArmTraffic (engine, latencies) serving it; None: the one engine
 
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(p) for p in self.prompts)
@@ -237,9 +238,11 @@ class GenerationService:
         Closing this iterator early cancels (aborts) every choice still running."""
         queue: asyncio.Queue = asyncio.Queue()
 
+        engine = self.engine if job.arm is None else job.arm.engine
+
         async def pump(choice: Choice) -> None:
             try:
-                stream = self.engine.generate(
+                stream = engine.generate(
                     job.prompts[choice.prompt_index],
                     job.params[choice.index],
                     f"{job.id}-{choice.index}",
@@ -299,15 +302,19 @@ class GenerationService:
         for c in job.choices:
             arrival = c.timing.arrival_time
             end = c.last_output_time
+            ttft_s = None if c.first_token_time is None else c.first_token_time - arrival
+            e2e_s = None if end is None or c.finish_reason is None else end - arrival
             self.metrics.observe_finished(
                 job.tenant.name,
                 c.finish_reason or "abort",
                 num_prompt_tokens=c.num_prompt_tokens,
                 num_output_tokens=c.num_output_tokens,
-                ttft_s=None if c.first_token_time is None else c.first_token_time - arrival,
-                e2e_s=None if end is None or c.finish_reason is None else end - arrival,
+                ttft_s=ttft_s,
+                e2e_s=e2e_s,
                 queue_s=c.timing.queue_time_s,
             )
+            if job.arm is not None:
+                job.arm.observe(c.finish_reason or "abort", ttft_s, e2e_s)
 
     def _slo_outcome(self, job: Job) -> bool | None:
         """True if the job failed or missed an SLO, False if it met them, None if it was cut short."""

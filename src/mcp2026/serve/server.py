@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import signal
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -20,6 +21,10 @@ from mcp2026.engine.async_engine import AsyncEngine
 from mcp2026.serve.app import create_app
 from mcp2026.serve.config import ServeConfig, load_quant_config
 from mcp2026.serve.traffic import Gate, KVPolicyGate, ObserveGate
+
+if TYPE_CHECKING:
+    from mcp2026.canary.live import CanaryRouter
+    from mcp2026.pipeline import Pipeline
 
 log = logging.getLogger("mcp2026.serve")
 
@@ -52,18 +57,21 @@ class GracefulServer(uvicorn.Server):
             self.async_engine.num_in_flight,
         )
         self.config.app.state.service.is_draining = True
-        await self.async_engine.shutdown(drain=drain, timeout_s=self.serve_config.drain_timeout_s)
+        timeout_s = self.serve_config.drain_timeout_s
+        canary = getattr(self.config.app.state, "canary", None)  # the candidate's engine drains alike
+        await asyncio.gather(
+            self.async_engine.shutdown(drain=drain, timeout_s=timeout_s),
+            *([canary.shutdown(drain=drain, timeout_s=timeout_s)] if canary is not None else []),
+        )
         self.should_exit = True
 
 
-def build_server(
-    serve_config: ServeConfig, engine_config: EngineConfig, log_level: str = "info"
-) -> GracefulServer:
-    """Load the model ``serve_config`` names (quantized as its ``quant`` YAML asks, KV compressed as
-    ``engine_config.kv_compressor`` asks) and wrap it in a server."""
+def build_pipeline(serve_config: ServeConfig, engine_config: EngineConfig) -> Pipeline:
+    """The model ``serve_config`` names, quantized as its ``quant`` YAML asks, on an engine with
+    ``engine_config``'s KV cache, KV compressor and scheduler: what a server with these configs runs."""
     from mcp2026.pipeline import Pipeline
 
-    pipe = Pipeline(
+    return Pipeline(
         model=serve_config.model,
         config=load_quant_config(serve_config.quant) if serve_config.quant else None,
         dtype=serve_config.dtype,
@@ -71,11 +79,26 @@ def build_server(
         scheduler=engine_config.scheduler,
         kv_config=engine_config.kv,
     )
+
+
+def build_server(
+    serve_config: ServeConfig, engine_config: EngineConfig, log_level: str = "info"
+) -> GracefulServer:
+    """Load the model ``serve_config`` names (quantized as its ``quant`` YAML asks, KV compressed as
+    ``engine_config.kv_compressor`` asks) and wrap it in a server; with ``canary.candidate`` also the
+    candidate configuration, which serves ``canary.candidate_share`` of the tenants."""
+    candidate = None
+    if serve_config.canary.candidate is not None:
+        from mcp2026.canary.live import build_router, read_candidate
+
+        candidate = read_candidate(serve_config.canary)  # a bad candidate YAML fails before any model loads
+    pipe = build_pipeline(serve_config, engine_config)
     if serve_config.model_name is None:
         serve_config = dataclasses.replace(serve_config, model_name=pipe.loaded.source.stem)
     async_engine = AsyncEngine(pipe.engine, warmup=serve_config.warmup)
     gate = pick_gate(serve_config.traffic.gate, pipe, serve_config.traffic.pressure_kv_sparsity)
-    return make_server(async_engine, pipe.tokenizer, serve_config, log_level, gate)
+    canary = None if candidate is None else build_router(serve_config, pipe, async_engine, candidate)
+    return make_server(async_engine, pipe.tokenizer, serve_config, log_level, gate, canary)
 
 
 def pick_gate(mode: str, pipe: object, pressure_kv_sparsity: float) -> Gate | None:
@@ -84,7 +107,9 @@ def pick_gate(mode: str, pipe: object, pressure_kv_sparsity: float) -> Gate | No
     quant_gate = getattr(pipe, "gate", None)  # a QuantGate when the pipeline holds two plans
     evictor = getattr(getattr(pipe, "engine", None), "evictor", None)
     if mode == "quant" and quant_gate is None:
-        raise ValueError("traffic gate 'quant' needs a model with a pressure plan (a QuantGate)")
+        raise ValueError(
+            "traffic gate 'quant' needs a pressure plan: set pressure_bits_budget (with enable_dqg) in the --quant YAML"
+        )
     if mode == "kv" and evictor is None:
         raise ValueError("traffic gate 'kv' needs KV eviction: pass --kv-policy (and --kv-sparsity)")
     if mode in ("quant", "auto") and quant_gate is not None:
@@ -100,8 +125,9 @@ def make_server(
     serve_config: ServeConfig,
     log_level: str = "info",
     gate: Gate | None = None,
+    canary: CanaryRouter | None = None,
 ) -> GracefulServer:
-    app = create_app(async_engine, tokenizer, serve_config, gate=gate)
+    app = create_app(async_engine, tokenizer, serve_config, gate=gate, canary=canary)
     config = uvicorn.Config(
         app,
         host=serve_config.host,

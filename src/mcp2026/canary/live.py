@@ -1,0 +1,273 @@
+"""The live canary: inside one ``mcp2026 serve`` process a second engine runs the candidate configuration,
+a sticky share of the traffic goes to it, and the gate's verdict over both arms is exposed on ``/metrics``
+and ``GET /canary``.
+
+Routing is sticky per tenant: sha256(salt, key) mapped to [0, 1) below ``candidate_share`` goes to the
+candidate. The key is the tenant's name when a keys file defines tenants; with the single open tenant it
+is the API key the client sends, else the client's host. While the candidate engine is not ready (warming
+up, dead) its share is served by the baseline.
+
+The live verdict gates P99 TTFT and E2E change (each arm's latest ``window`` finished requests, bootstrap
+resampling requests per arm: the arms serve different requests, so nothing is paired) and the candidate's
+bandwidth utilisation (its engine's decode steps since start). Accuracy is not measured live: it holds,
+so the live verdict cannot PROMOTE, unless ``canary.offline_report`` names an offline canary report whose
+accuracy metric then counts. A dead candidate engine is ROLLBACK.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mcp2026.canary.arms import BASELINE, CANDIDATE
+from mcp2026.canary.bandwidth import BandwidthEstimate, estimate_bandwidth
+from mcp2026.canary.config import CanaryConfig
+from mcp2026.canary.gate import (
+    ACCURACY,
+    LATENCY,
+    ROLLBACK,
+    GateResult,
+    Measurement,
+    evaluate_gate,
+)
+from mcp2026.canary.stats import p99, percentile_change_interval
+
+if TYPE_CHECKING:
+    from mcp2026.engine.async_engine import AsyncEngine
+    from mcp2026.serve.config import ServeConfig
+    from mcp2026.serve.metrics import ServerMetrics
+    from mcp2026.serve.tenants import Tenant
+
+OK_FINISH = ("stop", "length")
+REFRESH_S = 1.0  # the verdict is recomputed at most this often, and only after new requests finished
+
+
+class ArmTraffic:
+    """One arm: its engine, what a decode step of it reads, and its latest finished requests' latencies."""
+
+    def __init__(self, name: str, engine: AsyncEngine, weight_bytes: int, window: int) -> None:
+        self.name = name
+        self.engine = engine
+        self.weight_bytes = weight_bytes
+        self.ttft_s: deque[float] = deque(maxlen=window)
+        self.e2e_s: deque[float] = deque(maxlen=window)
+        self.num_finished = 0
+        self.num_failed = 0
+        self.histograms: tuple[Any, Any, Any] | None = None  # ttft, e2e, requests; set by attach()
+
+    def observe(self, finish_reason: str, ttft_s: float | None, e2e_s: float | None) -> None:
+        """One finished engine request (aborted ones say nothing about the configuration)."""
+        if finish_reason == "abort":
+            return
+        ok = finish_reason in OK_FINISH and ttft_s is not None and e2e_s is not None
+        self.num_finished += 1
+        self.num_failed += not ok
+        if ok:
+            self.ttft_s.append(ttft_s)
+            self.e2e_s.append(e2e_s)
+        if self.histograms is not None:
+            ttft, e2e, requests = self.histograms
+            requests.inc()
+            if ok:
+                ttft.observe(ttft_s)
+                e2e.observe(e2e_s)
+
+    def bandwidth(self, peak_bytes_per_s: float) -> BandwidthEstimate:
+        engine = self.engine.engine
+        return estimate_bandwidth(
+            self.weight_bytes, engine.cache.bytes_per_token, engine.stats, peak_bytes_per_s
+        )
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "num_finished": self.num_finished,
+            "num_failed": self.num_failed,
+            "window": len(self.ttft_s),
+            "p99_ttft_ms": p99(self.ttft_s) * 1e3 if self.ttft_s else None,
+            "p99_e2e_ms": p99(self.e2e_s) * 1e3 if self.e2e_s else None,
+            "ready": self.engine.is_ready,
+        }
+
+
+def offline_accuracy(path: str) -> Measurement:
+    """The accuracy metric of an offline ``mcp2026 canary`` report (value, interval, samples)."""
+    try:
+        report = json.loads(Path(path).read_text(encoding="utf-8"))
+        row = next(m for m in report["metrics"] if m["kind"] == ACCURACY)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: offline canary report not found") from None
+    except (OSError, ValueError, KeyError, TypeError, StopIteration):
+        raise ValueError(f"{path}: not an offline canary report (mcp2026 canary ... writes one)") from None
+    return Measurement(
+        row["name"],
+        ACCURACY,
+        row["value"],
+        row["unit"],
+        row["num_samples"],
+        row["low"],
+        row["high"],
+        missing_reason=f"the offline report {path} did not measure accuracy",
+    )
+
+
+class CanaryRouter:
+    def __init__(
+        self,
+        baseline: AsyncEngine,
+        candidate: AsyncEngine,
+        config: CanaryConfig,
+        *,
+        baseline_weight_bytes: int,
+        candidate_weight_bytes: int,
+        peak_bytes_per_s: float,
+        candidate_label: str = "candidate",
+    ) -> None:
+        self.config = config
+        self.thresholds = config.thresholds
+        self.peak_bytes_per_s = peak_bytes_per_s
+        self.candidate_label = candidate_label  # what the candidate is (its YAML), for /canary
+        self.baseline = ArmTraffic(BASELINE, baseline, baseline_weight_bytes, config.window)
+        self.candidate = ArmTraffic(CANDIDATE, candidate, candidate_weight_bytes, config.window)
+        self.accuracy = offline_accuracy(config.offline_report) if config.offline_report else None
+        self._cached: tuple[tuple[int, int], float, GateResult] | None = None
+
+    # ---- routing --------------------------------------------------------------------------------
+    @staticmethod
+    def sticky_key(tenant: Tenant, api_key: str | None, client_host: str | None, is_open: bool) -> str:
+        if not is_open:
+            return f"tenant:{tenant.name}"
+        if api_key:
+            return f"key:{api_key}"
+        return f"host:{client_host or 'unknown'}"
+
+    def share_of(self, key: str) -> float:
+        digest = hashlib.sha256(f"{self.config.salt}\0{key}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") / 2.0**64
+
+    def route(self, key: str) -> ArmTraffic:
+        wants_candidate = self.share_of(key) < self.config.candidate_share
+        return self.candidate if wants_candidate and self.candidate.engine.is_ready else self.baseline
+
+    # ---- lifecycle (the baseline engine is the app's own) ------------------------------------------
+    def start(self) -> None:
+        if not self.candidate.engine.is_started:
+            self.candidate.engine.start()
+
+    async def shutdown(self, drain: bool, timeout_s: float = 30.0) -> None:
+        await self.candidate.engine.shutdown(drain=drain, timeout_s=timeout_s)
+
+    # ---- the verdict ----------------------------------------------------------------------------
+    def measurements(self) -> list[Measurement]:
+        t = self.thresholds
+        out = []
+        for name, attr in (("p99_ttft_change", "ttft_s"), ("p99_e2e_change", "e2e_s")):
+            b, c = getattr(self.baseline, attr), getattr(self.candidate, attr)
+            if not b or not c:
+                out.append(
+                    Measurement(
+                        name, LATENCY, None, "ms", missing_reason="an arm has no finished request yet"
+                    )
+                )
+                continue
+            iv = percentile_change_interval(
+                [[x * 1e3] for x in b], [[x * 1e3] for x in c], 99.0, t.confidence, t.bootstrap_resamples
+            )
+            out.append(Measurement(name, LATENCY, iv.value, "ms", iv.num_samples, iv.low, iv.high))
+        out.append(
+            self.accuracy
+            or Measurement(
+                "ppl_change",
+                ACCURACY,
+                None,
+                "%",
+                missing_reason="not measured live (set canary.offline_report to an offline canary report)",
+            )
+        )
+        out.append(self.candidate.bandwidth(self.peak_bytes_per_s).measurement())
+        return out
+
+    def verdict(self) -> GateResult:
+        counts = (self.baseline.num_finished, self.candidate.num_finished)
+        now = time.monotonic()
+        if self._cached is not None and (self._cached[0] == counts or now - self._cached[1] < REFRESH_S):
+            result = self._cached[2]
+        else:
+            result = evaluate_gate(self.measurements(), self.thresholds)
+            self._cached = (counts, now, result)
+        if self.candidate.engine.dead_error is not None:
+            return GateResult(result.decisions, ROLLBACK)
+        return result
+
+    def status(self) -> dict[str, Any]:
+        """The ``GET /canary`` body."""
+        result = self.verdict()
+        dead = self.candidate.engine.dead_error
+        return {
+            **result.to_dict(),
+            "reason": f"the candidate engine died: {dead}" if dead else None,
+            "candidate": self.candidate_label,
+            "candidate_share": self.config.candidate_share,
+            "sticky_by": "tenant (API keys file), else API key, else client host",
+            "arms": {a.name: a.summary() for a in (self.baseline, self.candidate)},
+            "bandwidth": {
+                a.name: a.bandwidth(self.peak_bytes_per_s).to_dict() for a in (self.baseline, self.candidate)
+            },
+            "accuracy_source": self.config.offline_report or "not measured live",
+            "thresholds": self.thresholds.to_dict(),
+        }
+
+    # ---- metrics --------------------------------------------------------------------------------
+    def attach(self, metrics: ServerMetrics) -> None:
+        """Per-arm histograms and the verdict gauges on the server's own registry."""
+        from mcp2026.canary.live_metrics import attach_canary_metrics
+
+        attach_canary_metrics(self, metrics.registry, metrics.model)
+
+
+def read_candidate(config: CanaryConfig) -> tuple[Any, Any]:
+    """The candidate's serve YAML (and the offline report, if named), checked before any model loads."""
+    from mcp2026.canary.arms import read_arm_config
+
+    if config.candidate is None:
+        raise ValueError("the live canary needs a candidate serve YAML (--canary-config)")
+    if config.offline_report:
+        offline_accuracy(config.offline_report)
+    return read_arm_config(config.candidate)
+
+
+def build_router(
+    serve_config: ServeConfig,
+    baseline_pipe: Any,
+    baseline_engine: AsyncEngine,
+    candidate_configs: tuple[Any, Any] | None = None,
+) -> CanaryRouter:
+    """Load the candidate named by ``serve_config.canary.candidate`` next to the baseline. ``candidate_configs``:
+    what ``read_candidate`` returned (read before the baseline loaded)."""
+    from mcp2026 import hardware
+    from mcp2026.engine.async_engine import AsyncEngine
+    from mcp2026.serve.server import build_pipeline
+
+    config = serve_config.canary
+    candidate_serve, candidate_engine_config = candidate_configs or read_candidate(config)
+    pipe = build_pipeline(candidate_serve, candidate_engine_config)
+    b, c = baseline_pipe.engine, pipe.engine
+    if b.model_config.vocab_size != c.model_config.vocab_size:
+        raise ValueError("the canary candidate has another vocabulary than the served model")
+    if c.max_model_len < b.max_model_len:
+        raise ValueError(
+            f"the canary candidate's context ({c.max_model_len} tokens) is shorter than the served model's "
+            f"({b.max_model_len}); set scheduler.max_model_len in the baseline config to at most that"
+        )
+    return CanaryRouter(
+        baseline_engine,
+        AsyncEngine(c, warmup=candidate_serve.warmup),
+        config,
+        baseline_weight_bytes=baseline_pipe.weight_bytes(),
+        candidate_weight_bytes=pipe.weight_bytes(),
+        peak_bytes_per_s=hardware.peak_read_bandwidth(),
+        candidate_label=str(config.candidate),
+    )
