@@ -49,7 +49,7 @@ def _progress(enabled: bool) -> Any:
     )
 
 
-def _finish(run: Any, out_dir: Path | None, write_docs: bool, section: str) -> None:
+def _finish(run: Any, out_dir: Path | None, write_docs: bool, section: str) -> Path:
     from mcp2026.bench.report import render_markdown, update_benchmarks_md, write_run
 
     markdown = render_markdown(run)
@@ -58,6 +58,7 @@ def _finish(run: Any, out_dir: Path | None, write_docs: bool, section: str) -> N
     err.print(f"[dim]wrote {path} and {path.with_suffix('.md').name}[/]")
     if write_docs:
         err.print(f"[dim]updated {update_benchmarks_md(section, markdown)} (section {section})[/]")
+    return path
 
 
 @bench_app.command()
@@ -65,6 +66,10 @@ def _finish(run: Any, out_dir: Path | None, write_docs: bool, section: str) -> N
 def latency(
     model: ModelOpt = None,
     dtype: Annotated[str, typer.Option(help="comma-separated: fp32, bf16")] = "fp32,bf16",
+    weights: Annotated[
+        str,
+        typer.Option(help="also run ours with uniformly quantized weights: comma-separated int8, int4, fp8"),
+    ] = "",
     new_tokens: Annotated[int, typer.Option(help="decode: tokens generated after the prompt")] = 128,
     prefill_tokens: Annotated[int, typer.Option(help="prefill: prompt length")] = 512,
     repeats: Annotated[int, typer.Option(help="measured rounds (median reported)")] = 5,
@@ -79,7 +84,8 @@ def latency(
     from mcp2026.bench.latency import LatencyConfig, run_latency
 
     dtypes = tuple(d.strip() for d in dtype.split(",") if d.strip())
-    config = LatencyConfig(model, dtypes, new_tokens, prefill_tokens, repeats, warmup, peer, seed)
+    formats = tuple(w.strip() for w in weights.split(",") if w.strip())
+    config = LatencyConfig(model, dtypes, new_tokens, prefill_tokens, repeats, warmup, peer, seed, formats)
     with _progress(progress) as bar:
         run = run_latency(config, bar)
     _finish(run, out_dir, write_docs, "latency")
@@ -129,13 +135,39 @@ def offline(
 
 @bench_app.command()
 @user_errors
-def report(runs: Annotated[list[Path], typer.Argument(help="run JSON files written by a benchmark")]) -> None:
-    """Print the markdown summary of earlier runs."""
+def report(
+    runs: Annotated[list[Path], typer.Argument(help="run JSON files written by a benchmark")],
+    plots: Annotated[
+        Path | None,
+        typer.Option("--plots", help="folder for report.md + PNG plots (default: <first run>-report/)"),
+    ] = None,
+    no_plots: Annotated[bool, typer.Option("--no-plots", help="only print the summaries")] = False,
+    plan: Annotated[
+        Path | None, typer.Option("--plan", help="artifact folder or plan.json: per-layer bit heatmap")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="with a plan.json: the model it applies to")
+    ] = None,
+) -> None:
+    """Print earlier runs' summaries; write report.md with plots (latency CDFs, throughput vs rate,
+    Pareto fronts, bit plan heatmap, KV usage over time)."""
     from mcp2026.bench.report import read_run, render_markdown
 
-    for path in runs:
+    loaded = [(path.stem, read_run(path)) for path in runs]
+    for path, (_, run) in zip(runs, loaded):
         out.print(f"## {path.name}\n", markup=False)
-        out.print(render_markdown(read_run(path)), markup=False, highlight=False)
+        out.print(render_markdown(run), markup=False, highlight=False)
+    if no_plots:
+        return
+    from mcp2026.bench.bitplan import read_layer_bits
+    from mcp2026.bench.figures import write_report
+
+    layer_bits = {plan.name: read_layer_bits(plan, model)} if plan else None
+    folder = plots or runs[0].with_name(f"{runs[0].stem}-report")
+    path, figures = write_report(loaded, folder, layer_bits)
+    err.print(f"[dim]wrote {path} with {len(figures.paths)} plots[/]")
+    for reason in figures.skipped:
+        err.print(f"[dim]not drawn: {reason}[/]", highlight=False)
 
 
 @bench_app.command()
@@ -165,3 +197,17 @@ def quality(
     if write_docs:
         command = "mcp2026 bench quality " + " ".join(sys.argv[3:])
         update_benchmarks_md("quality", f"Command: `{command}`\n\n{result.markdown}")
+
+
+def _register_commands() -> None:
+    """Commands kept in their own modules (they import nothing heavy at module level)."""
+    from mcp2026.bench.kv_cli import kv
+    from mcp2026.bench.plugin_cli import plugin
+    from mcp2026.bench.sweep_cli import sweep
+
+    bench_app.command("sweep")(sweep)
+    bench_app.command("plugin")(plugin)
+    bench_app.command("kv")(kv)
+
+
+_register_commands()

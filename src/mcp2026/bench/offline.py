@@ -72,6 +72,7 @@ class EngineRun:
     decode_seconds: float  # pure-decode steps after the last prefill chunk
     decode_tokens: int
     num_steps: int
+    kv_timeline: dict[str, Any]  # KV blocks held after each step: t_s, blocks_used, num_blocks
 
 
 def run_engine(engine: Any, requests: list[BenchRequest], progress: Any = None) -> EngineRun:
@@ -87,12 +88,17 @@ def run_engine(engine: Any, requests: list[BenchRequest], progress: Any = None) 
     finals: dict[str, Any] = {}
     started: set[str] = set()
     decode_s, decode_tokens, num_steps = 0.0, 0, 0
+    pool = engine.kv_manager.pool
+    kv_t: list[float] = []
+    kv_used: list[int] = []
     while engine.has_unfinished():
         num_decode_steps = engine.stats.num_decode_steps
         t0 = time.perf_counter()
         outs = engine.step()
         dt = time.perf_counter() - t0
         num_steps += 1
+        kv_t.append(round(t0 + dt - start, 4))
+        kv_used.append(pool.num_used_blocks)
         new_tokens = sum(len(o.delta_token_ids) for o in outs)
         # Steady decode: a pure-decode step (no prefill chunk in it) once every request has started.
         if engine.stats.num_decode_steps > num_decode_steps and len(started) == len(requests):
@@ -122,7 +128,8 @@ def run_engine(engine: Any, requests: list[BenchRequest], progress: Any = None) 
                 "e2e_s": (o.finish_time - start) if o.finish_time else None,
             }
         )
-    return EngineRun(seconds, records, decode_s, decode_tokens, num_steps)
+    timeline = {"t_s": kv_t, "blocks_used": kv_used, "num_blocks": pool.num_online_blocks}
+    return EngineRun(seconds, records, decode_s, decode_tokens, num_steps, timeline)
 
 
 def _warm_up_ours(engine: Any, vocab_size: int) -> None:
@@ -186,6 +193,7 @@ def run_offline(
     aggregates["load_seconds"] = load_s
     aggregates["workload"] = describe(requests)
     aggregates["prefix_cache_hit_tokens"] = sum(x["num_cached_tokens"] for x in ours.records)
+    aggregates["kv_timeline"] = ours.kv_timeline
     run = BenchRun(
         kind="offline-batched-decode" if config.batched_decode else "offline",
         command=config.command(),

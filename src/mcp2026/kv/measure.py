@@ -100,27 +100,48 @@ def compare_quality(
     chunk_size: int = 1,
 ) -> QualityResult:
     """Perplexity of both engines and KL(ref || test) on the same teacher-forced sequence."""
+    return compare_quality_many(ref, [test], token_ids, prompt_len, prompt_chunk, chunk_size)[0]
+
+
+def compare_quality_many(
+    ref: LLMEngine,
+    tests: Sequence[LLMEngine],
+    token_ids: Sequence[int],
+    prompt_len: int | None = None,
+    prompt_chunk: int = 512,
+    chunk_size: int = 1,
+) -> list[QualityResult]:
+    """``compare_quality`` for several test engines in one lockstep: the reference runs once, not once per
+    test. Memory: every engine holds one chunk of logits (``prompt_chunk`` x vocab floats) at a time."""
     tokens = torch.tensor([int(t) for t in token_ids])
-    nll_ref = nll = kld = 0.0
-    agree = count = 0
-    pairs = zip(
+    nll_ref = 0.0
+    nll, kld, agree = [0.0] * len(tests), [0.0] * len(tests), [0] * len(tests)
+    count = 0
+    streams = zip(
         iter_logits(ref, token_ids, prompt_len, prompt_chunk, chunk_size, "kv-ref"),
-        iter_logits(test, token_ids, prompt_len, prompt_chunk, chunk_size, "kv-test"),
+        *(iter_logits(t, token_ids, prompt_len, prompt_chunk, chunk_size, "kv-test") for t in tests),
     )
-    for (start, a), (_, b) in pairs:
+    for (start, a), *others in streams:
         n = min(a.shape[0], len(tokens) - 1 - start)  # the last position has no next token
         if n <= 0:
             continue
-        target = tokens[start + 1 : start + 1 + n]
-        la, lb = torch.log_softmax(a[:n].double(), -1), torch.log_softmax(b[:n].double(), -1)
-        nll_ref -= float(la.gather(1, target.unsqueeze(1)).sum())
-        nll -= float(lb.gather(1, target.unsqueeze(1)).sum())
-        kld += float((la.exp() * (la - lb)).sum())
-        agree += int((la.argmax(-1) == lb.argmax(-1)).sum())
+        target = tokens[start + 1 : start + 1 + n].unsqueeze(1)
+        la = torch.log_softmax(a[:n].double(), -1)
+        pa, top = la.exp(), la.argmax(-1)
+        nll_ref -= float(la.gather(1, target).sum())
+        for i, (_, b) in enumerate(others):
+            lb = torch.log_softmax(b[:n].double(), -1)
+            nll[i] -= float(lb.gather(1, target).sum())
+            kld[i] += float((pa * (la - lb)).sum())
+            agree[i] += int((top == lb.argmax(-1)).sum())
         count += n
     if count == 0:
         raise ValueError("need at least 2 tokens")
-    return QualityResult(count, math.exp(nll_ref / count), math.exp(nll / count), kld / count, agree / count)
+    ppl_ref = math.exp(nll_ref / count)
+    return [
+        QualityResult(count, ppl_ref, math.exp(nll[i] / count), kld[i] / count, agree[i] / count)
+        for i in range(len(tests))
+    ]
 
 
 def kv_bytes_per_token(model: ModelConfig, compressor: KVCompressor | None, dtype: torch.dtype) -> float:

@@ -1,0 +1,141 @@
+"""Settings of ``mcp2026 bench kv``: the grid of KV configs and how each is named. A config is a codec
+(``int8``: K/V stored with it, nothing evicted) or a policy at a sparsity (``heavy_hitter@0.7``: K/V stored
+as the model's dtype, 70% of the context dropped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PROMPT_CHUNK = 256  # prefill chunk of the prompt half (memory: every engine holds one chunk of logits)
+DECODE_SPARSITY = 0.7  # the issue's "70% eviction" for the decode-speed comparison
+MAX_CONTEXT = 8192
+TEXTS = ("sharegpt", "random")
+
+
+def config_name(policy: str, sparsity: float) -> str:
+    return f"{policy}@{sparsity:g}"
+
+
+def parse_config(name: str, identity: str, block_size: int) -> Any:
+    """``int8`` (a codec, no eviction) or ``heavy_hitter@0.7`` (a policy at a sparsity, K/V stored as
+    ``identity``, the model's dtype) -> KVCompressor."""
+    from mcp2026.kv.compressor import KVCompressor
+
+    if "@" not in name:
+        return KVCompressor(dtype=name, policy="none", block_size=block_size)
+    policy, _, sparsity = name.partition("@")
+    try:
+        ratio = float(sparsity)
+    except ValueError:
+        raise ValueError(f"KV config {name!r}: expected POLICY@SPARSITY, e.g. heavy_hitter@0.7") from None
+    return KVCompressor(dtype=identity, policy=policy, sparsity_ratio=ratio, block_size=block_size)
+
+
+@dataclass(frozen=True)
+class KVBenchConfig:
+    model: str | None = None  # None: the embedded default model
+    dtype: str = "fp32"  # activations, and how the reference (and eviction rows) store K/V
+    context_tokens: int = 2048
+    num_sequences: int = 1
+    codecs: tuple[str, ...] = ("int8", "int4", "fp8")
+    policies: tuple[str, ...] = ("sink_window", "heavy_hitter", "snap", "dynamic_window")
+    sparsities: tuple[float, ...] = (0.5, 0.7, 0.9)
+    block_size: int = 16
+    chunk_size: int = 32  # teacher-forced chunk after the prompt half (1 = token by token)
+    retrieval_seeds: int = 20
+    retrieval_tokens: int = 1024  # prompt length of the retrieval check
+    retrieval_configs: tuple[str, ...] = ("heavy_hitter@0.7",)
+    budget_gb: float = 1.0
+    concurrent_len: int = 2048
+    decode_context: int = 4096  # 0: skip the decode-speed comparison
+    decode_tokens: int = 32
+    decode_policy: str = "heavy_hitter"
+    text: str = "sharegpt"  # sharegpt | random (models without a tokenizer always use random ids)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"--dtype must be fp32 or bf16, got {self.dtype!r}")
+        if not 16 <= self.context_tokens <= MAX_CONTEXT:
+            raise ValueError(f"--context-tokens must be in [16, {MAX_CONTEXT}], got {self.context_tokens}")
+        for name in ("num_sequences", "chunk_size", "concurrent_len", "decode_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.retrieval_seeds < 0 or self.decode_context < 0:
+            raise ValueError("--retrieval-seeds and --decode-context must be >= 0 (0 skips that part)")
+        if self.retrieval_tokens < 64:
+            raise ValueError(f"--retrieval-tokens must be >= 64, got {self.retrieval_tokens}")
+        if self.budget_gb <= 0:
+            raise ValueError(f"--budget-gb must be > 0, got {self.budget_gb}")
+        from mcp2026.kv.compressor import BLOCK_SIZES
+
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"--block-size must be one of {BLOCK_SIZES}, got {self.block_size}")
+        if self.text not in TEXTS:
+            raise ValueError(f"--text must be one of {', '.join(TEXTS)}, got {self.text!r}")
+        if not self.grid():
+            raise ValueError("nothing to measure: give at least one codec or one policy with a sparsity")
+        for name in self.retrieval_configs:
+            parse_config(name, self.identity, self.block_size)
+        parse_config(config_name(self.decode_policy, DECODE_SPARSITY), self.identity, self.block_size)
+
+    @property
+    def identity(self) -> str:
+        """The codec that stores K/V as the model computes them."""
+        return self.dtype
+
+    @property
+    def prompt_len(self) -> int:
+        return self.context_tokens // 2
+
+    def grid(self) -> list[tuple[str, Any]]:
+        """(name, KVCompressor) of every quality row: codecs, then policies x sparsities."""
+        names = [*self.codecs, *(config_name(p, s) for p in self.policies for s in self.sparsities)]
+        return [(n, parse_config(n, self.identity, self.block_size)) for n in dict.fromkeys(names)]
+
+    def command(self) -> str:
+        parts = ["mcp2026 bench kv"]
+        if self.model:
+            parts.append(f"--model {self.model}")
+        parts += [
+            f"--dtype {self.dtype}",
+            f"--context-tokens {self.context_tokens}",
+            f"--num-sequences {self.num_sequences}",
+            f"--codecs {','.join(self.codecs) or 'none'}",
+            f"--policies {','.join(self.policies) or 'none'}",
+            f"--sparsities {','.join(f'{s:g}' for s in self.sparsities)}",
+            f"--block-size {self.block_size}",
+            f"--chunk-size {self.chunk_size}",
+            f"--retrieval-seeds {self.retrieval_seeds}",
+            f"--retrieval-tokens {self.retrieval_tokens}",
+            f"--retrieval-configs {','.join(self.retrieval_configs) or 'none'}",
+            f"--budget-gb {self.budget_gb:g}",
+            f"--concurrent-len {self.concurrent_len}",
+            f"--decode-context {self.decode_context}",
+            f"--decode-tokens {self.decode_tokens}",
+            f"--decode-policy {self.decode_policy}",
+            f"--text {self.text}",
+            f"--seed {self.seed}",
+        ]
+        return " ".join(parts)
+
+
+# --quick: a small grid that still exercises every part (a smoke run, or a first look).
+QUICK = dict(
+    context_tokens=1024,
+    codecs=("int8", "int4"),
+    policies=("heavy_hitter",),
+    sparsities=(0.7,),
+    retrieval_seeds=4,
+    retrieval_tokens=512,
+    decode_context=1024,
+    decode_tokens=16,
+)
+
+
+def make_config(quick: bool = False, **given: Any) -> KVBenchConfig:
+    """Defaults (or the --quick grid), overridden by the options given (None = not given)."""
+    values = {**(QUICK if quick else {}), **{k: v for k, v in given.items() if v is not None}}
+    return KVBenchConfig(**values)

@@ -1,0 +1,193 @@
+"""Tables, targets and notes of ``mcp2026 bench kv``: the issue's targets with PASS/MISS next to the
+measured value (or "not measured" when that part did not run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mcp2026.bench.kv_config import PROMPT_CHUNK, KVBenchConfig
+from mcp2026.bench.report import Table
+
+
+@dataclass(frozen=True)
+class Target:
+    """One of the issue's targets: ``config``'s ``metric`` must be >= (``at_least``) or <= ``bound``."""
+
+    config: str
+    metric: str
+    bound: float
+    at_least: bool
+    label: str
+
+    def verdict(self, value: float | None) -> str:
+        if value is None or value != value:
+            return f"{self.label}: not measured"
+        ok = value >= self.bound if self.at_least else value <= self.bound
+        return f"{self.label}: {'PASS' if ok else 'MISS'}"
+
+
+QUALITY_TARGETS = (
+    Target("int8", "delta_ppl", 0.001, False, "ΔPPL ≤ 0.1%"),
+    Target("int4", "delta_ppl", 0.02, False, "ΔPPL ≤ 2%"),
+    Target("int4", "bytes_ratio", 3.5, True, "≥ 3.5x fewer bytes"),
+    Target("heavy_hitter@0.7", "delta_ppl", 0.05, False, "ΔPPL ≤ 5%"),
+    Target("heavy_hitter@0.7", "retrieval_agreement", 0.9, True, "answer agreement ≥ 90%"),
+)
+CONCURRENCY_TARGET = Target("int4", "seqs_ratio", 3.0, True, "≥ 3x bf16's sequences")
+DECODE_TARGET = Target("evict", "speedup", 1.5, True, "≥ 1.5x uncompressed")
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{x * 100:+.3g}%"
+
+
+def metric(aggregates: dict[str, Any], target: Target) -> float | None:
+    if target is CONCURRENCY_TARGET:
+        row = aggregates["memory"].get(target.config)
+        return row["seqs_ratio"] if row else None
+    if target is DECODE_TARGET:
+        return aggregates["decode"]["speedup"] if aggregates["decode"] else None
+    if target.metric == "retrieval_agreement":
+        scores = (aggregates["retrieval"] or {}).get("scores", {})
+        return scores[target.config]["agreement"] if target.config in scores else None
+    row = aggregates["quality"].get(target.config)
+    return row[target.metric] if row else None
+
+
+def targets(aggregates: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for t in (*QUALITY_TARGETS, CONCURRENCY_TARGET, DECODE_TARGET):
+        value = metric(aggregates, t)
+        out.append({"config": t.config, "target": t.label, "value": value, "verdict": t.verdict(value)})
+    return out
+
+
+def _verdicts(aggregates: dict[str, Any], config: str, targets: Sequence[Target]) -> str:
+    return "; ".join(t.verdict(metric(aggregates, t)) for t in targets if t.config == config) or ""
+
+
+def tables(config: KVBenchConfig, agg: dict[str, Any]) -> list[Table]:
+    return [
+        _quality_table(config, agg),
+        _memory_table(config, agg),
+        *([_decode_table(config, agg["decode"])] if agg["decode"] else []),
+    ]
+
+
+def _quality_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
+    quality, retrieval = agg["quality"], agg["retrieval"]
+    scores = retrieval["scores"] if retrieval else {}
+
+    def count(name: str, key: str) -> str:
+        s = scores.get(name)
+        return f"{s[key]}/{s['num_prompts']}" if s else "—"
+
+    ref = agg["memory"][config.identity]
+    rows: list[list[Any]] = [
+        [
+            f"uncompressed ({config.identity} KV)",
+            _pct(0.0),
+            0.0,
+            1.0,
+            ref["kv_bytes_per_token"],
+            f"{ref['bytes_ratio']:.2f}x",
+            "—",  # the reference itself
+            count("uncompressed", "num_correct"),
+            "",
+        ]
+    ]
+    for name, q in quality.items():
+        rows.append(
+            [
+                name,
+                _pct(q["delta_ppl"]),
+                q["kld"],
+                q["top1_agreement"],
+                q["kv_bytes_per_token"],
+                f"{q['bytes_ratio']:.2f}x",
+                count(name, "num_agree"),
+                count(name, "num_correct"),
+                _verdicts(agg, name, QUALITY_TARGETS),
+            ]
+        )
+    first = next(iter(quality.values()))
+    title = (
+        f"KV compression quality: {config.num_sequences} x {config.context_tokens} tokens of {agg['text']} "
+        f"({first['num_tokens']} scored, reference PPL {first['ppl_ref']:.3g})"
+    )
+    if retrieval:
+        title += f"; retrieval: {retrieval['mean_prompt_len']:.0f}-token prompts"
+    columns = [
+        "config",
+        "ΔPPL",
+        "KLD",
+        "top-1 agree",
+        "KV bytes/token",
+        "fewer bytes vs bf16",
+        "same answer",
+        "answer correct",
+        "target",
+    ]
+    return Table(title, columns, rows)
+
+
+def _memory_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
+    rows = [
+        [
+            name,
+            m["kv_bytes_per_token"],
+            f"{m['bytes_ratio']:.2f}x",
+            m["max_sequences"],
+            f"{m['seqs_ratio']:.2f}x",
+            _verdicts(agg, name, (CONCURRENCY_TARGET,)),
+        ]
+        for name, m in agg["memory"].items()
+    ]
+    title = (
+        f"Memory: {config.concurrent_len}-token sequences in a {config.budget_gb:g} GB KV pool "
+        f"(block size {config.block_size}; computed from block sizes)"
+    )
+    columns = ["KV storage", "KV bytes/token", "fewer bytes vs bf16", "max sequences", "vs bf16", "target"]
+    return Table(title, columns, rows)
+
+
+def _decode_table(config: KVBenchConfig, decode: dict[str, Any]) -> Table:
+    speeds, evict = decode["tok_per_s"], decode["evict_config"]
+    rows = [
+        ["uncompressed", speeds["uncompressed"], "1.00x", ""],
+        [evict, speeds[evict], f"{decode['speedup']:.2f}x", DECODE_TARGET.verdict(decode["speedup"])],
+    ]
+    title = (
+        f"Decode at {config.decode_context} tokens of context ({config.decode_tokens} tokens, one sequence, "
+        f"{config.dtype})"
+    )
+    return Table(title, ["config", "decode tok/s", "vs uncompressed", "target"], rows)
+
+
+def notes(config: KVBenchConfig, loaded: Any, retrieval: dict | None, grid: list) -> list[str]:
+    notes = [
+        f"Quality: prompt = first {config.prompt_len} tokens (prefilled in {PROMPT_CHUNK}-token chunks), "
+        f"the rest teacher-forced in {config.chunk_size}-token chunks; eviction runs after every chunk. "
+        f"Eviction rows store K/V as {config.identity}; KV bytes/token of an eviction row = pool bytes still "
+        "held at the end / sequence tokens.",
+    ]
+    if retrieval:
+        notes.append(
+            f"Retrieval ({retrieval['mode']}): a fact early in the context, asked at the end; 'same answer' "
+            "= greedy answer token ids equal to the uncompressed engine's, 'answer correct' = the answer "
+            "contains the fact (a 135M model may not retrieve well even uncompressed)."
+        )
+    if any(kv.dtype == "fp8" for _, kv in grid) and next(loaded.model.parameters()).device.type == "cpu":
+        notes.append(
+            "fp8 on CPU: stored as e4m3 and converted on read (no fp8 arithmetic); saves memory only."
+        )
+    if config.dtype == "bf16":
+        from mcp2026 import hardware
+
+        if not hardware.has_fast_bf16():
+            notes.append("bf16 on a CPU without AVX512-BF16/AMX: emulated, several times slower than fp32")
+    notes.append("Decode tok/s is one measurement per config: compare it on a quiet machine only.")
+    return notes

@@ -1,0 +1,221 @@
+"""``mcp2026 bench kv`` on a tiny random model: the rows, exactness of the identity codec, bytes, retrieval,
+targets, the shared-reference lockstep, the CLI and its errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mcp2026.bench.kv import run_kv
+from mcp2026.bench.kv_config import QUICK, KVBenchConfig, make_config
+from mcp2026.bench.kv_retrieval import build_prompt, score
+from mcp2026.bench.report import read_run
+
+from conftest import save_tiny_hf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# block 8, recent window 64 of 128 tokens: heavy_hitter@0.7 keeps 9 of 16 blocks, so it does evict.
+SMALL = dict(
+    context_tokens=128,
+    num_sequences=2,
+    codecs=("fp32", "int8", "int4"),
+    policies=("heavy_hitter",),
+    sparsities=(0.7,),
+    block_size=8,
+    chunk_size=16,
+    retrieval_seeds=3,
+    retrieval_tokens=96,
+    retrieval_configs=("fp32", "heavy_hitter@0.7"),
+    budget_gb=0.01,
+    concurrent_len=128,
+    decode_context=64,
+    decode_tokens=2,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return str(save_tiny_hf(tmp_path_factory.mktemp("tiny_kv_bench"), max_position_embeddings=256))
+
+
+@pytest.fixture(scope="module")
+def run(tiny_dir):
+    return run_kv(KVBenchConfig(model=tiny_dir, **SMALL))
+
+
+def test_rows_and_exact_identity(run):
+    quality = run.aggregates["quality"]
+    assert list(quality) == ["fp32", "int8", "int4", "heavy_hitter@0.7"]
+    table = run.tables[0]
+    assert [r[0] for r in table.rows] == ["uncompressed (fp32 KV)", *quality]
+    # The identity codec through the same engine path is bit-exact with the reference.
+    assert quality["fp32"]["delta_ppl"] == 0.0 and quality["fp32"]["kld"] == 0.0
+    assert quality["fp32"]["top1_agreement"] == 1.0
+    assert 0 < quality["int8"]["kld"] < 1e-5 and abs(quality["int8"]["delta_ppl"]) < 1e-3
+    assert quality["int8"]["kld"] < quality["int4"]["kld"]
+    assert quality["fp32"]["num_tokens"] == 2 * 127  # every position with a next token, both sequences
+    records = [r for r in run.records if r["kind"] == "quality"]
+    assert len(records) == 2 * 4
+    evicted = [r["evicted_blocks"] for r in records if r["config"] == "heavy_hitter@0.7"]
+    assert all(e > 0 for e in evicted) and quality["heavy_hitter@0.7"]["kld"] > 0
+    assert all(r["evicted_blocks"] == 0 for r in records if "@" not in r["config"])
+
+
+def test_bytes(run):
+    memory, quality = run.aggregates["memory"], run.aggregates["quality"]
+    bytes_ = {name: memory[name]["kv_bytes_per_token"] for name in ("int4", "int8", "bf16", "fp32")}
+    assert bytes_["int4"] < bytes_["int8"] < bytes_["bf16"] == bytes_["fp32"] / 2
+    assert (
+        memory["bf16"]["bytes_ratio"] == 1.0 and memory["int4"]["bytes_ratio"] > memory["int8"]["bytes_ratio"]
+    )
+    assert memory["int4"]["max_sequences"] > memory["bf16"]["max_sequences"] > memory["fp32"]["max_sequences"]
+    for name in ("int8", "int4"):  # no eviction: the pool bytes per token are the codec's
+        assert quality[name]["kv_bytes_per_token"] == memory[name]["kv_bytes_per_token"]
+    assert quality["heavy_hitter@0.7"]["kv_bytes_per_token"] < quality["fp32"]["kv_bytes_per_token"]
+
+
+def test_retrieval_decode_and_targets(run):
+    scores = run.aggregates["retrieval"]["scores"]
+    assert scores["fp32"]["agreement"] == 1.0  # a second, lossless engine answers exactly like the reference
+    assert 0.0 <= scores["heavy_hitter@0.7"]["agreement"] <= 1.0
+    assert 0.0 <= scores["uncompressed"]["accuracy"] <= 1.0
+    assert len([r for r in run.records if r["kind"] == "retrieval"]) == 3 * 3
+    decode = run.aggregates["decode"]
+    assert decode["tok_per_s"]["uncompressed"] > 0 and decode["speedup"] > 0
+    verdicts = {(t["config"], t["target"]): t["verdict"] for t in run.aggregates["targets"]}
+    assert verdicts[("int8", "ΔPPL ≤ 0.1%")].endswith("PASS")
+    assert verdicts[("int4", "≥ 3.5x fewer bytes")].endswith(
+        "MISS"
+    )  # 16-dim heads, 8-token blocks: far from it
+    assert verdicts[("heavy_hitter@0.7", "answer agreement ≥ 90%")].endswith(("PASS", "MISS"))
+    assert "int8" in run.tables[0].rows[2][0] and "ΔPPL ≤ 0.1%: PASS" in run.tables[0].rows[2][-1]
+    assert [t.title.split(":")[0] for t in run.tables] == [
+        "KV compression quality",
+        "Memory",
+        "Decode at 64 tokens of context (2 tokens, one sequence, fp32)",
+    ]
+
+
+def test_compare_quality_many_equals_one_at_a_time(tiny_dir):
+    from mcp2026.bench.kv import _engine
+    from mcp2026.bench.kv_config import parse_config
+    from mcp2026.kv.measure import compare_quality, compare_quality_many
+    from mcp2026.loading.loader import load_model
+
+    loaded = load_model(tiny_dir)
+    tokens = torch.randint(320, (96,), generator=torch.Generator().manual_seed(1)).tolist()
+    configs = [parse_config(n, "fp32", 8) for n in ("int4", "sink_window@0.5")]
+
+    def engine(kv=None):
+        return _engine(loaded, kv, 96, 8)
+
+    together = compare_quality_many(engine(), [engine(kv) for kv in configs], tokens, 48, 16, 8)
+    alone = [compare_quality(engine(), engine(kv), tokens, 48, 16, 8) for kv in configs]
+    assert together == alone and together[0] != together[1]
+
+
+def test_retrieval_prompts_in_token_mode():
+    filler = list(range(100, 200))
+    p = build_prompt(7, filler, None, 320)
+    assert p == build_prompt(7, filler, None, 320) and p != build_prompt(8, filler, None, 320)
+    assert len(p.prompt_token_ids) == 100 + 4 + 5 + 4
+    assert p.is_correct([*p.value_ids, 1, 2], None) and not p.is_correct([1, *p.value_ids], None)
+    s = score([p, p], [[1, 2], [3]], [[1, 2], [4]], None)
+    assert (s.num_agree, s.agreement, s.num_correct) == (1, 0.5, 0)
+    with pytest.raises(ValueError, match="one reference and one answer"):
+        score([p], [[1]], [], None)
+
+
+@pytest.mark.slow
+def test_retrieval_prompts_in_text_mode(default_model_path):
+    from mcp2026.loading.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(default_model_path)
+    filler = tokenizer.encode(
+        "The weather was mild and the market was busy all day. " * 40, add_special_tokens=False
+    )
+    p = build_prompt(3, filler, tokenizer, tokenizer.vocab_size)
+    text = tokenizer.decode(p.prompt_token_ids, skip_special_tokens=False)
+    assert f"is {p.code}." in text and text.index(p.code) < len(text) // 2  # stated early
+    assert text.rstrip().endswith("assistant") and "What is the secret code for" in text  # chat template
+    assert p.is_correct(tokenizer.encode(f"The code is {p.code}.", add_special_tokens=False), tokenizer)
+    assert not p.is_correct(tokenizer.encode("I do not know.", add_special_tokens=False), tokenizer)
+
+
+def test_codecs_that_do_not_run_here_are_skipped(monkeypatch):
+    from mcp2026.bench.kv import unavailable_codecs
+    from mcp2026.kv import codecs
+
+    def no_float8(self, x):
+        raise RuntimeError("no float8 conversion on this device")
+
+    assert unavailable_codecs(["int8", "int4", "fp8"], 16) == {}
+    monkeypatch.setattr(codecs.Fp8PerToken, "encode", no_float8)
+    assert unavailable_codecs(["int8", "fp8"], 16) == {
+        "fp8": "RuntimeError: no float8 conversion on this device"
+    }
+
+
+def test_config_presets_and_validation():
+    quick = make_config(True, context_tokens=512, codecs=None)
+    assert quick.context_tokens == 512 and quick.codecs == QUICK["codecs"]
+    assert make_config(False) == KVBenchConfig()
+    assert [n for n, _ in KVBenchConfig(codecs=("int8",), policies=("snap",), sparsities=(0.5,)).grid()] == [
+        "int8",
+        "snap@0.5",
+    ]
+    for kwargs, match in [
+        ({"context_tokens": 9000}, "--context-tokens"),
+        ({"codecs": ("int3",)}, "dtype must be one of"),
+        ({"retrieval_configs": ("heavy_hitter@x",)}, "POLICY@SPARSITY"),
+        ({"sparsities": (1.0,)}, "sparsity_ratio"),
+        ({"codecs": (), "policies": ()}, "nothing to measure"),
+        ({"block_size": 12}, "--block-size"),
+        ({"text": "wiki"}, "--text"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            KVBenchConfig(**kwargs)
+
+
+def test_cli_writes_json_and_markdown(tiny_dir, tmp_path):
+    from mcp2026.cli import app
+
+    args = ["bench", "kv", "--model", tiny_dir, "--quick", "--context-tokens", "96", "--block-size", "8"]
+    args += [
+        "--retrieval-seeds",
+        "2",
+        "--retrieval-tokens",
+        "80",
+        "--decode-context",
+        "32",
+        "--decode-tokens",
+        "2",
+    ]
+    args += ["--codecs", "int8", "--policies", "none", "--retrieval-configs", "int8"]
+    args += ["--budget-gb", "0.01", "--out", str(tmp_path), "--no-progress"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    (json_path,) = tmp_path.glob("*-kv.json")
+    run = read_run(json_path)
+    assert run.kind == "kv" and list(run.aggregates["quality"]) == ["int8"]
+    assert run.config["context_tokens"] == 96 and run.config["sparsities"] == [0.7]
+    assert "| int8 |" in json_path.with_suffix(".md").read_text()
+    assert "--context-tokens 96" in run.command and json.loads(json_path.read_text())["kind"] == "kv"
+    assert "estimate: ~" in result.output and "prefill tok/s" in result.output
+
+
+def test_cli_bad_options_are_one_line_errors(tiny_dir):
+    from mcp2026.cli import app
+
+    for extra, message in [
+        (["--sparsities", "0.5,abc"], "--sparsities: expected comma-separated numbers"),
+        (["--context-tokens", "100000"], "--context-tokens must be in"),
+        (["--context-tokens", "300"], "exceeds this model's context of 256"),
+    ]:
+        result = CliRunner().invoke(app, ["bench", "kv", "--model", tiny_dir, "--no-progress", *extra])
+        assert result.exit_code == 2, result.output
+        assert message in result.output and "Traceback" not in result.output

@@ -1,0 +1,136 @@
+"""Benchmark plugins: the example plugin loads by module:Class, by file path and by entry point, runs on a
+tiny model and records a BenchRun; broken plugins fail with one line naming the plugin."""
+
+from __future__ import annotations
+
+import json
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mcp2026.bench.cli import bench_app
+from mcp2026.bench.plugins import (
+    ENTRY_POINT_GROUP,
+    PluginContext,
+    PluginError,
+    available_plugins,
+    load_plugin,
+    run_plugin,
+)
+
+from conftest import save_tiny_hf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "bench_plugins"
+EXAMPLE = "prefix_cache_hit:PrefixCacheHitRate"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return str(save_tiny_hf(tmp_path_factory.mktemp("tiny_plugin"), max_position_embeddings=256))
+
+
+@pytest.fixture
+def examples_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+
+
+def test_example_plugin_by_module_and_class(tiny_dir, examples_on_path):
+    name, plugin = load_plugin(EXAMPLE)
+    params = {"prefix_len": "64", "suffix_len": "8", "num_requests": "4", "output_len": "2"}
+    ctx = PluginContext(model=tiny_dir, dtype="fp32", seed=3, params=params)
+    run = run_plugin(name, plugin, ctx)
+    metrics = run.aggregates["metrics"]
+    # 3 later requests reuse the 4 full 16-token blocks of the 64-token prefix: 64 of their 72 tokens.
+    assert metrics["ideal_hit_rate"] == pytest.approx(64 / 72)
+    assert metrics["hit_rate"] == pytest.approx(64 / 72)
+    assert metrics["passed"] == 1.0 and metrics["ttft_first_ms"] > 0 and metrics["ttft_cached_ms"] > 0
+    assert run.kind == "plugin" and run.config["plugin"] == EXAMPLE and run.config["params"] == params
+    assert {r["metric"] for r in run.records} == set(metrics)
+    assert run.tables[0].rows[0][0] == "hit_rate" and run.aggregates["run_s"] > 0
+
+
+def test_plugin_found_through_an_entry_point(monkeypatch, examples_on_path):
+    point = metadata.EntryPoint(name="prefix-hit", value=EXAMPLE, group=ENTRY_POINT_GROUP)
+    other = metadata.EntryPoint(name="elsewhere", value="os:path", group="another.group")
+
+    def entry_points(**selection):
+        return [ep for ep in (point, other) if ep.group == selection.get("group", ep.group)]
+
+    monkeypatch.setattr(metadata, "entry_points", entry_points)
+    assert available_plugins() == {"prefix-hit": EXAMPLE}
+    name, plugin = load_plugin("prefix-hit")
+    assert name == "prefix-hit" and type(plugin).__name__ == "PrefixCacheHitRate"
+    with pytest.raises(PluginError, match=r"no benchmark plugin named 'elsewhere' \(installed: prefix-hit\)"):
+        load_plugin("elsewhere")
+
+
+class ReturnsText:
+    def init(self, ctx):
+        pass
+
+    def run(self, ctx):
+        return {"speed": "fast"}
+
+
+class Explodes:
+    def init(self, ctx):
+        raise ZeroDivisionError("boom")
+
+    def run(self, ctx):
+        return {"x": 1.0}
+
+
+class NotAPlugin:
+    pass
+
+
+@pytest.mark.parametrize(
+    "spec, phase_error",
+    [
+        (f"{__name__}:ReturnsText", "metric 'speed' is 'fast', not a finite number"),
+        (f"{__name__}:Explodes", "failed in init(): ZeroDivisionError: boom"),
+    ],
+)
+def test_bad_results_and_errors_name_the_plugin(spec, phase_error):
+    name, plugin = load_plugin(spec)
+    with pytest.raises(PluginError, match=rf"^plugin {spec}.*") as info:
+        run_plugin(name, plugin, PluginContext())
+    assert phase_error in str(info.value) and "\n" not in str(info.value)
+
+
+def test_loading_errors():
+    with pytest.raises(PluginError, match="needs methods init"):
+        load_plugin(f"{__name__}:NotAPlugin")
+    with pytest.raises(PluginError, match="has no attribute 'Missing'"):
+        load_plugin(f"{__name__}:Missing")
+    with pytest.raises(PluginError, match="cannot import no_such_module_xyz"):
+        load_plugin("no_such_module_xyz:Thing")
+    with pytest.raises(PluginError, match="is not a file"):
+        load_plugin("missing/plugin.py:Thing")
+
+
+def test_bench_plugin_command_by_file_path(tiny_dir, tmp_path):
+    spec = f"{EXAMPLES / 'prefix_cache_hit.py'}:PrefixCacheHitRate"
+    args = ["plugin", spec, "--model", tiny_dir, "--dtype", "fp32", "--param", "prefix_len=32"]
+    args += ["--param", "num_requests=3", "--param", "suffix_len=4", "--out", str(tmp_path)]
+    result = CliRunner().invoke(bench_app, args)
+    assert result.exit_code == 0, result.output
+    (path,) = tmp_path.glob("*-plugin.json")
+    data = json.loads(path.read_text())
+    assert data["aggregates"]["metrics"]["passed"] == 1.0
+    assert "--param prefix_len=32" in data["command"] and path.with_suffix(".md").exists()
+    assert "hit_rate" in result.output
+
+    too_long = CliRunner().invoke(
+        bench_app, ["plugin", spec, "--model", tiny_dir, "--param", "prefix_len=999"]
+    )
+    assert (
+        too_long.exit_code == 2
+        and "failed in init(): ValueError: prefix + suffix + output" in too_long.output
+    )
+    bad_param = CliRunner().invoke(bench_app, ["plugin", spec, "--param", "prefix_len"])
+    assert bad_param.exit_code == 2 and "KEY=VALUE" in bad_param.output
