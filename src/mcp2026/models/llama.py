@@ -41,9 +41,10 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, q + 2kv)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rope.apply(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = rope.apply(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads rotated together: one rope pass instead of two (fewer ops per decode step)
+        qk = rope.apply(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = attention(self.layer_idx, q, k, v, ctx)  # (T, nh, hd)
         return self.o_proj(out.reshape(t, self.q_size))
