@@ -60,3 +60,25 @@ def default_model_path() -> Path:
     from mcp2026.loading.loader import default_model_path as find
 
     return find()
+
+
+def tiny_random_model(vocab_size: int = 320, max_position_embeddings: int = 256, **overrides):
+    """A 2-layer random Llama built directly (no transformers import, no files): (model, ModelConfig)."""
+    from mcp2026.config import ModelConfig
+    from mcp2026.models.registry import build_model
+
+    fields = dict(
+        architecture="llama",
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=max_position_embeddings,
+        eos_token_ids=(2,),
+    )
+    config = ModelConfig(**{**fields, **overrides})
+    torch.manual_seed(0)
+    return build_model(config).eval().requires_grad_(False), config

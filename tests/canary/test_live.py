@@ -17,10 +17,11 @@ from mcp2026.canary.live import CanaryRouter
 from mcp2026.config import EngineConfig, KVConfig, ModelConfig
 from mcp2026.engine.async_engine import AsyncEngine
 from mcp2026.engine.engine import LLMEngine
-from mcp2026.models.registry import build_model
 from mcp2026.serve.app import create_app
 from mcp2026.serve.config import ServeConfig
 from mcp2026.serve.tenants import Tenant, TenantRegistry
+
+from conftest import tiny_random_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MODEL = "tiny"
@@ -29,20 +30,7 @@ NUM_TENANTS = 16
 
 @functools.cache
 def tiny_model() -> tuple[torch.nn.Module, ModelConfig]:
-    config = ModelConfig(
-        architecture="llama",
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        eos_token_ids=(2,),
-    )
-    torch.manual_seed(0)
-    return build_model(config).eval().requires_grad_(False), config
+    return tiny_random_model()
 
 
 def engine() -> AsyncEngine:

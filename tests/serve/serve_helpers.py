@@ -17,19 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import torch
 import uvicorn
 
-from mcp2026.config import EngineConfig, KVConfig, ModelConfig, SchedulerConfig
+from mcp2026.config import EngineConfig, KVConfig, SchedulerConfig
 from mcp2026.engine.async_engine import AsyncEngine
 from mcp2026.engine.engine import LLMEngine
 from mcp2026.loading.loader import LoadedModel, default_model_path
 from mcp2026.loading.tokenizer import Tokenizer
-from mcp2026.models.registry import build_model
 from mcp2026.serve.app import create_app
 from mcp2026.serve.config import ServeConfig
 from mcp2026.serve.server import GracefulServer
 from mcp2026.serve.tenants import TenantRegistry
+
+from conftest import tiny_random_model
 
 NUM_BLOCKS = 128
 MAX_MODEL_LEN = 512
@@ -44,21 +44,7 @@ def smol_tokenizer() -> Tokenizer:
 @functools.cache
 def tiny_vocab_model() -> LoadedModel:
     """Random weights, built directly (no transformers import): 2 layers, hidden 64, vocab 49152."""
-    config = ModelConfig(
-        architecture="llama",
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=MAX_MODEL_LEN,
-        bos_token_id=1,
-        eos_token_ids=(2,),
-    )
-    torch.manual_seed(0)
-    model = build_model(config).eval().requires_grad_(False)
+    model, config = tiny_random_model(49152, MAX_MODEL_LEN, bos_token_id=1)
     return LoadedModel(model, config, None, Path("tiny-random"), "random")
 
 

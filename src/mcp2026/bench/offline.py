@@ -140,7 +140,7 @@ def _warm_up_ours(engine: Any, vocab_size: int) -> None:
     )
 
 
-def _check_fits(requests: list[BenchRequest], max_model_len: int) -> None:
+def check_fits(requests: list[BenchRequest], max_model_len: int) -> None:
     too_long = [r.request_id for r in requests if r.prompt_len + r.output_len > max_model_len]
     if too_long:
         raise ValueError(
@@ -163,7 +163,7 @@ def run_offline(
     vocab = pipe.loaded.config.vocab_size
     requests = load_workload(config.spec(), pipe.tokenizer, vocab, use_cache=use_cache)
     requests = requests[: config.max_requests] if config.max_requests else requests
-    _check_fits(requests, pipe.engine.max_model_len)
+    check_fits(requests, pipe.engine.max_model_len)
     _warm_up_ours(pipe.engine, vocab)
     ours = run_engine(pipe.engine, requests, progress)
     failed = [x["request_id"] for x in ours.records if x["finish_reason"] == "error"]

@@ -195,14 +195,14 @@ def held_out_windows(pipe: Any, config: SweepConfig) -> list[list[int]]:
 
 
 def _requests(config: SweepConfig, pipe: Any, rate_index: int) -> list[Any]:
-    from mcp2026.bench.offline import _check_fits
+    from mcp2026.bench.offline import check_fits
     from mcp2026.bench.workloads import WorkloadSpec, load_workload
 
     spec = WorkloadSpec(
         config.workload, config.num_prompts, config.seed + rate_index, config.input_len, config.output_len
     )
     requests = load_workload(spec, pipe.tokenizer, pipe.loaded.config.vocab_size)
-    _check_fits(requests, pipe.engine.max_model_len)
+    check_fits(requests, pipe.engine.max_model_len)
     return requests
 
 
