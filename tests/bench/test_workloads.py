@@ -168,3 +168,11 @@ def test_real_sharegpt_file_has_expected_shape():
     with_two_turns = [e for e in entries if len(e.get("conversations", [])) >= 2]
     assert with_two_turns
     assert all({"from", "value"} <= set(t) for e in with_two_turns for t in e["conversations"])
+
+
+def test_bursty_is_sharegpt_sampling_with_gamma_half_arrivals():
+    from mcp2026.bench.serve_cli import workload_burstiness
+    from mcp2026.bench.workloads import WORKLOADS
+
+    assert WORKLOADS["bursty"].sample is WORKLOADS["sharegpt"].sample
+    assert workload_burstiness("bursty") == 0.5 and workload_burstiness("sharegpt") == 1.0

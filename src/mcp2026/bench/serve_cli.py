@@ -15,6 +15,14 @@ out = Console()
 err = Console(stderr=True, soft_wrap=True)
 
 
+def workload_burstiness(workload: str) -> float:
+    """The arrival shape a workload implies (``bursty``: 0.5); 1.0 (Poisson) for unknown names."""
+    from mcp2026.bench.workloads import WORKLOADS
+
+    entry = WORKLOADS.get(workload)
+    return entry.burstiness if entry is not None else 1.0
+
+
 def load_requests(
     workload: str,
     num_prompts: int,
@@ -43,7 +51,7 @@ def serve(
         str | None, typer.Option(help="model id to send (default: the first of /v1/models)")
     ] = None,
     api_key: Annotated[str | None, typer.Option(envvar="MCP2026_API_KEY", help="Bearer key")] = None,
-    workload: Annotated[str, typer.Option(help="sharegpt | random | prefix | long")] = "sharegpt",
+    workload: Annotated[str, typer.Option(help="sharegpt | bursty | random | prefix | long")] = "sharegpt",
     num_prompts: Annotated[int, typer.Option(help="requests to sample")] = 200,
     input_len: Annotated[int, typer.Option(help="random workload: prompt tokens")] = 128,
     output_len: Annotated[int, typer.Option(help="random/prefix/long workloads: output tokens")] = 128,
@@ -52,7 +60,9 @@ def serve(
         typer.Option(help="tokenizer for sampling (.gguf or HF folder; default: embedded model's)"),
     ] = None,
     request_rate: Annotated[float, typer.Option(help="requests/s (inf: all at once)")] = math.inf,
-    burstiness: Annotated[float, typer.Option(help="Gamma shape: 1 = Poisson, < 1 burstier")] = 1.0,
+    burstiness: Annotated[
+        float | None, typer.Option(help="Gamma shape: 1 = Poisson, < 1 burstier (default: the workload's)")
+    ] = None,
     max_concurrency: Annotated[int | None, typer.Option(help="requests in flight at most")] = None,
     duration: Annotated[
         float | None, typer.Option(help="seconds: cycle the requests until then instead of sending each once")
@@ -86,7 +96,7 @@ def serve(
             model=model,
             api_key=api_key,
             request_rate=request_rate,
-            burstiness=burstiness,
+            burstiness=burstiness if burstiness is not None else workload_burstiness(workload),
             max_concurrency=max_concurrency,
             seed=seed,
             duration_s=duration,

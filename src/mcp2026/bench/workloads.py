@@ -79,14 +79,17 @@ class Workload:
     sample: Sampler  # (spec, tokenizer or None, vocab_size) -> requests
     uses_dataset: bool  # reads ShareGPT text: needs a tokenizer, and samples are cached on disk
     description: str
+    burstiness: float = 1.0  # Gamma shape of the arrivals it implies (1 = Poisson; < 1 burstier)
 
 
 WORKLOADS: dict[str, Workload] = {}
 
 
-def register(name: str, *, uses_dataset: bool, description: str) -> Callable[[Sampler], Sampler]:
+def register(
+    name: str, *, uses_dataset: bool, description: str, burstiness: float = 1.0
+) -> Callable[[Sampler], Sampler]:
     def wrap(fn: Sampler) -> Sampler:
-        WORKLOADS[name] = Workload(name, fn, uses_dataset, description)
+        WORKLOADS[name] = Workload(name, fn, uses_dataset, description, burstiness)
         return fn
 
     return wrap
@@ -246,6 +249,16 @@ def sample_sharegpt(
             pick = rng.choice(base)
             samples.append(BenchRequest(f"sharegpt-{i}", list(pick.prompt_token_ids), pick.output_len))
     return samples
+
+
+# The ShareGPT requests again, but the load generator sends them in Gamma bursts (shape 0.5: the same mean rate,
+# twice the variance of Poisson arrivals) unless --burstiness says otherwise.
+register(
+    "bursty",
+    uses_dataset=True,
+    description="ShareGPT requests with Gamma(0.5) bursty arrivals (bench serve)",
+    burstiness=0.5,
+)(sample_sharegpt)
 
 
 @register("random", uses_dataset=False, description="fixed input/output lengths, uniform random token ids")
