@@ -237,3 +237,30 @@ def test_pipeline_kv_and_inject(tiny_dir, tiny):
     int4 = max_concurrent_sequences(tiny.config, KVCompressor(dtype="int4", policy="none"), 10**7, 2048)
     bf16 = max_concurrent_sequences(tiny.config, KVCompressor(dtype="bf16", policy="none"), 10**7, 2048)
     assert int4 > 2.5 * bf16
+
+
+@pytest.mark.parametrize(
+    ("kv", "streams"),
+    [
+        (KVCompressor(policy="sink_window", max_kv_tokens=64, recent_window=32), True),
+        (KVCompressor(policy="heavy_hitter", max_kv_tokens=64, recent_window=32), True),
+        (KVCompressor(policy="snap", max_kv_tokens=64, recent_window=32), False),  # waits for the prompt
+        (None, False),
+    ],
+    ids=["sink_window", "heavy_hitter", "snap", "no-eviction"],
+)
+def test_prompt_longer_than_the_pool_streams_through_eviction(tiny, kv, streams):
+    # 16 blocks of 16 tokens = 256 tokens of pool; a 400-token prompt prefilled in 64-token chunks
+    engine = make_engine(tiny, kv, num_blocks=16, long_prefill_token_threshold=64)
+    prompt = torch.randint(3, 320, (400,), generator=torch.Generator().manual_seed(3)).tolist()
+    request_id = engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    final = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            final = o if o.finished else final
+        engine.kv_manager.check_integrity()
+    assert final is not None and final.request_id == request_id
+    if streams:
+        assert final.finish_reason == "length" and len(final.output.token_ids) == 8
+    else:
+        assert final.finish_reason == "error" and "KV blocks" in final.error

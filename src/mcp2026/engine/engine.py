@@ -118,8 +118,10 @@ class LLMEngine:
             num_shards=kv.max_kv_cache_shards,
             enable_prefix_caching=kv.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(self.config.scheduler, self.kv_manager, self.max_model_len)
         self.evictor = compressor.make_evictor(self.kv_manager, self.max_model_len) if compressor else None
+        self.scheduler = Scheduler(
+            self.config.scheduler, self.kv_manager, self.max_model_len, self._peak_blocks_rule()
+        )
         self.runner = ModelRunner(model, self.cache, self.evictor.scoring if self.evictor else None)
         self.sampler = Sampler()
         eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or model_config.eos_token_ids)
@@ -230,6 +232,15 @@ class LLMEngine:
             self.grow_kv_shards(1)
 
     # ---- the step -------------------------------------------------------------------------------
+    def _peak_blocks_rule(self) -> Callable[[int], int] | None:
+        """With eviction during chunked prefill a prompt longer than the pool streams through it: it never
+        holds more than the kept blocks plus one chunk's."""
+        sched = self.config.scheduler
+        if self.evictor is None or not sched.enable_chunked_prefill:
+            return None
+        chunk = min(sched.long_prefill_token_threshold, sched.max_num_batched_tokens)
+        return lambda num_tokens: self.evictor.peak_blocks(num_tokens, chunk)
+
     def step(self) -> list[RequestOutput]:
         if self.dtss is not None:
             self._apply_memory_pressure()

@@ -9,7 +9,7 @@ orders work inside a tenant, and preemption takes from the tenant furthest ahead
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from mcp2026.config import SchedulerConfig
@@ -55,9 +55,18 @@ class Scheduler:
     hold none; ``len(running) <= max_num_seqs``; each output's tokens <= ``max_num_batched_tokens``.
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        peak_blocks: Callable[[int], int] | None = None,
+    ) -> None:
         self.config = config
         self.kv = kv
+        # Blocks a request of n tokens holds at most at once (less than all of them when KV eviction runs
+        # during chunked prefill); by default every block.
+        self.peak_blocks = peak_blocks or kv.num_blocks_for
         # The config may only lower the model's context length.
         self.max_model_len = min(max_model_len, config.max_model_len or max_model_len)
         self.policy = make_policy(config.policy)
@@ -250,10 +259,10 @@ class Scheduler:
     def _check_fits(self, request: Request) -> bool:
         """Finish (error) a request that needs more blocks than the whole online pool: it could only wait
         forever or preempt everything forever."""
-        if self.kv.can_ever_fit(request.num_tokens):
+        if self.peak_blocks(request.num_tokens) <= self.kv.num_online_blocks:
             return True
         request.error = (
-            f"request {request.request_id} needs {self.kv.num_blocks_for(request.num_tokens)} KV blocks for "
+            f"request {request.request_id} needs {self.peak_blocks(request.num_tokens)} KV blocks for "
             f"{request.num_tokens} tokens, but the cache has only {self.kv.num_online_blocks} blocks of "
             f"{self.kv.block_size} tokens online"
         )

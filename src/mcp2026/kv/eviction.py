@@ -16,7 +16,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -117,6 +117,10 @@ class EvictionPolicy(ABC):
     name: str = ""
     scoring = ScoringSpec()
 
+    # Whether it evicts while a prompt is still being prefilled (chunk by chunk), so a prompt longer than the
+    # pool can stream through it; snap waits for the whole prompt.
+    evicts_during_prefill: ClassVar[bool] = True
+
     def __init__(self, budget: EvictionBudget) -> None:
         self.budget = budget
 
@@ -176,6 +180,8 @@ class Snap(EvictionPolicy):
     def __init__(self, budget: EvictionBudget) -> None:
         super().__init__(budget)
         self.scoring = ScoringSpec(False, budget.observation_window, observe_every_chunk=False)
+
+    evicts_during_prefill = False
 
     def triggers(self, event: StepEvent) -> bool:
         return event.is_prompt_done and event.num_live > event.num_keep
@@ -268,6 +274,16 @@ class KVEvictor:
     @property
     def scoring(self) -> ScoringSpec:
         return self.policy.scoring
+
+    def peak_blocks(self, num_tokens: int, chunk_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` holds at once when prefilled in chunks of at most
+        ``chunk_tokens``: all of them, unless the policy evicts during prefill; then the blocks it keeps plus
+        one chunk's (and the partly filled block the chunk starts in)."""
+        bs = self.budget.block_size
+        full = cdiv(num_tokens, bs)
+        if not self.policy.evicts_during_prefill:
+            return full
+        return min(full, self.budget.num_keep_blocks(num_tokens) + cdiv(chunk_tokens, bs) + 1)
 
     def _state(self, request_id: str) -> _RequestState:
         state = self._states.get(request_id)
