@@ -119,7 +119,7 @@ def serve(
         Path | None, typer.Option("--quant", help="QuantConfig YAML: quantize the weights at load")
     ] = None,
     kv_dtype: Annotated[
-        str | None, typer.Option(help="KV cache storage: fp32 | bf16 | fp16 | int8 | fp8 | int4")
+        str | None, typer.Option(help="KV cache storage: fp32 | bf16 | fp16 | int8 | fp8 | int4 | int4-g64")
     ] = None,
     kv_policy: Annotated[
         str | None,

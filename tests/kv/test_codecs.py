@@ -114,3 +114,17 @@ def test_unknown_codec():
 def test_int4_rejects_odd_head_dim():
     with pytest.raises(ValueError, match="head_dim"):
         make_codec("int4").check_shape(2, 48)
+
+
+def test_int4_g64_values_halve_the_scale_bytes():
+    codec = make_codec("int4-g64")
+    hd = 64  # SmolLM2's head_dim; groups of 64 need head_dim >= 64
+    x = torch.randn(4, 16, hd)
+    vp = codec.value.encode(x)
+    assert vp["scale"].shape == (4, 16, 1)
+    step = vp["scale"].float()  # (4, 16, 1): one step per token and head
+    assert ((codec.value.decode(vp, torch.float32) - x).abs() <= step / 2 * 1.001 + 1e-6).all()
+    # SmolLM2 (3 KV heads x 64): bytes per token and layer, bf16 768; int4-g64 at 64-token blocks 216
+    assert make_codec("bf16").bytes_per_token(64, 3, hd) == 768
+    assert make_codec("int4-g64").bytes_per_token(64, 3, hd) == 216
+    assert make_codec("int4").bytes_per_token(16, 3, hd) == 264

@@ -295,6 +295,13 @@ def _int4() -> KVCodec:
     return KVCodec("int4", Int4PerChannel(), Int4PerTokenGroup(32), is_staged=True)
 
 
+@register_codec("int4-g64")
+def _int4_g64() -> KVCodec:
+    # Values in groups of 64 channels: half the value scale bytes of "int4". With 64-token blocks (the key
+    # group) this stores 216 B per token and layer on SmolLM2 vs bf16's 768 (3.56x fewer).
+    return KVCodec("int4-g64", Int4PerChannel(), Int4PerTokenGroup(64), is_staged=True)
+
+
 def make_codec(name: str) -> KVCodec:
     if name not in CODECS:
         raise ValueError(f"unknown KV codec {name!r}; available: {', '.join(sorted(CODECS))}")
