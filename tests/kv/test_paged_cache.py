@@ -56,10 +56,23 @@ def test_per_token_codecs_write_and_read_blocks():
         assert cache.num_staged == 0
 
 
+def bf16_exact(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).to(torch.bfloat16).float()
+
+
+def test_int4_staging_is_16_bit_and_rounds_the_tail_once():
+    cache = make("int4")
+    x = torch.randn(5, NKV, HD)  # less than a block: all of it staged
+    write(cache, [("a", 0, 5, [0])], {"a": x})
+    assert cache.stage_dtype == torch.bfloat16 and cache._stage_k.dtype == torch.bfloat16
+    assert torch.equal(read(cache, "a", [0], 5), x.to(torch.bfloat16).float())
+
+
 def test_int4_staging_seals_full_blocks_and_keeps_the_tail_exact():
     cache = make("int4")
     tc = cache.codec.key
-    xa, xb = torch.randn(30, NKV, HD), torch.randn(12, NKV, HD)
+    # Values exactly representable in bf16: the staging store keeps unfilled blocks in 16 bits.
+    xa, xb = bf16_exact(30, NKV, HD), bf16_exact(12, NKV, HD)
     ta, tb = [3, 7, 1, 12], [4, 0]
     # Odd chunk sizes, two requests per step, tails that cross block boundaries.
     write(cache, [("a", 0, 5, ta), ("b", 0, 3, tb)], {"a": xa, "b": xb})
@@ -76,7 +89,7 @@ def test_int4_staging_seals_full_blocks_and_keeps_the_tail_exact():
 
 def test_int4_plan_is_pure_until_commit_and_release_frees_staging():
     cache = make("int4")
-    x = torch.randn(20, NKV, HD)
+    x = bf16_exact(20, NKV, HD)
     table = [0, 1, 2]
     write(cache, [("a", 0, 5, table)], {"a": x})
     before = cache.stage_index("a")

@@ -22,6 +22,7 @@ from mcp2026.engine.output import ScheduledChunk, SchedulerOutput
 from mcp2026.engine.request import Request, RequestStatus
 from mcp2026.kv.compressor import KVCompressor
 from mcp2026.kv.manager import cdiv
+from mcp2026.kv.paged_cache import staging_dtype
 from mcp2026.kv.sizing import kv_block_bytes
 
 
@@ -159,7 +160,7 @@ def max_concurrent_sequences(
     dtype: torch.dtype = torch.float32,
 ) -> int:
     """Sequences of ``seq_len`` tokens a KV budget holds at their longest: blocks the eviction budget keeps
-    (with a staged codec, plus one full-precision staging block each)."""
+    (with a staged codec, plus one 16-bit staging block each)."""
     bs = compressor.block_size if compressor is not None else 16
     codec = compressor.make_codec() if compressor is not None else None
     block_bytes = kv_block_bytes(model, bs, dtype, codec)
@@ -168,14 +169,8 @@ def max_concurrent_sequences(
         blocks = min(blocks, compressor.budget().num_keep_blocks(seq_len) + 1)  # +1: the block being filled
     per_seq = blocks * block_bytes
     if codec is not None and codec.is_staged:
-        per_seq += (
-            2
-            * model.num_layers
-            * bs
-            * model.num_kv_heads
-            * model.head_dim
-            * torch.empty((), dtype=dtype).element_size()
-        )
+        elem = torch.empty((), dtype=staging_dtype(dtype)).element_size()
+        per_seq += 2 * model.num_layers * bs * model.num_kv_heads * model.head_dim * elem
     return int(budget_bytes // per_seq)
 
 

@@ -42,6 +42,11 @@ def _allocate(
     return tensor, buffer
 
 
+def staging_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Storage of a staged codec's unfilled blocks: 16 bits (fp32 models stage in bf16)."""
+    return torch.bfloat16 if dtype == torch.float32 else dtype
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     # NOTE: CPU index_copy_/index_select have no float8 kernels; copying the bytes is the same thing.
     return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
@@ -141,7 +146,9 @@ class PagedKVCache:
         self.k_planes = self._allocate_planes(self.codec.key)
         self.v_planes = self._allocate_planes(self.codec.value)
         self.block_bytes = self.codec.block_bytes(block_size, num_kv_heads, head_dim)  # one layer
-        # Staging store (staged codecs only): full-precision last blocks, grown on demand.
+        # Staging store (staged codecs only): the last, unfilled block of each request in 16 bits (KIVI keeps
+        # its residual in fp16), grown on demand.
+        self.stage_dtype = staging_dtype(self.dtype)
         self._stage_k = self._stage_v = torch.empty(0)
         self._staged: dict[str, int] = {}
         self._free_stage: set[int] = set()
@@ -276,8 +283,8 @@ class PagedKVCache:
         old = self._stage_k.shape[1] if self._stage_k.dim() > 1 else 0
         new = max(8, 2 * old)
         shape = (self.num_layers, new, self.num_kv_heads, self.block_size, self.head_dim)
-        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        k = torch.zeros(shape, dtype=self.stage_dtype, device=self.device)
+        v = torch.zeros(shape, dtype=self.stage_dtype, device=self.device)
         if old:
             k[:, :old], v[:, :old] = self._stage_k, self._stage_v
         self._stage_k, self._stage_v = k, v
@@ -328,14 +335,14 @@ class PagedKVCache:
         if plan.seal_chunk_ids is not None:
             full = x.index_select(0, plan.seal_src).to(self.dtype)  # (NS*bs, nkv, hd)
             if plan.seal_stage_dst is not None:
-                staged = stage.index_select(0, plan.seal_stage_src).view(-1, nkv, hd)
+                staged = stage.index_select(0, plan.seal_stage_src).view(-1, nkv, hd).to(self.dtype)
                 full.index_copy_(0, plan.seal_stage_dst, staged)
             full = full.view(-1, self.block_size, nkv, hd).transpose(1, 2).flatten(0, 1)  # (NS*nkv, bs, hd)
             encoded = codec.encode(full)
             for name, data in encoded.items():
                 _copy(planes[name][layer].flatten(0, 1), plan.seal_chunk_ids, data)
         if plan.tail_dst is not None:
-            tail = x.index_select(0, plan.tail_src).to(self.dtype).flatten(0, 1)  # (Tt*nkv, hd)
+            tail = x.index_select(0, plan.tail_src).to(self.stage_dtype).flatten(0, 1)  # (Tt*nkv, hd)
             stage.index_copy_(0, plan.tail_dst, tail)
         return encoded, full
 
@@ -365,7 +372,9 @@ class PagedKVCache:
             picked = {name: _select(p[layer].flatten(0, 1), read.chunk_ids) for name, p in planes.items()}
             x = codec.decode(picked, self.dtype).view(shape)
             if read.stage_idx is not None:
-                x[read.stage_seq, :, read.stage_block] = stage[layer][read.stage_idx]  # (S, nkv, bs, hd)
+                x[read.stage_seq, :, read.stage_block] = stage[layer][read.stage_idx].to(
+                    x.dtype
+                )  # (S, nkv, bs, hd)
             out.append(x.flatten(2, 3))
         return out[0], out[1]
 
