@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from mcp2026.bench.sweep_grid import parse_list
 from mcp2026.cli_errors import err, user_errors
 
 
@@ -15,20 +16,12 @@ def _names(text: str | None) -> tuple[str, ...] | None:
     """A comma list; "none" is the empty list; None (not given) stays None."""
     if text is None:
         return None
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    names = parse_list(text)
     return () if names == ("none",) else names
 
 
 def _floats(option: str, text: str | None) -> tuple[float, ...] | None:
-    names = _names(text)
-    if names is None:
-        return None
-    try:
-        return tuple(float(s) for s in names)
-    except ValueError:
-        raise ValueError(
-            f"{option}: expected comma-separated numbers, e.g. 0.5,0.7,0.9; got {text!r}"
-        ) from None
+    return None if text is None else parse_list(text, float, option)
 
 
 @user_errors

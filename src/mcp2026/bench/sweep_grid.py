@@ -48,6 +48,9 @@ class GridAxes:
     quants: tuple[str, ...] = ()  # QuantConfig YAML paths; "none": weights as stored
 
 
+_KINDS = {float: "numbers, e.g. 0.5,0.7,0.9"}
+
+
 def parse_list(text: str | None, convert: type = str, option: str = "") -> tuple[Any, ...]:
     """``"8,32"`` -> ``(8, 32)``; a one-line error naming the option on a bad item."""
     items = [s.strip() for s in (text or "").split(",") if s.strip()]
@@ -55,7 +58,8 @@ def parse_list(text: str | None, convert: type = str, option: str = "") -> tuple
         return tuple(convert(s) for s in items)
     except ValueError:
         raise ValueError(
-            f"{option or 'list'}: expected comma-separated {convert.__name__}s, got {text!r}"
+            f"{option or 'list'}: expected comma-separated {_KINDS.get(convert, convert.__name__ + 's')}, "
+            f"got {text!r}"
         ) from None
 
 
