@@ -116,7 +116,7 @@ def serve(
     dtype: Annotated[str | None, typer.Option(help="auto | fp32 | bf16")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="the model id clients send")] = None,
     quant: Annotated[
-        Path | None, typer.Option("--quant", help="QuantConfig YAML: quantize the weights at load")
+        Path | None, typer.Option("--quant", help="quant YAML (as for compile): quantize the weights at load")
     ] = None,
     kv_dtype: Annotated[
         str | None, typer.Option(help="KV cache storage: fp32 | bf16 | fp16 | int8 | fp8 | int4 | int4-g64")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,9 @@ from mcp2026.engine.engine import LLMEngine
 from mcp2026.errors import NotSupportedYetError
 from mcp2026.loading.loader import LoadedModel, load_model
 from mcp2026.types import CompletionOutput, InferResult, SamplingParams
+
+if TYPE_CHECKING:
+    from mcp2026.quant.compile_cli import CompileSpec
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
@@ -62,19 +65,42 @@ def normalize_inputs(inputs: Inputs) -> list[str | Messages]:
     return items
 
 
+def quant_spec(config: QuantConfig | CompileSpec | None) -> CompileSpec | None:
+    """``config`` as a CompileSpec: a QuantConfig gets the calibration and DQG settings a YAML of only its
+    fields gives (``compile``'s defaults); a CompileSpec (a quant YAML's ``load_spec``) is kept as it is."""
+    if config is None:
+        return None
+    from mcp2026.quant.compile_cli import CompileSpec
+
+    if isinstance(config, CompileSpec):
+        return config
+    if isinstance(config, QuantConfig):
+        return CompileSpec.from_config(config)
+    raise TypeError(
+        "config must be a QuantConfig or a CompileSpec (a quant YAML: "
+        f"mcp2026.quant.compile_cli.load_spec(path)), got {type(config).__name__}"
+    )
+
+
 class Pipeline:
-    """``Pipeline(model=None | path, config=QuantConfig(...)).infer(inputs=[...], profile=True)``."""
+    """``Pipeline(model=None | path, config=QuantConfig(...)).infer(inputs=[...], profile=True)``.
+
+    ``config`` may also be a CompileSpec (``load_spec("q.yaml")``): then the weights are quantized with the
+    YAML's ``calibration:`` and ``dqg:`` settings too, exactly as ``mcp2026 compile`` would.
+    """
 
     def __init__(
         self,
         model: str | Path | None = None,
-        config: QuantConfig | None = None,
+        config: QuantConfig | CompileSpec | None = None,
         dtype: str | torch.dtype = "auto",
         device: str = "cpu",
         kv: Any = None,  # KVCompressor, a dict of its fields, or a YAML path
         scheduler: SchedulerConfig | None = None,
         kv_config: KVConfig | None = None,
     ) -> None:
+        spec = quant_spec(config)
+        config = spec.quant if spec is not None else None
         _check_quant_supported(config)
         if kv is not None:
             from mcp2026.kv.compressor import KVCompressor
@@ -86,6 +112,7 @@ class Pipeline:
                 + (" or 'cuda'" if torch.cuda.is_available() else "")
             )
         self.quant_config = config
+        self.quant_spec = spec  # the QuantConfig with the calibration and DQG settings used; None unquantized
         self.dtype = resolve_dtype(dtype, config)
         self.device = torch.device(device)
         self.loaded: LoadedModel = load_model(model, dtype=self.dtype)
@@ -102,12 +129,19 @@ class Pipeline:
             from mcp2026.quant.recipe import gate_for_config
 
             self.quant_result, self.pressure_result, self.gate = gate_for_config(
-                self.loaded.model, self.loaded.tokenizer, config, self.device
+                self.loaded.model,
+                self.loaded.tokenizer,
+                config,
+                self.device,
+                settings=spec.dqg,
+                calibration=spec.calibration,
             )
         elif config is not None and config.quantizes_weights:
             from mcp2026.quant.recipe import quantize_loaded
 
-            self.quant_result = quantize_loaded(self.loaded, config, self.device)
+            self.quant_result = quantize_loaded(
+                self.loaded, config, self.device, settings=spec.dqg, calibration=spec.calibration
+            )
         kv_config = kv_config or KVConfig(
             block_size=kv.block_size if kv is not None else 16,
             max_kv_cache_shards=config.max_kv_cache_shards if config else 1,

@@ -10,7 +10,7 @@ from typing import Any
 
 from mcp2026.config import EngineConfig
 from mcp2026.pipeline import Pipeline
-from mcp2026.serve.config import ServeConfig, load_quant_config, load_serve_yaml
+from mcp2026.serve.config import ServeConfig, load_quant_spec, load_serve_yaml
 
 BASELINE, CANDIDATE = "baseline", "candidate"
 
@@ -30,13 +30,16 @@ class Arm:
     def describe(self) -> dict[str, Any]:
         """What this arm runs, for the report: resolved settings, not just the YAML's path."""
         compressor = self.engine_config.kv_compressor
-        quant = self.pipeline.quant_config
+        spec, quant = self.pipeline.quant_spec, None
+        if spec is not None:  # the QuantConfig's fields, and the calibration and DQG settings used
+            quant = {"yaml": self.serve.quant, **dataclasses.asdict(spec.quant)}
+            quant.update(calibration=dataclasses.asdict(spec.calibration), dqg=dataclasses.asdict(spec.dqg))
         loaded = self.pipeline.loaded
         return {
             "config": str(self.path),
             "model": str(loaded.source),
             "dtype": str(self.pipeline.dtype).removeprefix("torch."),
-            "quant": None if quant is None else {"yaml": self.serve.quant, **dataclasses.asdict(quant)},
+            "quant": quant,
             "kv": dataclasses.asdict(self.engine_config.kv),
             "kv_compressor": None if compressor is None else compressor.to_dict(),
             "scheduler": dataclasses.asdict(self.engine_config.scheduler),
@@ -52,7 +55,7 @@ def read_arm_config(path: str | Path) -> tuple[ServeConfig, EngineConfig]:
         raise FileNotFoundError(f"{path}: no such configuration file (a serve YAML, see examples/canary/)")
     serve, engine = load_serve_yaml(path)
     if serve.quant is not None:
-        load_quant_config(serve.quant)  # a bad quant YAML fails here, before any model loads
+        load_quant_spec(serve.quant)  # a bad quant YAML (any section) fails here, before any model loads
     return serve, engine
 
 

@@ -37,8 +37,9 @@ class CalibrationSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.num_samples < 1 or self.max_len < 2 or self.max_rows < 1 or self.fisher_samples < 0:
-            raise ValueError(f"invalid calibration settings: {self}")
+        for name, low in (("num_samples", 1), ("max_len", 2), ("max_rows", 1), ("fisher_samples", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"calibration.{name} must be >= {low}, got {getattr(self, name)}")
 
 
 @dataclass

@@ -23,20 +23,51 @@ _SECTIONS = {"calibration": CalibrationSettings, "dqg": DQGSettings}
 
 @dataclasses.dataclass(frozen=True)
 class CompileSpec:
+    """Everything a quantization YAML sets: the QuantConfig and the calibration and DQG settings. What
+    ``compile`` quantizes with, and what ``Pipeline(config=spec)`` (so ``mcp2026 serve --quant``) uses."""
+
     quant: QuantConfig
     calibration: CalibrationSettings
     dqg: DQGSettings
 
+    @classmethod
+    def from_config(cls, quant: QuantConfig) -> CompileSpec:
+        """The settings a YAML holding only ``quant``'s fields gives (the defaults ``recipe`` falls back to)."""
+        return cls(
+            quant,
+            CalibrationSettings(source=quant.calibration_source, num_samples=quant.calibration_samples),
+            DQGSettings(symmetric_only=quant.symmetric),
+        )
 
-def _section(name: str, cls: type, value: Any, source: str) -> Any:
+
+def _type_ok(value: Any, default: Any) -> bool:
+    """Whether ``value`` fits a field whose default is ``default`` (bool is no number, int is a float)."""
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, int | float):
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        return number and (isinstance(value, int) or not isinstance(default, int))
+    if isinstance(default, tuple):
+        return isinstance(value, list | tuple) and all(_type_ok(v, 0.0) for v in value)
+    return isinstance(value, type(default))
+
+
+def _section(name: str, cls: type, value: Any) -> Any:
+    """``cls`` from a YAML section; a ValueError names the key (``parse_spec`` prefixes the file)."""
+    if value is None:  # an empty section: the defaults
+        value = {}
     if not isinstance(value, dict):
-        raise ValueError(f"{source}: '{name}' must be a mapping, got {type(value).__name__}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(value) - known)
+        raise ValueError(f"'{name}' must be a mapping, got {type(value).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - set(fields))
     if unknown:
-        raise ValueError(f"{source}: unknown keys in '{name}': {unknown}; known: {sorted(known)}")
-    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
-    return cls(**fields)
+        raise ValueError(f"unknown keys in '{name}': {unknown}; known: {sorted(fields)}")
+    for key, v in value.items():
+        default = fields[key].default
+        if default not in (None, dataclasses.MISSING) and not _type_ok(v, default):
+            expected = "a list of numbers" if isinstance(default, tuple) else type(default).__name__
+            raise ValueError(f"{name}.{key} must be {expected}, got {v!r}")
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})
 
 
 def parse_spec(data: Any, source: str = "<yaml>") -> CompileSpec:
@@ -50,16 +81,16 @@ def parse_spec(data: Any, source: str = "<yaml>") -> CompileSpec:
         raise ValueError(f"{source}: unknown keys {unknown}; known: {sorted(_QUANT_KEYS | set(_SECTIONS))}")
     try:
         quant = QuantConfig(**{k: v for k, v in data.items() if k in _QUANT_KEYS})
-        calibration = _section("calibration", CalibrationSettings, data.get("calibration", {}), source)
-        settings = _section("dqg", DQGSettings, data.get("dqg", {}), source)
+        calibration = _section("calibration", CalibrationSettings, data.get("calibration"))
+        settings = _section("dqg", DQGSettings, data.get("dqg"))
     except TypeError as error:  # a value of the wrong type reaching a dataclass
         raise ValueError(f"{source}: {error}") from None
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from None
     flat = {"source": quant.calibration_source, "num_samples": quant.calibration_samples}
-    given = data.get("calibration", {})
+    given = data.get("calibration") or {}
     calibration = dataclasses.replace(calibration, **{k: v for k, v in flat.items() if k not in given})
-    if "symmetric_only" not in data.get("dqg", {}):
+    if "symmetric_only" not in (data.get("dqg") or {}):
         settings = dataclasses.replace(settings, symmetric_only=quant.symmetric)
     return CompileSpec(quant, calibration, settings)
 

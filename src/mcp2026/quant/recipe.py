@@ -321,13 +321,17 @@ def gate_for_config(
     config: QuantConfig,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    *,
+    settings: DQGSettings | None = None,
+    calibration: CalibrationSettings | None = None,
 ) -> tuple[DQGResult, DQGResult, QuantGate]:
     """Quality plan (``config``'s budget) and pressure plan (``pressure_bits_budget``) from one calibration
-    and one set of layer measurements; returns both results and the gate holding them (quality installed)."""
+    and one set of layer measurements; returns both results and the gate holding them (quality installed).
+    ``settings``/``calibration``: as for ``quantize_model`` (the quality plan is the one it would choose)."""
     formats, dtypes = hardware_candidates(device)
     formats = _granularity_formats(config, formats)
-    settings = DQGSettings(symmetric_only=config.symmetric)
-    calib, layers = _measure(model, tokenizer, config, formats, settings, None, progress)
+    settings = settings or DQGSettings(symmetric_only=config.symmetric)
+    calib, layers = _measure(model, tokenizer, config, formats, settings, calibration, progress)
     quality = _allocate(model, calib, layers, config, formats, settings, progress)
     pressure_config = dataclasses.replace(
         config,
@@ -343,12 +347,29 @@ def gate_for_config(
     return quality, pressure, gate
 
 
-def quantize_loaded(loaded, config: QuantConfig, device: str | torch.device = "cpu", progress: bool = True):
-    """Pipeline's quantization step: quantize a freshly loaded model as ``config`` asks; a compiled
-    artifact is already quantized, so there the config's plan is not applied again (a warning says so)."""
+def quantize_loaded(
+    loaded,
+    config: QuantConfig,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+    *,
+    settings: DQGSettings | None = None,
+    calibration: CalibrationSettings | None = None,
+):
+    """Pipeline's quantization step: quantize a freshly loaded model as ``config`` asks (with the DQG and
+    calibration settings of its YAML, as ``compile`` does); a compiled artifact is already quantized, so
+    there the config's plan is not applied again (a warning says so)."""
     if loaded.file_format == "mcp2026-artifact":
         warnings.warn(
             f"{loaded.source} is a compiled artifact (already quantized): QuantConfig ignored", stacklevel=3
         )
         return None
-    return quantize_model(loaded.model, loaded.tokenizer, config, device, progress=progress)
+    return quantize_model(
+        loaded.model,
+        loaded.tokenizer,
+        config,
+        device,
+        settings=settings,
+        calibration=calibration,
+        progress=progress,
+    )

@@ -19,6 +19,7 @@ from mcp2026.serve.traffic import TrafficConfig
 
 if TYPE_CHECKING:
     from mcp2026.kv.compressor import KVCompressor
+    from mcp2026.quant.compile_cli import CompileSpec
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -33,7 +34,7 @@ class ServeConfig:
     model: str | None = None  # HF folder or .gguf; None = the embedded default model
     model_name: str | None = None  # the id clients send as "model"; None = the model file's stem
     dtype: str = "auto"
-    quant: str | None = None  # QuantConfig YAML (as for `mcp2026 compile`); None = weights as stored
+    quant: str | None = None  # quant YAML, all of it as `mcp2026 compile` reads it; None = weights as stored
     host: str = "127.0.0.1"
     port: int = 8000
     tenants_file: str | None = None  # API keys -> tenants YAML; None = one open tenant
@@ -120,21 +121,18 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
     return raw
 
 
-def load_quant_config(path: str | Path) -> QuantConfig:
-    """A QuantConfig from a YAML of its fields (``mcp2026 compile``'s configs; their calibration and dqg
-    sections are read by compile, and ignored here)."""
-    try:
-        from mcp2026.quant.compile_cli import load_spec
-    except ImportError:  # the compile module is optional for serving
-        import yaml
+def load_quant_spec(path: str | Path) -> CompileSpec:
+    """A quant YAML as ``mcp2026 compile`` reads it: the QuantConfig and its ``calibration:`` and ``dqg:``
+    sections (``Pipeline(config=spec)`` quantizes exactly as compile does). Bad keys or values: ValueError."""
+    from mcp2026.quant.compile_cli import load_spec
 
-        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-        _require(isinstance(raw, dict), f"{path}: the quantization config must be a mapping")
-        try:
-            return QuantConfig(**raw)
-        except TypeError as e:
-            raise ValueError(f"{path}: {e}") from None
-    return load_spec(path).quant
+    return load_spec(path)
+
+
+def load_quant_config(path: str | Path) -> QuantConfig:
+    """The QuantConfig of a quant YAML (the whole file is checked; ``load_quant_spec`` keeps its
+    calibration and DQG settings too)."""
+    return load_quant_spec(path).quant
 
 
 def kv_compressor_from_options(

@@ -19,7 +19,7 @@ import uvicorn
 from mcp2026.config import EngineConfig
 from mcp2026.engine.async_engine import AsyncEngine
 from mcp2026.serve.app import create_app
-from mcp2026.serve.config import ServeConfig, load_quant_config
+from mcp2026.serve.config import ServeConfig, load_quant_spec
 from mcp2026.serve.traffic import Gate, KVPolicyGate, ObserveGate
 
 if TYPE_CHECKING:
@@ -67,13 +67,14 @@ class GracefulServer(uvicorn.Server):
 
 
 def build_pipeline(serve_config: ServeConfig, engine_config: EngineConfig) -> Pipeline:
-    """The model ``serve_config`` names, quantized as its ``quant`` YAML asks, on an engine with
+    """The model ``serve_config`` names, quantized as its ``quant`` YAML asks (its calibration and dqg
+    sections included: the plan ``mcp2026 compile`` of that YAML would choose), on an engine with
     ``engine_config``'s KV cache, KV compressor and scheduler: what a server with these configs runs."""
     from mcp2026.pipeline import Pipeline
 
     return Pipeline(
         model=serve_config.model,
-        config=load_quant_config(serve_config.quant) if serve_config.quant else None,
+        config=load_quant_spec(serve_config.quant) if serve_config.quant else None,
         dtype=serve_config.dtype,
         kv=engine_config.kv_compressor,
         scheduler=engine_config.scheduler,
