@@ -1,7 +1,8 @@
 """Attention over the paged KV cache for a mixed batch of decode tokens and prefill chunks.
 
 The runner builds one ``AttentionMetadata`` per step (shared by every layer). Tokens are laid out with
-all single-token decodes first (batched together: one block gather and two matmuls per layer), then each
+all single-token decodes first (batched together: one fused kernel reading the blocks in place when K/V are
+stored plain on the CPU, else one block gather and two matmuls per layer), then each
 prefill chunk (SDPA; causal over fresh tokens, masked over cached context when the chunk continues).
 Each layer writes the new K/V through the cache's codec, then reads whole live blocks back (decoded); blocks
 a request evicted are not read at all. Keys carry RoPE from before caching, so reading a subset of blocks
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from mcp2026.kernels import ops
 from mcp2026.kv.paged_cache import BlockRead, PagedKVCache, WritePlan
 
 
@@ -55,6 +57,10 @@ class AttentionMetadata:
     decode_read: BlockRead | None = None  # (B, nb) live blocks, each sequence's padded to nb
     decode_bias: torch.Tensor | None = None  # (B, 1, 1, nb * bs) 0 / -inf past each length; None if none
     decode_mass: torch.Tensor | None = None  # (B, nb) float32 attention mass per live block (scoring)
+    # Fused path (plain K/V storage, no scoring): live block ids (B, nb) and lengths (B,) for the kernel that
+    # reads the blocks in place; decode_read is None then.
+    decode_tables: torch.Tensor | None = None
+    decode_lengths: torch.Tensor | None = None
     prefills: list[PrefillSlice] = field(default_factory=list)
 
     def to(self, device: torch.device) -> AttentionMetadata:
@@ -72,6 +78,8 @@ class AttentionMetadata:
             None if self.decode_read is None else self.decode_read.to(device),
             move(self.decode_bias),
             move(self.decode_mass),
+            move(self.decode_tables),
+            move(self.decode_lengths),
             [p.to(device) for p in self.prefills],
         )
 
@@ -156,8 +164,14 @@ def attention(
     parts = []
     if meta.num_decodes:
         b = meta.num_decodes
-        kc, vc = cache.gather(layer, meta.decode_read)  # (B, nkv, L, hd)
-        parts.append(_decode_attention(q[:b], kc, vc, meta.decode_bias, meta.decode_mass, meta.block_size))
+        if meta.decode_tables is not None:
+            kb, vb = cache.layer_blocks(layer)
+            parts.append(ops.paged_decode_attention(q[:b], kb, vb, meta.decode_tables, meta.decode_lengths))
+        else:
+            kc, vc = cache.gather(layer, meta.decode_read)  # (B, nkv, L, hd)
+            parts.append(
+                _decode_attention(q[:b], kc, vc, meta.decode_bias, meta.decode_mass, meta.block_size)
+            )
     for p in meta.prefills:
         qs = q[p.q_start : p.q_start + p.q_len]
         if p.context is None:

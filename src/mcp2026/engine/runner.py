@@ -12,6 +12,7 @@ from torch import nn
 
 from mcp2026.engine.attention import AttentionMetadata, ForwardContext, PrefillSlice
 from mcp2026.engine.output import ScheduledChunk, SchedulerOutput
+from mcp2026.kernels import ops
 from mcp2026.kv.eviction import ScoringSpec, StepScores
 from mcp2026.kv.manager import HOLE, cdiv
 from mcp2026.kv.paged_cache import PagedKVCache
@@ -29,6 +30,8 @@ class ModelRunner:
         self.device = cache.device
         self.block_size = cache.block_size
         self.scoring = scoring or ScoringSpec()
+        # decode attention by the fused kernel (blocks read in place) where the storage and device allow
+        self.fused_decode = cache.stores_plain and ops.decode_kernel_available(cache.device, cache.dtype)
         self._scores: list[StepScores] = []
 
     def take_scores(self) -> list[StepScores]:
@@ -61,6 +64,13 @@ class ModelRunner:
             if staged is not None:
                 tables[b, int(num_live[b]) - 1] = staged
         lengths = (num_live - 1) * bs + starts % bs + 1
+        if (
+            self.fused_decode
+            and not self.scoring.decode
+            and not any(self._staged_id(c.request_id, stage_after) is not None for c in decodes)
+        ):
+            meta.decode_tables, meta.decode_lengths = tables, lengths
+            return index
         meta.decode_read = self.cache.block_read(tables.clamp_min(0))
         if int(lengths.min()) != width * bs:
             pad = torch.arange(width * bs).unsqueeze(0) >= lengths.unsqueeze(1)  # (B, L)

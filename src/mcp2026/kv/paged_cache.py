@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mcp2026.kv.codecs import KVCodec, Planes, TensorCodec, identity_codec
+from mcp2026.kv.codecs import Identity, KVCodec, Planes, TensorCodec, identity_codec
 from mcp2026.kv.debug import ErrorMonitor
 
 
@@ -347,6 +347,20 @@ class PagedKVCache:
         return encoded, full
 
     # --- reads -----------------------------------------------------------------------------------------
+    @property
+    def stores_plain(self) -> bool:
+        """K/V are stored as they are, in the compute dtype: kernels may read the blocks in place."""
+        key, value = self.codec.key, self.codec.value
+        return (
+            isinstance(key, Identity)
+            and isinstance(value, Identity)
+            and key.dtype == value.dtype == self.dtype
+        )
+
+    def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V blocks, (num_blocks, nkv, bs, hd) each (plain storage only)."""
+        return self.k_planes["x"][layer], self.v_planes["x"][layer]
+
     def block_read(self, block_ids: torch.Tensor) -> BlockRead:
         """A read of ``block_ids`` (B, nb), where ids >= num_blocks name staging entries."""
         num_seqs, num_blocks = block_ids.shape

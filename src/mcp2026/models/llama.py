@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mcp2026.config import ModelConfig
 from mcp2026.engine.attention import ForwardContext, attention
+from mcp2026.kernels import ops
 from mcp2026.models.layers import RMSNorm, RotaryEmbedding
 
 
@@ -43,7 +43,9 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)  # (T, q + 2kv)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads rotated together: one rope pass instead of two (fewer ops per decode step)
-        qk = rope.apply(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        if ops.rope_(qk, cos, sin) is None:
+            qk = rope.apply(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = attention(self.layer_idx, q, k, v, ctx)  # (T, nh, hd)
@@ -58,8 +60,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -73,13 +74,18 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: RotaryEmbedding,
         cos: torch.Tensor,
         sin: torch.Tensor,
         ctx: ForwardContext,
-    ) -> torch.Tensor:
-        x = x + self.attn(self.input_layernorm(x), rope, cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (or the embeddings with residual None); returns this layer's output
+        and the residual stream before it. The residual add is fused into the next norm (one op, not two)."""
+        h, residual = self.input_layernorm.add(residual, x)
+        h = self.attn(h, rope, cos, sin, ctx)
+        h, residual = self.post_attention_layernorm.add(residual, h)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -109,9 +115,10 @@ class LlamaForCausalLM(nn.Module):
         ctx = ctx or ForwardContext()
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope.table(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, self.rope, cos, sin, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, self.rope, cos, sin, ctx)
+        return self.norm.add(residual, x)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

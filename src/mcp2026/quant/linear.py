@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mcp2026.kernels import ops as kernel_ops
 from mcp2026.quant.plan import DENSE_FORMATS, LayerQuantSpec, linear_modules
 
 # NOTE: scales and zero points are rounded to bf16 once, when quantizing: artifacts store them in
@@ -88,6 +89,24 @@ def dequantize_groupwise_int4(q: Tensor, scales: Tensor, zeros: Tensor, group_si
     n, k = q.shape
     qg = q.float().reshape(n, k // group_size, group_size) - 8  # (N, G, g)
     return (qg * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1)).reshape(n, k)
+
+
+GEMV_MAX_ROWS = (
+    8  # decode-sized batches take our int4 GEMV kernel (kernels/cpu_decode.cpp); larger ones torch's
+)
+
+
+def gemv_layout(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q (N, K) in 0..15, scales/zeros (K/g, N) in our (q - 8) * scale + zero convention -> the GEMV kernel's
+    32-wide blocks: bytes (N, K/32, 16) holding elements i (low nibble) and i + 16 (high) of each block, and
+    d, m (N, K/32) float32 with w = d * q + m."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
+    packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).contiguous()
+    per_block = group_size // 32
+    d = scales.t().float().repeat_interleave(per_block, dim=1).contiguous()
+    m = (zeros.t().float() - 8 * scales.t().float()).repeat_interleave(per_block, dim=1).contiguous()
+    return packed, d, m
 
 
 def pack_int4(q: Tensor) -> Tensor:
@@ -354,6 +373,7 @@ class Int4Linear(QuantLinear):
         return "aten._weight_int4pack_mm_for_cpu" if device.type == "cpu" else None
 
     def _load(self, w):
+        self.__dict__.pop("_gemv", None)
         q, scales, zeros = quantize_groupwise_int4(
             w, self.spec.group_size, self.spec.symmetric, self._clip(w)
         )
@@ -368,10 +388,30 @@ class Int4Linear(QuantLinear):
         return dequantize_groupwise_int4(q, scales.t(), zeros.t(), self.spec.group_size)
 
     def forward(self, x: Tensor) -> Tensor:
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if x2.shape[0] <= GEMV_MAX_ROWS and self.inv_act_scale is None:
+            kernels = kernel_ops.kernels_for(x2)
+            if kernels is not None:  # decode: our int4 x int8 GEMV, no casts
+                return self._output(kernels.int4_gemv(x2, *self._gemv_weights()), x)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             self._input(x), self.weight, self.spec.group_size, self.scales_and_zeros
         )
         return self._output(y, x)
+
+    def _gemv_weights(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The weights in the GEMV kernel's layout, built on the first decode-sized call."""
+        gemv = self.__dict__.get("_gemv")
+        if gemv is None:
+            gemv = self.__dict__["_gemv"] = gemv_layout(
+                unpack_int4(self.weight, self.out_features, self.in_features),
+                *self.scales_and_zeros.float().unbind(-1),
+                self.spec.group_size,
+            )
+        return gemv
+
+    def _load_from_state_dict(self, *args, **kwargs):  # new weights: rebuild the GEMV layout on next use
+        self.__dict__.pop("_gemv", None)
+        super()._load_from_state_dict(*args, **kwargs)
 
 
 class Fp8Linear(QuantLinear):

@@ -1,0 +1,90 @@
+"""Our fused CPU decode kernels (``cpu_decode.cpp``): built once per machine, cached, optional.
+
+A decode step of a small model on the CPU is bound by how many ops it dispatches (~2-5 us each), not by
+arithmetic; these kernels fold the elementwise chains of a layer and the paged decode attention into one call
+each. They are compiled with torch's ``cpp_extension`` for the host CPU (``-march=native``) the first time an
+engine needs them (~1 minute on 2 cores), into ``hardware.cache_dir()/kernels/<key>`` where the key covers
+the source, the torch version and the CPU's feature flags, so a shared home directory never hands one CPU a
+binary built for another. Without a compiler, or with ``MCP2026_KERNELS=0``, every caller falls back to the
+plain torch ops (same results within float rounding; tests check both paths against each other).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mcp2026 import hardware
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+_lock = threading.Lock()
+_module: Any = None
+_reason: str | None = None  # why the kernels are unavailable (None: not tried yet, or loaded)
+_tried = False
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get("MCP2026_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def build_key() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(torch.__version__.encode())
+    digest.update(" ".join(sorted(hardware.cpu_flags())).encode())
+    return digest.hexdigest()[:16]
+
+
+def load(verbose: bool = False) -> Any | None:
+    """The compiled kernel module, building it on first use; None when unavailable (see ``unavailable_reason``)."""
+    global _module, _reason, _tried
+    if _tried:
+        return _module
+    with _lock:
+        if _tried:
+            return _module
+        if not enabled_by_env():
+            _reason = "disabled by MCP2026_KERNELS=0"
+        else:
+            try:
+                _module = _build(verbose)
+            except Exception as exc:  # no compiler, no ninja, a failed build: fall back, say why once
+                first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                _reason = f"build failed ({type(exc).__name__}: {first_line})"
+                log.warning("mcp2026: fused CPU kernels unavailable, using plain torch ops: %s", _reason)
+        _tried = True
+        return _module
+
+
+def unavailable_reason() -> str | None:
+    return _reason
+
+
+def _build(verbose: bool) -> Any:
+    from torch.utils import cpp_extension
+
+    key = build_key()
+    build_dir = hardware.cache_dir() / "kernels" / key
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not (build_dir / f"mcp2026_cpu_{key}.so").exists():
+        log.warning("mcp2026: building the fused CPU kernels once for this machine (about a minute)...")
+    return cpp_extension.load(
+        name=f"mcp2026_cpu_{key}",
+        sources=[str(SOURCE)],
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        verbose=verbose,
+    )
+
+
+def usable_for(t: torch.Tensor) -> bool:
+    """The kernels take CPU float32 / bfloat16 tensors only."""
+    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16)

@@ -1,0 +1,67 @@
+"""The decode step's fused ops, each with its plain-torch fallback (used off the CPU, with autograd, or when the
+compiled kernels are unavailable). Both paths compute the same function; tests compare them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mcp2026.kernels import cpu
+
+
+def kernels_for(*tensors: torch.Tensor) -> Any | None:
+    """The compiled kernels when every tensor suits them (CPU, fp32/bf16) and no gradient is being recorded."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    if not all(cpu.usable_for(t) for t in tensors):
+        return None
+    return cpu.load()
+
+
+def add_rms_norm(
+    residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual <- residual + x (in place when fused), then (RMSNorm(residual) * weight, residual)."""
+    fusable = residual.dim() == 2 and residual.is_contiguous()
+    k = kernels_for(residual, weight, *(() if x is None else (x,))) if fusable else None
+    if k is not None:
+        return k.add_rms_norm(residual, x, weight, eps, residual.dtype), residual
+    if x is not None:
+        residual = residual + x
+    return F.rms_norm(residual, (residual.shape[-1],), weight, eps), residual
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[gate | up] (T, 2I) -> SiLU(gate) * up (T, I)."""
+    k = kernels_for(gate_up) if gate_up.dim() == 2 else None
+    if k is not None:
+        return k.silu_mul(gate_up, gate_up.dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """Rotate x (T, heads, hd) in place (rotate-half convention) and return it; None when not fusable,
+    so the caller runs its torch version."""
+    if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+        return None
+    k = kernels_for(x, cos)
+    if k is None:
+        return None
+    k.rope_(x, cos, sin)
+    return x
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """q (B, nh, hd) pre-scaled; caches (num_blocks, nkv, bs, hd); tables (B, nb) live block ids in order;
+    lengths (B,) tokens to attend. Only called when ``decode_kernel_available`` said yes."""
+    return cpu.load().paged_decode_attention(q, k_cache, v_cache, tables, lengths)
+
+
+def decode_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu.load() is not None

@@ -1,0 +1,166 @@
+"""The fused CPU kernels against their plain torch definitions, and the model with and without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mcp2026.kernels import cpu, ops
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = cpu.load()
+    if module is None:
+        pytest.skip(f"fused CPU kernels unavailable here: {cpu.unavailable_reason()}")
+    return module
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_x", [True, False])
+def test_add_rms_norm_matches_torch(kernels, dtype, with_x):
+    torch.manual_seed(0)
+    residual = torch.randn(5, 96, dtype=dtype)
+    x = torch.randn(5, 96, dtype=dtype) if with_x else None
+    weight = torch.rand(96, dtype=dtype) + 0.5
+    expected_res = residual + x if with_x else residual.clone()
+    expected = F.rms_norm(expected_res.float(), (96,), weight.float(), 1e-5)
+    out = kernels.add_rms_norm(residual, x, weight, 1e-5, dtype)
+    assert out.dtype == dtype
+    torch.testing.assert_close(residual, expected_res)  # updated in place
+    torch.testing.assert_close(out.float(), expected, atol=_tol(dtype), rtol=_tol(dtype))
+
+
+def test_add_rms_norm_adds_a_bf16_branch_to_an_fp32_stream(kernels):
+    residual, x, weight = torch.randn(2, 64), torch.randn(2, 64).bfloat16(), torch.rand(64) + 0.5
+    expected = F.rms_norm(residual + x.float(), (64,), weight, 1e-6)
+    torch.testing.assert_close(kernels.add_rms_norm(residual, x, weight, 1e-6, torch.float32), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(kernels, dtype):
+    gate_up = torch.randn(3, 2 * 80, dtype=dtype)
+    expected = F.silu(gate_up[:, :80].float()) * gate_up[:, 80:].float()
+    torch.testing.assert_close(
+        kernels.silu_mul(gate_up, dtype).float(), expected, atol=_tol(dtype), rtol=_tol(dtype)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_on_a_strided_view_matches_rotate_half(kernels, dtype):
+    from mcp2026.models.layers import RotaryEmbedding
+
+    rope = RotaryEmbedding(32, 64, 10000.0, None)
+    positions = torch.tensor([0, 5, 17])
+    cos, sin = rope.table(positions, dtype)
+    qkv = torch.randn(3, 7 * 32, dtype=dtype)  # q+k heads (6) and one v head, like the attention's qkv
+    qk = qkv[:, : 6 * 32].view(3, 6, 32)
+    expected = rope.apply(qk.float(), cos.float(), sin.float())
+    v_before = qkv[:, 6 * 32 :].clone()
+    assert ops.rope_(qk, cos, sin) is qk
+    torch.testing.assert_close(qk.float(), expected, atol=_tol(dtype), rtol=_tol(dtype))
+    assert torch.equal(qkv[:, 6 * 32 :], v_before)  # v untouched
+
+
+def _reference_attention(q, k_cache, v_cache, tables, lengths):
+    out = []
+    bs = k_cache.shape[2]
+    for b in range(q.shape[0]):
+        n = int(lengths[b])
+        blocks = tables[b, : -(-n // bs)]
+        k = k_cache[blocks].transpose(0, 1).flatten(1, 2)[:, :n].float()  # (nkv, n, hd)
+        v = v_cache[blocks].transpose(0, 1).flatten(1, 2)[:, :n].float()
+        qb = q[b].float()[None, :, None]  # (1, nh, 1, hd)
+        o = F.scaled_dot_product_attention(qb, k[None], v[None], scale=1.0, enable_gqa=True)
+        out.append(o[0, :, 0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_matches_a_gather_and_softmax(kernels, dtype):
+    torch.manual_seed(1)
+    num_blocks, nkv, bs, hd, nh = 40, 2, 16, 32, 6
+    k_cache = torch.randn(num_blocks, nkv, bs, hd, dtype=dtype)
+    v_cache = torch.randn(num_blocks, nkv, bs, hd, dtype=dtype)
+    q = torch.randn(4, nh, hd, dtype=dtype) / hd**0.5
+    tables = torch.randperm(num_blocks)[:20].view(4, 5)  # scattered blocks, in position order per row
+    tables[0, 1:] = -1  # a short sequence: padding past its blocks is never read
+    lengths = torch.tensor([1, 16, 17, 77])
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths)
+    expected = _reference_attention(q, k_cache, v_cache, tables, lengths)
+    torch.testing.assert_close(out.float(), expected, atol=_tol(dtype), rtol=_tol(dtype))
+
+
+def test_paged_decode_attention_rejects_bad_tables(kernels):
+    k_cache = torch.zeros(4, 1, 16, 8)
+    q = torch.zeros(1, 1, 8)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        kernels.paged_decode_attention(q, k_cache, k_cache, torch.tensor([[7]]), torch.tensor([3]))
+    with pytest.raises(RuntimeError, match="length out of range"):
+        kernels.paged_decode_attention(q, k_cache, k_cache, torch.tensor([[0]]), torch.tensor([17]))
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_int4_gemv_is_exact_integer_math_and_close_to_the_weights(kernels, group_size, rows):
+    from mcp2026.quant.linear import Int4Linear, gemv_layout, unpack_int4
+    from mcp2026.quant.plan import LayerQuantSpec
+
+    torch.manual_seed(2)
+    linear = torch.nn.Linear(192, 96, bias=False)
+    q = Int4Linear.from_linear(linear, LayerQuantSpec("int4", group_size=group_size), torch.bfloat16)
+    packed, d, m = gemv_layout(
+        unpack_int4(q.weight, 96, 192), *q.scales_and_zeros.float().unbind(-1), group_size
+    )
+    x = torch.randn(rows, 192)
+    y = kernels.int4_gemv(x, packed, d, m)
+    # the kernel's definition: per 32-block int8 activations (absmax / 127), w = d * q + m
+    xb = x.view(rows, 6, 32)
+    dx = xb.abs().amax(-1, keepdim=True) / 127
+    xq = torch.round(xb / dx) * dx
+    w = torch.cat([packed & 15, packed >> 4], dim=-1).float() * d.unsqueeze(-1) + m.unsqueeze(-1)
+    torch.testing.assert_close(y, xq.view(rows, 192) @ w.view(96, 192).T, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(w.view(96, 192), q.dequantize())
+    exact = x @ q.dequantize().T
+    assert ((y - exact).norm() / exact.norm()).item() < 0.01  # int8 activations: ~0.5% measured
+
+
+def test_int4_linear_takes_the_gemv_for_decode_sized_batches_only(kernels):
+    from mcp2026.quant.linear import GEMV_MAX_ROWS, Int4Linear
+    from mcp2026.quant.plan import LayerQuantSpec
+
+    q = Int4Linear.from_linear(torch.nn.Linear(64, 32), LayerQuantSpec("int4"), torch.bfloat16)
+    with torch.inference_mode():
+        small = q(torch.randn(2, 64))
+        assert "_gemv" in q.__dict__ and small.dtype == torch.float32
+        big = q(torch.randn(GEMV_MAX_ROWS + 1, 64))  # prefill-sized: torch's kernel
+        assert big.shape == (GEMV_MAX_ROWS + 1, 32)
+    q.load_state_dict(q.state_dict())
+    assert "_gemv" not in q.__dict__  # new weights: the layout is rebuilt on next use
+
+
+def test_no_kernels_while_recording_gradients(kernels):
+    x = torch.randn(2, 8, requires_grad=True)
+    assert ops.kernels_for(x) is None
+    with torch.no_grad():
+        assert ops.kernels_for(x) is kernels
+    assert ops.kernels_for(torch.randn(2, 8, dtype=torch.float16)) is None
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_model_logits_equal_with_and_without_kernels(kernels, tiny_llama_dir, monkeypatch):
+    from mcp2026.loading.loader import load_model
+
+    model = load_model(tiny_llama_dir).model
+    ids = torch.tensor([5, 9, 33, 2, 7, 100, 3])
+    positions = torch.arange(len(ids))
+    with torch.inference_mode():
+        fused = model.compute_logits(model(ids, positions))
+        monkeypatch.setattr(cpu, "_module", None)  # as if the build had failed
+        plain = model.compute_logits(model(ids, positions))
+    torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
