@@ -64,3 +64,17 @@ def test_cuda_absent_is_skipped(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert runtime.check_cuda(DoctorContext()).status is Status.SKIP
+
+
+def test_fused_kernels_pass_when_built_and_warn_with_the_reason_otherwise(monkeypatch):
+    from mcp2026.kernels import cpu
+
+    if cpu.load() is None:
+        pytest.skip(f"kernels unavailable here: {cpu.unavailable_reason()}")
+    assert runtime.check_fused_kernels(DoctorContext()).status is Status.PASS
+    monkeypatch.setattr(cpu, "_module", None)
+    monkeypatch.setattr(cpu, "_reason", "build failed (OSError: no compiler)")
+    result = runtime.check_fused_kernels(DoctorContext())
+    assert result.status is Status.WARN and "no compiler" in result.reason and result.fix
+    monkeypatch.setenv("MCP2026_KERNELS", "0")
+    assert "MCP2026_KERNELS=0" in runtime.check_fused_kernels(DoctorContext()).reason

@@ -12,6 +12,7 @@ CHECKS: tuple[Check, ...] = (
     Check("runtime", "cpu isa", runtime.check_cpu_isa),
     Check("runtime", "cuda", runtime.check_cuda),
     Check("runtime", "quant kernels", runtime.check_quant_kernels),
+    Check("runtime", "fused kernels", runtime.check_fused_kernels),
     Check("memory", "cgroups", memory.check_cgroups),
     Check("memory", "cpu threads", memory.check_cpu_threads),
     Check("memory", "memory fit", memory.check_memory_fit),

@@ -159,3 +159,28 @@ def check_quant_kernels(ctx: DoctorContext) -> CheckResult:
             **details,
         )
     return result
+
+
+def check_fused_kernels(ctx: DoctorContext) -> CheckResult:
+    """Our C++ decode kernels (kernels/cpu_decode.cpp): built and cached, or why the engine falls back."""
+    from mcp2026.kernels import cpu
+
+    name = "fused kernels"
+    if ctx.device.type != "cpu":
+        return skipped(name, f"CPU kernels; the server runs on {ctx.device}")
+    if not cpu.enabled_by_env():
+        return warned(
+            name, "disabled by MCP2026_KERNELS=0", "unset MCP2026_KERNELS for ~2x faster CPU decode"
+        )
+    cached = (hardware.cache_dir() / "kernels" / cpu.build_key()).exists()
+    if ctx.quick and not cached:
+        return skipped(name, "not built yet (--quick); the first engine start builds them (about a minute)")
+    if cpu.load() is None:
+        return warned(
+            name,
+            f"unavailable: {cpu.unavailable_reason()}; decode runs on plain torch ops",
+            "install a C++ compiler (g++) and ninja, then rerun",
+        )
+    return passed(
+        name, "built for this CPU (paged decode attention, fused norms, int4 GEMV)", key=cpu.build_key()
+    )

@@ -11,6 +11,10 @@ import torch.nn.functional as F
 
 from mcp2026.kernels import cpu
 
+# The elementwise kernels are single-threaded loops made for decode steps (few rows, where dispatch cost
+# dominates); prefill-sized inputs take torch's vectorized, multi-threaded ops.
+FUSED_MAX_ROWS = 64
+
 
 def kernels_for(*tensors: torch.Tensor) -> Any | None:
     """The compiled kernels when every tensor suits them (CPU, fp32/bf16) and no gradient is being recorded."""
@@ -25,7 +29,7 @@ def add_rms_norm(
     residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual <- residual + x (in place when fused), then (RMSNorm(residual) * weight, residual)."""
-    fusable = residual.dim() == 2 and residual.is_contiguous()
+    fusable = residual.dim() == 2 and residual.is_contiguous() and residual.shape[0] <= FUSED_MAX_ROWS
     k = kernels_for(residual, weight, *(() if x is None else (x,))) if fusable else None
     if k is not None:
         return k.add_rms_norm(residual, x, weight, eps, residual.dtype), residual
@@ -36,7 +40,7 @@ def add_rms_norm(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[gate | up] (T, 2I) -> SiLU(gate) * up (T, I)."""
-    k = kernels_for(gate_up) if gate_up.dim() == 2 else None
+    k = kernels_for(gate_up) if gate_up.dim() == 2 and gate_up.shape[0] <= FUSED_MAX_ROWS else None
     if k is not None:
         return k.silu_mul(gate_up, gate_up.dtype)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -46,7 +50,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """Rotate x (T, heads, hd) in place (rotate-half convention) and return it; None when not fusable,
     so the caller runs its torch version."""
-    if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+    if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1] or x.shape[0] > FUSED_MAX_ROWS:
         return None
     k = kernels_for(x, cos)
     if k is None:
