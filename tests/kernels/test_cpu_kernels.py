@@ -114,16 +114,15 @@ def test_int4_gemv_is_exact_integer_math_and_close_to_the_weights(kernels, group
     torch.manual_seed(2)
     linear = torch.nn.Linear(192, 96, bias=False)
     q = Int4Linear.from_linear(linear, LayerQuantSpec("int4", group_size=group_size), torch.bfloat16)
-    packed, d, m = gemv_layout(
-        unpack_int4(q.weight, 96, 192), *q.scales_and_zeros.float().unbind(-1), group_size
-    )
+    packed, sz = gemv_layout(unpack_int4(q.weight, 96, 192), q.scales_and_zeros, group_size)
     x = torch.randn(rows, 192)
-    y = kernels.int4_gemv(x, packed, d, m)
-    # the kernel's definition: per 32-block int8 activations (absmax / 127), w = d * q + m
+    y = kernels.int4_gemv(x, packed, sz)
+    # the kernel's definition: per 32-block int8 activations (absmax / 127), w = (q - 8) * scale + zero
     xb = x.view(rows, 6, 32)
     dx = xb.abs().amax(-1, keepdim=True) / 127
     xq = torch.round(xb / dx) * dx
-    w = torch.cat([packed & 15, packed >> 4], dim=-1).float() * d.unsqueeze(-1) + m.unsqueeze(-1)
+    scale, zero = sz.float().unbind(-1)
+    w = (torch.cat([packed & 15, packed >> 4], dim=-1).float() - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1)
     torch.testing.assert_close(y, xq.view(rows, 192) @ w.view(96, 192).T, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(w.view(96, 192), q.dequantize())
     exact = x @ q.dequantize().T

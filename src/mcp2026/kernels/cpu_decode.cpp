@@ -17,6 +17,7 @@
 #include <cmath>
 #include <limits>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -265,17 +266,18 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up, c10::ScalarType out_dtype) 
 
 // ---- int4 x int8 GEMV (decode-sized batches) ---------------------------------------------------------------
 // Weights in 32-wide blocks: qs (N, K/32, 16) bytes, byte i holding w[32b + i] (low nibble) and w[32b + 16 + i]
-// (high nibble), value = d * q + m with q in 0..15 and d, m (N, K/32) float32. Activations are quantized per
-// 32-block to int8 at call time (as llama.cpp's Q8 activations), so one block's dot product is integer
-// multiply-adds: u8 x s8 pairs (maddubs), widened to int32, then one float FMA with d * dx. The m term needs
-// only the block's sum of the quantized x. M (rows of x) is small (decode): each weight block is unpacked once and
-// used for every row.
+// (high nibble); sz (N, K/32, 2) bf16 scale and zero, value = (q - 8) * scale + zero with q in 0..15 (the
+// convention and the bf16 bits of torch's int4 kernel, so both compute from identical weights). Activations
+// are quantized per 32-block to int8 at call time (as llama.cpp's Q8 activations), so one block's dot product
+// is integer multiply-adds: u8 x s8 pairs (maddubs), widened to int32, then one float FMA with scale * dx; the
+// (zero - 8 * scale) term needs only the block's sum of the quantized x. M (rows of x) is small (decode): each
+// weight block is unpacked once and used for every row.
 namespace {
 
 constexpr int64_t kMaxGemvRows = 8;
 
 struct QuantizedRows {
-  std::vector<int8_t> q;    // (M, K)
+  std::vector<int8_t> q;     // (M, K)
   std::vector<float> scale;  // (M, K/32): dx
   std::vector<float> sum;    // (M, K/32): dx * sum of the quantized x over the block
 };
@@ -298,11 +300,18 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
         qsum += qb[k];
       }
       r.scale[i * nblk + b] = dx;
-      // The m term uses the quantized x too: then the activation error enters as w * (xq - x), which is
-      // smaller than splitting it into d * q * (xq - x) and an exact m * sum(x) (measured: 0.55% vs 0.9%).
+      // The offset term uses the quantized x too: the activation error then enters as w * (xq - x), smaller
+      // than d * q * (xq - x) plus an exact offset * sum(x) (measured: 0.55% vs 0.9% relative output error).
       r.sum[i * nblk + b] = dx * static_cast<float>(qsum);
     }
   return r;
+}
+
+inline float bf16_bits_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -313,37 +322,97 @@ inline float hsum(__m256 v) {
   lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
   return _mm_cvtss_f32(lo);
 }
+
+inline __m256 block_dot(const uint8_t* wq, const int8_t* xq) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wq));
+  const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
 #endif
 
-void gemv_rows(const uint8_t* qs, const float* d, const float* m, const QuantizedRows& xr, int64_t M, int64_t K,
-               int64_t n0, int64_t n1, float* out, int64_t N) {
+#if defined(__AVX2__) && defined(__FMA__)
+// M == 1 (batch-1 decode): everything in registers.
+void gemv_one_row(const uint8_t* qs, const uint16_t* sz, const QuantizedRows& xr, int64_t K, int64_t n0,
+                  int64_t n1, float* out) {
+  const int64_t nblk = K / 32;
+  const int8_t* xq = xr.q.data();
+  const float* dx = xr.scale.data();
+  const float* sx = xr.sum.data();
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wq = qs + n * nblk * 16;
+    const uint16_t* szn = sz + n * nblk * 2;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float tail = 0.f;
+    int64_t b = 0;
+    for (; b + 1 < nblk; b += 2) {
+      const float s0 = bf16_bits_to_float(szn[2 * b]), s1 = bf16_bits_to_float(szn[2 * b + 2]);
+      const float z0 = bf16_bits_to_float(szn[2 * b + 1]), z1 = bf16_bits_to_float(szn[2 * b + 3]);
+      acc0 = _mm256_fmadd_ps(block_dot(wq + b * 16, xq + b * 32), _mm256_set1_ps(s0 * dx[b]), acc0);
+      acc1 = _mm256_fmadd_ps(block_dot(wq + b * 16 + 16, xq + b * 32 + 32), _mm256_set1_ps(s1 * dx[b + 1]), acc1);
+      tail += (z0 - 8.f * s0) * sx[b] + (z1 - 8.f * s1) * sx[b + 1];
+    }
+    for (; b < nblk; ++b) {
+      const float s0 = bf16_bits_to_float(szn[2 * b]), z0 = bf16_bits_to_float(szn[2 * b + 1]);
+      acc0 = _mm256_fmadd_ps(block_dot(wq + b * 16, xq + b * 32), _mm256_set1_ps(s0 * dx[b]), acc0);
+      tail += (z0 - 8.f * s0) * sx[b];
+    }
+    out[n] = hsum(_mm256_add_ps(acc0, acc1)) + tail;
+  }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 2..8 rows: the row count is a template parameter, so the per-row accumulators stay in registers.
+template <int M>
+void gemv_fixed_rows(const uint8_t* qs, const uint16_t* sz, const QuantizedRows& xr, int64_t K, int64_t n0,
+                     int64_t n1, float* out, int64_t N) {
   const int64_t nblk = K / 32;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wq = qs + n * nblk * 16;
-    const float* dn = d + n * nblk;
-    const float* mn = m + n * nblk;
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 acc[kMaxGemvRows];
-    float tail[kMaxGemvRows];
-    for (int64_t i = 0; i < M; ++i) {
+    const uint16_t* szn = sz + n * nblk * 2;
+    __m256 acc[M];
+    float tail[M];
+    for (int i = 0; i < M; ++i) {
       acc[i] = _mm256_setzero_ps();
       tail[i] = 0.f;
     }
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nblk; ++b) {
+      const float s = bf16_bits_to_float(szn[2 * b]);
+      const float off = bf16_bits_to_float(szn[2 * b + 1]) - 8.f * s;
       const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + b * 16));
-      const __m256i w = _mm256_and_si256(
-          _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low4);  // 32 x u8: w[0..15], w[16..31]
-      for (int64_t i = 0; i < M; ++i) {
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + i * K + b * 32));
-        const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), ones);  // 8 x i32
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_set1_ps(dn[b] * xr.scale[i * nblk + b]), acc[i]);
-        tail[i] += mn[b] * xr.sum[i * nblk + b];
+      const __m256i w =
+          _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+      for (int i = 0; i < M; ++i) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + i * K + b * 32));
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * xr.scale[i * nblk + b]), acc[i]);
+        tail[i] += off * xr.sum[i * nblk + b];
       }
     }
-    for (int64_t i = 0; i < M; ++i) out[i * N + n] = hsum(acc[i]) + tail[i];
+    for (int i = 0; i < M; ++i) out[i * N + n] = hsum(acc[i]) + tail[i];
+  }
+}
+#endif
+
+void gemv_rows(const uint8_t* qs, const uint16_t* sz, const QuantizedRows& xr, int64_t M, int64_t K, int64_t n0,
+               int64_t n1, float* out, int64_t N) {
+#if defined(__AVX2__) && defined(__FMA__)
+  switch (M) {
+    case 1: return gemv_one_row(qs, sz, xr, K, n0, n1, out);
+    case 2: return gemv_fixed_rows<2>(qs, sz, xr, K, n0, n1, out, N);
+    case 3: return gemv_fixed_rows<3>(qs, sz, xr, K, n0, n1, out, N);
+    case 4: return gemv_fixed_rows<4>(qs, sz, xr, K, n0, n1, out, N);
+    case 5: return gemv_fixed_rows<5>(qs, sz, xr, K, n0, n1, out, N);
+    case 6: return gemv_fixed_rows<6>(qs, sz, xr, K, n0, n1, out, N);
+    case 7: return gemv_fixed_rows<7>(qs, sz, xr, K, n0, n1, out, N);
+    default: return gemv_fixed_rows<8>(qs, sz, xr, K, n0, n1, out, N);
+  }
 #else
+  const int64_t nblk = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wq = qs + n * nblk * 16;
+    const uint16_t* szn = sz + n * nblk * 2;
     for (int64_t i = 0; i < M; ++i) {
       float total = 0.f;
       for (int64_t b = 0; b < nblk; ++b) {
@@ -353,27 +422,27 @@ void gemv_rows(const uint8_t* qs, const float* d, const float* m, const Quantize
           const uint8_t byte = wq[b * 16 + k];
           isum += static_cast<int32_t>(byte & 0x0F) * xq[k] + static_cast<int32_t>(byte >> 4) * xq[k + 16];
         }
-        total += dn[b] * xr.scale[i * nblk + b] * static_cast<float>(isum) + mn[b] * xr.sum[i * nblk + b];
+        const float s = bf16_bits_to_float(szn[2 * b]);
+        const float off = bf16_bits_to_float(szn[2 * b + 1]) - 8.f * s;
+        total += s * xr.scale[i * nblk + b] * static_cast<float>(isum) + off * xr.sum[i * nblk + b];
       }
       out[i * N + n] = total;
     }
-#endif
   }
+#endif
 }
 
 }  // namespace
 
-torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
-                        const torch::Tensor& m) {
+torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sz) {
   check_cpu_float(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxGemvRows, "x must be (M, K) with M <= ", kMaxGemvRows);
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
   TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
   TORCH_CHECK(qs.scalar_type() == torch::kByte && qs.is_contiguous() && qs.numel() == N * K / 2,
               "qs must be contiguous uint8 (N, K/32, 16)");
-  TORCH_CHECK(d.scalar_type() == torch::kFloat && m.scalar_type() == torch::kFloat && d.is_contiguous() &&
-                  m.is_contiguous() && d.numel() == N * K / 32 && m.numel() == N * K / 32,
-              "d and m must be contiguous float32 (N, K/32)");
+  TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.is_contiguous() && sz.numel() == N * K / 16,
+              "sz must be contiguous bfloat16 (N, K/32, 2)");
   const auto xc = x.contiguous();
   QuantizedRows xr;
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, xc.scalar_type(), "int4_gemv_q", [&] {
@@ -381,10 +450,9 @@ torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& qs, const t
   });
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* mp = m.data_ptr<float>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { gemv_rows(qp, dp, mp, xr, M, K, n0, n1, op, N); });
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { gemv_rows(qp, sp, xr, M, K, n0, n1, op, N); });
   return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
 }
 

@@ -96,17 +96,15 @@ GEMV_MAX_ROWS = (
 )
 
 
-def gemv_layout(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """q (N, K) in 0..15, scales/zeros (K/g, N) in our (q - 8) * scale + zero convention -> the GEMV kernel's
-    32-wide blocks: bytes (N, K/32, 16) holding elements i (low nibble) and i + 16 (high) of each block, and
-    d, m (N, K/32) float32 with w = d * q + m."""
+def gemv_layout(q: Tensor, scales_and_zeros: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """q (N, K) in 0..15 and torch's (K/g, N, 2) scales and zeros -> the GEMV kernel's 32-wide blocks: bytes
+    (N, K/32, 16) holding elements i (low nibble) and i + 16 (high) of each block, and (N, K/32, 2) bf16
+    scale and zero per block (the same bits, repeated when a group spans several blocks)."""
     n, k = q.shape
     blocks = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
     packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).contiguous()
-    per_block = group_size // 32
-    d = scales.t().float().repeat_interleave(per_block, dim=1).contiguous()
-    m = (zeros.t().float() - 8 * scales.t().float()).repeat_interleave(per_block, dim=1).contiguous()
-    return packed, d, m
+    sz = scales_and_zeros.to(torch.bfloat16).transpose(0, 1)  # (N, K/g, 2)
+    return packed, sz.repeat_interleave(group_size // 32, dim=1).contiguous()
 
 
 def pack_int4(q: Tensor) -> Tensor:
@@ -398,15 +396,12 @@ class Int4Linear(QuantLinear):
         )
         return self._output(y, x)
 
-    def _gemv_weights(self) -> tuple[Tensor, Tensor, Tensor]:
+    def _gemv_weights(self) -> tuple[Tensor, Tensor]:
         """The weights in the GEMV kernel's layout, built on the first decode-sized call."""
         gemv = self.__dict__.get("_gemv")
         if gemv is None:
-            gemv = self.__dict__["_gemv"] = gemv_layout(
-                unpack_int4(self.weight, self.out_features, self.in_features),
-                *self.scales_and_zeros.float().unbind(-1),
-                self.spec.group_size,
-            )
+            q = unpack_int4(self.weight, self.out_features, self.in_features)
+            gemv = self.__dict__["_gemv"] = gemv_layout(q, self.scales_and_zeros, self.spec.group_size)
         return gemv
 
     def _load_from_state_dict(self, *args, **kwargs):  # new weights: rebuild the GEMV layout on next use
