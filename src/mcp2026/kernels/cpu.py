@@ -44,9 +44,13 @@ def build_key() -> str:
 
 def load(verbose: bool = False) -> Any | None:
     """The compiled kernel module, building it on first use; None when unavailable (see ``unavailable_reason``)."""
-    global _module, _reason, _tried
     if _tried:
         return _module
+    return _load_once(verbose)
+
+
+def _load_once(verbose: bool) -> Any | None:
+    global _module, _reason, _tried
     with _lock:
         if _tried:
             return _module
@@ -83,8 +87,3 @@ def _build(verbose: bool) -> Any:
         build_directory=str(build_dir),
         verbose=verbose,
     )
-
-
-def usable_for(t: torch.Tensor) -> bool:
-    """The kernels take CPU float32 / bfloat16 tensors only."""
-    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16)

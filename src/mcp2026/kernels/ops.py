@@ -16,13 +16,20 @@ from mcp2026.kernels import cpu
 FUSED_MAX_ROWS = 64
 
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def kernels_for(*tensors: torch.Tensor) -> Any | None:
-    """The compiled kernels when every tensor suits them (CPU, fp32/bf16) and no gradient is being recorded."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    """The compiled kernels when every tensor suits them (CPU, fp32/bf16) and no gradient is being recorded.
+    Called several times per layer and step: plain attribute checks only (``t.device`` allocates)."""
+    module = cpu.load()
+    if module is None:
         return None
-    if not all(cpu.usable_for(t) for t in tensors):
-        return None
-    return cpu.load()
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if not t.is_cpu or t.dtype not in _KERNEL_DTYPES or (grad and t.requires_grad):
+            return None
+    return module
 
 
 def add_rms_norm(

@@ -142,6 +142,10 @@ class PagedKVCache:
         self.device = torch.device(device)
         self.codec = codec or identity_codec(dtype)
         self.codec.check_shape(num_kv_heads, head_dim)
+        key, value = self.codec.key, self.codec.value
+        self._plain = (
+            isinstance(key, Identity) and isinstance(value, Identity) and key.dtype == value.dtype == dtype
+        )
         self._buffers: list[mmap.mmap] = []
         self.k_planes = self._allocate_planes(self.codec.key)
         self.v_planes = self._allocate_planes(self.codec.value)
@@ -312,6 +316,11 @@ class PagedKVCache:
 
     def write(self, layer: int, plan: WritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: (T, nkv, hd), the step's new tokens in plan order
+        if self.stores_plain and plan.rows is not None and not plan.is_monitored:  # no codec: one copy each
+            hd = self.head_dim
+            self.k_planes["x"][layer].view(-1, hd).index_copy_(0, plan.rows, k.reshape(-1, hd))
+            self.v_planes["x"][layer].view(-1, hd).index_copy_(0, plan.rows, v.reshape(-1, hd))
+            return
         for planes, codec, x, kind in (
             (self.k_planes, self.codec.key, k, 0),
             (self.v_planes, self.codec.value, v, 1),
