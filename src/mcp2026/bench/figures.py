@@ -55,12 +55,18 @@ def _serve_samples(records: Sequence[Mapping[str, Any]]) -> list[tuple[Any, Any,
 
 def latency_samples(run: BenchRun, label: str = "") -> dict[str, dict[str, list[float]]]:
     """Per-request TTFT/TPOT/E2E (ms), series label -> metric -> values: a serve run's successful normal
-    requests, our engine's requests in an offline run (the HF peer's static batches have no per-request
-    TTFT), each (config, rate) row of a sweep."""
+    requests (a series per endpoint in a side-by-side run), our engine's requests in an offline run (the
+    HF peer's static batches have no per-request TTFT), each (config, rate) row of a sweep."""
     label = label or run.kind
     series: dict[str, list[tuple[Any, Any, Any]]] = {}
     if run.kind == "serve":
-        series[label] = _serve_samples(run.records)
+        endpoints = list(dict.fromkeys(r.get("endpoint") or "" for r in run.records))
+        if len(endpoints) > 1:  # side by side: a series per endpoint
+            for name in endpoints:
+                mine = [r for r in run.records if (r.get("endpoint") or "") == name]
+                series[f"{label} {name}"] = _serve_samples(mine)
+        else:
+            series[label] = _serve_samples(run.records)
     elif run.kind.startswith("offline"):
         series[label] = [
             (r.get("ttft_s"), r.get("e2e_s"), r.get("num_output_tokens"))

@@ -1,5 +1,6 @@
 """``mcp2026 bench serve``: the serving load generator against a running OpenAI-compatible server (ours,
-llama.cpp's ``llama-server``, vLLM). Register with ``bench_app.command("serve")(serve)``.
+llama.cpp's ``llama-server``, vLLM), alone or side by side with peers (``--peer-url NAME=URL``: the same
+workload, interleaved, reported as ratios). Register with ``bench_app.command("serve")(serve)``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,15 @@ def workload_burstiness(workload: str) -> float:
     return entry.burstiness if entry is not None else 1.0
 
 
+def load_tokenizer(tokenizer_path: str | None) -> Any:
+    """Our tokenizer: the default model's unless ``tokenizer_path`` (a .gguf or an HF folder)."""
+    from mcp2026.loading.loader import default_model_path
+    from mcp2026.loading.tokenizer import Tokenizer
+
+    path = Path(tokenizer_path) if tokenizer_path else default_model_path()
+    return Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf(path)
+
+
 def load_requests(
     workload: str,
     num_prompts: int,
@@ -30,15 +40,13 @@ def load_requests(
     input_len: int,
     output_len: int,
     tokenizer_path: str | None,
+    tokenizer: Any = None,
 ) -> list[Any]:
-    """Sample the workload with our tokenizer (the default model's unless ``tokenizer_path``: a .gguf or
-    an HF folder), so every engine under test gets the same token ids."""
+    """Sample the workload with our tokenizer (``tokenizer``, else ``load_tokenizer(tokenizer_path)``), so
+    every engine under test gets the same token ids."""
     from mcp2026.bench.workloads import WorkloadSpec, load_workload
-    from mcp2026.loading.loader import default_model_path
-    from mcp2026.loading.tokenizer import Tokenizer
 
-    path = Path(tokenizer_path) if tokenizer_path else default_model_path()
-    tokenizer = Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf(path)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_path)
     spec = WorkloadSpec(workload, num_prompts, seed, input_len=input_len, output_len=output_len)
     return load_workload(spec, tokenizer)
 
@@ -76,6 +84,23 @@ def serve(
         bool,
         typer.Option("--check-server/--no-check-server", help="afterwards: our /metrics shows nothing held"),
     ] = False,
+    peer_url: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="side by side: NAME=URL of another OpenAI-compatible server (repeatable), e.g. "
+            "llama=http://127.0.0.1:8012; same workload, interleaved, ratios ours / peer"
+        ),
+    ] = None,
+    peer_model: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="NAME=MODEL: the model id to send that peer (default: the first of its /v1/models)"
+        ),
+    ] = None,
+    rounds: Annotated[
+        int,
+        typer.Option(help="side by side: phases per endpoint (order A B | B A | ...; duration split evenly)"),
+    ] = 2,
     seed: Annotated[int, typer.Option(help="workload, arrivals and client-behaviour seed")] = 0,
     detailed: Annotated[bool, typer.Option("--detailed/--no-detailed", help="keep per-token ITLs")] = False,
     out_dir: Annotated[
@@ -88,7 +113,7 @@ def serve(
     from contextlib import nullcontext
 
     from mcp2026.bench.report import render_markdown, shell_join, write_run
-    from mcp2026.bench.serve import ServeBenchConfig, bench_serve, parse_goodput
+    from mcp2026.bench.serve import ServeBenchConfig, bench_serve, parse_goodput, parse_peers
 
     try:
         config = ServeBenchConfig(
@@ -105,8 +130,13 @@ def serve(
             malformed_share=malformed_share,
             check_server=check_server,
             detailed=detailed,
+            peers=parse_peers(peer_url or [], peer_model or []),
+            rounds=rounds,
         )
-        requests = load_requests(workload, num_prompts, seed, input_len, output_len, tokenizer)
+        tok = load_tokenizer(tokenizer)
+        requests = load_requests(workload, num_prompts, seed, input_len, output_len, tokenizer, tok)
+        if config.peers and duration is None and rounds > len(requests):
+            raise ValueError(f"--rounds {rounds} needs at least as many requests, got {len(requests)}")
     except (ValueError, FileNotFoundError) as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False)
         raise typer.Exit(2) from None
@@ -119,7 +149,14 @@ def serve(
     command = shell_join(["mcp2026", "bench", "serve", *sys.argv[3:]]) if len(sys.argv) > 2 else ""
     try:
         with bar as p:
-            run = bench_serve(config, requests, p, command=command)
+            run = bench_serve(
+                config,
+                requests,
+                p,
+                command=command,
+                count_tokens=lambda text: len(tok.encode(text, add_special_tokens=False)),
+                log=lambda line: err.print(line, style="yellow", markup=False, highlight=False),
+            )
     except Exception as e:  # noqa: BLE001 - an unreachable server is one line, not a traceback
         import httpx
 
