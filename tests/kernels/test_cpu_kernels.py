@@ -163,3 +163,38 @@ def test_model_logits_equal_with_and_without_kernels(kernels, tiny_llama_dir, mo
         monkeypatch.setattr(cpu, "_module", None)  # as if the build had failed
         plain = model.compute_logits(model(ids, positions))
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_gemv_is_exact_integer_math_and_close_to_the_weights(kernels, rows):
+    from mcp2026.quant.linear import Int8Linear
+    from mcp2026.quant.plan import LayerQuantSpec
+
+    torch.manual_seed(3)
+    q = Int8Linear.from_linear(torch.nn.Linear(160, 48, bias=True), LayerQuantSpec("int8"), torch.bfloat16)
+    x = torch.randn(rows, 160)
+    y = kernels.int8_gemv(x, q.weight, q.scales.float())
+    xb = x.view(rows, 5, 32)
+    dx = xb.abs().amax(-1, keepdim=True) / 127
+    xq = (torch.round(xb / dx) * dx).view(rows, 160)
+    torch.testing.assert_close(y, xq @ q.dequantize().T, atol=1e-4, rtol=1e-4)
+    with torch.inference_mode():
+        out = q(x)  # the module: GEMV + bias, in x's dtype
+    exact = x @ q.dequantize().T + q.bias.float()
+    assert out.dtype == torch.float32 and ((out - exact).norm() / exact.norm()).item() < 0.01
+
+
+def test_activation_scaled_int4_layers_take_the_gemv_with_the_scale(kernels):
+    from mcp2026.quant.linear import Int4Linear
+    from mcp2026.quant.plan import LayerQuantSpec
+
+    torch.manual_seed(4)
+    act_scale = torch.rand(64) + 0.5
+    spec = LayerQuantSpec("int4", act_scale="awq")
+    q = Int4Linear.from_linear(torch.nn.Linear(64, 32, bias=False), spec, torch.bfloat16, act_scale=act_scale)
+    x = torch.randn(1, 64)
+    with torch.inference_mode():
+        y = q(x)
+    assert "_gemv" in q.__dict__
+    exact = x @ q.dequantize().T
+    assert ((y - exact).norm() / exact.norm()).item() < 0.02

@@ -340,6 +340,7 @@ class Int8Linear(QuantLinear):
         return "aten._weight_int8pack_mm" if device.type in ("cpu", "cuda", "mps") else None
 
     def _load(self, w):
+        self.__dict__.pop("_gemv_scales", None)
         self.weight, scales = quantize_per_channel_int8(w, self._clip(w))
         self.scales = scales.to(self.compute_dtype)
 
@@ -347,8 +348,22 @@ class Int8Linear(QuantLinear):
         return dequantize_per_channel_int8(self.weight, self.scales)
 
     def forward(self, x: Tensor) -> Tensor:
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if x2.shape[0] <= GEMV_MAX_ROWS and self.in_features % 32 == 0:
+            kernels = kernel_ops.kernels_for(x2)
+            if kernels is not None:  # decode: our int8 x int8 GEMV, no casts
+                if self.inv_act_scale is not None:
+                    x2 = x2 * self.inv_act_scale
+                scales = self.__dict__.get("_gemv_scales")
+                if scales is None:
+                    scales = self.__dict__["_gemv_scales"] = self.scales.float().contiguous()
+                return self._output(kernels.int8_gemv(x2, self.weight, scales), x)
         y = torch.ops.aten._weight_int8pack_mm(self._input(x), self.weight, self.scales)
         return self._output(y, x)
+
+    def _load_from_state_dict(self, *args, **kwargs):  # new scales: refresh the GEMV copy on next use
+        self.__dict__.pop("_gemv_scales", None)
+        super()._load_from_state_dict(*args, **kwargs)
 
 
 class Int4Linear(QuantLinear):
@@ -387,9 +402,11 @@ class Int4Linear(QuantLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if x2.shape[0] <= GEMV_MAX_ROWS and self.inv_act_scale is None:
+        if x2.shape[0] <= GEMV_MAX_ROWS:
             kernels = kernel_ops.kernels_for(x2)
             if kernels is not None:  # decode: our int4 x int8 GEMV, no casts
+                if self.inv_act_scale is not None:
+                    x2 = x2 * self.inv_act_scale
                 return self._output(kernels.int4_gemv(x2, *self._gemv_weights()), x)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             self._input(x), self.weight, self.spec.group_size, self.scales_and_zeros
