@@ -100,3 +100,25 @@ def test_role_mixture_plan(tiny_llama_dir):
     assert plan.spec_for("layers.1.mlp.gate_up_proj") == LayerQuantSpec("int4", 64, symmetric=True)
     assert plan.spec_for("layers.0.attn.qkv_proj").format == "int4"
     assert 4.5 < plan.avg_bits_per_weight(model) < 8
+
+
+def test_as_decode_steps_feeds_quantized_linears_decode_sized_chunks(monkeypatch):
+    from mcp2026.quant import linear as qlinear
+    from mcp2026.quant.quality import as_decode_steps
+
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32))
+    model[0] = qlinear.Int4Linear.from_linear(model[0], LayerQuantSpec("int4"), torch.bfloat16)
+    model[2] = qlinear.Int8Linear.from_linear(model[2], LayerQuantSpec("int8"), torch.bfloat16)
+    x = torch.randn(21, 64)
+    with torch.inference_mode():
+        whole = model(x)
+        rows_seen = []
+        forward = qlinear.Int4Linear.forward
+        monkeypatch.setattr(
+            qlinear.Int4Linear, "forward", lambda self, t: rows_seen.append(len(t)) or forward(self, t)
+        )
+        assert as_decode_steps(model) == 2
+        chunked = model(x)
+    assert max(rows_seen) <= qlinear.GEMV_MAX_ROWS and sum(rows_seen) == 21
+    assert chunked.shape == whole.shape
+    assert ((chunked - whole).norm() / whole.norm()).item() < 0.02  # int8 vs bf16 activations

@@ -180,6 +180,13 @@ def quality(
     ] = None,
     seed: Annotated[int, typer.Option()] = 0,
     out_dir: Annotated[Path | None, typer.Option("--out", help="where quality.json/.md go")] = None,
+    decode_kernels: Annotated[
+        bool,
+        typer.Option(
+            "--decode-kernels/--no-decode-kernels",
+            help="feed quantized linears decode-sized row chunks: measure the GEMV kernels generation runs",
+        ),
+    ] = False,
     write_docs: Annotated[bool, typer.Option("--write-docs/--no-write-docs")] = False,
 ) -> None:
     """Perplexity and KLD of quantized plans (int8, int4, role mixture, DQG budgets) vs full precision."""
@@ -191,6 +198,7 @@ def quality(
         seed=seed,
         only=tuple(s.strip() for s in only.split(",")) if only else (),
         out_dir=str(out_dir) if out_dir else None,
+        decode_kernels=decode_kernels,
     )
     result = run_quality_bench(model, settings)
     out.print(result.markdown, markup=False, highlight=False)

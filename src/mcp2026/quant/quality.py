@@ -156,6 +156,9 @@ class QualityBenchSettings:
     curve_budgets: tuple[float, ...] = (4.25, 4.5, 4.75, 5.0, 5.25, 5.5, 5.75, 6.0)
     only: tuple[str, ...] = ()  # only plans whose name contains one of these ("curve": the curve)
     out_dir: str | None = None  # where quality.json / quality.md / quality_curve.png go
+    # Score quantized plans with their linears fed decode-sized row chunks, i.e. through the int4/int8 GEMV
+    # kernels (int8 activations) that generation uses, instead of one prefill-sized matmul (bf16 activations).
+    decode_kernels: bool = False
 
 
 @dataclass
@@ -198,6 +201,21 @@ def _fixed_plans(model):
             model, base
         )
     return plans
+
+
+def as_decode_steps(model: nn.Module) -> int:
+    """Make every quantized linear of ``model`` process its input in decode-sized row chunks, so a
+    teacher-forced evaluation measures the kernels generation runs (the GEMVs take <= GEMV_MAX_ROWS rows).
+    Returns the number of linears changed."""
+    from mcp2026.quant.linear import GEMV_MAX_ROWS, QuantLinear
+
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            full = module.forward
+            module.forward = lambda x, full=full: torch.cat([full(c) for c in x.split(GEMV_MAX_ROWS)])
+            changed += 1
+    return changed
 
 
 def run_quality_bench(
@@ -255,15 +273,25 @@ def run_quality_bench(
             quantized = recipe.apply(
                 copy.deepcopy(model), dqg.DQGResult("bench", plan, scales), dtypes, False
             )
+            if settings.decode_kernels:
+                as_decode_steps(quantized)
             rows.append({"plan": name, "family": family, "bits": bits, "mib": mib,
                          **evaluate(quantized, windows, reference).to_dict()})  # fmt: skip
             del quantized
             bar.advance(task)
     header = f"{loaded.source.name}, {len(windows)} windows x {settings.n_ctx} tokens (second halves scored)"
+    if settings.decode_kernels:
+        header += f"; quantized linears in decode-sized chunks (kernels: {_kernel_note()})"
     bench = QualityBench(rows, _markdown(rows, header))
     if settings.out_dir:
         bench.curve_png = _write(bench, settings.out_dir)
     return bench
+
+
+def _kernel_note() -> str:
+    from mcp2026.kernels import cpu
+
+    return "our int4/int8 GEMVs" if cpu.load() is not None else f"unavailable, {cpu.unavailable_reason()}"
 
 
 def _markdown(rows, header: str) -> str:
