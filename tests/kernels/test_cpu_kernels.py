@@ -166,22 +166,18 @@ def test_model_logits_equal_with_and_without_kernels(kernels, tiny_llama_dir, mo
 
 
 @pytest.mark.parametrize("rows", [1, 5])
-def test_int8_gemv_is_exact_integer_math_and_close_to_the_weights(kernels, rows):
+def test_int8_gemv_equals_the_dequantized_matmul(kernels, rows):
     from mcp2026.quant.linear import Int8Linear
     from mcp2026.quant.plan import LayerQuantSpec
 
     torch.manual_seed(3)
-    q = Int8Linear.from_linear(torch.nn.Linear(160, 48, bias=True), LayerQuantSpec("int8"), torch.bfloat16)
-    x = torch.randn(rows, 160)
+    q = Int8Linear.from_linear(torch.nn.Linear(168, 48, bias=True), LayerQuantSpec("int8"), torch.bfloat16)
+    x = torch.randn(rows, 168)  # K not a multiple of 16: the tail loop too
     y = kernels.int8_gemv(x, q.weight, q.scales.float())
-    xb = x.view(rows, 5, 32)
-    dx = xb.abs().amax(-1, keepdim=True) / 127
-    xq = (torch.round(xb / dx) * dx).view(rows, 160)
-    torch.testing.assert_close(y, xq @ q.dequantize().T, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(y, x @ q.dequantize().T, atol=1e-4, rtol=1e-4)  # float activations: exact
     with torch.inference_mode():
         out = q(x)  # the module: GEMV + bias, in x's dtype
-    exact = x @ q.dequantize().T + q.bias.float()
-    assert out.dtype == torch.float32 and ((out - exact).norm() / exact.norm()).item() < 0.01
+    torch.testing.assert_close(out, x @ q.dequantize().T + q.bias.float(), atol=1e-2, rtol=1e-2)
 
 
 def test_activation_scaled_int4_layers_take_the_gemv_with_the_scale(kernels):

@@ -456,60 +456,58 @@ torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& qs, const t
   return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
 }
 
-// ---- int8 x int8 GEMV (decode-sized batches) ---------------------------------------------------------------
-// Weights (N, K) int8 with one float scale per output channel; activations int8 per 32-block as above. The
-// u8 x s8 multiply-add takes |w| and x carrying w's sign (the sign trick of llama.cpp's Q8_0 dot product).
+// ---- int8-weight GEMV (decode-sized batches) -------------------------------------------------------------
+// Weights (N, K) int8 with one float scale per output channel; activations stay float (no activation
+// quantization: int8 weights are the near-lossless format, and int8 activations measured +0.52% ΔPPL against
+// +0.22% with bf16 activations). Widening 8 weights to floats costs a few instructions per FMA, but at
+// decode-sized batches the loop waits on memory anyway (135 MB of weights per step for this model).
 namespace {
 
-#if defined(__AVX2__) && defined(__FMA__)
 template <int M>
-void gemv_int8_rows(const int8_t* w, const float* ws, const QuantizedRows& xr, int64_t K, int64_t n0, int64_t n1,
+void gemv_int8_rows(const int8_t* w, const float* ws, const float* x, int64_t K, int64_t n0, int64_t n1,
                     float* out, int64_t N) {
-  const int64_t nblk = K / 32;
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* wn = w + n * K;
-    __m256 acc[M];
-    for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nblk; ++b) {
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + b * 32));
-      const __m256i aw = _mm256_sign_epi8(wv, wv);
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc0[M], acc1[M];
+    for (int i = 0; i < M; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wn + k));
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
       for (int i = 0; i < M; ++i) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + i * K + b * 32));
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), _mm256_set1_epi16(1));
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xr.scale[i * nblk + b]), acc[i]);
+        acc0[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * K + k), acc0[i]);
+        acc1[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * K + k + 8), acc1[i]);
       }
     }
-    for (int i = 0; i < M; ++i) out[i * N + n] = hsum(acc[i]) * ws[n];
-  }
-}
-#endif
-
-void gemv_int8(const int8_t* w, const float* ws, const QuantizedRows& xr, int64_t M, int64_t K, int64_t n0,
-               int64_t n1, float* out, int64_t N) {
-#if defined(__AVX2__) && defined(__FMA__)
-  switch (M) {
-    case 1: return gemv_int8_rows<1>(w, ws, xr, K, n0, n1, out, N);
-    case 2: return gemv_int8_rows<2>(w, ws, xr, K, n0, n1, out, N);
-    case 3: return gemv_int8_rows<3>(w, ws, xr, K, n0, n1, out, N);
-    case 4: return gemv_int8_rows<4>(w, ws, xr, K, n0, n1, out, N);
-    case 5: return gemv_int8_rows<5>(w, ws, xr, K, n0, n1, out, N);
-    case 6: return gemv_int8_rows<6>(w, ws, xr, K, n0, n1, out, N);
-    case 7: return gemv_int8_rows<7>(w, ws, xr, K, n0, n1, out, N);
-    default: return gemv_int8_rows<8>(w, ws, xr, K, n0, n1, out, N);
-  }
+    for (int i = 0; i < M; ++i) {
+      float total = hsum(_mm256_add_ps(acc0[i], acc1[i]));
+      for (int64_t j = k; j < K; ++j) total += static_cast<float>(wn[j]) * x[i * K + j];
+      out[i * N + n] = total * ws[n];
+    }
 #else
-  const int64_t nblk = K / 32;
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t i = 0; i < M; ++i) {
+    for (int i = 0; i < M; ++i) {
       float total = 0.f;
-      for (int64_t b = 0; b < nblk; ++b) {
-        int32_t isum = 0;
-        for (int k = 0; k < 32; ++k) isum += static_cast<int32_t>(w[n * K + b * 32 + k]) * xr.q[i * K + b * 32 + k];
-        total += xr.scale[i * nblk + b] * static_cast<float>(isum);
-      }
+      for (int64_t j = 0; j < K; ++j) total += static_cast<float>(wn[j]) * x[i * K + j];
       out[i * N + n] = total * ws[n];
     }
 #endif
+  }
+}
+
+void gemv_int8(const int8_t* w, const float* ws, const float* x, int64_t M, int64_t K, int64_t n0, int64_t n1,
+               float* out, int64_t N) {
+  switch (M) {
+    case 1: return gemv_int8_rows<1>(w, ws, x, K, n0, n1, out, N);
+    case 2: return gemv_int8_rows<2>(w, ws, x, K, n0, n1, out, N);
+    case 3: return gemv_int8_rows<3>(w, ws, x, K, n0, n1, out, N);
+    case 4: return gemv_int8_rows<4>(w, ws, x, K, n0, n1, out, N);
+    case 5: return gemv_int8_rows<5>(w, ws, x, K, n0, n1, out, N);
+    case 6: return gemv_int8_rows<6>(w, ws, x, K, n0, n1, out, N);
+    case 7: return gemv_int8_rows<7>(w, ws, x, K, n0, n1, out, N);
+    default: return gemv_int8_rows<8>(w, ws, x, K, n0, n1, out, N);
+  }
 }
 
 }  // namespace
@@ -518,21 +516,17 @@ torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& w, const to
   check_cpu_float(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxGemvRows, "x must be (M, K) with M <= ", kMaxGemvRows);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
   TORCH_CHECK(w.scalar_type() == torch::kChar && w.is_contiguous() && w.dim() == 2 && w.size(1) == K,
               "w must be contiguous int8 (N, K)");
   TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.numel() == N,
               "scales must be contiguous float32 (N,)");
-  const auto xc = x.contiguous();
-  QuantizedRows xr;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, xc.scalar_type(), "int8_gemv_q", [&] {
-    xr = quantize_rows<scalar_t>(xc.data_ptr<scalar_t>(), M, K);
-  });
+  const auto xf = x.to(torch::kFloat).contiguous();
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
+  const float* xp = xf.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { gemv_int8(wp, sp, xr, M, K, n0, n1, op, N); });
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { gemv_int8(wp, sp, xp, M, K, n0, n1, op, N); });
   return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
 }
 
@@ -541,6 +535,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) * weight");
   m.def("rope_", &rope_, "rotate-half RoPE in place");
   m.def("int4_gemv", &int4_gemv, "int4 weights x int8-quantized activations, decode-sized batches");
-  m.def("int8_gemv", &int8_gemv, "int8 weights x int8-quantized activations, decode-sized batches");
+  m.def("int8_gemv", &int8_gemv, "int8 weights x float activations, decode-sized batches");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
 }

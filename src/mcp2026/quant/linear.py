@@ -349,9 +349,9 @@ class Int8Linear(QuantLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if x2.shape[0] <= GEMV_MAX_ROWS and self.in_features % 32 == 0:
+        if x2.shape[0] <= GEMV_MAX_ROWS:
             kernels = kernel_ops.kernels_for(x2)
-            if kernels is not None:  # decode: our int8 x int8 GEMV, no casts
+            if kernels is not None:  # decode: our int8-weight GEMV (float activations), no casts
                 if self.inv_act_scale is not None:
                     x2 = x2 * self.inv_act_scale
                 scales = self.__dict__.get("_gemv_scales")
