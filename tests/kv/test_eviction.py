@@ -178,3 +178,61 @@ def test_evictor_applies_policy_and_keeps_pool_integrity():
     kv.free(req)
     kv.check_integrity()
     assert kv.num_free_blocks == 32 and evictor.count.sum() == 0
+
+
+@dataclass
+class Chunk:
+    request_id: str
+    num_tokens: int
+
+
+def step(kv: KVCacheManager, evictor: KVEvictor, req: Req, num_tokens: int, mass: list[float]) -> int:
+    """Compute ``num_tokens`` more tokens of ``req`` whose observation gives ``mass`` to its live blocks."""
+    assert kv.allocate_slots(req, num_tokens)
+    req.num_computed_tokens += num_tokens
+    live = [i for i, blk in enumerate(kv.block_table(req.request_id)) if blk != HOLE]
+    assert len(live) == len(mass)
+    scores = [StepScores([req.request_id], torch.tensor([live]), torch.tensor([mass]))]
+    return evictor.after_step([Chunk(req.request_id, num_tokens)], scores, lambda rid: req)
+
+
+def live_blocks(kv: KVCacheManager, request_id: str) -> list[int]:
+    return [i for i, blk in enumerate(kv.block_table(request_id)) if blk != HOLE]
+
+
+def test_heavy_hitter_prefill_keeps_the_prompt_budget_and_ranks_by_the_prompt_end():
+    """A prompt prefilled in chunks drops only what exceeds the prompt's final budget; when it completes,
+    its last queries (the question) pick the heavy hitters, not what earlier chunks attended to."""
+    kv = KVCacheManager(BS, 32)
+    b = budget(sparsity_ratio=0.5)  # 48 tokens -> keep 6 blocks: sink 0, recent 10, 11 (+9: half), 2 heavy
+    evictor = KVEvictor(make_policy("heavy_hitter", b), kv, max_model_len=128)
+    req = Req("a", list(range(48)))
+    # First chunk: the old rule (keep half of 24 tokens) dropped blocks 1, 2, 3 here.
+    assert step(kv, evictor, req, 24, [0.4, 0.01, 0.01, 0.3, 0.01, 0.27]) == 0
+    assert live_blocks(kv, "a") == list(range(6))
+    assert evictor.peak_blocks(48, 24) >= 6 + 6  # what the scheduler admitted by still holds
+    physical = kv.block_table("a")[:6]
+    # Last chunk: its window attends to blocks 2 and 4 (a mean over both chunks would keep 3 and 5).
+    mass = [0.3, 0.01, 0.2, 0.01, 0.2, 0.01, 0.01, 0.01, 0.01, 0.05, 0.1, 0.1]
+    assert step(kv, evictor, req, 24, mass) == 6
+    assert live_blocks(kv, "a") == [0, 2, 4, 9, 10, 11]
+    table = kv.block_table("a")
+    assert [table[i] for i in (0, 2, 4)] == [physical[i] for i in (0, 2, 4)]  # positions kept, no shift
+    kv.check_integrity()
+
+
+def test_heavy_hitter_scores_relative_to_uniform_not_stale_means():
+    """A block attended to while the context was 3 blocks long must not outrank blocks that later queries
+    attend to more than uniformly (the old mean per observation kept stale block 1 over block 6)."""
+    kv = KVCacheManager(BS, 32)
+    b = budget(sparsity_ratio=None, max_kv_tokens=24)  # keep 6 blocks
+    evictor = KVEvictor(make_policy("heavy_hitter", b), kv, max_model_len=128)
+    req = Req("a", list(range(12)), output=list(range(28)))
+    assert step(kv, evictor, req, 12, [0.5, 0.4, 0.1]) == 0  # the prompt: 3 blocks, nothing to drop
+    # 28 tokens later (10 blocks): 0.15 and 0.14 are 1.5x / 1.4x uniform; block 1 gets nothing now.
+    mass = [0.3, 0.0, 0.0, 0.01, 0.01, 0.15, 0.14, 0.01, 0.2, 0.18]
+    assert step(kv, evictor, req, 28, mass) == 4
+    assert live_blocks(kv, "a") == [0, 5, 6, 7, 8, 9]  # sink, heavy 5 and 6, recent 7 (half), 8, 9
+    score = evictor.score(evictor._states["a"].row, 10)
+    assert score[5] > score[1] > score[2]  # block 1's early score has decayed but is not forgotten
+    kv.check_integrity()

@@ -4,7 +4,8 @@ After each step, a request whose live blocks exceed its budget drops whole block
 become holes (``kv.manager.HOLE``) and the pool gets them back. Every other block keeps its table index, so
 positions never shift (keys are cached after RoPE). Sinks (the first ``num_sink_tokens``) and the recent
 window are never dropped. Policies: ``sink_window`` (StreamingLLM, arXiv:2309.17453), ``heavy_hitter``
-(H2O, arXiv:2306.14048, mean attention mass per block from the decode softmax), ``snap`` (SnapKV,
+(H2O, arXiv:2306.14048: recent attention mass per block, relative to uniform, decayed by age; the prompt's
+blocks ranked by its last queries, as SnapKV), ``snap`` (SnapKV,
 arXiv:2404.14469: once, after the prompt, from its last queries' attention), ``dynamic_window`` (our notes'
 calcLeftBoundary: the left edge is the oldest block whose heat is >= ``heat_fraction`` x the recent mean).
 """
@@ -82,7 +83,7 @@ class BlockView:
     is_live: torch.Tensor  # (nb,) bool
     is_sink: torch.Tensor  # (nb,) bool
     is_recent: torch.Tensor  # (nb,) bool
-    score: torch.Tensor  # (nb,) float32 mean attention mass per observation (0 when never observed)
+    score: torch.Tensor  # (nb,) float32 the policy's score (EvictionPolicy.score_kind; 0 = never observed)
     num_keep: int
 
     @property
@@ -120,9 +121,18 @@ class EvictionPolicy(ABC):
     # Whether it evicts while a prompt is still being prefilled (chunk by chunk), so a prompt longer than the
     # pool can stream through it; snap waits for the whole prompt.
     evicts_during_prefill: ClassVar[bool] = True
+    # What BlockView.score holds: "mean" = mean attention mass per observation; "recent" = attention mass
+    # relative to uniform (x live blocks observed), averaged with a per-token decay of half-life
+    # ``score_half_life`` tokens, and in the step that completes the prompt, that step's observation alone.
+    score_kind: ClassVar[str] = "mean"
+    score_half_life: ClassVar[float] = 256.0
 
     def __init__(self, budget: EvictionBudget) -> None:
         self.budget = budget
+
+    def num_keep_blocks(self, num_tokens: int, num_prompt_tokens: int) -> int:
+        """Blocks to keep at ``num_tokens`` computed tokens (default: the budget at that length)."""
+        return self.budget.num_keep_blocks(num_tokens)
 
     def triggers(self, event: StepEvent) -> bool:
         return event.num_live > event.num_keep
@@ -152,13 +162,28 @@ class SinkWindow(EvictionPolicy):
 @register_policy
 class HeavyHitter(EvictionPolicy):
     """Keep sinks, the recent blocks (as H2O: half the budget, at least the recent window) and the blocks
-    with the highest mean attention mass."""
+    with the highest recent attention mass (``score_kind = "recent"``).
+
+    Scores: each observation's block mass is taken relative to uniform attention (x the live blocks it saw),
+    so a block observed while the context was small is not inflated, and averaged with a decay by age in
+    tokens, so stale early scores do not pin blocks forever. When the prompt completes, its blocks are ranked
+    by the prompt's last queries alone (SnapKV's observation window: the question of a prompt decides what
+    it needs). While a prompt is prefilled in chunks, only what exceeds the prompt's final budget is dropped:
+    the peak stays the one the scheduler admits by (``KVEvictor.peak_blocks``) and the prompt's end decides
+    the rest."""
 
     name = "heavy_hitter"
+    score_kind = "recent"
 
     def __init__(self, budget: EvictionBudget) -> None:
         super().__init__(budget)
         self.scoring = ScoringSpec(True, budget.observation_window, observe_every_chunk=True)
+
+    def num_keep_blocks(self, num_tokens: int, num_prompt_tokens: int) -> int:
+        keep = self.budget.num_keep_blocks(num_tokens)
+        if num_tokens < num_prompt_tokens:
+            keep = max(keep, self.budget.num_keep_blocks(num_prompt_tokens))
+        return keep
 
     def select(self, view: BlockView) -> torch.Tensor:
         live_recent = int((view.is_live & view.is_recent).sum())
@@ -258,7 +283,8 @@ class EvictionCounters:
 
 class KVEvictor:
     """Applies a policy to every request of a step, after the step. Owns per-request attention scores:
-    (rows, max blocks per sequence) sums and observation counts, one row per request that has run."""
+    (rows, max blocks per sequence) sums and observation counts, one row per request that has run; for
+    ``score_kind == "recent"`` also the decayed relative mass and the last observation."""
 
     def __init__(self, policy: EvictionPolicy, manager: KVCacheManager, max_model_len: int) -> None:
         self.policy = policy
@@ -267,6 +293,8 @@ class KVEvictor:
         self.max_blocks = cdiv(max_model_len, self.budget.block_size)
         self.mass = torch.zeros(0, self.max_blocks)
         self.count = torch.zeros(0, self.max_blocks)
+        self.recent = torch.zeros(0, self.max_blocks)  # decayed mass relative to uniform ("recent" scores)
+        self.last = torch.zeros(0, self.max_blocks)  # the last observation, relative to uniform
         self._states: dict[str, _RequestState] = {}
         self._free_rows: list[int] = []
         self.counters = EvictionCounters()
@@ -291,8 +319,9 @@ class KVEvictor:
             if not self._free_rows:
                 old = self.mass.shape[0]
                 new = max(8, 2 * old)
-                self.mass = torch.cat([self.mass, torch.zeros(new - old, self.max_blocks)])
-                self.count = torch.cat([self.count, torch.zeros(new - old, self.max_blocks)])
+                grow = torch.zeros(new - old, self.max_blocks)
+                self.mass, self.count = torch.cat([self.mass, grow]), torch.cat([self.count, grow])
+                self.recent, self.last = torch.cat([self.recent, grow]), torch.cat([self.last, grow])
                 self._free_rows = list(range(new - 1, old - 1, -1))
             state = self._states[request_id] = _RequestState(self._free_rows.pop())
         return state
@@ -302,17 +331,31 @@ class KVEvictor:
         for rid in request_ids:
             state = self._states.pop(rid, None)
             if state is not None:
-                self.mass[state.row].zero_()
-                self.count[state.row].zero_()
+                for t in (self.mass, self.count, self.recent, self.last):
+                    t[state.row].zero_()
                 self._free_rows.append(state.row)
 
-    def absorb(self, scores: Iterable[StepScores]) -> None:
+    def absorb(self, scores: Iterable[StepScores], num_new_tokens: dict[str, int] | None = None) -> None:
+        """Fold a step's observations in. ``num_new_tokens``: tokens each request computed in the step (the
+        age, for the decay of "recent" scores; 1 when not given)."""
         t0 = time.perf_counter()
+        recent = self.policy.score_kind == "recent"
         for part in scores:
             rows = torch.tensor([self._state(rid).row for rid in part.request_ids], dtype=torch.long)
             valid = part.table_index >= 0
             index = (rows.unsqueeze(1).expand_as(part.table_index)[valid], part.table_index[valid])
-            self.mass.index_put_(index, part.mass[valid].float(), accumulate=True)
+            mass = part.mass.float()
+            if recent:
+                # relative to uniform: x the live blocks each observation saw
+                rel = (mass * valid.sum(1, keepdim=True)).masked_fill(~valid, 0.0)
+                age = torch.tensor([float((num_new_tokens or {}).get(r, 1)) for r in part.request_ids])
+                keep = (0.5 ** (age / self.policy.score_half_life)).unsqueeze(1).expand_as(rel)[valid]
+                seen = self.count[index] > 0  # a block's first observation is its score
+                old = self.recent[index]
+                self.recent[index] = torch.where(seen, keep * old + (1.0 - keep) * rel[valid], rel[valid])
+                self.last[rows] = 0.0
+                self.last.index_put_(index, rel[valid])
+            self.mass.index_put_(index, mass[valid], accumulate=True)
             self.count.index_put_(index, torch.ones(index[0].shape), accumulate=True)
         self.counters.score_ms += (time.perf_counter() - t0) * 1e3
 
@@ -320,7 +363,8 @@ class KVEvictor:
         self, chunks: Iterable[Chunk], scores: Iterable[StepScores], get_request: Callable[[str], Any]
     ) -> int:
         """Fold the step's scores in, then evict for every request that ran. Returns blocks evicted."""
-        self.absorb(scores)
+        chunks = list(chunks)
+        self.absorb(scores, {c.request_id: c.num_tokens for c in chunks})
         t0 = time.perf_counter()
         num_evicted = 0
         bs = self.budget.block_size
@@ -334,27 +378,39 @@ class KVEvictor:
             state.is_prompt_done = state.is_prompt_done or is_prompt_done
             event = StepEvent(
                 num_live=cdiv(n, bs) - state.num_evicted,
-                num_keep=self.budget.num_keep_blocks(n),
+                num_keep=self.policy.num_keep_blocks(n, request.num_prompt_tokens),
                 is_prompt_done=is_prompt_done,
                 is_block_boundary=(n // bs) != (n - chunk.num_tokens) // bs,
             )
             if self.policy.triggers(event):
-                num_evicted += self._evict(chunk.request_id, state, n, event.num_keep)
+                num_evicted += self._evict(chunk.request_id, state, n, event.num_keep, is_prompt_done)
         self.counters.decide_ms += (time.perf_counter() - t0) * 1e3
         return num_evicted
 
-    def _evict(self, request_id: str, state: _RequestState, num_tokens: int, num_keep: int) -> int:
+    def score(self, row: int, num_blocks: int, is_prompt_done: bool = False) -> torch.Tensor:
+        """(num_blocks,) the policy's score of one request's blocks (``EvictionPolicy.score_kind``)."""
+        if self.policy.score_kind == "recent":
+            return (self.last if is_prompt_done else self.recent)[row, :num_blocks].clone()
+        return self.mass[row, :num_blocks] / self.count[row, :num_blocks].clamp_min(1.0)
+
+    def _evict(
+        self,
+        request_id: str,
+        state: _RequestState,
+        num_tokens: int,
+        num_keep: int,
+        is_prompt_done: bool = False,
+    ) -> int:
         self.counters.num_decisions += 1
         num_blocks = cdiv(num_tokens, self.budget.block_size)
         table = self.manager.block_table(request_id)[:num_blocks]
         index = torch.arange(num_blocks)
-        count = self.count[state.row, :num_blocks]
         view = BlockView(
             num_tokens=num_tokens,
             is_live=torch.tensor([b != HOLE for b in table], dtype=torch.bool),
             is_sink=index < self.budget.num_sink_blocks(),
             is_recent=index >= self.budget.first_recent_block(num_tokens),
-            score=self.mass[state.row, :num_blocks] / count.clamp_min(1.0),
+            score=self.score(state.row, num_blocks, is_prompt_done),
             num_keep=num_keep,
         )
         chosen = self.policy.select(view)
