@@ -194,3 +194,22 @@ def test_activation_scaled_int4_layers_take_the_gemv_with_the_scale(kernels):
     assert "_gemv" in q.__dict__
     exact = x @ q.dequantize().T
     assert ((y - exact).norm() / exact.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_prefill_sized_batches_dequantize_to_fp32_where_bf16_is_slow(kernels, fmt, monkeypatch):
+    from mcp2026.quant import linear as qlinear
+    from mcp2026.quant.plan import LayerQuantSpec
+
+    monkeypatch.setattr(qlinear, "_cpu_has_fast_bf16", lambda: False)
+    cls = qlinear.Int4Linear if fmt == "int4" else qlinear.Int8Linear
+    q = cls.from_linear(torch.nn.Linear(128, 64, bias=True), LayerQuantSpec(fmt), torch.bfloat16)
+    x = torch.randn(qlinear.DEQUANT_MIN_ROWS + 3, 128)
+    with torch.inference_mode():
+        y = q(x)
+    expected = x @ q.dequantize().T + q.bias.float()
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)  # fp32 activations: no bf16 rounding
+    monkeypatch.setattr(qlinear, "_cpu_has_fast_bf16", lambda: True)  # the int kernel (bf16) instead
+    with torch.inference_mode():
+        y_bf16 = q(x)
+    assert not torch.allclose(y_bf16, expected, atol=1e-4, rtol=1e-4)

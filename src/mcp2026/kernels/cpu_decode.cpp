@@ -530,11 +530,41 @@ torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& w, const to
   return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
 }
 
+// ---- int4 dequantization (prefill on CPUs without fast bf16) -------------------------------------------------
+// The GEMV layout back to float (N, K): with fp32 activations a dequantize + fp32 GEMM beats the int4 kernel's
+// bf16 path for prefill-sized batches on AVX2 CPUs.
+torch::Tensor int4_dequant(const torch::Tensor& qs, const torch::Tensor& sz) {
+  TORCH_CHECK(qs.scalar_type() == torch::kByte && qs.is_contiguous() && qs.dim() == 3 && qs.size(2) == 16,
+              "qs must be contiguous uint8 (N, K/32, 16)");
+  TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.is_contiguous() && sz.numel() == qs.numel() / 8,
+              "sz must be contiguous bfloat16 (N, K/32, 2)");
+  const int64_t N = qs.size(0), nblk = qs.size(1), K = nblk * 32;
+  auto out = torch::empty({N, K}, torch::kFloat);
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t b = 0; b < nblk; ++b) {
+        const float s = bf16_bits_to_float(sp[(n * nblk + b) * 2]);
+        const float off = bf16_bits_to_float(sp[(n * nblk + b) * 2 + 1]) - 8.f * s;
+        const uint8_t* q = qp + (n * nblk + b) * 16;
+        float* o = op + n * K + b * 32;
+        for (int k = 0; k < 16; ++k) {
+          o[k] = static_cast<float>(q[k] & 0x0F) * s + off;
+          o[k + 16] = static_cast<float>(q[k] >> 4) * s + off;
+        }
+      }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged K/V blocks");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) * weight");
   m.def("rope_", &rope_, "rotate-half RoPE in place");
   m.def("int4_gemv", &int4_gemv, "int4 weights x int8-quantized activations, decode-sized batches");
   m.def("int8_gemv", &int8_gemv, "int8 weights x float activations, decode-sized batches");
+  m.def("int4_dequant", &int4_dequant, "the int4 GEMV layout back to float (N, K)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
 }

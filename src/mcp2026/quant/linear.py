@@ -8,6 +8,7 @@ kernel call (``aten._weight_int8pack_mm``, ``aten._weight_int4pack_mm_for_cpu``,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
 
@@ -91,9 +92,24 @@ def dequantize_groupwise_int4(q: Tensor, scales: Tensor, zeros: Tensor, group_si
     return (qg * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1)).reshape(n, k)
 
 
+# From this many rows on, CPUs without fast bf16 run int4/int8 layers as dequantize + fp32 GEMM: torch's int
+# kernels compute in bf16, which on AVX2 is slower than fp32 (prefill measured 0.56x fp32 with them).
+DEQUANT_MIN_ROWS = 32
 GEMV_MAX_ROWS = (
     8  # decode-sized batches take our int4 GEMV kernel (kernels/cpu_decode.cpp); larger ones torch's
 )
+
+
+def _fp32_prefill(x: Tensor) -> bool:
+    """fp32 activations on a CPU where bf16 GEMMs are slow (the int kernels' compute dtype)."""
+    return x.dtype == torch.float32 and x.is_cpu and not _cpu_has_fast_bf16()
+
+
+@functools.cache
+def _cpu_has_fast_bf16() -> bool:
+    from mcp2026.quant.backend import default_activation_dtype
+
+    return default_activation_dtype("cpu") == torch.bfloat16
 
 
 def gemv_layout(q: Tensor, scales_and_zeros: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
@@ -358,6 +374,10 @@ class Int8Linear(QuantLinear):
                 if scales is None:
                     scales = self.__dict__["_gemv_scales"] = self.scales.float().contiguous()
                 return self._output(kernels.int8_gemv(x2, self.weight, scales), x)
+        if x2.shape[0] >= DEQUANT_MIN_ROWS and _fp32_prefill(x2):
+            w = self.weight * self.scales.float().unsqueeze(1)  # one pass: int8 * fp32 -> fp32
+            xs = x2 if self.inv_act_scale is None else x2 * self.inv_act_scale
+            return self._output(F.linear(xs, w), x)
         y = torch.ops.aten._weight_int8pack_mm(self._input(x), self.weight, self.scales)
         return self._output(y, x)
 
@@ -408,6 +428,12 @@ class Int4Linear(QuantLinear):
                 if self.inv_act_scale is not None:
                     x2 = x2 * self.inv_act_scale
                 return self._output(kernels.int4_gemv(x2, *self._gemv_weights()), x)
+        if x2.shape[0] >= DEQUANT_MIN_ROWS and _fp32_prefill(x2):
+            kernels = kernel_ops.kernels_for(x2)
+            if kernels is not None:
+                w = kernels.int4_dequant(*self._gemv_weights())
+                xs = x2 if self.inv_act_scale is None else x2 * self.inv_act_scale
+                return self._output(F.linear(xs, w), x)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             self._input(x), self.weight, self.spec.group_size, self.scales_and_zeros
         )
