@@ -18,6 +18,7 @@
 #include <limits>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -276,6 +277,22 @@ namespace {
 
 constexpr int64_t kMaxGemvRows = 8;
 
+// Calls f with the row count (1..kMaxGemvRows) as a compile-time constant, so per-row accumulators of the
+// GEMVs are fixed-size arrays the compiler keeps in registers.
+template <typename F>
+void with_row_count(int64_t M, F&& f) {
+  switch (M) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
 struct QuantizedRows {
   std::vector<int8_t> q;     // (M, K)
   std::vector<float> scale;  // (M, K/32): dx
@@ -398,16 +415,13 @@ void gemv_fixed_rows(const uint8_t* qs, const uint16_t* sz, const QuantizedRows&
 void gemv_rows(const uint8_t* qs, const uint16_t* sz, const QuantizedRows& xr, int64_t M, int64_t K, int64_t n0,
                int64_t n1, float* out, int64_t N) {
 #if defined(__AVX2__) && defined(__FMA__)
-  switch (M) {
-    case 1: return gemv_one_row(qs, sz, xr, K, n0, n1, out);
-    case 2: return gemv_fixed_rows<2>(qs, sz, xr, K, n0, n1, out, N);
-    case 3: return gemv_fixed_rows<3>(qs, sz, xr, K, n0, n1, out, N);
-    case 4: return gemv_fixed_rows<4>(qs, sz, xr, K, n0, n1, out, N);
-    case 5: return gemv_fixed_rows<5>(qs, sz, xr, K, n0, n1, out, N);
-    case 6: return gemv_fixed_rows<6>(qs, sz, xr, K, n0, n1, out, N);
-    case 7: return gemv_fixed_rows<7>(qs, sz, xr, K, n0, n1, out, N);
-    default: return gemv_fixed_rows<8>(qs, sz, xr, K, n0, n1, out, N);
-  }
+  with_row_count(M, [&](auto rows) {
+    constexpr int m = decltype(rows)::value;
+    if constexpr (m == 1)
+      gemv_one_row(qs, sz, xr, K, n0, n1, out);
+    else
+      gemv_fixed_rows<m>(qs, sz, xr, K, n0, n1, out, N);
+  });
 #else
   const int64_t nblk = K / 32;
   for (int64_t n = n0; n < n1; ++n) {
@@ -498,16 +512,7 @@ void gemv_int8_rows(const int8_t* w, const float* ws, const float* x, int64_t K,
 
 void gemv_int8(const int8_t* w, const float* ws, const float* x, int64_t M, int64_t K, int64_t n0, int64_t n1,
                float* out, int64_t N) {
-  switch (M) {
-    case 1: return gemv_int8_rows<1>(w, ws, x, K, n0, n1, out, N);
-    case 2: return gemv_int8_rows<2>(w, ws, x, K, n0, n1, out, N);
-    case 3: return gemv_int8_rows<3>(w, ws, x, K, n0, n1, out, N);
-    case 4: return gemv_int8_rows<4>(w, ws, x, K, n0, n1, out, N);
-    case 5: return gemv_int8_rows<5>(w, ws, x, K, n0, n1, out, N);
-    case 6: return gemv_int8_rows<6>(w, ws, x, K, n0, n1, out, N);
-    case 7: return gemv_int8_rows<7>(w, ws, x, K, n0, n1, out, N);
-    default: return gemv_int8_rows<8>(w, ws, x, K, n0, n1, out, N);
-  }
+  with_row_count(M, [&](auto rows) { gemv_int8_rows<decltype(rows)::value>(w, ws, x, K, n0, n1, out, N); });
 }
 
 }  // namespace
