@@ -213,3 +213,21 @@ def test_prefill_sized_batches_dequantize_to_fp32_where_bf16_is_slow(kernels, fm
     with torch.inference_mode():
         y_bf16 = q(x)
     assert not torch.allclose(y_bf16, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_paged_decode_attention_adds_each_heads_block_mass(kernels):
+    torch.manual_seed(5)
+    num_blocks, nkv, bs, hd, nh = 12, 2, 4, 16, 4
+    k_cache, v_cache = torch.randn(num_blocks, nkv, bs, hd), torch.randn(num_blocks, nkv, bs, hd)
+    q = torch.randn(2, nh, hd) / 4
+    tables = torch.tensor([[3, 7, 1], [5, 2, -1]])
+    lengths = torch.tensor([10, 6])
+    mass = torch.ones(2, 3)  # accumulated, not overwritten
+    ops.paged_decode_attention(q, k_cache, v_cache, tables, lengths, mass)
+    for b in range(2):
+        n = int(lengths[b])
+        k = k_cache[tables[b, : -(-n // bs)]].transpose(0, 1).flatten(1, 2)[:, :n]  # (nkv, n, hd)
+        scores = torch.einsum("kgd,ktd->kgt", q[b].view(nkv, nh // nkv, hd), k)
+        per_token = torch.softmax(scores, -1).sum((0, 1))  # (n,)
+        expected = torch.zeros(3).index_add_(0, torch.arange(n) // bs, per_token) + 1
+        torch.testing.assert_close(mass[b], expected)

@@ -166,7 +166,11 @@ def attention(
         b = meta.num_decodes
         if meta.decode_tables is not None:
             kb, vb = cache.layer_blocks(layer)
-            parts.append(ops.paged_decode_attention(q[:b], kb, vb, meta.decode_tables, meta.decode_lengths))
+            parts.append(
+                ops.paged_decode_attention(
+                    q[:b], kb, vb, meta.decode_tables, meta.decode_lengths, meta.decode_mass
+                )
+            )
         else:
             kc, vc = cache.gather(layer, meta.decode_read)  # (B, nkv, L, hd)
             parts.append(

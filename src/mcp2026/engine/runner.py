@@ -64,10 +64,10 @@ class ModelRunner:
             if staged is not None:
                 tables[b, int(num_live[b]) - 1] = staged
         lengths = (num_live - 1) * bs + starts % bs + 1
-        if (
-            self.fused_decode
-            and not self.scoring.decode
-            and not any(self._staged_id(c.request_id, stage_after) is not None for c in decodes)
+        if self.scoring.decode:
+            meta.decode_mass = torch.zeros(tables.shape)
+        if self.fused_decode and not any(
+            self._staged_id(c.request_id, stage_after) is not None for c in decodes
         ):
             meta.decode_tables, meta.decode_lengths = tables, lengths
             return index
@@ -76,8 +76,6 @@ class ModelRunner:
             pad = torch.arange(width * bs).unsqueeze(0) >= lengths.unsqueeze(1)  # (B, L)
             bias = torch.zeros(pad.shape, dtype=self.cache.dtype).masked_fill_(pad, float("-inf"))
             meta.decode_bias = bias[:, None, None, :]
-        if self.scoring.decode:
-            meta.decode_mass = torch.zeros(tables.shape)
         return index
 
     def _prefill_slice(

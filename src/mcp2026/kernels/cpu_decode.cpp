@@ -37,11 +37,12 @@ void check_cpu_float(const torch::Tensor& t, const char* name) {
 // ---- paged decode attention --------------------------------------------------------------------------
 // q: (B, nh, hd), already scaled. k_cache, v_cache: (num_blocks, nkv, bs, hd) for one layer. tables: (B, nb)
 // live block ids in position order; lengths: (B,) tokens to attend over those blocks (the last block may be
-// partly filled). Grouped-query heads of one KV head share one pass over its keys and values.
+// partly filled). Grouped-query heads of one KV head share one pass over its keys and values. With mass
+// (B, nkv, nb) given, each head's attention probabilities are added per block (H2O-style eviction scores).
 template <typename T>
 void decode_attention_impl(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* lengths,
-                           T* out, int64_t B, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, int64_t nb,
-                           int64_t max_len) {
+                           T* out, float* mass, int64_t B, int64_t nh, int64_t nkv, int64_t hd, int64_t bs,
+                           int64_t nb, int64_t max_len) {
   const int64_t g = nh / nkv;
   const int64_t head_stride = bs * hd, block_stride = nkv * bs * hd;
   // Small problems run inline: waking the thread pool costs more than the work.
@@ -80,6 +81,10 @@ void decode_attention_impl(const T* q, const T* k, const T* v, const int64_t* ta
         }
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
+        if (mass != nullptr) {  // eviction scores: this head's attention per block (one writer per (b, h))
+          float* mb = mass + (b * nkv + h) * nb;
+          for (int64_t t = 0; t < len; ++t) mb[t / bs] += sj[t];
+        }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < len; t0 += bs) {
@@ -104,7 +109,7 @@ void decode_attention_impl(const T* q, const T* k, const T* v, const int64_t* ta
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& tables,
-                                     const torch::Tensor& lengths) {
+                                     const torch::Tensor& lengths, const c10::optional<torch::Tensor>& mass) {
   check_cpu_float(q, "q");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q must be (B, nh, hd), caches 4-D");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
@@ -129,11 +134,18 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       TORCH_CHECK(tp[b * nb + i] >= 0 && tp[b * nb + i] < k_cache.size(0), "block id out of range");
     max_len = std::max(max_len, lp[b]);
   }
+  float* mp = nullptr;
+  if (mass.has_value()) {
+    TORCH_CHECK(mass->scalar_type() == torch::kFloat && mass->is_contiguous() && mass->dim() == 3 &&
+                    mass->size(0) == B && mass->size(1) == nkv && mass->size(2) == nb,
+                "mass must be a contiguous float32 (B, nkv, nb) tensor");
+    mp = mass->data_ptr<float>();
+  }
   auto out = torch::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, qc.scalar_type(), "paged_decode_attention", [&] {
     decode_attention_impl<scalar_t>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                                    v_cache.data_ptr<scalar_t>(), tp, lp, out.data_ptr<scalar_t>(), B, nh, nkv,
-                                    hd, bs, nb, max_len);
+                                    v_cache.data_ptr<scalar_t>(), tp, lp, out.data_ptr<scalar_t>(), mp, B, nh,
+                                    nkv, hd, bs, nb, max_len);
   });
   return out;
 }
@@ -565,7 +577,9 @@ torch::Tensor int4_dequant(const torch::Tensor& qs, const torch::Tensor& sz) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged K/V blocks");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged K/V blocks",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("lengths"),
+        py::arg("mass") = py::none());
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) * weight");
   m.def("rope_", &rope_, "rotate-half RoPE in place");
   m.def("int4_gemv", &int4_gemv, "int4 weights x int8-quantized activations, decode-sized batches");

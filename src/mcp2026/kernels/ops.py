@@ -67,11 +67,22 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def paged_decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    mass: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (B, nh, hd) pre-scaled; caches (num_blocks, nkv, bs, hd); tables (B, nb) live block ids in order;
-    lengths (B,) tokens to attend. Only called when ``decode_kernel_available`` said yes."""
-    return cpu.load().paged_decode_attention(q, k_cache, v_cache, tables, lengths)
+    lengths (B,) tokens to attend. ``mass`` (B, nb) float32: each block's attention, summed over heads, is added
+    to it (eviction scores). Only called when ``decode_kernel_available`` said yes."""
+    if mass is None:
+        return cpu.load().paged_decode_attention(q, k_cache, v_cache, tables, lengths)
+    per_head = torch.zeros(mass.shape[0], k_cache.shape[1], mass.shape[1])
+    out = cpu.load().paged_decode_attention(q, k_cache, v_cache, tables, lengths, per_head)
+    mass += per_head.sum(1)
+    return out
 
 
 def decode_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
