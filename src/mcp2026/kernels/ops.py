@@ -14,8 +14,6 @@ from mcp2026.kernels import cpu
 # The elementwise kernels are single-threaded loops made for decode steps (few rows, where dispatch cost
 # dominates); prefill-sized inputs take torch's vectorized, multi-threaded ops.
 FUSED_MAX_ROWS = 64
-
-
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -86,4 +84,4 @@ def paged_decode_attention(
 
 
 def decode_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu.load() is not None
+    return device.type == "cpu" and dtype in _KERNEL_DTYPES and cpu.load() is not None
