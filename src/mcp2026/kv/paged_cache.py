@@ -359,12 +359,7 @@ class PagedKVCache:
     @property
     def stores_plain(self) -> bool:
         """K/V are stored as they are, in the compute dtype: kernels may read the blocks in place."""
-        key, value = self.codec.key, self.codec.value
-        return (
-            isinstance(key, Identity)
-            and isinstance(value, Identity)
-            and key.dtype == value.dtype == self.dtype
-        )
+        return self._plain  # fixed at construction; read by every layer's write
 
     def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V blocks, (num_blocks, nkv, bs, hd) each (plain storage only)."""

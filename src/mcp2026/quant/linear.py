@@ -288,6 +288,10 @@ class QuantLinear(nn.Module):
             x2 = x2.to(self.compute_dtype)
         return x2 if x2.is_contiguous() else x2.contiguous()
 
+    def _scaled(self, x: Tensor) -> Tensor:
+        """x divided by the activation-aware scale, where the layer has one (fp32 paths of our kernels)."""
+        return x if self.inv_act_scale is None else x * self.inv_act_scale
+
     def _output(self, y: Tensor, x: Tensor) -> Tensor:
         if self.bias is not None:
             y = y + self.bias
@@ -368,15 +372,14 @@ class Int8Linear(QuantLinear):
         if x2.shape[0] <= GEMV_MAX_ROWS:
             kernels = kernel_ops.kernels_for(x2)
             if kernels is not None:  # decode: our int8-weight GEMV (float activations), no casts
-                if self.inv_act_scale is not None:
-                    x2 = x2 * self.inv_act_scale
+                x2 = self._scaled(x2)
                 scales = self.__dict__.get("_gemv_scales")
                 if scales is None:
                     scales = self.__dict__["_gemv_scales"] = self.scales.float().contiguous()
                 return self._output(kernels.int8_gemv(x2, self.weight, scales), x)
         if x2.shape[0] >= DEQUANT_MIN_ROWS and _fp32_prefill(x2):
             w = self.weight * self.scales.float().unsqueeze(1)  # one pass: int8 * fp32 -> fp32
-            xs = x2 if self.inv_act_scale is None else x2 * self.inv_act_scale
+            xs = self._scaled(x2)
             return self._output(F.linear(xs, w), x)
         y = torch.ops.aten._weight_int8pack_mm(self._input(x), self.weight, self.scales)
         return self._output(y, x)
@@ -425,14 +428,13 @@ class Int4Linear(QuantLinear):
         if x2.shape[0] <= GEMV_MAX_ROWS:
             kernels = kernel_ops.kernels_for(x2)
             if kernels is not None:  # decode: our int4 x int8 GEMV, no casts
-                if self.inv_act_scale is not None:
-                    x2 = x2 * self.inv_act_scale
+                x2 = self._scaled(x2)
                 return self._output(kernels.int4_gemv(x2, *self._gemv_weights()), x)
         if x2.shape[0] >= DEQUANT_MIN_ROWS and _fp32_prefill(x2):
             kernels = kernel_ops.kernels_for(x2)
             if kernels is not None:
                 w = kernels.int4_dequant(*self._gemv_weights())
-                xs = x2 if self.inv_act_scale is None else x2 * self.inv_act_scale
+                xs = self._scaled(x2)
                 return self._output(F.linear(xs, w), x)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             self._input(x), self.weight, self.spec.group_size, self.scales_and_zeros
