@@ -106,7 +106,7 @@ def test_paged_decode_attention_rejects_bad_tables(kernels):
 
 
 @pytest.mark.parametrize("group_size", [32, 64])
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20, 64])  # one row, a partial tile, full 8-row tiles + rests
 def test_int4_gemv_is_exact_integer_math_and_close_to_the_weights(kernels, group_size, rows):
     from mcp2026.quant.linear import Int4Linear, gemv_layout, unpack_int4
     from mcp2026.quant.plan import LayerQuantSpec
@@ -129,18 +129,41 @@ def test_int4_gemv_is_exact_integer_math_and_close_to_the_weights(kernels, group
     assert ((y - exact).norm() / exact.norm()).item() < 0.01  # int8 activations: ~0.5% measured
 
 
-def test_int4_linear_takes_the_gemv_for_decode_sized_batches_only(kernels):
-    from mcp2026.quant.linear import GEMV_MAX_ROWS, Int4Linear
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_int4_linear_takes_the_gemv_for_decode_sized_batches_only(kernels, fast_bf16, monkeypatch):
+    from mcp2026.quant import linear as qlinear
     from mcp2026.quant.plan import LayerQuantSpec
 
-    q = Int4Linear.from_linear(torch.nn.Linear(64, 32), LayerQuantSpec("int4"), torch.bfloat16)
+    monkeypatch.setattr(qlinear, "_cpu_has_fast_bf16", lambda: fast_bf16)
+    calls = []
+    monkeypatch.setattr(cpu, "_module", _Spy(kernels, calls))
+    q = qlinear.Int4Linear.from_linear(torch.nn.Linear(64, 32), LayerQuantSpec("int4"), torch.bfloat16)
     with torch.inference_mode():
-        small = q(torch.randn(2, 64))
-        assert "_gemv" in q.__dict__ and small.dtype == torch.float32
-        big = q(torch.randn(GEMV_MAX_ROWS + 1, 64))  # prefill-sized: torch's kernel
-        assert big.shape == (GEMV_MAX_ROWS + 1, 32)
+        for rows in (2, qlinear.GEMV_MAX_ROWS + 1, qlinear.GEMV_BATCH_MAX_ROWS, qlinear.DEQUANT_MIN_ROWS):
+            assert q(torch.randn(rows, 64)).shape == (rows, 32)
+    # batched decode (9..64 rows) takes the GEMV only where torch's int kernel would compute in slow bf16
+    gemv_rows = [2] if fast_bf16 else [2, qlinear.GEMV_MAX_ROWS + 1, qlinear.GEMV_BATCH_MAX_ROWS]
+    assert [rows for name, rows in calls if name == "int4_gemv"] == gemv_rows
+    assert ("int4_dequant" in [name for name, _ in calls]) is not fast_bf16  # prefill: dequantize + fp32 GEMM
+    assert "_gemv" in q.__dict__
     q.load_state_dict(q.state_dict())
     assert "_gemv" not in q.__dict__  # new weights: the layout is rebuilt on next use
+
+
+class _Spy:
+    """The kernel module, recording (kernel name, rows of its first argument) per GEMV / dequant call."""
+
+    def __init__(self, module, calls):
+        self._module, self._calls = module, calls
+
+    def __getattr__(self, name):
+        fn = getattr(self._module, name)
+
+        def call(*args, **kwargs):
+            self._calls.append((name, args[0].shape[0]))
+            return fn(*args, **kwargs)
+
+        return call
 
 
 def test_no_kernels_while_recording_gradients(kernels):
@@ -165,7 +188,7 @@ def test_model_logits_equal_with_and_without_kernels(kernels, tiny_llama_dir, mo
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 19])
 def test_int8_gemv_equals_the_dequantized_matmul(kernels, rows):
     from mcp2026.quant.linear import Int8Linear
     from mcp2026.quant.plan import LayerQuantSpec

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from mcp2026.kernels import ops as kernel_ops
 from mcp2026.quant.linear import (
     LINEAR_FORMATS,
     Int4Linear,
@@ -107,6 +108,8 @@ def test_module_matches_dequantized_reference(spec, compute_dtype):
     tol = 1e-5 if compute_dtype == torch.float32 or spec.format == "bf16" else 1e-2
     if spec.format == "bf16":
         tol = 1e-2
+    if spec.format == "int4" and kernel_ops.kernels_for(x) is not None:
+        tol = 2e-2  # our int4 GEMV quantizes activations to int8 per 32 values (~0.5% relative, W4A8)
     assert (y - reference).abs().max() <= tol * reference.abs().max()
 
 

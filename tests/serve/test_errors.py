@@ -129,6 +129,14 @@ def test_metrics_exposition(live):
     ):
         assert name in text, name
     assert 'mcp2026_requests_total{model="tiny",status="length",tenant="default"}' in text
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("mcp2026_engine_")
+    }
+    assert samples['mcp2026_engine_steps_total{model="tiny"}'] >= 2  # the request's prefill and decode steps
+    for phase in ("prefill", "decode", "sample"):
+        assert samples[f'mcp2026_engine_busy_seconds_total{{model="tiny",phase="{phase}"}}'] > 0
 
 
 TENANTS = TenantRegistry(

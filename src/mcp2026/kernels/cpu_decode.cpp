@@ -283,13 +283,15 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up, c10::ScalarType out_dtype) 
 // convention and the bf16 bits of torch's int4 kernel, so both compute from identical weights). Activations
 // are quantized per 32-block to int8 at call time (as llama.cpp's Q8 activations), so one block's dot product
 // is integer multiply-adds: u8 x s8 pairs (maddubs), widened to int32, then one float FMA with scale * dx; the
-// (zero - 8 * scale) term needs only the block's sum of the quantized x. M (rows of x) is small (decode): each
-// weight block is unpacked once and used for every row.
+// (zero - 8 * scale) term needs only the block's sum of the quantized x. Rows are taken 8 at a time: each weight
+// block is unpacked once per 8 rows, and a thread's slice of weights stays in cache while it walks the row
+// tiles, so the weights are read from memory once per call (which row counts should come here is the caller's
+// choice, from measurements: quant/linear.py).
 namespace {
 
-constexpr int64_t kMaxGemvRows = 8;
+constexpr int64_t kRowTile = 8;
 
-// Calls f with the row count (1..kMaxGemvRows) as a compile-time constant, so per-row accumulators of the
+// Calls f with the row count (1..kRowTile) as a compile-time constant, so per-row accumulators of the
 // GEMVs are fixed-size arrays the compiler keeps in registers.
 template <typename F>
 void with_row_count(int64_t M, F&& f) {
@@ -310,6 +312,17 @@ struct QuantizedRows {
   std::vector<float> scale;  // (M, K/32): dx
   std::vector<float> sum;    // (M, K/32): dx * sum of the quantized x over the block
 };
+
+// Rows r0.. of a QuantizedRows (one row tile).
+struct RowsView {
+  const int8_t* q;
+  const float* scale;
+  const float* sum;
+};
+
+inline RowsView rows_from(const QuantizedRows& r, int64_t r0, int64_t K) {
+  return {r.q.data() + r0 * K, r.scale.data() + r0 * (K / 32), r.sum.data() + r0 * (K / 32)};
+}
 
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
@@ -362,12 +375,12 @@ inline __m256 block_dot(const uint8_t* wq, const int8_t* xq) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 // M == 1 (batch-1 decode): everything in registers.
-void gemv_one_row(const uint8_t* qs, const uint16_t* sz, const QuantizedRows& xr, int64_t K, int64_t n0,
-                  int64_t n1, float* out) {
+void gemv_one_row(const uint8_t* qs, const uint16_t* sz, const RowsView& xr, int64_t K, int64_t n0, int64_t n1,
+                  float* out) {
   const int64_t nblk = K / 32;
-  const int8_t* xq = xr.q.data();
-  const float* dx = xr.scale.data();
-  const float* sx = xr.sum.data();
+  const int8_t* xq = xr.q;
+  const float* dx = xr.scale;
+  const float* sx = xr.sum;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wq = qs + n * nblk * 16;
     const uint16_t* szn = sz + n * nblk * 2;
@@ -394,7 +407,7 @@ void gemv_one_row(const uint8_t* qs, const uint16_t* sz, const QuantizedRows& xr
 #if defined(__AVX2__) && defined(__FMA__)
 // 2..8 rows: the row count is a template parameter, so the per-row accumulators stay in registers.
 template <int M>
-void gemv_fixed_rows(const uint8_t* qs, const uint16_t* sz, const QuantizedRows& xr, int64_t K, int64_t n0,
+void gemv_fixed_rows(const uint8_t* qs, const uint16_t* sz, const RowsView& xr, int64_t K, int64_t n0,
                      int64_t n1, float* out, int64_t N) {
   const int64_t nblk = K / 32;
   for (int64_t n = n0; n < n1; ++n) {
@@ -413,7 +426,7 @@ void gemv_fixed_rows(const uint8_t* qs, const uint16_t* sz, const QuantizedRows&
       const __m256i w =
           _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
       for (int i = 0; i < M; ++i) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + i * K + b * 32));
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q + i * K + b * 32));
         const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * xr.scale[i * nblk + b]), acc[i]);
         tail[i] += off * xr.sum[i * nblk + b];
@@ -424,7 +437,7 @@ void gemv_fixed_rows(const uint8_t* qs, const uint16_t* sz, const QuantizedRows&
 }
 #endif
 
-void gemv_rows(const uint8_t* qs, const uint16_t* sz, const QuantizedRows& xr, int64_t M, int64_t K, int64_t n0,
+void gemv_rows(const uint8_t* qs, const uint16_t* sz, const RowsView& xr, int64_t M, int64_t K, int64_t n0,
                int64_t n1, float* out, int64_t N) {
 #if defined(__AVX2__) && defined(__FMA__)
   with_row_count(M, [&](auto rows) {
@@ -442,7 +455,7 @@ void gemv_rows(const uint8_t* qs, const uint16_t* sz, const QuantizedRows& xr, i
     for (int64_t i = 0; i < M; ++i) {
       float total = 0.f;
       for (int64_t b = 0; b < nblk; ++b) {
-        const int8_t* xq = xr.q.data() + i * K + b * 32;
+        const int8_t* xq = xr.q + i * K + b * 32;
         int32_t isum = 0;
         for (int k = 0; k < 16; ++k) {
           const uint8_t byte = wq[b * 16 + k];
@@ -462,7 +475,7 @@ void gemv_rows(const uint8_t* qs, const uint16_t* sz, const QuantizedRows& xr, i
 
 torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sz) {
   check_cpu_float(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxGemvRows, "x must be (M, K) with M <= ", kMaxGemvRows);
+  TORCH_CHECK(x.dim() == 2, "x must be (M, K)");
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
   TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
   TORCH_CHECK(qs.scalar_type() == torch::kByte && qs.is_contiguous() && qs.numel() == N * K / 2,
@@ -478,7 +491,10 @@ torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& qs, const t
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { gemv_rows(qp, sp, xr, M, K, n0, n1, op, N); });
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t r0 = 0; r0 < M; r0 += kRowTile)
+      gemv_rows(qp, sp, rows_from(xr, r0, K), std::min(kRowTile, M - r0), K, n0, n1, op + r0 * N, N);
+  });
   return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
 }
 
@@ -531,7 +547,7 @@ void gemv_int8(const int8_t* w, const float* ws, const float* x, int64_t M, int6
 
 torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
   check_cpu_float(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxGemvRows, "x must be (M, K) with M <= ", kMaxGemvRows);
+  TORCH_CHECK(x.dim() == 2, "x must be (M, K)");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.scalar_type() == torch::kChar && w.is_contiguous() && w.dim() == 2 && w.size(1) == K,
               "w must be contiguous int8 (N, K)");
@@ -543,7 +559,10 @@ torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& w, const to
   const float* sp = scales.data_ptr<float>();
   const float* xp = xf.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { gemv_int8(wp, sp, xp, M, K, n0, n1, op, N); });
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t r0 = 0; r0 < M; r0 += kRowTile)
+      gemv_int8(wp, sp, xp + r0 * K, std::min(kRowTile, M - r0), K, n0, n1, op + r0 * N, N);
+  });
   return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
 }
 

@@ -92,12 +92,20 @@ def dequantize_groupwise_int4(q: Tensor, scales: Tensor, zeros: Tensor, group_si
     return (qg * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1)).reshape(n, k)
 
 
-# From this many rows on, CPUs without fast bf16 run int4/int8 layers as dequantize + fp32 GEMM: torch's int
-# kernels compute in bf16, which on AVX2 is slower than fp32 (prefill measured 0.56x fp32 with them).
-DEQUANT_MIN_ROWS = 32
-GEMV_MAX_ROWS = (
-    8  # decode-sized batches take our int4 GEMV kernel (kernels/cpu_decode.cpp); larger ones torch's
-)
+# Our int4/int8 GEMVs (kernels/cpu_decode.cpp) take decode-sized batches on every CPU. On CPUs without fast
+# bf16, torch's int kernels compute in bf16 (slower than fp32 on AVX2), so there the GEMVs (in 8-row tiles) also
+# take batched decode and mixed steps up to GEMV_BATCH_MAX_ROWS rows, and larger inputs run dequantize + fp32
+# GEMM. Measured here (2 threads, one layer's linears): at 16 / 64 / 128 / 256 / 512 rows the int4 GEMV takes
+# 1.8 / 6.0 / 13.7 / 31 / 53 ms, dequantize + GEMM 9.3 / 12.0 / 16.7 / 34 / 41 ms (int8: 14.7 vs 27.4 ms at 128,
+# 35 vs 25 at 256), fp32 weights 3.9 / 7.0 / 12.1 / 21 / 41 ms.
+GEMV_MAX_ROWS = 8
+GEMV_BATCH_MAX_ROWS = 128
+DEQUANT_MIN_ROWS = GEMV_BATCH_MAX_ROWS + 1
+
+
+def _gemv_rows(x2: Tensor) -> bool:
+    rows = x2.shape[0]
+    return rows <= GEMV_MAX_ROWS or (rows <= GEMV_BATCH_MAX_ROWS and _fp32_prefill(x2))
 
 
 def _fp32_prefill(x: Tensor) -> bool:
@@ -369,7 +377,7 @@ class Int8Linear(QuantLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if x2.shape[0] <= GEMV_MAX_ROWS:
+        if _gemv_rows(x2):
             kernels = kernel_ops.kernels_for(x2)
             if kernels is not None:  # decode: our int8-weight GEMV (float activations), no casts
                 x2 = self._scaled(x2)
@@ -425,7 +433,7 @@ class Int4Linear(QuantLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if x2.shape[0] <= GEMV_MAX_ROWS:
+        if _gemv_rows(x2):
             kernels = kernel_ops.kernels_for(x2)
             if kernels is not None:  # decode: our int4 x int8 GEMV, no casts
                 x2 = self._scaled(x2)

@@ -145,6 +145,7 @@ def create_app(
         tenants = TenantRegistry.from_yaml(config.tenants_file) if config.tenants_file else TenantRegistry()
     model_name = config.model_name or (Path(config.model).stem if config.model else "default")
     metrics = ServerMetrics(model_name, lambda: async_engine.stats)
+    metrics.watch_engine_time(lambda: async_engine.engine.stats)
     service = GenerationService(async_engine, tokenizer, config, tenants, metrics, model_name)
     async_engine.set_tenant_weights({t.name: t.weight for t in tenants.tenants.values()})
     metrics.watch_traffic(service.traffic.snapshot)

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mcp2026.engine.engine import StepStats
 from mcp2026.engine.scheduler import SchedulerStats
 from mcp2026.serve.traffic import PRESSURE, QUALITY, TrafficSnapshot
 
@@ -67,6 +68,31 @@ class _EngineCollector(Collector):
         for tenant, value in stats.tenant_tokens.items():
             tokens.add_metric([tenant or "default", self.model], value)
         yield tokens
+
+
+class _EngineTimeCollector(Collector):
+    def __init__(self, model: str, read_step_stats: Callable[[], StepStats]) -> None:
+        self.model = model
+        self.read_step_stats = read_step_stats
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self.read_step_stats()
+        steps = CounterMetricFamily("mcp2026_engine_steps", "Engine steps run", labels=["model"])
+        steps.add_metric([self.model], stats.num_steps)
+        yield steps
+        busy = CounterMetricFamily(
+            "mcp2026_engine_busy_seconds",
+            "Engine-loop seconds in model forwards (phase prefill: steps with a prefill chunk; decode: the "
+            "rest) and in sampling",
+            labels=["model", "phase"],
+        )
+        for phase, ms in (
+            ("prefill", stats.prefill_ms),
+            ("decode", stats.decode_ms),
+            ("sample", stats.sample_ms),
+        ):
+            busy.add_metric([self.model, phase], ms / 1e3)
+        yield busy
 
 
 class _TrafficCollector(Collector):
@@ -188,6 +214,11 @@ class ServerMetrics:
             self.gate_switches.labels(model, plan)
             self.gate_plan.labels(model, plan).set(int(plan == QUALITY))
         r.register(_EngineCollector(model, read_stats))
+
+    def watch_engine_time(self, read_step_stats: Callable[[], StepStats]) -> None:
+        """Export the engine loop's time in model forwards and sampling, read at scrape time: busy seconds
+        over wall seconds is the engine's utilisation (what is left goes to the HTTP side, or idling)."""
+        self.registry.register(_EngineTimeCollector(self.model, read_step_stats))
 
     def watch_traffic(self, read_snapshot: Callable[[], TrafficSnapshot]) -> None:
         """Export the traffic profile's values, read at scrape time."""
