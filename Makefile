@@ -42,6 +42,7 @@ bench: setup
 	$(BIN)/mcp2026 bench offline --batched-decode 32 --input-len 128 --output-len 64 --dtype fp32 --write-docs --no-progress
 	$(BIN)/mcp2026 bench offline --workload sharegpt --num-prompts 200 --max-requests 16 --batch-size 16 --dtype fp32 --write-docs --no-progress
 	$(BIN)/mcp2026 bench kv --write-docs --no-progress
+	$(BIN)/mcp2026 bench headline --write-docs
 
 bench-quality: setup
 	$(BIN)/mcp2026 bench quality --num-windows 20 --write-docs

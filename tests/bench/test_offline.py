@@ -72,3 +72,26 @@ def test_cli_offline(tiny_dir, tmp_path):
     assert len(list(tmp_path.glob("*-offline.json"))) == 1
     bad = CliRunner().invoke(bench_app, ["offline", "--model", str(tmp_path / "missing"), "--no-progress"])
     assert bad.exit_code == 2
+
+
+def test_quantized_weights_run_the_same_requests_beside_fp32(tiny_dir):
+    config = OfflineConfig(
+        model=tiny_dir, workload="random", num_prompts=2, input_len=8, output_len=4, batch_size=2,
+        dtype="fp32", weights=("int8",),
+    )  # fmt: skip
+    run = run_offline(config)
+    int8 = [r for r in run.records if r["engine"] == "mcp2026-int8"]
+    assert [r["num_output_tokens"] for r in int8] == [4, 4]
+    assert len([r for r in run.records if r["engine"] == "mcp2026"]) == 2
+    agg = run.aggregates
+    assert agg["ratio_int8"]["output_tok_per_s"] == pytest.approx(
+        agg["mcp2026-int8"]["output_tok_per_s"] / agg["hf"]["output_tok_per_s"]
+    )
+    labels = [row[0] for row in run.tables[0].rows]
+    assert labels == [
+        "mcp2026 (continuous batching)", "mcp2026, int8 weights", "HF transformers (static batch 2)",
+        "mcp2026 / HF", "mcp2026 int8 / HF",
+    ]  # fmt: skip
+    assert "--weights int8" in run.command
+    with pytest.raises(ValueError, match="int8, int4"):
+        OfflineConfig(weights=("int3",))

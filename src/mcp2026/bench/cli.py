@@ -107,6 +107,9 @@ def offline(
     ] = None,
     input_len: Annotated[int, typer.Option(help="random workload: prompt tokens")] = 128,
     output_len: Annotated[int, typer.Option(help="random/prefix/long workloads: output tokens")] = 128,
+    weights: Annotated[
+        str, typer.Option(help="comma list (int8,int4): also run ours with these weights, same requests")
+    ] = "",
     write_docs: DocsOpt = False,
     out_dir: OutOpt = None,
     progress: ProgressOpt = True,
@@ -126,6 +129,7 @@ def offline(
         input_len=input_len,
         output_len=output_len,
         batched_decode=batched_decode,
+        weights=tuple(w for w in weights.split(",") if w),
     )
     with _progress(progress) as bar:
         run = run_offline(config, bar)
@@ -209,6 +213,7 @@ def quality(
 
 def _register_commands() -> None:
     """Commands kept in their own modules (they import nothing heavy at module level)."""
+    from mcp2026.bench.headline_cli import headline
     from mcp2026.bench.kv_cli import kv
     from mcp2026.bench.plugin_cli import plugin
     from mcp2026.bench.sweep_cli import sweep
@@ -216,6 +221,7 @@ def _register_commands() -> None:
     bench_app.command("sweep")(sweep)
     bench_app.command("plugin")(plugin)
     bench_app.command("kv")(kv)
+    bench_app.command("headline")(headline)
 
 
 _register_commands()

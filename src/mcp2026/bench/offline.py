@@ -32,8 +32,12 @@ class OfflineConfig:
     input_len: int = 128  # random workload
     output_len: int = 128  # random / prefix / long workloads
     batched_decode: int | None = None  # N: decode tok/s at N concurrent sequences (random workload)
+    weights: tuple[str, ...] = ()  # extra runs of ours with weights quantized uniformly: int8 | int4
 
     def __post_init__(self) -> None:
+        bad = [w for w in self.weights if w not in ("int8", "int4")]
+        if bad:
+            raise ValueError(f"weights must be a list of int8, int4; got {bad}")
         if self.num_prompts < 1 or self.batch_size < 1:
             raise ValueError("num_prompts and batch_size must be >= 1")
         if self.max_requests is not None and self.max_requests < 1:
@@ -60,6 +64,8 @@ class OfflineConfig:
         if self.max_requests is not None:
             parts.append(f"--max-requests {self.max_requests}")
         parts += [f"--seed {self.seed}", f"--dtype {self.dtype}"]
+        if self.weights:
+            parts.append(f"--weights {','.join(self.weights)}")
         if not self.peer:
             parts.append("--no-peer")
         return " ".join(parts)
@@ -166,17 +172,32 @@ def run_offline(
     check_fits(requests, pipe.engine.max_model_len)
     _warm_up_ours(pipe.engine, vocab)
     ours = run_engine(pipe.engine, requests, progress)
-    failed = [x["request_id"] for x in ours.records if x["finish_reason"] == "error"]
-    if failed:
-        notes.append(
-            f"{len(failed)} requests failed on mcp2026 (e.g. {failed[0]}); their tokens are not counted"
-        )
+    runs = {"mcp2026": ours}
+    torch_dtype = pipe.dtype
+    del pipe
+    for fmt in config.weights:  # same requests, activations in the same dtype
+        from mcp2026.config import QuantConfig
+
+        t0 = time.perf_counter()
+        quantized = Pipeline(config.model, QuantConfig(target_precision=fmt), config.dtype)
+        load_s[f"mcp2026-{fmt}"] = time.perf_counter() - t0
+        _warm_up_ours(quantized.engine, vocab)
+        runs[f"mcp2026-{fmt}"] = run_engine(quantized.engine, requests, progress)
+        for record in runs[f"mcp2026-{fmt}"].records:
+            record["engine"] = f"mcp2026-{fmt}"
+        del quantized
+    for name, run_ in runs.items():
+        failed = [x["request_id"] for x in run_.records if x["finish_reason"] == "error"]
+        if failed:
+            notes.append(
+                f"{len(failed)} requests failed on {name} (e.g. {failed[0]}); their tokens are not counted"
+            )
     hf_result = None
     if config.peer:
         from mcp2026.bench import peers
 
         t0 = time.perf_counter()
-        hf = peers.load_hf_model(config.model, pipe.dtype)
+        hf = peers.load_hf_model(config.model, torch_dtype)
         load_s["hf"] = time.perf_counter() - t0
         peers.hf_generate(hf, [[i % vocab for i in range(1, 17)]] * 2, 4)  # warm-up, excluded
         batch = config.batched_decode or config.batch_size
@@ -189,7 +210,7 @@ def run_offline(
 
         if not hardware.has_fast_bf16():
             notes.append("bf16 on a CPU without AVX512-BF16/AMX: emulated, several times slower than fp32")
-    aggregates = _aggregate(requests, ours, hf_result)
+    aggregates = _aggregate(requests, runs, hf_result)
     aggregates["load_seconds"] = load_s
     aggregates["workload"] = describe(requests)
     aggregates["prefix_cache_hit_tokens"] = sum(x["num_cached_tokens"] for x in ours.records)
@@ -197,8 +218,8 @@ def run_offline(
     run = BenchRun(
         kind="offline-batched-decode" if config.batched_decode else "offline",
         command=config.command(),
-        config={**asdict(config), "resolved_dtype": dtype},
-        records=ours.records + (hf_result.records if hf_result else []),
+        config={**asdict(config), "weights": list(config.weights), "resolved_dtype": dtype},
+        records=[x for r in runs.values() for x in r.records] + (hf_result.records if hf_result else []),
         aggregates=aggregates,
         notes=notes,
         machine=machine_info(),
@@ -209,19 +230,21 @@ def run_offline(
     return run
 
 
-def _aggregate(requests: list[BenchRequest], ours: EngineRun, hf: Any) -> dict[str, Any]:
+def _aggregate(requests: list[BenchRequest], runs: dict[str, EngineRun], hf: Any) -> dict[str, Any]:
+    """Per engine run (``mcp2026``, ``mcp2026-int8``, ...) and HF: throughputs; ``ratio`` is ours (first run) /
+    HF, ``ratio_<fmt>`` each quantized run / HF."""
     prompt_tokens = sum(r.prompt_len for r in requests)
-    ours_out = sum(x["num_output_tokens"] for x in ours.records)
-    result: dict[str, Any] = {
-        "mcp2026": {
-            "seconds": ours.seconds,
-            "output_tok_per_s": ours_out / ours.seconds,
-            "total_tok_per_s": (prompt_tokens + ours_out) / ours.seconds,
-            "decode_tok_per_s": ours.decode_tokens / ours.decode_seconds if ours.decode_seconds else None,
-            "num_output_tokens": ours_out,
-            "num_steps": ours.num_steps,
+    result: dict[str, Any] = {}
+    for name, run in runs.items():
+        out = sum(x["num_output_tokens"] for x in run.records)
+        result[name] = {
+            "seconds": run.seconds,
+            "output_tok_per_s": out / run.seconds,
+            "total_tok_per_s": (prompt_tokens + out) / run.seconds,
+            "decode_tok_per_s": run.decode_tokens / run.decode_seconds if run.decode_seconds else None,
+            "num_output_tokens": out,
+            "num_steps": run.num_steps,
         }
-    }
     if hf is not None:
         hf_out = sum(x["num_output_tokens"] for x in hf.records)
         decode_s = sum(b["decode_seconds"] for b in hf.batches)
@@ -234,11 +257,13 @@ def _aggregate(requests: list[BenchRequest], ours: EngineRun, hf: Any) -> dict[s
             "num_output_tokens": hf_out,
             "num_generated_tokens": hf.num_generated_tokens,
         }
-        result["ratio"] = {
-            k: result["mcp2026"][k] / result["hf"][k]
-            for k in ("output_tok_per_s", "total_tok_per_s", "decode_tok_per_s")
-            if result["mcp2026"][k] and result["hf"][k]
-        }
+        for name in runs:
+            key = "ratio" if name == "mcp2026" else f"ratio_{name.removeprefix('mcp2026-')}"
+            result[key] = {
+                k: result[name][k] / result["hf"][k]
+                for k in ("output_tok_per_s", "total_tok_per_s", "decode_tok_per_s")
+                if result[name][k] and result["hf"][k]
+            }
     return result
 
 
@@ -252,13 +277,17 @@ def _table(aggregates: dict[str, Any], config: OfflineConfig, dtype: str) -> Tab
     )
     hf_label = f"HF transformers (static batch {config.batched_decode or config.batch_size})"
     rows: list[list[Any]] = []
-    for key, label in (("mcp2026", "mcp2026 (continuous batching)"), ("hf", hf_label)):
+    engines = [("mcp2026", "mcp2026 (continuous batching)", dtype, "ratio")]
+    engines += [(f"mcp2026-{f}", f"mcp2026, {f} weights", dtype, f"ratio_{f}") for f in config.weights]
+    for key, label, row_dtype, _ in [*engines, ("hf", hf_label, dtype, None)]:
         if key in aggregates:
             a = aggregates[key]
-            rows.append([label, dtype, *(a[k] for k in keys), a["seconds"]])
-    if "ratio" in aggregates:
-        ratio = aggregates["ratio"]
-        rows.append(["mcp2026 / HF", "", *(f"{ratio[k]:.2f}x" if k in ratio else "—" for k in keys), ""])
+            rows.append([label, row_dtype, *(a[k] for k in keys), a["seconds"]])
+    for key, _label, _, ratio_key in engines:
+        if ratio_key in aggregates:
+            ratio = aggregates[ratio_key]
+            name = "mcp2026" if key == "mcp2026" else f"mcp2026 {key.removeprefix('mcp2026-')}"
+            rows.append([f"{name} / HF", "", *(f"{ratio[k]:.2f}x" if k in ratio else "—" for k in keys), ""])
     if config.batched_decode:
         title = (
             f"Batched decode: {config.batched_decode} concurrent sequences, "

