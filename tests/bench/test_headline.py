@@ -181,3 +181,19 @@ def test_cli_runs_dir_and_write_docs_replace_only_the_marked_section(tmp_path, m
     assert "| what | ours |" in result.output  # printed too
     explicit = CliRunner().invoke(bench_app, ["headline", str(runs / "20261130-090000-latency.json")])
     assert explicit.exit_code == 0 and "1.00x HF" in explicit.output
+
+
+def test_quantized_offline_runs_and_each_serving_concurrency_get_their_own_rows():
+    run = offline_run()
+    run.config.update(resolved_dtype="fp32", weights=["int8"])
+    run.aggregates["mcp2026-int8"] = {"output_tok_per_s": 60.0}
+    sixteen, thirty_two = serve_run(), serve_run()
+    thirty_two.config["max_concurrency"] = 32
+    thirty_two.aggregates["endpoints"]["mcp2026"] = {"output_throughput": 80.0, "median_ttft_ms": 100.0}
+    md = headline_markdown([run, sixteen, thirty_two])
+    assert row(md, "sharegpt offline, 32 requests, output tok/s, ours fp32")[5] == "4.00x HF"
+    int8 = row(md, "sharegpt offline, 32 requests, output tok/s, ours int8 weights")
+    assert int8[2] == "10.0 (fp32, static batches of 16)" and int8[5] == "6.00x HF"
+    assert row(md, "serving, 16 concurrent clients, output tok/s")[5] == "0.85x llama.cpp, 2.00x vLLM"
+    assert row(md, "serving, 32 concurrent clients, output tok/s")[5] == "2.00x llama.cpp, 4.71x vLLM"
+    assert md.index("serving, 16 concurrent") < md.index("serving, 32 concurrent")

@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+from mcp2026.engine.engine import StepStats
 from mcp2026.engine.scheduler import SchedulerStats
 from mcp2026.serve.metrics import ServerMetrics
 from mcp2026.serve.traffic import TrafficProfile
@@ -17,6 +18,7 @@ SUFFIXES = ("_bucket", "_sum", "_count", "_total")
 def exported_names() -> set[str]:
     metrics = ServerMetrics("m", lambda: SchedulerStats(0, 0, 0, 0, 0, 0, 0.0, {"t": 1}))
     metrics.watch_traffic(TrafficProfile().snapshot)
+    metrics.watch_engine_time(StepStats)
     return {family.name for family in metrics.registry.collect()}
 
 
@@ -30,6 +32,7 @@ def test_dashboard_metrics_exist():
         base = next((metric[: -len(s)] for s in SUFFIXES if metric.endswith(s)), metric)
         assert base in names, f"{metric} is charted but not exported"
     charted = {next((m[: -len(s)] for s in SUFFIXES if m.endswith(s)), m) for m in used}
-    for must in ("mcp2026_time_to_first_token_seconds", "mcp2026_gate_switches", "mcp2026_breaker_state"):
+    musts = ("mcp2026_time_to_first_token_seconds", "mcp2026_gate_switches", "mcp2026_breaker_state")
+    for must in (*musts, "mcp2026_engine_busy_seconds"):
         assert must in charted
     assert {p["gridPos"]["y"] for p in dashboard["panels"]}, "panels need positions"
