@@ -254,3 +254,15 @@ def test_paged_decode_attention_adds_each_heads_block_mass(kernels):
         per_token = torch.softmax(scores, -1).sum((0, 1))  # (n,)
         expected = torch.zeros(3).index_add_(0, torch.arange(n) // bs, per_token) + 1
         torch.testing.assert_close(mass[b], expected)
+
+
+def test_build_key_follows_instruction_sets_only(monkeypatch):
+    from mcp2026 import hardware
+
+    base = frozenset({"avx2", "fma", "f16c", "sse4_2", "constant_tsc", "hypervisor", "ibpb"})
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: base)
+    key = cpu.build_key()
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: base - {"ibpb", "hypervisor"} | {"ibrs"})
+    assert cpu.build_key() == key  # mitigation / hypervisor bits: same binary
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: base | {"avx512f"})
+    assert cpu.build_key() != key  # a new instruction set: a new build

@@ -4,7 +4,7 @@ A decode step of a small model on the CPU is bound by how many ops it dispatches
 arithmetic; these kernels fold the elementwise chains of a layer and the paged decode attention into one call
 each. They are compiled with torch's ``cpp_extension`` for the host CPU (``-march=native``) the first time an
 engine needs them (~1 minute on 2 cores), into ``hardware.cache_dir()/kernels/<key>`` where the key covers
-the source, the torch version and the CPU's feature flags, so a shared home directory never hands one CPU a
+the source, the torch version and the CPU's instruction-set flags, so a shared home directory never hands one CPU a
 binary built for another. Without a compiler, or with ``MCP2026_KERNELS=0``, every caller falls back to the
 plain torch ops (same results within float rounding; tests check both paths against each other).
 """
@@ -35,10 +35,23 @@ def enabled_by_env() -> bool:
     return os.environ.get("MCP2026_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+# The instruction-set flags `-march=native` compiles for. Other /proc/cpuinfo flags (mitigations, timer and
+# hypervisor bits) can change with a host's microcode or kernel and must not force a rebuild.
+_ISA_PREFIXES = (
+    "avx", "sse", "ssse", "fma", "f16c", "bmi", "adx", "aes", "pclmul", "popcnt", "lzcnt", "abm", "movbe",
+    "sha", "vaes", "vpclmul", "gfni", "amx", "xop", "rdrand", "rdseed", "vnni", "asimd", "sve", "fphp", "i8mm",
+    "bf16",
+)  # fmt: skip
+
+
+def isa_flags(flags: frozenset[str]) -> list[str]:
+    return sorted(f for f in flags if f.startswith(_ISA_PREFIXES))
+
+
 def build_key() -> str:
     digest = hashlib.sha256(SOURCE.read_bytes())
     digest.update(torch.__version__.encode())
-    digest.update(" ".join(sorted(hardware.cpu_flags())).encode())
+    digest.update(" ".join(isa_flags(hardware.cpu_flags())).encode())
     return digest.hexdigest()[:16]
 
 
