@@ -95,7 +95,7 @@ def dequantize_groupwise_int4(q: Tensor, scales: Tensor, zeros: Tensor, group_si
 # Our int4/int8 GEMVs (kernels/cpu_decode.cpp) take decode-sized batches on every CPU. On CPUs without fast
 # bf16, torch's int kernels compute in bf16 (slower than fp32 on AVX2), so there the GEMVs (in 8-row tiles) also
 # take batched decode and mixed steps up to GEMV_BATCH_MAX_ROWS rows, and larger inputs run dequantize + fp32
-# GEMM. Measured here (2 threads, one layer's linears): at 16 / 64 / 128 / 256 / 512 rows the int4 GEMV takes
+# GEMM. Measured once with a throwaway microbenchmark (2 threads, one layer's linears; no repo command): at 16 / 64 / 128 / 256 / 512 rows the int4 GEMV takes
 # 1.8 / 6.0 / 13.7 / 31 / 53 ms, dequantize + GEMM 9.3 / 12.0 / 16.7 / 34 / 41 ms (int8: 14.7 vs 27.4 ms at 128,
 # 35 vs 25 at 256), fp32 weights 3.9 / 7.0 / 12.1 / 21 / 41 ms.
 GEMV_MAX_ROWS = 8
@@ -105,11 +105,12 @@ DEQUANT_MIN_ROWS = GEMV_BATCH_MAX_ROWS + 1
 
 def _gemv_rows(x2: Tensor) -> bool:
     rows = x2.shape[0]
-    return rows <= GEMV_MAX_ROWS or (rows <= GEMV_BATCH_MAX_ROWS and _fp32_prefill(x2))
+    return rows <= GEMV_MAX_ROWS or (rows <= GEMV_BATCH_MAX_ROWS and _bf16_int_kernels_slow(x2))
 
 
-def _fp32_prefill(x: Tensor) -> bool:
-    """fp32 activations on a CPU where bf16 GEMMs are slow (the int kernels' compute dtype)."""
+def _bf16_int_kernels_slow(x: Tensor) -> bool:
+    """fp32 activations on a CPU where bf16 GEMMs are slow (the int kernels' compute dtype): our GEMVs or
+    dequantize + fp32 GEMM beat torch's int kernels there, for batched decode and prefill alike."""
     return x.dtype == torch.float32 and x.is_cpu and not _cpu_has_fast_bf16()
 
 
@@ -385,7 +386,7 @@ class Int8Linear(QuantLinear):
                 if scales is None:
                     scales = self.__dict__["_gemv_scales"] = self.scales.float().contiguous()
                 return self._output(kernels.int8_gemv(x2, self.weight, scales), x)
-        if x2.shape[0] >= DEQUANT_MIN_ROWS and _fp32_prefill(x2):
+        if x2.shape[0] >= DEQUANT_MIN_ROWS and _bf16_int_kernels_slow(x2):
             w = self.weight * self.scales.float().unsqueeze(1)  # one pass: int8 * fp32 -> fp32
             xs = self._scaled(x2)
             return self._output(F.linear(xs, w), x)
@@ -438,7 +439,7 @@ class Int4Linear(QuantLinear):
             if kernels is not None:  # decode: our int4 x int8 GEMV, no casts
                 x2 = self._scaled(x2)
                 return self._output(kernels.int4_gemv(x2, *self._gemv_weights()), x)
-        if x2.shape[0] >= DEQUANT_MIN_ROWS and _fp32_prefill(x2):
+        if x2.shape[0] >= DEQUANT_MIN_ROWS and _bf16_int_kernels_slow(x2):
             kernels = kernel_ops.kernels_for(x2)
             if kernels is not None:
                 w = kernels.int4_dequant(*self._gemv_weights())
