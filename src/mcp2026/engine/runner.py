@@ -31,7 +31,7 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.scoring = scoring or ScoringSpec()
         # decode attention by the fused kernel (blocks read in place) where the storage and device allow
-        self.fused_decode = cache.stores_plain and ops.decode_kernel_available(cache.device, cache.dtype)
+        self.fused_decode = cache.reads_in_place and ops.decode_kernel_available(cache.device, cache.dtype)
         self._scores: list[StepScores] = []
 
     def take_scores(self) -> list[StepScores]:

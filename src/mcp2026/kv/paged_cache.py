@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mcp2026.kernels import ops as kernel_ops
 from mcp2026.kv.codecs import Identity, KVCodec, Planes, TensorCodec, identity_codec
 from mcp2026.kv.debug import ErrorMonitor
 
@@ -145,6 +146,13 @@ class PagedKVCache:
         key, value = self.codec.key, self.codec.value
         self._plain = (
             isinstance(key, Identity) and isinstance(value, Identity) and key.dtype == value.dtype == dtype
+        )
+        # Stored as is in a 16- or 32-bit float (maybe narrower than the activations): kernels read in place.
+        self._raw = (
+            isinstance(key, Identity)
+            and isinstance(value, Identity)
+            and key.dtype == value.dtype
+            and key.dtype in (torch.float32, torch.bfloat16, torch.float16)
         )
         self._buffers: list[mmap.mmap] = []
         self.k_planes = self._allocate_planes(self.codec.key)
@@ -316,11 +324,17 @@ class PagedKVCache:
 
     def write(self, layer: int, plan: WritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: (T, nkv, hd), the step's new tokens in plan order
-        if self.stores_plain and plan.rows is not None and not plan.is_monitored:  # no codec: one copy each
+        if self._raw and plan.rows is not None and not plan.is_monitored:  # no codec: one copy each
             hd = self.head_dim
-            self.k_planes["x"][layer].view(-1, hd).index_copy_(0, plan.rows, k.reshape(-1, hd))
-            self.v_planes["x"][layer].view(-1, hd).index_copy_(0, plan.rows, v.reshape(-1, hd))
-            return
+            kd, vd = self.k_planes["x"][layer].view(-1, hd), self.v_planes["x"][layer].view(-1, hd)
+            kernels = kernel_ops.kernels_for(k, v) if k.stride(-1) == 1 and v.stride(-1) == 1 else None
+            if kernels is not None:  # one call, narrowing to the storage dtype on the way
+                kernels.write_kv_rows(kd, vd, plan.rows, k, v)
+                return
+            if self._plain:
+                kd.index_copy_(0, plan.rows, k.reshape(-1, hd))
+                vd.index_copy_(0, plan.rows, v.reshape(-1, hd))
+                return
         for planes, codec, x, kind in (
             (self.k_planes, self.codec.key, k, 0),
             (self.v_planes, self.codec.value, v, 1),
@@ -357,12 +371,13 @@ class PagedKVCache:
 
     # --- reads -----------------------------------------------------------------------------------------
     @property
-    def stores_plain(self) -> bool:
-        """K/V are stored as they are, in the compute dtype: kernels may read the blocks in place."""
-        return self._plain  # fixed at construction; read by every layer's write
+    def reads_in_place(self) -> bool:
+        """K/V are stored as they are in fp32, bf16 or fp16 (maybe narrower than the compute dtype): the decode
+        kernel may read the blocks in place, widening on load."""
+        return self._raw
 
     def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's K and V blocks, (num_blocks, nkv, bs, hd) each (plain storage only)."""
+        """One layer's K and V blocks, (num_blocks, nkv, bs, hd) each (``reads_in_place`` storage only)."""
         return self.k_planes["x"][layer], self.v_planes["x"][layer]
 
     def block_read(self, block_ids: torch.Tensor) -> BlockRead:

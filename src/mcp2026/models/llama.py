@@ -7,13 +7,14 @@ layer runs four matmuls. The attention scale is folded into the q rows at load t
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
 from mcp2026.config import ModelConfig
 from mcp2026.engine.attention import ForwardContext, attention
-from mcp2026.kernels import ops
+from mcp2026.kernels import fused_linear, ops
 from mcp2026.models.layers import RMSNorm, RotaryEmbedding
 
 
@@ -87,6 +88,51 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add(residual, h)
         return self.mlp(h), residual
 
+    def fused(self, kernels: Any, quant_rows: bool) -> tuple[Any, Any, Any, Any] | None:
+        """The four linears as compiled handles when all of them can run inside ``forward_fused``."""
+        attn, mlp = self.attn, self.mlp
+        modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if fused_linear.hooked(self, attn, mlp, *norms, *modules):
+            return None
+        linears = []
+        for m in modules:
+            handle = fused_linear.fused_linear(kernels, m, quant_rows)
+            if handle is None:
+                return None
+            linears.append(handle)
+        return tuple(linears)
+
+    def forward_fused(
+        self,
+        kernels: Any,
+        linears: tuple[Any, Any, Any, Any],
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` for decode-sized steps: two compiled calls around the attention (same results)."""
+        if residual is None:  # x starts the residual stream (a copy: the kernels update it in place)
+            residual, x = x.clone(), None
+        attn, norm1, norm2 = self.attn, self.input_layernorm, self.post_attention_layernorm
+        q, k, v = kernels.layer_attn_in(
+            residual, x, norm1.weight, norm1.eps, linears[0], cos, sin,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim,
+        )  # fmt: skip
+        out = attention(attn.layer_idx, q, k, v, ctx)
+        h = kernels.layer_attn_out_mlp(out, residual, linears[1], norm2.weight, norm2.eps, *linears[2:])
+        return h, residual
+
+
+def _fused_kernels(x: torch.Tensor) -> Any | None:
+    """The compiled kernels when this step's layers may run fused: decode-sized (the kernels' elementwise
+    loops are single-threaded, made for few rows), CPU float input, no autograd."""
+    if not fused_linear.ENABLED or x.dim() != 2 or x.shape[0] > ops.FUSED_MAX_ROWS:
+        return None
+    return ops.kernels_for(x)
+
 
 class LlamaForCausalLM(nn.Module):
     """Token ids in, hidden states out; ``compute_logits`` only for the rows that sample."""
@@ -116,8 +162,14 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope.table(positions, x.dtype)
         residual = None
+        kernels = _fused_kernels(x)
+        quant_rows = kernels is not None and fused_linear.step_rows_fusable(x)
         for layer in self.layers:
-            x, residual = layer(x, residual, self.rope, cos, sin, ctx)
+            linears = None if kernels is None else layer.fused(kernels, quant_rows)
+            if linears is not None:
+                x, residual = layer.forward_fused(kernels, linears, x, residual, cos, sin, ctx)
+            else:
+                x, residual = layer(x, residual, self.rope, cos, sin, ctx)
         return self.norm.add(residual, x)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

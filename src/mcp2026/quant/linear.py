@@ -103,7 +103,7 @@ GEMV_BATCH_MAX_ROWS = 128
 DEQUANT_MIN_ROWS = GEMV_BATCH_MAX_ROWS + 1
 
 
-def _gemv_rows(x2: Tensor) -> bool:
+def gemv_rows(x2: Tensor) -> bool:
     rows = x2.shape[0]
     return rows <= GEMV_MAX_ROWS or (rows <= GEMV_BATCH_MAX_ROWS and _bf16_int_kernels_slow(x2))
 
@@ -308,6 +308,11 @@ class QuantLinear(nn.Module):
             y = y.to(x.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
+    def _drop_kernel_copies(self) -> None:
+        """Forget what was derived from the weights for the kernels (GEMV layouts, the fused-layer handle)."""
+        for key in ("_gemv", "_gemv_scales", "_fused"):
+            self.__dict__.pop(key, None)
+
     def _clip(self, w: Tensor) -> float | Tensor:
         return mse_clip_ratios(w, self.spec) if self.spec.clip_ratio == "mse" else self.spec.clip_ratio
 
@@ -369,7 +374,7 @@ class Int8Linear(QuantLinear):
         return "aten._weight_int8pack_mm" if device.type in ("cpu", "cuda", "mps") else None
 
     def _load(self, w):
-        self.__dict__.pop("_gemv_scales", None)
+        self._drop_kernel_copies()
         self.weight, scales = quantize_per_channel_int8(w, self._clip(w))
         self.scales = scales.to(self.compute_dtype)
 
@@ -378,14 +383,11 @@ class Int8Linear(QuantLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if _gemv_rows(x2):
+        if gemv_rows(x2):
             kernels = kernel_ops.kernels_for(x2)
             if kernels is not None:  # decode: our int8-weight GEMV (float activations), no casts
                 x2 = self._scaled(x2)
-                scales = self.__dict__.get("_gemv_scales")
-                if scales is None:
-                    scales = self.__dict__["_gemv_scales"] = self.scales.float().contiguous()
-                return self._output(kernels.int8_gemv(x2, self.weight, scales), x)
+                return self._output(kernels.int8_gemv(x2, self.weight, self.gemv_scales()), x)
         if x2.shape[0] >= DEQUANT_MIN_ROWS and _bf16_int_kernels_slow(x2):
             w = self.weight * self.scales.float().unsqueeze(1)  # one pass: int8 * fp32 -> fp32
             xs = self._scaled(x2)
@@ -393,8 +395,15 @@ class Int8Linear(QuantLinear):
         y = torch.ops.aten._weight_int8pack_mm(self._input(x), self.weight, self.scales)
         return self._output(y, x)
 
+    def gemv_scales(self) -> Tensor:
+        """The scales as the GEMV takes them (fp32, contiguous), built on the first decode-sized call."""
+        scales = self.__dict__.get("_gemv_scales")
+        if scales is None:
+            scales = self.__dict__["_gemv_scales"] = self.scales.float().contiguous()
+        return scales
+
     def _load_from_state_dict(self, *args, **kwargs):  # new scales: refresh the GEMV copy on next use
-        self.__dict__.pop("_gemv_scales", None)
+        self._drop_kernel_copies()
         super()._load_from_state_dict(*args, **kwargs)
 
 
@@ -418,7 +427,7 @@ class Int4Linear(QuantLinear):
         return "aten._weight_int4pack_mm_for_cpu" if device.type == "cpu" else None
 
     def _load(self, w):
-        self.__dict__.pop("_gemv", None)
+        self._drop_kernel_copies()
         q, scales, zeros = quantize_groupwise_int4(
             w, self.spec.group_size, self.spec.symmetric, self._clip(w)
         )
@@ -434,15 +443,15 @@ class Int4Linear(QuantLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if _gemv_rows(x2):
+        if gemv_rows(x2):
             kernels = kernel_ops.kernels_for(x2)
             if kernels is not None:  # decode: our int4 x int8 GEMV, no casts
                 x2 = self._scaled(x2)
-                return self._output(kernels.int4_gemv(x2, *self._gemv_weights()), x)
+                return self._output(kernels.int4_gemv(x2, *self.gemv_weights()), x)
         if x2.shape[0] >= DEQUANT_MIN_ROWS and _bf16_int_kernels_slow(x2):
             kernels = kernel_ops.kernels_for(x2)
             if kernels is not None:
-                w = kernels.int4_dequant(*self._gemv_weights())
+                w = kernels.int4_dequant(*self.gemv_weights())
                 xs = self._scaled(x2)
                 return self._output(F.linear(xs, w), x)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -450,7 +459,7 @@ class Int4Linear(QuantLinear):
         )
         return self._output(y, x)
 
-    def _gemv_weights(self) -> tuple[Tensor, Tensor]:
+    def gemv_weights(self) -> tuple[Tensor, Tensor]:
         """The weights in the GEMV kernel's layout, built on the first decode-sized call."""
         gemv = self.__dict__.get("_gemv")
         if gemv is None:
@@ -459,7 +468,7 @@ class Int4Linear(QuantLinear):
         return gemv
 
     def _load_from_state_dict(self, *args, **kwargs):  # new weights: rebuild the GEMV layout on next use
-        self.__dict__.pop("_gemv", None)
+        self._drop_kernel_copies()
         super()._load_from_state_dict(*args, **kwargs)
 
 

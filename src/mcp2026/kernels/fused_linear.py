@@ -1,0 +1,78 @@
+"""Linear modules as the compiled decode-layer calls see them (``FusedLinear`` in cpu_decode.cpp).
+
+A decode-sized step runs each decoder layer as two compiled calls (norm + qkv + RoPE; o-proj + norm + MLP),
+which take the layer's linears as small C++ objects holding the same tensors and kernel choice the Python
+modules would use: float weights through ``at::linear``, int8 and int4 through our GEMVs. Built on first use
+and cached on the module; the quantized modules drop the cache wherever they drop their GEMV layout (new
+weights), and every lookup checks the weight and bias are still the tensors it was built from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from mcp2026.quant.linear import DenseLinear, Int4Linear, Int8Linear, gemv_rows
+
+# Off: every layer takes the per-op path (tests compare the two; benchmarks can A/B them).
+ENABLED = True
+
+DENSE, INT8, INT4 = 0, 1, 2
+
+
+def _build(kernels: Any, m: nn.Module) -> tuple[int, Any] | None:
+    if type(m) is nn.Linear:
+        return DENSE, kernels.FusedLinear(DENSE, m.weight, m.weight, m.bias)
+    if type(m) is DenseLinear and m.inv_act_scale is None:
+        return DENSE, kernels.FusedLinear(DENSE, m.weight, m.weight, m.bias)
+    if type(m) is Int8Linear:
+        return INT8, kernels.FusedLinear(INT8, m.weight, m.gemv_scales(), m.bias, m.inv_act_scale)
+    if type(m) is Int4Linear:
+        qs, sz = m.gemv_weights()
+        return INT4, kernels.FusedLinear(INT4, qs, sz, m.bias, m.inv_act_scale)
+    return None  # fp8 and anything else: the layer takes the per-op path
+
+
+class _Cached:
+    """The handle and the tensors it was built from. Copies and pickles of a module drop it (it holds a
+    compiled object that cannot be pickled; a copy rebuilds its own on first use)."""
+
+    __slots__ = ("weight", "bias", "built")
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, built: tuple[int, Any] | None) -> None:
+        self.weight, self.bias, self.built = weight, bias, built
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __reduce__(self) -> tuple:
+        return type(None), ()
+
+
+def fused_linear(kernels: Any, m: nn.Module, quant_rows: bool) -> Any | None:
+    """The compiled stand-in for ``m``, or None when ``m`` cannot be fused for this step (``quant_rows``:
+    the step's row count is one the quantized modules send to their GEMVs)."""
+    weight, bias = m.weight, m.bias
+    cached = m.__dict__.get("_fused")
+    if cached is None or cached.weight is not weight or cached.bias is not bias:
+        cached = m.__dict__["_fused"] = _Cached(weight, bias, _build(kernels, m))
+    built = cached.built
+    if built is None or (built[0] != DENSE and not quant_rows):
+        return None
+    return built[1]
+
+
+def hooked(*modules: nn.Module) -> bool:
+    """Whether a forward hook would see any of ``modules`` (calibration and tests capture activations this
+    way): the fused calls skip the modules' ``__call__``, so such layers take the per-op path."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def step_rows_fusable(x: Tensor) -> bool:
+    """Whether quantized linears take the GEMV path at this step's row count (x: the step's (T, H) input)."""
+    return gemv_rows(x)

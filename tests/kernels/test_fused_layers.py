@@ -1,0 +1,170 @@
+"""Decode-sized steps run each layer as two compiled calls; they must give exactly what the per-op path gives."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from mcp2026.config import EngineConfig, KVConfig
+from mcp2026.engine.engine import LLMEngine
+from mcp2026.kernels import cpu, fused_linear
+from mcp2026.loading.loader import load_model
+from mcp2026.models import llama
+from mcp2026.quant.linear import quantize_
+from mcp2026.quant.plan import LayerQuantSpec, QuantPlan
+from mcp2026.types import SamplingParams
+
+from conftest import save_tiny_hf
+
+SAMPLING = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
+PROMPTS = [[5, 9, 33, 2, 7], [100, 3, 8], list(range(40, 75))]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = cpu.load()
+    if module is None:
+        pytest.skip(f"fused CPU kernels unavailable here: {cpu.unavailable_reason()}")
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_qkv_bias(tmp_path_factory):
+    # qwen2: q/k/v carry a bias, which the fused linear must add as the module does
+    return load_model(save_tiny_hf(tmp_path_factory.mktemp("fused_qwen2"), arch="qwen2"))
+
+
+def _run(loaded, fused: bool, monkeypatch) -> list[tuple[list[int], list]]:
+    monkeypatch.setattr(fused_linear, "ENABLED", fused)
+    engine = LLMEngine(loaded.model, loaded.config, None, EngineConfig(KVConfig(num_blocks=64)))
+    return [(o.token_ids, o.logprobs) for o in engine.generate(PROMPTS, SAMPLING)]
+
+
+def _count_fused_calls(monkeypatch) -> list[int]:
+    calls = [0]
+    original = llama.LlamaDecoderLayer.forward_fused
+
+    def counting(self, *args):
+        calls[0] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "forward_fused", counting)
+    return calls
+
+
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.parametrize(
+    "spec",
+    [None, LayerQuantSpec("int8"), LayerQuantSpec("int4", group_size=32), LayerQuantSpec("bf16")],
+    ids=["fp32", "int8", "int4", "bf16-weights"],
+)
+def test_fused_decode_equals_the_per_op_path(tiny_qkv_bias, spec, monkeypatch):
+    loaded = copy.deepcopy(tiny_qkv_bias)
+    if spec is not None:
+        quantize_(loaded.model, QuantPlan({"layers.*": spec}))
+    calls = _count_fused_calls(monkeypatch)
+    fused = _run(loaded, True, monkeypatch)
+    assert calls[0] > 0  # the fused path really ran
+    calls[0] = 0
+    plain = _run(loaded, False, monkeypatch)
+    assert calls[0] == 0
+    assert fused == plain  # token ids and logprobs, bit for bit
+
+
+@pytest.mark.usefixtures("kernels")
+def test_layers_with_an_unfusable_linear_take_the_per_op_path(tiny_qkv_bias, monkeypatch):
+    loaded = copy.deepcopy(tiny_qkv_bias)
+    quantize_(loaded.model, QuantPlan({"layers.0.mlp.down_proj": LayerQuantSpec("fp8")}))
+    calls = _count_fused_calls(monkeypatch)
+    fused = _run(loaded, True, monkeypatch)
+    steps = calls[0]
+    assert steps > 0  # layer 1 fused, layer 0 not
+    plain = _run(loaded, False, monkeypatch)
+    assert fused == plain
+
+
+@pytest.mark.usefixtures("kernels")
+def test_new_weights_and_swapped_modules_are_picked_up(tiny_qkv_bias, monkeypatch):
+    """The compiled handles are cached on the modules: a weight reload and a module swap (the runtime gate's
+    plan switch) must both be seen by the next step."""
+    loaded = copy.deepcopy(tiny_qkv_bias)
+    quantize_(loaded.model, QuantPlan({"layers.*": LayerQuantSpec("int4", group_size=32)}))
+    before = _run(loaded, True, monkeypatch)
+    layer = loaded.model.layers[1]
+    other = copy.deepcopy(loaded)
+    quantize_(other.model, QuantPlan({"layers.*": LayerQuantSpec("int8")}))
+    layer.mlp.gate_up_proj = other.model.layers[1].mlp.gate_up_proj  # module swap
+    state = {k: torch.randn_like(v.float()).to(v.dtype) if v.is_floating_point() else v for k, v in
+             layer.attn.o_proj.state_dict().items()}  # fmt: skip
+    layer.attn.o_proj.load_state_dict(state)  # new weights, same module
+    after_fused = _run(loaded, True, monkeypatch)
+    after_plain = _run(loaded, False, monkeypatch)
+    assert after_fused == after_plain
+    assert after_fused != before
+
+
+def test_kv_rows_kernel_matches_index_copy(kernels):
+    torch.manual_seed(0)
+    planes = torch.zeros(2, 40, 8)  # (k|v, rows, hd)
+    qkv = torch.randn(3, 5, 8)  # a (T, heads, hd) buffer: k and v are strided head slices of it
+    k, v = qkv[:, 1:3], qkv[:, 3:5]
+    rows = torch.tensor([7, 0, 39, 12, 5, 6])
+    kernels.write_kv_rows(planes[0], planes[1], rows, k, v)
+    expected = torch.zeros(2, 40, 8)
+    expected[0].index_copy_(0, rows, k.reshape(-1, 8))
+    expected[1].index_copy_(0, rows, v.reshape(-1, 8))
+    assert torch.equal(planes, expected)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.write_kv_rows(planes[0], planes[1], torch.tensor([0, 1, 2, 3, 4, 40]), k, v)
+
+
+@pytest.mark.usefixtures("kernels")
+def test_a_model_with_cached_handles_can_be_copied_and_pickled(tiny_qkv_bias, monkeypatch):
+    import pickle
+
+    loaded = copy.deepcopy(tiny_qkv_bias)
+    first = _run(loaded, True, monkeypatch)  # handles now cached on the modules
+    assert "_fused" in loaded.model.layers[0].attn.qkv_proj.__dict__
+    twin = copy.deepcopy(loaded)
+    assert _run(twin, True, monkeypatch) == first
+    restored = pickle.loads(pickle.dumps(loaded.model))
+    assert restored.layers[0].attn.qkv_proj.__dict__.get("_fused") is None
+
+
+@pytest.mark.usefixtures("kernels")
+def test_forward_hooks_still_see_every_linear(tiny_qkv_bias, monkeypatch):
+    """Calibration captures activations with forward hooks: hooked layers must not be fused past them."""
+    loaded = copy.deepcopy(tiny_qkv_bias)
+    seen = []
+    handle = loaded.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, a, y: seen.append(y.shape))
+    calls = _count_fused_calls(monkeypatch)
+    with_hook = _run(loaded, True, monkeypatch)
+    assert len(seen) == 10  # one prefill step and 9 decode steps of the batch
+    assert calls[0] > 0  # layer 0 still fused
+    handle.remove()
+    assert with_hook == _run(loaded, True, monkeypatch)
+
+
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16"])
+def test_a_16_bit_cache_is_read_in_place_under_fp32_activations(tiny_qkv_bias, kv_dtype):
+    """bf16/fp16 K/V with an fp32 model: written narrowed by one kernel call, read by the decode kernel in
+    place; same tokens as the gather-and-matmul path over the same stored values."""
+    from mcp2026.kv.compressor import KVCompressor
+
+    def run(in_place: bool):
+        config = EngineConfig(
+            KVConfig(num_blocks=64), kv_compressor=KVCompressor(dtype=kv_dtype, policy="none")
+        )
+        engine = LLMEngine(tiny_qkv_bias.model, tiny_qkv_bias.config, None, config)
+        assert engine.runner.fused_decode  # the storage allows it
+        engine.runner.fused_decode = in_place
+        return engine.generate(PROMPTS, SAMPLING)
+
+    kernel, gathered = run(True), run(False)
+    assert [o.token_ids for o in kernel] == [o.token_ids for o in gathered]
+    for a, b in zip(kernel, gathered):
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert abs(x.logprob - y.logprob) < 1e-4
