@@ -119,7 +119,7 @@ def test_offline_serve_and_kv_rows():
     kv = row(md, "int8 KV cache at 2048 tokens")
     assert kv[1] == "ΔPPL -0.03%, 1.88x fewer bytes/token than bf16, 1.86x bf16's sequences"
     assert "heavy_hitter" not in md  # eviction rows have no clear bytes claim
-    assert "Not in this table (no run found): latency." in md
+    assert "Not in this table (no run found): latency, quality." in md
 
 
 def test_serve_run_without_peers_gives_ours_only():
@@ -134,7 +134,7 @@ def test_newest_run_per_kind_wins_and_missing_kinds_are_listed():
     assert row(md, "single-stream decode tok/s, fp32 (64 tokens)")[5].startswith("2.00x HF")
     assert "- latency: run 2026-11-30T13:00:00+0000; Test CPU" in md and "commit newnewnew0" in md
     assert "oldoldold0" not in md
-    assert "Not in this table (no run found): offline-batched-decode, offline, serve, kv." in md
+    assert "Not in this table (no run found): offline-batched-decode, offline, serve, kv, quality." in md
 
 
 def write(path, run):
@@ -177,7 +177,7 @@ def test_cli_runs_dir_and_write_docs_replace_only_the_marked_section(tmp_path, m
     assert text.startswith(before + "<!-- bench:headline -->\n| what | ours |") and text.endswith(after)
     assert "| old | table |" not in text and text.count("<!-- bench:headline -->") == 1
     assert "2.00x HF" in text and "4.00x HF" in text  # newest latency run, and the offline run
-    assert "Not in this table (no run found): offline-batched-decode, serve, kv." in text
+    assert "Not in this table (no run found): offline-batched-decode, serve, kv, quality." in text
     assert "| what | ours |" in result.output  # printed too
     explicit = CliRunner().invoke(bench_app, ["headline", str(runs / "20261130-090000-latency.json")])
     assert explicit.exit_code == 0 and "1.00x HF" in explicit.output
@@ -197,3 +197,30 @@ def test_quantized_offline_runs_and_each_serving_concurrency_get_their_own_rows(
     assert row(md, "serving, 16 concurrent clients, output tok/s")[5] == "0.85x llama.cpp, 2.00x vLLM"
     assert row(md, "serving, 32 concurrent clients, output tok/s")[5] == "2.00x llama.cpp, 4.71x vLLM"
     assert md.index("serving, 16 concurrent") < md.index("serving, 32 concurrent")
+
+
+def test_quality_runs_give_the_headline_plans_with_their_bits_and_delta():
+    from mcp2026.bench.quality_run import quality_run
+    from mcp2026.quant.quality import QualityBench, QualityBenchSettings
+
+    def r(plan, family, bits, delta, stderr=0.004, kld=0.01):
+        return {"plan": plan, "family": family, "bits": bits, "mib": 1.0, "ppl": 5.0, "delta_ppl": delta,
+                "delta_ppl_stderr": stderr, "kld": kld, "kld_p99": 0.1, "top1_agreement": 0.9}  # fmt: skip
+
+    rows = [
+        {"plan": "fp32 (reference)", "family": "reference", "bits": 32.0, "mib": None, "ppl": 4.7, "num_tokens": 5120},
+        r("int8", "fixed", 8.024, 0.0011),
+        r("int4 sym g64", "fixed", 4.5, 0.3),  # not a headline plan
+        r("llama.cpp-style mixture (sym g64 + int8)", "fixed", 5.026, 0.155),
+        r("DQG 5 bpw", "DQG", 5.0, 0.034, 0.0036),
+        r("DQG 4.75 bpw", "DQG", 4.75, 0.14),  # a curve point, not a budget
+    ]  # fmt: skip
+    settings = QualityBenchSettings(num_windows=20)
+    run = quality_run(QualityBench(rows, "md"), settings, "mcp2026 bench quality --num-windows 20")
+    assert run.kind == "quality" and run.aggregates["reference_ppl"] == 4.7
+    assert run.aggregates["headline"] == ["int8", "llama.cpp-style mixture (sym g64 + int8)", "DQG 5 bpw"]
+    md = headline_markdown([BenchRun.from_json(run.to_json())])  # through the JSON, as the CLI reads it
+    assert row(md, "weights int8, 8.02 bits/weight (20 windows)")[1] == "ΔPPL +0.11% ± 0.40, KLD 0.01"
+    assert row(md, "weights DQG 5 bpw, 5.00 bits/weight (20 windows)")[1].startswith("ΔPPL +3.40% ± 0.36")
+    assert "int4 sym g64" not in md and "DQG 4.75" not in md
+    assert "Not in this table (no run found): latency, offline-batched-decode, offline, serve, kv." in md

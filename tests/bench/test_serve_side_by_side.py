@@ -326,9 +326,14 @@ def test_ours_empty_finishing_chunk_is_a_token():
 
 
 @pytest.mark.parametrize("seqs", [16, 32])
-def test_example_configs_match_the_peer_slots(seqs):
+@pytest.mark.parametrize("suffix", ["", "-int4"])
+def test_example_configs_match_the_peer_slots(seqs, suffix):
     from mcp2026.bench.report import project_root
     from mcp2026.serve.config import load_serve_yaml
 
-    serve, engine = load_serve_yaml(project_root() / "examples" / "bench_peers" / f"ours-seqs{seqs}.yaml")
+    path = project_root() / "examples" / "bench_peers" / f"ours-seqs{seqs}{suffix}.yaml"
+    serve, engine = load_serve_yaml(path)
     assert engine.scheduler.max_num_seqs == seqs and not serve.breaker.enabled
+    if suffix:  # int4 weights, K/V in bf16 (llama-server's f16 KV: same bytes), nothing evicted
+        assert serve.quant is not None
+        assert engine.kv_compressor.dtype == "bf16" and engine.kv_compressor.policy == "none"

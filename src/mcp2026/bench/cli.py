@@ -183,7 +183,12 @@ def quality(
         str | None, typer.Option(help="comma list: only plans whose name contains one of these")
     ] = None,
     seed: Annotated[int, typer.Option()] = 0,
-    out_dir: Annotated[Path | None, typer.Option("--out", help="where quality.json/.md go")] = None,
+    out_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--out", help="where the run JSON, quality.json/.md and the curve PNG go (default: runs/)"
+        ),
+    ] = None,
     decode_kernels: Annotated[
         bool,
         typer.Option(
@@ -194,20 +199,24 @@ def quality(
     write_docs: Annotated[bool, typer.Option("--write-docs/--no-write-docs")] = False,
 ) -> None:
     """Perplexity and KLD of quantized plans (int8, int4, role mixture, DQG budgets) vs full precision."""
-    from mcp2026.bench.report import update_benchmarks_md
+    from mcp2026.bench.quality_run import quality_run
+    from mcp2026.bench.report import project_root, shell_join, update_benchmarks_md, write_run
     from mcp2026.quant.quality import QualityBenchSettings, run_quality_bench
 
+    out_dir = out_dir if out_dir is not None else project_root() / "runs"
     settings = QualityBenchSettings(
         num_windows=num_windows,
         seed=seed,
         only=tuple(s.strip() for s in only.split(",")) if only else (),
-        out_dir=str(out_dir) if out_dir else None,
+        out_dir=str(out_dir),
         decode_kernels=decode_kernels,
     )
     result = run_quality_bench(model, settings)
     out.print(result.markdown, markup=False, highlight=False)
+    command = shell_join(["mcp2026", "bench", "quality", *sys.argv[3:]])
+    path = write_run(quality_run(result, settings, command, model), out_dir)
+    err.print(f"[dim]wrote {path} (the headline reads it)[/]")
     if write_docs:
-        command = "mcp2026 bench quality " + " ".join(sys.argv[3:])
         update_benchmarks_md("quality", f"Command: `{command}`\n\n{result.markdown}")
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from mcp2026.bench.report import BenchRun, format_value, machine_line
 
-KINDS = ("latency", "offline-batched-decode", "offline", "serve", "kv")
+KINDS = ("latency", "offline-batched-decode", "offline", "serve", "kv", "quality")
 PEERS = ("HF transformers", "llama.cpp", "vLLM")  # the peer columns, in order
 SHORT = {"HF transformers": "HF", "llama.cpp": "llama.cpp", "vLLM": "vLLM"}
 COLUMNS = ["what", "ours", *PEERS, "ratios (ours / peer)", "command"]
@@ -154,12 +154,32 @@ def kv_rows(run: BenchRun) -> list[list[str]]:
     return rows
 
 
+def quality_rows(run: BenchRun) -> list[list[str]]:
+    """The plans the run marked for the headline (``aggregates.headline``): ΔPPL ± 1 s.e. and KLD vs the
+    unquantized model at the plan's bits/weight (scales and zero points counted)."""
+    from mcp2026.bench.quality_run import delta_text
+
+    plans = run.aggregates.get("plans") or {}
+    windows = run.config.get("num_windows")
+    rows = []
+    for name in run.aggregates.get("headline") or []:
+        plan = plans.get(name) or {}
+        bits, kld = _number(plan.get("bits")), _number(plan.get("kld"))
+        if bits is None or _number(plan.get("delta_ppl")) is None:
+            continue
+        ours = f"ΔPPL {delta_text(plan)}" + (f", KLD {format_value(kld)}" if kld is not None else "")
+        what = f"weights {name}, {bits:.2f} bits/weight" + (f" ({windows} windows)" if windows else "")
+        rows.append([what, ours, "—", "—", "—", "—", _command(run.command)])
+    return rows
+
+
 ROWS = {
     "latency": latency_rows,
     "offline-batched-decode": offline_rows,
     "offline": offline_rows,
     "serve": serve_rows,
     "kv": kv_rows,
+    "quality": quality_rows,
 }
 
 
@@ -215,8 +235,4 @@ def headline_markdown(runs: list[BenchRun]) -> str:
     missing = [k for k in KINDS if not any(run.kind == k for run in newest.values())]
     if missing:
         lines += [f"Not in this table (no run found): {', '.join(missing)}.", ""]
-    lines.append(
-        "Weight-quantization quality (ΔPPL of int8/int4 weights) is not in this table: `mcp2026 bench quality` "
-        "writes quality.json, not a run JSON (see its section below)."
-    )
     return "\n".join(lines) + "\n"
