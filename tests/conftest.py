@@ -82,3 +82,14 @@ def tiny_random_model(vocab_size: int = 320, max_position_embeddings: int = 256,
     config = ModelConfig(**{**fields, **overrides})
     torch.manual_seed(0)
     return build_model(config).eval().requires_grad_(False), config
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """Our compiled CPU kernels; tests that need them skip (saying why) where they cannot be built."""
+    from mcp2026.kernels import cpu
+
+    module = cpu.load()
+    if module is None:
+        pytest.skip(f"fused CPU kernels unavailable here: {cpu.unavailable_reason()}")
+    return module

@@ -9,14 +9,6 @@ import torch.nn.functional as F
 from mcp2026.kernels import cpu, ops
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    module = cpu.load()
-    if module is None:
-        pytest.skip(f"fused CPU kernels unavailable here: {cpu.unavailable_reason()}")
-    return module
-
-
 def _tol(dtype: torch.dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 2e-2
 

@@ -9,7 +9,7 @@ import torch
 
 from mcp2026.config import EngineConfig, KVConfig
 from mcp2026.engine.engine import LLMEngine
-from mcp2026.kernels import cpu, fused_linear
+from mcp2026.kernels import fused_linear
 from mcp2026.loading.loader import load_model
 from mcp2026.models import llama
 from mcp2026.quant.linear import quantize_
@@ -20,14 +20,6 @@ from conftest import save_tiny_hf
 
 SAMPLING = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
 PROMPTS = [[5, 9, 33, 2, 7], [100, 3, 8], list(range(40, 75))]
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = cpu.load()
-    if module is None:
-        pytest.skip(f"fused CPU kernels unavailable here: {cpu.unavailable_reason()}")
-    return module
 
 
 @pytest.fixture(scope="module")
