@@ -224,3 +224,22 @@ def test_quality_runs_give_the_headline_plans_with_their_bits_and_delta():
     assert row(md, "weights DQG 5 bpw, 5.00 bits/weight (20 windows)")[1].startswith("ΔPPL +3.40% ± 0.36")
     assert "int4 sym g64" not in md and "DQG 4.75" not in md
     assert "Not in this table (no run found): latency, offline-batched-decode, offline, serve, kv." in md
+
+
+def test_a_paced_goodput_run_is_its_own_claim_next_to_the_saturating_one():
+    paced = serve_run()
+    paced.config = {"max_concurrency": 16, "request_rate": 0.1}
+    paced.created_at = "2026-11-30T23:00:00+0000"  # newer than the saturating run: must not replace it
+    for name, goodput, tpot in (("mcp2026", 0.084, 23.1), ("llama", 0.0839, 17.4)):
+        paced.aggregates["endpoints"][name].update(request_goodput=goodput, median_tpot_ms=tpot)
+    saturating = serve_run()
+    saturating.config = {"max_concurrency": 16, "request_rate": float("inf")}
+    md = headline_markdown([BenchRun.from_json(r.to_json()) for r in (paced, saturating)])
+    assert row(md, "serving, 16 concurrent clients, output tok/s")[1] == "34.0"
+    good = row(md, "serving at 0.1 req/s (Poisson, <= 16 concurrent), goodput req/s")
+    assert good[1] == "0.084" and good[3] == "0.0839 (llama)" and good[5].startswith("1.00x llama.cpp")
+    assert row(md, "serving at 0.1 req/s (Poisson, <= 16 concurrent), TPOT median")[1] == "23.1 ms"
+    lines = md.splitlines()
+    assert lines.index(next(x for x in lines if x.startswith("- serve @16:"))) < lines.index(
+        next(x for x in lines if x.startswith("- serve @16 @0.1req/s:"))
+    )

@@ -122,13 +122,20 @@ def serve_rows(run: BenchRun) -> list[list[str]]:
     agg = run.aggregates
     endpoints = agg.get("endpoints") or {"mcp2026": agg}
     ours = endpoints.get("mcp2026") or {}
-    concurrency = run.config.get("max_concurrency")
+    concurrency, rate = run.config.get("max_concurrency"), _rate(run)
     where = f"serving{f', {concurrency} concurrent clients' if concurrency else ''}"
-    rows = []
-    for key, what, unit in (
+    measures = [
         ("output_throughput", f"{where}, output tok/s", ""),
         ("median_ttft_ms", f"{where}, TTFT median (lower is better)", " ms"),
-    ):
+    ]
+    if rate is not None:  # paced arrivals: the claim is goodput at that rate
+        where = f"serving at {rate:g} req/s (Poisson, <= {concurrency} concurrent)"
+        measures = [
+            ("request_goodput", f"{where}, goodput req/s", ""),
+            ("median_tpot_ms", f"{where}, TPOT median (lower is better)", " ms"),
+        ]
+    rows = []
+    for key, what, unit in measures:
         peers = [(serve_column(n), e.get(key), n) for n, e in endpoints.items() if n != "mcp2026"]
         row = _row(what, ours.get(key), peers, unit, run.command)
         rows += [row] if row else []
@@ -190,11 +197,20 @@ def _time(run: BenchRun) -> datetime | None:
         return None
 
 
+def _rate(run: BenchRun) -> float | None:
+    """The run's paced request rate; None for as-fast-as-possible (inf) or none given."""
+    rate = _number(run.config.get("request_rate"))
+    return rate if rate is not None and rate != float("inf") else None
+
+
 def group_of(run: BenchRun) -> str:
-    """What "the newest run" is taken per: the kind, and for serving also the concurrency (16 and 32
-    concurrent clients are separate claims)."""
-    concurrency = run.config.get("max_concurrency") if run.kind == "serve" else None
-    return f"{run.kind} @{concurrency}" if concurrency else run.kind
+    """What "the newest run" is taken per: the kind, and for serving also the concurrency and a paced request
+    rate (16 and 32 concurrent clients, and goodput at 0.1 req/s, are separate claims)."""
+    if run.kind != "serve":
+        return run.kind
+    concurrency, rate = run.config.get("max_concurrency"), _rate(run)
+    group = f"{run.kind} @{concurrency}" if concurrency else run.kind
+    return f"{group} @{rate:g}req/s" if rate is not None else group
 
 
 def newest_per_kind(runs: list[BenchRun]) -> dict[str, BenchRun]:
@@ -212,8 +228,10 @@ def newest_per_kind(runs: list[BenchRun]) -> dict[str, BenchRun]:
     return newest
 
 
-def _concurrency(group: str) -> int:
-    return int(group.rpartition("@")[2]) if "@" in group else 0
+def _concurrency(group: str) -> tuple[int, str]:
+    """Sort key of serving groups: by concurrency, paced runs after their unpaced sibling."""
+    parts = group.split(" @")
+    return (int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0, " @".join(parts[2:]))
 
 
 def headline_markdown(runs: list[BenchRun]) -> str:
