@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
 
-from mcp2026.quant.linear import DenseLinear, Int4Linear, Int8Linear, gemv_rows
+from mcp2026.quant.linear import DenseLinear, Int4Linear, Int8Linear
 
 # Off: every layer takes the per-op path (tests compare the two; benchmarks can A/B them).
 ENABLED = True
@@ -66,13 +67,6 @@ def fused_linear(kernels: Any, m: nn.Module, quant_rows: bool) -> Any | None:
 def hooked(*modules: nn.Module) -> bool:
     """Whether a forward hook would see any of ``modules`` (calibration and tests capture activations this
     way): the fused calls skip the modules' ``__call__``, so such layers take the per-op path."""
-    from torch.nn.modules import module as torch_module
-
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
-
-
-def step_rows_fusable(x: Tensor) -> bool:
-    """Whether quantized linears take the GEMV path at this step's row count (x: the step's (T, H) input)."""
-    return gemv_rows(x)

@@ -144,16 +144,15 @@ class PagedKVCache:
         self.codec = codec or identity_codec(dtype)
         self.codec.check_shape(num_kv_heads, head_dim)
         key, value = self.codec.key, self.codec.value
-        self._plain = (
-            isinstance(key, Identity) and isinstance(value, Identity) and key.dtype == value.dtype == dtype
-        )
-        # Stored as is in a 16- or 32-bit float (maybe narrower than the activations): kernels read in place.
+        # Stored as is in a 16- or 32-bit float (maybe narrower than the activations): kernels read in place;
+        # "plain" when that float is the activation dtype too (torch's index_copy_ can write it).
         self._raw = (
             isinstance(key, Identity)
             and isinstance(value, Identity)
             and key.dtype == value.dtype
             and key.dtype in (torch.float32, torch.bfloat16, torch.float16)
         )
+        self._plain = self._raw and key.dtype == dtype
         self._buffers: list[mmap.mmap] = []
         self.k_planes = self._allocate_planes(self.codec.key)
         self.v_planes = self._allocate_planes(self.codec.value)

@@ -16,6 +16,7 @@ from mcp2026.config import ModelConfig
 from mcp2026.engine.attention import ForwardContext, attention
 from mcp2026.kernels import fused_linear, ops
 from mcp2026.models.layers import RMSNorm, RotaryEmbedding
+from mcp2026.quant.linear import gemv_rows
 
 
 class LlamaAttention(nn.Module):
@@ -163,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope.table(positions, x.dtype)
         residual = None
         kernels = _fused_kernels(x)
-        quant_rows = kernels is not None and fused_linear.step_rows_fusable(x)
+        quant_rows = kernels is not None and gemv_rows(x)  # quantized linears take their GEMVs
         for layer in self.layers:
             linears = None if kernels is None else layer.fused(kernels, quant_rows)
             if linears is not None:
