@@ -204,7 +204,7 @@ class KVConfig:
         )
 
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "deadline")
+SCHEDULING_POLICIES = ("fcfs", "priority", "deadline", "sjf")
 
 
 @dataclass(frozen=True)
@@ -219,6 +219,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = (
         512  # a prefill chunk larger than this is split to keep decodes flowing
     )
+    # "sjf" only: a second of waiting counts as this many prompt tokens (about the prefill rate: a prompt is
+    # overtaken by shorter ones for at most the time its extra length takes to compute)
+    aging_tokens_per_s: float = 1000.0
 
     def __post_init__(self) -> None:
         _require(
@@ -231,6 +234,10 @@ class SchedulerConfig:
         _require(
             self.policy in SCHEDULING_POLICIES,
             f"SchedulerConfig.policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}",
+        )
+        _require(
+            self.aging_tokens_per_s > 0,
+            f"SchedulerConfig.aging_tokens_per_s must be > 0, got {self.aging_tokens_per_s}",
         )
         _require(
             self.max_model_len is None or self.max_model_len >= 16,

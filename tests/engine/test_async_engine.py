@@ -207,3 +207,24 @@ def test_idle_loop_does_not_step(tiny):
         await engine.shutdown(drain=False)
 
     run(main())
+
+
+def test_request_keeps_the_arrival_time_it_reached_the_server_with(tiny):
+    # The scheduler orders by arrival; a request added by the loop thread after a long step must keep the
+    # time it arrived, not the time the loop got to it.
+    import time
+
+    from mcp2026.engine.async_engine import RequestTiming
+
+    async def main():
+        engine = await started(tiny)
+        seen = {}
+        add = engine.engine.scheduler.add_request
+        engine.engine.scheduler.add_request = lambda r: (seen.setdefault("arrival", r.arrival_time), add(r))
+        timing = RequestTiming(arrival_time=time.perf_counter() - 5.0)  # arrived 5 s ago
+        await collect(engine, PROMPTS[0], timing=timing)
+        await engine.shutdown(drain=True)
+        return seen["arrival"]
+
+    arrival = run(main())
+    assert 4.5 < time.monotonic() - arrival < 30

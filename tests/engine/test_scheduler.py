@@ -156,6 +156,29 @@ def test_deadline_order():
     assert order == ["r2", "r1", "r4", "r0", "r3"]
 
 
+def test_sjf_runs_a_burst_shortest_prompt_first():
+    lengths = [12, 3, 30, 7, 3]
+    requests = [req(f"r{i}", range(n), arrival_time=0.0) for i, n in enumerate(lengths)]
+    order = admission_order(make(max_num_seqs=1, policy="sjf"), requests)
+    assert order == ["r1", "r4", "r3", "r0", "r2"]  # equal lengths keep arrival order
+
+
+def test_sjf_ages_a_long_prompt_ahead_of_later_short_ones():
+    # 100 tokens/s of aging: the 40-token prompt (key 0.4 s) goes before a 4-token prompt arriving after 0.36 s
+    requests = [
+        req("long", range(40), arrival_time=0.0),
+        req("early-short", range(4), arrival_time=0.3),  # key 0.34
+        req("late-short", range(4), arrival_time=0.37),  # key 0.41
+    ]
+    sched = make(max_num_seqs=1, policy="sjf", aging_tokens_per_s=100.0)
+    assert admission_order(sched, requests) == ["early-short", "long", "late-short"]
+
+
+def test_sjf_aging_rate_must_be_positive():
+    with pytest.raises(ValueError, match="aging_tokens_per_s must be > 0"):
+        SchedulerConfig(policy="sjf", aging_tokens_per_s=0)
+
+
 def test_priority_arrival_preempts_lower_priority_running_request():
     sched = make(num_blocks=4, policy="priority")
     runner = FakeRunner()
@@ -242,7 +265,7 @@ def workload() -> list[Request]:
 
 def test_preemption_in_a_tiny_pool_gives_the_same_outputs_as_an_unconstrained_run():
     expected = run_all(make(num_blocks=256, max_num_batched_tokens=256), workload())
-    for policy in ("fcfs", "priority", "deadline"):
+    for policy in ("fcfs", "priority", "deadline", "sjf"):
         sched = make(num_blocks=9, max_num_batched_tokens=16, long_prefill_token_threshold=8, policy=policy)
         assert run_all(sched, workload()) == expected
         assert sched.num_preemptions > 0

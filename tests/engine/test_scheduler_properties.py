@@ -46,7 +46,7 @@ configs = st.fixed_dictionaries(
     {
         "max_num_batched_tokens": st.integers(16, 48),
         "max_num_seqs": st.integers(1, 6),
-        "policy": st.sampled_from(["fcfs", "priority", "deadline"]),
+        "policy": st.sampled_from(["fcfs", "priority", "deadline", "sjf"]),
         "enable_chunked_prefill": st.booleans(),
         "long_prefill_token_threshold": st.integers(1, 32),
     }

@@ -133,6 +133,19 @@ def test_int4_gemv_is_exact_integer_math_and_close_to_the_weights(kernels, group
     assert ((y - exact).norm() / exact.norm()).item() < 0.01  # int8 activations: ~0.5% measured
 
 
+@pytest.mark.parametrize("k", [192, 576, 1536])  # 6 blocks (all leftover), 18 (2 groups of 8 + 2), 48
+def test_int4_gemv_gives_a_row_the_same_bits_in_any_batch(kernels, k):
+    # batched == alone for int4 models rests on this: each row's arithmetic must not depend on the others
+    torch.manual_seed(3)
+    packed = torch.randint(0, 256, (40, k // 32, 16), dtype=torch.uint8)
+    sz = (torch.rand(40, k // 32, 2) * 0.02 + 0.001).to(torch.bfloat16)
+    x = torch.randn(20, k)
+    batched = kernels.int4_gemv(x, packed, sz)
+    for i in range(20):
+        assert torch.equal(kernels.int4_gemv(x[i : i + 1], packed, sz), batched[i : i + 1])
+    assert torch.equal(kernels.int4_gemv(x[3:8], packed, sz), batched[3:8])
+
+
 @pytest.mark.parametrize("fast_bf16", [True, False])
 def test_int4_linear_takes_the_gemv_for_decode_sized_batches_only(kernels, fast_bf16, monkeypatch):
     from mcp2026.quant import linear as qlinear

@@ -162,7 +162,10 @@ class AsyncEngine:
         self.num_queued_requests += 1
         self.num_queued_tokens += stream.num_prompt_tokens
         prompt = list(prompt_ids)
-        keys = {"priority": priority, "cache_salt": cache_salt, "tenant": tenant}
+        # The scheduler orders by arrival: the time the request reached us, not when the loop thread (busy
+        # with a step) gets to add it, so requests arriving during a step are ordered among themselves.
+        arrival = time.monotonic() - (time.perf_counter() - timing.arrival_time)
+        keys = {"priority": priority, "cache_salt": cache_salt, "tenant": tenant, "arrival_time": arrival}
         self._submit(lambda: self._add(request_id, prompt, params, keys, timing, added))
         finished = False
         try:

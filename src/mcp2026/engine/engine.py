@@ -145,8 +145,11 @@ class LLMEngine:
         ttft_deadline: float | None = None,
         cache_salt: str | None = None,
         tenant: str | None = None,
+        arrival_time: float | None = None,
     ) -> str:
-        """Queue a request; raises ValueError (prompt too long, empty, bad token ids) before queueing."""
+        """Queue a request; raises ValueError (prompt too long, empty, bad token ids) before queueing.
+        ``arrival_time`` (``time.monotonic`` clock; default now) is when the request reached the caller: the
+        scheduling policies order by it, so a request queued behind a running step keeps its place."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -178,6 +181,8 @@ class LLMEngine:
             cache_salt=cache_salt,
             tenant=tenant,
         )
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
         sampling = SamplingState.create(
             params, token_ids, eos_token_ids=self.eos_token_ids, device=self.device
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import ClassVar
 
 from mcp2026.engine.request import Request
@@ -42,15 +43,33 @@ class DeadlinePolicy(SchedulingPolicy):
         return (deadline is None, deadline or 0.0, request.arrival_time, request.arrival_index)
 
 
-POLICIES: dict[str, type[SchedulingPolicy]] = {
-    "fcfs": FCFSPolicy,
-    "priority": PriorityPolicy,
-    "deadline": DeadlinePolicy,
+class ShortestFirstPolicy(SchedulingPolicy):
+    """Shortest prompt first, with aging: the key is a virtual start time, ``arrival_time + prompt tokens /
+    aging_tokens_per_s``. In a burst (equal arrivals) short prompts go first, so most first tokens come after
+    a fraction of the burst's prefill instead of after the prompts queued ahead of them; a long prompt is
+    overtaken only by requests arriving less than ``(its length - theirs) / aging_tokens_per_s`` seconds after
+    it, so it cannot starve. The key is fixed per request, so the order is total and stable across steps."""
+
+    def __init__(self, aging_tokens_per_s: float) -> None:
+        self.aging_tokens_per_s = aging_tokens_per_s
+
+    def key(self, request: Request) -> tuple:
+        start = request.arrival_time + request.num_prompt_tokens / self.aging_tokens_per_s
+        return (start, request.arrival_index)
+
+
+POLICIES: dict[str, Callable[[float], SchedulingPolicy]] = {
+    "fcfs": lambda aging: FCFSPolicy(),
+    "priority": lambda aging: PriorityPolicy(),
+    "deadline": lambda aging: DeadlinePolicy(),
+    "sjf": ShortestFirstPolicy,
 }
 
 
-def make_policy(name: str) -> SchedulingPolicy:
+def make_policy(name: str, aging_tokens_per_s: float = 1000.0) -> SchedulingPolicy:
+    """``aging_tokens_per_s`` matters to ``sjf`` only: one second of waiting is worth this many prompt tokens."""
     try:
-        return POLICIES[name]()
+        factory = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown scheduling policy {name!r}; known: {sorted(POLICIES)}") from None
+    return factory(aging_tokens_per_s)

@@ -69,7 +69,7 @@ class Scheduler:
         self.peak_blocks = peak_blocks or kv.num_blocks_for
         # The config may only lower the model's context length.
         self.max_model_len = min(max_model_len, config.max_model_len or max_model_len)
-        self.policy = make_policy(config.policy)
+        self.policy = make_policy(config.policy, config.aging_tokens_per_s)
         self.fair_share = FairShare()
         self._requests: dict[str, Request] = {}
         self._waiting: list[Request] = []

@@ -539,75 +539,83 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-inline __m256 block_dot(const uint8_t* wq, const int8_t* xq) {
+// Eight blocks' bf16 (scale, zero) pairs as two float vectors: a pair is one 32-bit lane, scale in the low
+// half, so shifting it up is the scale's float and masking the low half off is the zero's.
+struct BlockScales {
+  __m256 s, off;  // scale, zero - 8 * scale
+};
+
+inline BlockScales block_scales8(const uint16_t* sz) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz));
+  const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  return {s, _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, z)};
+}
+
+inline __m256i unpack_block(const uint8_t* wq) {
   const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wq));
-  const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+}
+
+inline __m256 dot_block(__m256i w, const int8_t* xq) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
-#endif
 
-#if defined(__AVX2__) && defined(__FMA__)
-// M == 1 (batch-1 decode): everything in registers.
-void gemv_one_row(const uint8_t* qs, const uint16_t* sz, const RowsView& xr, int64_t K, int64_t n0, int64_t n1,
-                  float* out) {
+// Rows x one weight row, eight blocks at a time. Per eight blocks, their scales and offsets are two vector
+// ops shared by all rows; per row, the combined scales (scale x dx) are one multiply, stored so each block
+// broadcasts its own from memory (a load, no shuffle), and the offset term (offset x dx x sum of the quantized
+// x) is one FMA. A group's eight products form their own FMA chain from zero, added to the row's total after,
+// so one row's consecutive groups overlap in the pipeline. The leftover blocks (K/32 mod 8) do the same per
+// block in scalar. One row or eight, every row's arithmetic is identical: a sequence decoded in a batch gets
+// the same bits as alone.
+template <int M>
+inline void gemv_weight_row(const uint8_t* wq, const uint16_t* szn, const RowsView& xr, int64_t K, float* out,
+                            int64_t stride) {
   const int64_t nblk = K / 32;
-  const int8_t* xq = xr.q;
-  const float* dx = xr.scale;
-  const float* sx = xr.sum;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wq = qs + n * nblk * 16;
-    const uint16_t* szn = sz + n * nblk * 2;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float tail = 0.f;
-    int64_t b = 0;
-    for (; b + 1 < nblk; b += 2) {
-      const float s0 = bf16_bits_to_float(szn[2 * b]), s1 = bf16_bits_to_float(szn[2 * b + 2]);
-      const float z0 = bf16_bits_to_float(szn[2 * b + 1]), z1 = bf16_bits_to_float(szn[2 * b + 3]);
-      acc0 = _mm256_fmadd_ps(block_dot(wq + b * 16, xq + b * 32), _mm256_set1_ps(s0 * dx[b]), acc0);
-      acc1 = _mm256_fmadd_ps(block_dot(wq + b * 16 + 16, xq + b * 32 + 32), _mm256_set1_ps(s1 * dx[b + 1]), acc1);
-      tail += (z0 - 8.f * s0) * sx[b] + (z1 - 8.f * s1) * sx[b + 1];
-    }
-    for (; b < nblk; ++b) {
-      const float s0 = bf16_bits_to_float(szn[2 * b]), z0 = bf16_bits_to_float(szn[2 * b + 1]);
-      acc0 = _mm256_fmadd_ps(block_dot(wq + b * 16, xq + b * 32), _mm256_set1_ps(s0 * dx[b]), acc0);
-      tail += (z0 - 8.f * s0) * sx[b];
-    }
-    out[n] = hsum(_mm256_add_ps(acc0, acc1)) + tail;
+  __m256 acc[M];
+  float tail[M];
+  for (int i = 0; i < M; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    tail[i] = 0.f;
   }
+  alignas(32) float d[M][8];
+  int64_t b = 0;
+  for (; b + 8 <= nblk; b += 8) {
+    const BlockScales bs = block_scales8(szn + 2 * b);
+    for (int i = 0; i < M; ++i) {
+      _mm256_store_ps(d[i], _mm256_mul_ps(bs.s, _mm256_loadu_ps(xr.scale + i * nblk + b)));
+      acc[i] = _mm256_fmadd_ps(bs.off, _mm256_loadu_ps(xr.sum + i * nblk + b), acc[i]);
+    }
+    __m256 group[M];
+    for (int i = 0; i < M; ++i) group[i] = _mm256_setzero_ps();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = unpack_block(wq + (b + j) * 16);
+      for (int i = 0; i < M; ++i)
+        group[i] = _mm256_fmadd_ps(dot_block(w, xr.q + i * K + (b + j) * 32), _mm256_broadcast_ss(&d[i][j]),
+                                   group[i]);
+    }
+    for (int i = 0; i < M; ++i) acc[i] = _mm256_add_ps(acc[i], group[i]);
+  }
+  for (; b < nblk; ++b) {
+    const float s = bf16_bits_to_float(szn[2 * b]);
+    const float off = bf16_bits_to_float(szn[2 * b + 1]) - 8.f * s;
+    const __m256i w = unpack_block(wq + b * 16);
+    for (int i = 0; i < M; ++i) {
+      acc[i] = _mm256_fmadd_ps(dot_block(w, xr.q + i * K + b * 32), _mm256_set1_ps(s * xr.scale[i * nblk + b]),
+                               acc[i]);
+      tail[i] += off * xr.sum[i * nblk + b];
+    }
+  }
+  for (int i = 0; i < M; ++i) out[i * stride] = hsum(acc[i]) + tail[i];
 }
-#endif
 
-#if defined(__AVX2__) && defined(__FMA__)
-// 2..8 rows: the row count is a template parameter, so the per-row accumulators stay in registers.
+// The row count is a template parameter, so the per-row accumulators stay in registers.
 template <int M>
 void gemv_fixed_rows(const uint8_t* qs, const uint16_t* sz, const RowsView& xr, int64_t K, int64_t n0,
                      int64_t n1, float* out, int64_t N) {
   const int64_t nblk = K / 32;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wq = qs + n * nblk * 16;
-    const uint16_t* szn = sz + n * nblk * 2;
-    __m256 acc[M];
-    float tail[M];
-    for (int i = 0; i < M; ++i) {
-      acc[i] = _mm256_setzero_ps();
-      tail[i] = 0.f;
-    }
-    for (int64_t b = 0; b < nblk; ++b) {
-      const float s = bf16_bits_to_float(szn[2 * b]);
-      const float off = bf16_bits_to_float(szn[2 * b + 1]) - 8.f * s;
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + b * 16));
-      const __m256i w =
-          _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
-      for (int i = 0; i < M; ++i) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q + i * K + b * 32));
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * xr.scale[i * nblk + b]), acc[i]);
-        tail[i] += off * xr.sum[i * nblk + b];
-      }
-    }
-    for (int i = 0; i < M; ++i) out[i * N + n] = hsum(acc[i]) + tail[i];
-  }
+  for (int64_t n = n0; n < n1; ++n) gemv_weight_row<M>(qs + n * nblk * 16, sz + n * nblk * 2, xr, K, out + n, N);
 }
 #endif
 
@@ -615,11 +623,7 @@ void gemv_rows(const uint8_t* qs, const uint16_t* sz, const RowsView& xr, int64_
                int64_t n1, float* out, int64_t N) {
 #if defined(__AVX2__) && defined(__FMA__)
   with_row_count(M, [&](auto rows) {
-    constexpr int m = decltype(rows)::value;
-    if constexpr (m == 1)
-      gemv_one_row(qs, sz, xr, K, n0, n1, out);
-    else
-      gemv_fixed_rows<m>(qs, sz, xr, K, n0, n1, out, N);
+    gemv_fixed_rows<decltype(rows)::value>(qs, sz, xr, K, n0, n1, out, N);
   });
 #else
   const int64_t nblk = K / 32;
