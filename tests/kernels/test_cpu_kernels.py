@@ -156,10 +156,15 @@ def test_int4_linear_takes_the_gemv_for_decode_sized_batches_only(kernels, fast_
     monkeypatch.setattr(cpu, "_module", _Spy(kernels, calls))
     q = qlinear.Int4Linear.from_linear(torch.nn.Linear(64, 32), LayerQuantSpec("int4"), torch.bfloat16)
     with torch.inference_mode():
-        for rows in (2, qlinear.GEMV_MAX_ROWS + 1, qlinear.GEMV_BATCH_MAX_ROWS, qlinear.DEQUANT_MIN_ROWS):
+        for rows in (
+            2,
+            qlinear.GEMV_MAX_ROWS + 1,
+            qlinear.INT4_GEMV_BATCH_MAX_ROWS,
+            qlinear.INT4_DEQUANT_MIN_ROWS,
+        ):
             assert q(torch.randn(rows, 64)).shape == (rows, 32)
-    # batched decode (9..64 rows) takes the GEMV only where torch's int kernel would compute in slow bf16
-    gemv_rows = [2] if fast_bf16 else [2, qlinear.GEMV_MAX_ROWS + 1, qlinear.GEMV_BATCH_MAX_ROWS]
+    # batched decode and mid-sized steps take the GEMV only where torch's int kernel would compute in slow bf16
+    gemv_rows = [2] if fast_bf16 else [2, qlinear.GEMV_MAX_ROWS + 1, qlinear.INT4_GEMV_BATCH_MAX_ROWS]
     assert [rows for name, rows in calls if name == "int4_gemv"] == gemv_rows
     assert ("int4_dequant" in [name for name, _ in calls]) is not fast_bf16  # prefill: dequantize + fp32 GEMM
     assert "_gemv" in q.__dict__
@@ -244,7 +249,8 @@ def test_prefill_sized_batches_dequantize_to_fp32_where_bf16_is_slow(kernels, fm
     monkeypatch.setattr(qlinear, "_cpu_has_fast_bf16", lambda: False)
     cls = qlinear.Int4Linear if fmt == "int4" else qlinear.Int8Linear
     q = cls.from_linear(torch.nn.Linear(128, 64, bias=True), LayerQuantSpec(fmt), torch.bfloat16)
-    x = torch.randn(qlinear.DEQUANT_MIN_ROWS + 3, 128)
+    min_rows = qlinear.INT4_DEQUANT_MIN_ROWS if fmt == "int4" else qlinear.DEQUANT_MIN_ROWS
+    x = torch.randn(min_rows + 3, 128)
     with torch.inference_mode():
         y = q(x)
     expected = x @ q.dequantize().T + q.bias.float()

@@ -94,18 +94,22 @@ def dequantize_groupwise_int4(q: Tensor, scales: Tensor, zeros: Tensor, group_si
 
 # Our int4/int8 GEMVs (kernels/cpu_decode.cpp) take decode-sized batches on every CPU. On CPUs without fast
 # bf16, torch's int kernels compute in bf16 (slower than fp32 on AVX2), so there the GEMVs (in 8-row tiles) also
-# take batched decode and mixed steps up to GEMV_BATCH_MAX_ROWS rows, and larger inputs run dequantize + fp32
-# GEMM. Measured once with a throwaway microbenchmark (2 threads, one layer's linears; no repo command): at 16 / 64 / 128 / 256 / 512 rows the int4 GEMV takes
-# 1.8 / 6.0 / 13.7 / 31 / 53 ms, dequantize + GEMM 9.3 / 12.0 / 16.7 / 34 / 41 ms (int8: 14.7 vs 27.4 ms at 128,
-# 35 vs 25 at 256), fp32 weights 3.9 / 7.0 / 12.1 / 21 / 41 ms.
+# take batched decode and mixed steps up to a row limit per format, and larger inputs run dequantize + fp32
+# GEMM. Measured once with a throwaway microbenchmark (2 threads, one layer's linears; no repo command): int8
+# GEMV 14.7 vs dequantize + GEMM 27.4 ms at 128 rows, 35 vs 25 at 256 (limit 128); int4 GEMV after its
+# vectorized scales (session 6) 9.4 / 16.7 / 24.4 / 32.4 ms at 128 / 256 / 384 / 512 rows against 11.6 / 18.9 /
+# 25.2 / 32.8 (limit 384; fp32 weights 9.9 / 16.7 / 22.7 / 30.4). The int4 GEMV's int8 activations cost ~+0.3
+# points of ΔPPL (docs/benchmarks.md, "Quality through the decode kernels").
 GEMV_MAX_ROWS = 8
-GEMV_BATCH_MAX_ROWS = 128
+GEMV_BATCH_MAX_ROWS = 128  # int8 weights
+INT4_GEMV_BATCH_MAX_ROWS = 384
 DEQUANT_MIN_ROWS = GEMV_BATCH_MAX_ROWS + 1
+INT4_DEQUANT_MIN_ROWS = INT4_GEMV_BATCH_MAX_ROWS + 1
 
 
-def gemv_rows(x2: Tensor) -> bool:
+def gemv_rows(x2: Tensor, batch_max_rows: int = GEMV_BATCH_MAX_ROWS) -> bool:
     rows = x2.shape[0]
-    return rows <= GEMV_MAX_ROWS or (rows <= GEMV_BATCH_MAX_ROWS and _bf16_int_kernels_slow(x2))
+    return rows <= GEMV_MAX_ROWS or (rows <= batch_max_rows and _bf16_int_kernels_slow(x2))
 
 
 def _bf16_int_kernels_slow(x: Tensor) -> bool:
@@ -443,12 +447,12 @@ class Int4Linear(QuantLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if gemv_rows(x2):
+        if gemv_rows(x2, INT4_GEMV_BATCH_MAX_ROWS):
             kernels = kernel_ops.kernels_for(x2)
             if kernels is not None:  # decode: our int4 x int8 GEMV, no casts
                 x2 = self._scaled(x2)
                 return self._output(kernels.int4_gemv(x2, *self.gemv_weights()), x)
-        if x2.shape[0] >= DEQUANT_MIN_ROWS and _bf16_int_kernels_slow(x2):
+        if x2.shape[0] >= INT4_DEQUANT_MIN_ROWS and _bf16_int_kernels_slow(x2):
             kernels = kernel_ops.kernels_for(x2)
             if kernels is not None:
                 w = kernels.int4_dequant(*self.gemv_weights())
