@@ -169,7 +169,9 @@ def test_activation_aware_scaling_reduces_output_error():
         linear, LayerQuantSpec("int4", group_size=32, act_scale="s"), torch.float32, scale
     )
     assert torch.allclose(module.dequantize(), fake_quantize(w, spec, scale), atol=1e-6)
-    xx = torch.cat([x, x])  # a prefill-sized input: the dequantize path, float activations, exact
+    xx = torch.cat(
+        [x, x]
+    )  # prefill-sized: float activations (dequantize + GEMM, or torch's int4 kernel), exact
     assert torch.allclose(module(xx), xx @ module.dequantize().T, atol=1e-4)
 
 

@@ -610,7 +610,8 @@ inline void gemv_weight_row(const uint8_t* wq, const uint16_t* szn, const RowsVi
   for (int i = 0; i < M; ++i) out[i * stride] = hsum(acc[i]) + tail[i];
 }
 
-// The row count is a template parameter, so the per-row accumulators stay in registers.
+// The row count is a template parameter, so the per-row arrays are fixed-size (in registers up to ~6 rows;
+// at 7-8 rows some accumulators spill, touched once per eight blocks).
 template <int M>
 void gemv_fixed_rows(const uint8_t* qs, const uint16_t* sz, const RowsView& xr, int64_t K, int64_t n0,
                      int64_t n1, float* out, int64_t N) {

@@ -98,11 +98,12 @@ def dequantize_groupwise_int4(q: Tensor, scales: Tensor, zeros: Tensor, group_si
 # GEMM. Measured once with a throwaway microbenchmark (2 threads, one layer's linears; no repo command): int8
 # GEMV 14.7 vs dequantize + GEMM 27.4 ms at 128 rows, 35 vs 25 at 256 (limit 128); int4 GEMV after its
 # vectorized scales (session 6) 9.4 / 16.7 / 24.4 / 32.4 ms at 128 / 256 / 384 / 512 rows against 11.6 / 18.9 /
-# 25.2 / 32.8 (limit 384; fp32 weights 9.9 / 16.7 / 22.7 / 30.4). The int4 GEMV's int8 activations cost ~+0.3
-# points of ΔPPL (docs/benchmarks.md, "Quality through the decode kernels").
+# 25.2 / 32.8 (fp32 weights 9.9 / 16.7 / 22.7 / 30.4). Limit 256: above it the gain is within noise, and the
+# GEMV quantizes activations to int8 (~+0.3 points of ΔPPL, docs/benchmarks.md "Quality through the decode
+# kernels"), so prefill chunks stay on float activations where the GEMV buys nothing.
 GEMV_MAX_ROWS = 8
 GEMV_BATCH_MAX_ROWS = 128  # int8 weights
-INT4_GEMV_BATCH_MAX_ROWS = 384
+INT4_GEMV_BATCH_MAX_ROWS = 256
 DEQUANT_MIN_ROWS = GEMV_BATCH_MAX_ROWS + 1
 INT4_DEQUANT_MIN_ROWS = INT4_GEMV_BATCH_MAX_ROWS + 1
 
