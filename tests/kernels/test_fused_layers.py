@@ -160,3 +160,12 @@ def test_a_16_bit_cache_is_read_in_place_under_fp32_activations(tiny_qkv_bias, k
     for a, b in zip(kernel, gathered):
         for x, y in zip(a.logprobs, b.logprobs):
             assert abs(x.logprob - y.logprob) < 1e-4
+
+
+def test_fused_steps_are_under_every_formats_gemv_row_limit():
+    # The model decides "quantized linears take their GEMVs" once per fused step, with the int8 limit; that
+    # answer holds for int4 too only while fused steps are smaller than both limits.
+    from mcp2026.kernels import ops
+    from mcp2026.quant import linear as qlinear
+
+    assert min(qlinear.GEMV_BATCH_MAX_ROWS, qlinear.INT4_GEMV_BATCH_MAX_ROWS) >= ops.FUSED_MAX_ROWS

@@ -164,7 +164,9 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope.table(positions, x.dtype)
         residual = None
         kernels = _fused_kernels(x)
-        quant_rows = kernels is not None and gemv_rows(x)  # quantized linears take their GEMVs
+        # Whether quantized linears take their GEMVs at this row count: one answer for every format because fused
+        # steps (<= ops.FUSED_MAX_ROWS rows) are under each format's GEMV row limit (a test holds that).
+        quant_rows = kernels is not None and gemv_rows(x)
         for layer in self.layers:
             linears = None if kernels is None else layer.fused(kernels, quant_rows)
             if linears is not None:
