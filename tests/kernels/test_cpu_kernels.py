@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mcp2026 import hardware
 from mcp2026.kernels import cpu, ops
 
 
@@ -289,3 +290,49 @@ def test_build_key_follows_instruction_sets_only(monkeypatch):
     assert cpu.build_key() == key  # mitigation / hypervisor bits: same binary
     monkeypatch.setattr(hardware, "cpu_flags", lambda: base | {"avx512f"})
     assert cpu.build_key() != key  # a new instruction set: a new build
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+# partial and full 4-row tiles, and past the GEMV's row limit
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 32, 33, 64])
+@pytest.mark.parametrize("n", [99, 100, 101])  # weight rows in tiles of 3, with each remainder
+def test_dense_linear_matches_f_linear(kernels, wdtype, rows, n):
+    torch.manual_seed(rows + n)
+    x, w, b = torch.randn(rows, 96), torch.randn(n, 96).to(wdtype), torch.randn(n).to(wdtype)
+    got = kernels.dense_linear(x, w, b)
+    assert got.dtype == torch.float32
+    expected = F.linear(x, w.float(), b.float())
+    if rows > kernels.DENSE_GEMV_MAX_ROWS and wdtype == torch.bfloat16:
+        # past the GEMV limit: at::linear in the weight's dtype (x rounded to bf16), as DenseLinear did
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=0.15)
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
+    xb = x.to(torch.bfloat16)  # bf16 activations come back in bf16
+    assert kernels.dense_linear(xb, w, b).dtype == torch.bfloat16
+
+
+def test_dense_linear_gives_a_row_the_same_bits_in_any_batch(kernels):
+    # batched == alone for float models rests on this (inside the GEMV's row limit, on CPUs it compiles for)
+    if not {"avx2", "fma"} <= hardware.cpu_flags():
+        pytest.skip("the dense GEMV is compiled for AVX2 + FMA only; elsewhere dense_linear is at::linear")
+    torch.manual_seed(4)
+    w, x = torch.randn(50, 576), torch.randn(kernels.DENSE_GEMV_MAX_ROWS, 576)
+    batched = kernels.dense_linear(x, w)
+    for i in range(x.shape[0]):
+        assert torch.equal(kernels.dense_linear(x[i : i + 1], w), batched[i : i + 1])
+    assert torch.equal(kernels.dense_linear(x[5:11], w), batched[5:11])
+
+
+def test_model_linears_and_bf16_dense_layers_take_dense_linear(kernels, monkeypatch):
+    from mcp2026.models.layers import Linear
+    from mcp2026.quant import linear as qlinear
+    from mcp2026.quant.plan import LayerQuantSpec
+
+    calls = []
+    monkeypatch.setattr(cpu, "_module", _Spy(kernels, calls))
+    lin = Linear(64, 32)
+    bf16 = qlinear.DenseLinear.from_linear(torch.nn.Linear(64, 32), LayerQuantSpec("bf16"), torch.bfloat16)
+    with torch.inference_mode():
+        lin(torch.randn(2, 64))
+        bf16(torch.randn(2, 64))
+    assert calls == [("dense_linear", 2), ("dense_linear", 2)]

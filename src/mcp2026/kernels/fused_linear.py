@@ -2,7 +2,7 @@
 
 A decode-sized step runs each decoder layer as two compiled calls (norm + qkv + RoPE; o-proj + norm + MLP),
 which take the layer's linears as small C++ objects holding the same tensors and kernel choice the Python
-modules would use: float weights through ``at::linear``, int8 and int4 through our GEMVs. Built on first use
+modules would use: float weights through ``dense_linear``, int8 and int4 through our GEMVs. Built on first use
 and cached on the module; the quantized modules drop the cache wherever they drop their GEMV layout (new
 weights), and every lookup checks the weight and bias are still the tensors it was built from.
 """
@@ -14,6 +14,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 
+from mcp2026.models.layers import Linear
 from mcp2026.quant.linear import DenseLinear, Int4Linear, Int8Linear
 
 # Off: every layer takes the per-op path (tests compare the two; benchmarks can A/B them).
@@ -23,7 +24,7 @@ DENSE, INT8, INT4 = 0, 1, 2
 
 
 def _build(kernels: Any, m: nn.Module) -> tuple[int, Any] | None:
-    if type(m) is nn.Linear:
+    if type(m) in (nn.Linear, Linear):
         return DENSE, kernels.FusedLinear(DENSE, m.weight, m.weight, m.bias)
     if type(m) is DenseLinear and m.inv_act_scale is None:
         return DENSE, kernels.FusedLinear(DENSE, m.weight, m.weight, m.bias)

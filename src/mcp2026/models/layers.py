@@ -1,4 +1,4 @@
-"""Building blocks of a Llama-family decoder: RMSNorm and rotary embeddings (incl. llama3 scaling).
+"""Building blocks of a Llama-family decoder: linears, RMSNorm and rotary embeddings (incl. llama3 scaling).
 
 Rotary embeddings use the HF "rotate half" convention; GGUF loaders undo llama.cpp's Q/K row permutation
 so one convention serves both formats.
@@ -14,6 +14,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcp2026.kernels import ops
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose 2-D inputs go through ``ops.dense_linear`` (our GEMV at decode sizes, F.linear beyond),
+    the function the fused decode layers call too. Still an nn.Linear: quantization replaces it as one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return super().forward(x)
+        return ops.dense_linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
