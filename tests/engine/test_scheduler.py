@@ -174,6 +174,23 @@ def test_sjf_ages_a_long_prompt_ahead_of_later_short_ones():
     assert admission_order(sched, requests) == ["early-short", "long", "late-short"]
 
 
+@pytest.mark.parametrize("policy", ["sjf", "fcfs"])
+def test_a_part_prefilled_prompt_yields_to_a_waiting_one_the_policy_puts_first(policy):
+    # A long prompt's first chunk runs alone; a short one arrives during it. With sjf the short one's key is
+    # smaller (0.01 + 4/1000 < 0 + 40/1000): it takes the next step's budget first and the long prompt gets
+    # what is left. FCFS keeps arrival order: the long prompt's next chunk first.
+    sched = make(policy=policy, max_num_batched_tokens=16)
+    runner = FakeRunner()
+    sched.add_request(req("long", range(40), arrival_time=0.0))
+    assert [(c.request_id, c.num_tokens) for c in step(sched, runner).chunks] == [("long", 16)]
+    sched.add_request(req("short", range(100, 104), arrival_time=0.01))
+    chunks = [(c.request_id, c.num_tokens) for c in step(sched, runner).chunks]
+    if policy == "sjf":
+        assert chunks == [("short", 4), ("long", 12)]
+    else:
+        assert chunks == [("long", 16)]
+
+
 def test_sjf_aging_rate_must_be_positive():
     with pytest.raises(ValueError, match="aging_tokens_per_s must be > 0"):
         SchedulerConfig(policy="sjf", aging_tokens_per_s=0)

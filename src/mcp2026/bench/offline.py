@@ -32,12 +32,12 @@ class OfflineConfig:
     input_len: int = 128  # random workload
     output_len: int = 128  # random / prefix / long workloads
     batched_decode: int | None = None  # N: decode tok/s at N concurrent sequences (random workload)
-    weights: tuple[str, ...] = ()  # extra runs of ours with weights quantized uniformly: int8 | int4
+    weights: tuple[str, ...] = ()  # extra runs of ours with weights stored uniformly: int8 | int4 | bf16
 
     def __post_init__(self) -> None:
-        bad = [w for w in self.weights if w not in ("int8", "int4")]
+        bad = [w for w in self.weights if w not in ("int8", "int4", "bf16")]
         if bad:
-            raise ValueError(f"weights must be a list of int8, int4; got {bad}")
+            raise ValueError(f"weights must be a list of int8, int4, bf16; got {bad}")
         if self.num_prompts < 1 or self.batch_size < 1:
             raise ValueError("num_prompts and batch_size must be >= 1")
         if self.max_requests is not None and self.max_requests < 1:

@@ -156,10 +156,11 @@ class Scheduler:
     # --- one step ------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = _Step(budget=self.config.max_num_batched_tokens)
-        self._schedule_running(step)
+        deferred = self._schedule_running(step)
         # NOTE: after a preemption, admitting new work would only take the blocks back (thrashing).
         if step.num_preempted == 0:
             self._schedule_waiting(step)
+        self._schedule_in_order(deferred, step)
         self.fair_share.charge(self._tokens_by_tenant(step))
         chunks = [self._make_chunk(self._requests[rid], n) for rid, n in step.scheduled.items()]
         chunks.sort(key=lambda c: c.num_tokens > 1)  # stable: decodes first, each group in schedule order
@@ -172,7 +173,10 @@ class Scheduler:
         self._preempted_ids, self._finished_ids = [], []
         return output
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_running(self, step: _Step) -> list[Request]:
+        """Decodes, then catching-up prefills, in policy order; returns the prefills deferred behind the
+        head of the waiting queue (scheduled after it with what budget is left)."""
+
         # Decodes before catching-up prefills so a long prompt cannot stall token streams.
         def is_prefill(r: Request) -> bool:
             return r.num_tokens - r.num_computed_tokens > 1
@@ -180,6 +184,35 @@ class Scheduler:
         order = self.fair_share.order(
             self._running, lambda r: (is_prefill(r), self.policy.key(r)), self._cost, group=is_prefill
         )
+        # A prompt part-way through chunked prefill does not outrank a waiting request of its tenant that the
+        # policy puts first (with ``sjf``: a burst's short prompts that arrived while a long one's first chunk
+        # ran). Under FCFS nothing waiting sorts first but preempted requests, which arrived earlier. Across
+        # tenants, FairShare decides.
+        heads = self._heads_of_waiting()
+        if not heads:
+            self._schedule_in_order(order, step)
+            return []
+
+        def yields(r: Request) -> bool:
+            head = heads.get(r.tenant)
+            return head is not None and is_prefill(r) and self.policy.key(r) > head
+
+        deferred = [r for r in order if yields(r)]
+        self._schedule_in_order([r for r in order if not yields(r)], step)
+        return deferred
+
+    def _heads_of_waiting(self) -> dict[Tenant, tuple]:
+        """Per tenant, the policy key of its first waiting request (none when no request may be admitted)."""
+        heads: dict[Tenant, tuple] = {}
+        if len(self._running) >= self.config.max_num_seqs:
+            return heads
+        for r in self._waiting:
+            key = self.policy.key(r)
+            if r.tenant not in heads or key < heads[r.tenant]:
+                heads[r.tenant] = key
+        return heads
+
+    def _schedule_in_order(self, order: list[Request], step: _Step) -> None:
         for request in order:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop

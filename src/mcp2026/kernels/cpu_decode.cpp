@@ -326,9 +326,14 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 
 // ---- residual add + RMSNorm ------------------------------------------------------------------------------
 // residual += x (in place, when x is given), then out = residual / rms(residual) * weight, in out_dtype.
+// Elementwise kernels split rows across threads past this many (decode steps stay on the calling thread; a
+// row's arithmetic is the same either way).
+constexpr int64_t kParallelRows = 64;
+
 template <typename T, typename R, typename O>
 void add_rms_norm_impl(const T* x, R* res, const float* w, O* out, int64_t rows, int64_t hidden, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
+  at::parallel_for(0, rows, kParallelRows, [&](int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
     R* rr = res + r * hidden;
     float ss = 0.f;
     if (x != nullptr) {
@@ -347,6 +352,7 @@ void add_rms_norm_impl(const T* x, R* res, const float* w, O* out, int64_t rows,
     O* orow = out + r * hidden;
     for (int64_t i = 0; i < hidden; ++i) orow[i] = static_cast<O>(static_cast<float>(rr[i]) * inv * w[i]);
   }
+  });
 }
 
 torch::Tensor add_rms_norm(const torch::Tensor& residual, const c10::optional<torch::Tensor>& x,
@@ -388,7 +394,8 @@ torch::Tensor add_rms_norm(const torch::Tensor& residual, const c10::optional<to
 template <typename T, typename C>
 void rope_impl(T* x, int64_t row_stride, const C* cos, const C* sin, int64_t rows, int64_t heads, int64_t hd) {
   const int64_t half = hd / 2;
-  for (int64_t r = 0; r < rows; ++r) {
+  at::parallel_for(0, rows, kParallelRows, [&](int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
     const C* c = cos + r * hd;
     const C* s = sin + r * hd;
     for (int64_t h = 0; h < heads; ++h) {
@@ -400,6 +407,7 @@ void rope_impl(T* x, int64_t row_stride, const C* cos, const C* sin, int64_t row
       }
     }
   }
+  });
 }
 
 void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
@@ -421,17 +429,39 @@ void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin)
 
 // ---- SiLU(gate) * up ---------------------------------------------------------------------------------------
 // gate_up: (T, 2I) as [gate | up] -> (T, I) in out_dtype.
+// SiLU(a) = a * sigmoid(a), sigmoid through e = exp(-|a|) (never overflows): 1 / (1 + e) for a >= 0, else
+// e / (1 + e). fp32 rows take 8 lanes at a time with the attention's exp; other dtypes and the tail, std::exp.
+inline float silu_scalar(float a) {
+  const float e = std::exp(-std::fabs(a));
+  return a * ((a >= 0.f ? 1.f : e) / (1.f + e));
+}
+
 template <typename T, typename O>
 void silu_mul_impl(const T* gu, O* out, int64_t rows, int64_t inter) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* g = gu + r * 2 * inter;
-    const T* u = g + inter;
-    O* o = out + r * inter;
-    for (int64_t i = 0; i < inter; ++i) {
-      const float a = static_cast<float>(g[i]);
-      o[i] = static_cast<O>(a / (1.f + std::exp(-a)) * static_cast<float>(u[i]));
+  at::parallel_for(0, rows, kParallelRows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gu + r * 2 * inter;
+      const T* u = g + inter;
+      O* o = out + r * inter;
+      int64_t i = 0;
+#ifdef MCP_ATTN_AVX2
+      if constexpr (std::is_same_v<T, float> && std::is_same_v<O, float>) {
+        const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
+        for (; i + 8 <= inter; i += 8) {
+          const __m256 a = _mm256_loadu_ps(g + i);
+          const __m256 e = attn_exp(_mm256_or_ps(a, sign));  // exp(-|a|)
+          const __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_GE_OQ));
+          const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
+          _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(a, sig), _mm256_loadu_ps(u + i)));
+        }
+      }
+#endif
+      for (; i < inter; ++i) {
+        const float a = static_cast<float>(g[i]);
+        o[i] = static_cast<O>(silu_scalar(a) * static_cast<float>(u[i]));
+      }
     }
-  }
+  });
 }
 
 torch::Tensor silu_mul(const torch::Tensor& gate_up, c10::ScalarType out_dtype) {
@@ -807,7 +837,8 @@ void dense_gemv_impl(const float* x, const W* w, int64_t M, int64_t K, int64_t N
 }  // namespace
 
 // x (M, K) float32/bfloat16, w (N, K) float32/bfloat16, optional bias (N,) -> (M, N) in x's dtype. Our GEMV for
-// decode-sized inputs on AVX2 CPUs, at::linear otherwise (x cast to w's dtype, as nn.Linear would need).
+// decode-sized inputs on AVX2 CPUs, at::linear otherwise: in fp32 for fp32 x (bf16 weights widened), else in
+// w's dtype (x cast to it).
 // Python's Linear modules and the fused decode layers both call this, so the two paths agree bit for bit.
 torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -827,6 +858,11 @@ torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& w, const
     return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
   }
 #endif
+  if (x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kBFloat16) {
+    // fp32 activations asked for: widen the weights (as int4 prefill dequantizes) rather than round x to bf16
+    const auto b = bias.has_value() ? c10::optional<torch::Tensor>(bias->to(torch::kFloat)) : bias;
+    return at::linear(x, w.to(torch::kFloat), b);
+  }
   const auto xd = x.scalar_type() == w.scalar_type() ? x : x.to(w.scalar_type());
   const auto y = at::linear(xd, w, bias);
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
@@ -852,10 +888,22 @@ torch::Tensor int4_dequant(const torch::Tensor& qs, const torch::Tensor& sz) {
         const float off = bf16_bits_to_float(sp[(n * nblk + b) * 2 + 1]) - 8.f * s;
         const uint8_t* q = qp + (n * nblk + b) * 16;
         float* o = op + n * K + b * 32;
+#if defined(__AVX2__) && defined(__FMA__)
+        // the 32 nibbles as bytes (unpack_block), widened 8 at a time: q * s + off, as the scalar loop computes
+        alignas(32) uint8_t qb[32];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(qb), unpack_block(q));
+        const __m256 vs = _mm256_set1_ps(s), voff = _mm256_set1_ps(off);
+        for (int k = 0; k < 32; k += 8) {
+          const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + k));
+          const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw));
+          _mm256_storeu_ps(o + k, _mm256_fmadd_ps(qf, vs, voff));
+        }
+#else
         for (int k = 0; k < 16; ++k) {
           o[k] = static_cast<float>(q[k] & 0x0F) * s + off;
           o[k + 16] = static_cast<float>(q[k] >> 4) * s + off;
         }
+#endif
       }
   });
   return out;

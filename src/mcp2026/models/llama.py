@@ -126,8 +126,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 def _fused_kernels(x: torch.Tensor) -> Any | None:
-    """The compiled kernels when this step's layers may run fused: decode-sized (the kernels' elementwise
-    loops are single-threaded, made for few rows), CPU float input, no autograd."""
+    """The compiled kernels when this step's layers may run fused: decode-sized (the two calls per layer save
+    op dispatches, which only matter when a step's arithmetic is small), CPU float input, no autograd."""
     if not fused_linear.ENABLED or x.dim() != 2 or x.shape[0] > ops.FUSED_MAX_ROWS:
         return None
     return ops.kernels_for(x)
