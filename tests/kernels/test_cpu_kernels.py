@@ -332,3 +332,24 @@ def test_model_linears_and_bf16_dense_layers_take_dense_linear(kernels, monkeypa
         lin(torch.randn(2, 64))
         bf16(torch.randn(2, 64))
     assert calls == [("dense_linear", 2), ("dense_linear", 2)]
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_prefill_linear_matches_f_linear_and_steps_aside_for_autograd(wdtype, monkeypatch):
+    torch.manual_seed(5)
+    x, w, b = torch.randn(ops.FUSED_MAX_ROWS + 40, 96), torch.randn(50, 96).to(wdtype), torch.randn(50)
+    expected = F.linear(x, w.float(), b)
+    torch.testing.assert_close(ops.prefill_linear(x, w, b), expected, rtol=1e-4, atol=1e-4)
+    calls = []
+    real = ops._onednn_linear()
+    if real is not None:  # prefill-sized CPU inputs take oneDNN; gradients, small inputs and A/B off do not
+        monkeypatch.setattr(ops, "_onednn_linear", lambda: lambda *a: calls.append(a[0].shape[0]) or real(*a))
+        ops.prefill_linear(x, w, b)
+        ops.prefill_linear(x[: ops.FUSED_MAX_ROWS], w, b)
+        monkeypatch.setattr(ops, "ONEDNN_PREFILL", False)
+        ops.prefill_linear(x, w, b)
+        assert calls == [x.shape[0]]
+    wg = torch.nn.Parameter(torch.randn(50, 96))
+    y = ops.prefill_linear(x, wg, None)
+    y.sum().backward()  # F.linear under autograd: gradients flow
+    torch.testing.assert_close(wg.grad, x.sum(0).expand(50, -1))

@@ -398,7 +398,7 @@ class Int8Linear(QuantLinear):
         if x2.shape[0] >= DEQUANT_MIN_ROWS and _bf16_int_kernels_slow(x2):
             w = self.weight * self.scales.float().unsqueeze(1)  # one pass: int8 * fp32 -> fp32
             xs = self._scaled(x2)
-            return self._output(F.linear(xs, w), x)
+            return self._output(kernel_ops.prefill_linear(xs, w), x)
         y = torch.ops.aten._weight_int8pack_mm(self._input(x), self.weight, self.scales)
         return self._output(y, x)
 
@@ -460,7 +460,7 @@ class Int4Linear(QuantLinear):
             if kernels is not None:
                 w = kernels.int4_dequant(*self.gemv_weights())
                 xs = self._scaled(x2)
-                return self._output(F.linear(xs, w), x)
+                return self._output(kernel_ops.prefill_linear(xs, w), x)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             self._input(x), self.weight, self.spec.group_size, self.scales_and_zeros
         )
