@@ -174,21 +174,47 @@ def test_sjf_ages_a_long_prompt_ahead_of_later_short_ones():
     assert admission_order(sched, requests) == ["early-short", "long", "late-short"]
 
 
-@pytest.mark.parametrize("policy", ["sjf", "fcfs"])
-def test_a_part_prefilled_prompt_yields_to_a_waiting_one_the_policy_puts_first(policy):
-    # A long prompt's first chunk runs alone; a short one arrives during it. With sjf the short one's key is
-    # smaller (0.01 + 4/1000 < 0 + 40/1000): it takes the next step's budget first and the long prompt gets
-    # what is left. FCFS keeps arrival order: the long prompt's next chunk first.
-    sched = make(policy=policy, max_num_batched_tokens=16)
+def _first_chunk_then(policy: str, later: list[Request], **config) -> list[tuple[str, int]]:
+    """A 40-token prompt's first 16-token chunk runs alone; ``later`` arrive during it; the next step's chunks."""
+    sched = make(policy=policy, max_num_batched_tokens=16, **config)
     runner = FakeRunner()
     sched.add_request(req("long", range(40), arrival_time=0.0))
     assert [(c.request_id, c.num_tokens) for c in step(sched, runner).chunks] == [("long", 16)]
-    sched.add_request(req("short", range(100, 104), arrival_time=0.01))
-    chunks = [(c.request_id, c.num_tokens) for c in step(sched, runner).chunks]
-    if policy == "sjf":
-        assert chunks == [("short", 4), ("long", 12)]
-    else:
-        assert chunks == [("long", 16)]
+    for r in later:
+        sched.add_request(r)
+    out = step(sched, runner)
+    assert sched.num_preemptions == 0
+    return [(c.request_id, c.num_tokens) for c in out.chunks]
+
+
+@pytest.mark.parametrize("policy", ["sjf", "fcfs", "priority", "deadline"])
+def test_a_part_prefilled_prompt_yields_to_a_waiting_one_only_under_sjf(policy):
+    # sjf: the short prompt's key (0.01 + 4/1000) is below the long one's (0 + 40/1000): it takes the budget
+    # first and the long prompt gets what is left. The other policies keep the part-prefilled prompt first
+    # (priority and deadline have no aging to bound how long it could be passed over).
+    chunks = _first_chunk_then(policy, [req("short", range(100, 104), arrival_time=0.01)])
+    assert chunks == ([("short", 4), ("long", 12)] if policy == "sjf" else [("long", 16)])
+
+
+def test_a_yielding_prompt_still_goes_before_waiting_prompts_that_sort_after_it():
+    # "mid" (30 tokens at 0.02 s: key 0.05) sorts after the long prompt (0.04): it waits for the long one
+    later = [req("short", range(100, 104), arrival_time=0.01), req("mid", range(200, 230), arrival_time=0.02)]
+    assert _first_chunk_then("sjf", later) == [("short", 4), ("long", 12)]
+
+
+def test_a_yielding_prompt_that_finds_no_blocks_waits_instead_of_preempting():
+    # 10 blocks of 4 tokens, chunks of at most 16: the long prompt holds 4 blocks after its first chunk; the
+    # 16-token prompt that sorts first takes 4 more; the long prompt's next chunk needs 4 and 2 are free. It
+    # skips this step (keeping its 16 computed tokens) rather than preempting anyone, itself included.
+    sched = make(policy="sjf", num_blocks=10, max_num_batched_tokens=32, long_prefill_token_threshold=16)
+    runner = FakeRunner()
+    long = req("long", range(40), arrival_time=0.0)
+    sched.add_request(long)
+    assert [(c.request_id, c.num_tokens) for c in step(sched, runner).chunks] == [("long", 16)]
+    sched.add_request(req("other", range(100, 116), arrival_time=0.001))
+    assert [(c.request_id, c.num_tokens) for c in step(sched, runner).chunks] == [("other", 16)]
+    assert sched.num_preemptions == 0 and long.status is RequestStatus.RUNNING
+    assert long.num_computed_tokens == 16
 
 
 def test_sjf_aging_rate_must_be_positive():

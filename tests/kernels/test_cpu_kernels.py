@@ -304,7 +304,15 @@ def test_dense_linear_matches_f_linear(kernels, wdtype, rows, n):
     # fp32 activations compute in fp32 at any row count (bf16 weights widened, x never rounded to bf16)
     torch.testing.assert_close(got, F.linear(x, w.float(), b.float()), rtol=1e-4, atol=1e-3)
     xb = x.to(torch.bfloat16)  # bf16 activations come back in bf16
-    assert kernels.dense_linear(xb, w, b).dtype == torch.bfloat16
+    yb = kernels.dense_linear(xb, w, b)
+    assert yb.dtype == torch.bfloat16
+    torch.testing.assert_close(yb.float(), F.linear(xb.float(), w.float(), b.float()), rtol=2e-2, atol=0.1)
+
+
+def test_dense_linear_takes_at_linear_when_k_is_not_a_multiple_of_8(kernels):
+    torch.manual_seed(6)
+    x, w = torch.randn(3, 100), torch.randn(20, 100)
+    torch.testing.assert_close(kernels.dense_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_dense_linear_gives_a_row_the_same_bits_in_any_batch(kernels):
@@ -353,3 +361,14 @@ def test_prefill_linear_matches_f_linear_and_steps_aside_for_autograd(wdtype, mo
     y = ops.prefill_linear(x, wg, None)
     y.sum().backward()  # F.linear under autograd: gradients flow
     torch.testing.assert_close(wg.grad, x.sum(0).expand(50, -1))
+
+
+@pytest.mark.parametrize("rows", [2, ops.FUSED_MAX_ROWS + 8])  # our GEMV, then oneDNN
+def test_a_trainable_bias_alone_still_gets_its_gradient(rows):
+    # calibration-style: frozen weight, trainable bias; no kernel may drop the bias's gradient
+    from mcp2026.models.layers import Linear
+
+    lin = Linear(96, 50)
+    lin.weight.requires_grad_(False)
+    lin(torch.randn(rows, 96)).sum().backward()
+    torch.testing.assert_close(lin.bias.grad, torch.full((50,), float(rows)))

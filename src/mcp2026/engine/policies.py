@@ -14,6 +14,9 @@ class SchedulingPolicy(ABC):
 
     # Whether a waiting request may preempt running ones that sort after it when blocks are short.
     preempts_for_waiting: ClassVar[bool] = False
+    # Whether a prompt part-way through chunked prefill yields the step's budget to waiting prompts of its
+    # tenant that sort before it (safe only with aging, which bounds how long it can be passed over).
+    part_prefills_yield: ClassVar[bool] = False
 
     @abstractmethod
     def key(self, request: Request) -> tuple: ...
@@ -49,6 +52,8 @@ class ShortestFirstPolicy(SchedulingPolicy):
     a fraction of the burst's prefill instead of after the prompts queued ahead of them; a long prompt is
     overtaken only by requests arriving less than ``(its length - theirs) / aging_tokens_per_s`` seconds after
     it, so it cannot starve. The key is fixed per request, so the order is total and stable across steps."""
+
+    part_prefills_yield = True
 
     def __init__(self, aging_tokens_per_s: float) -> None:
         self.aging_tokens_per_s = aging_tokens_per_s

@@ -159,8 +159,8 @@ class Scheduler:
         deferred = self._schedule_running(step)
         # NOTE: after a preemption, admitting new work would only take the blocks back (thrashing).
         if step.num_preempted == 0:
-            self._schedule_waiting(step)
-        self._schedule_in_order(deferred, step)
+            self._schedule_waiting(step, deferred)
+        self._schedule_in_order(deferred, step, may_preempt=False)
         self.fair_share.charge(self._tokens_by_tenant(step))
         chunks = [self._make_chunk(self._requests[rid], n) for rid, n in step.scheduled.items()]
         chunks.sort(key=lambda c: c.num_tokens > 1)  # stable: decodes first, each group in schedule order
@@ -174,8 +174,8 @@ class Scheduler:
         return output
 
     def _schedule_running(self, step: _Step) -> list[Request]:
-        """Decodes, then catching-up prefills, in policy order; returns the prefills deferred behind the
-        head of the waiting queue (scheduled after it with what budget is left)."""
+        """Decodes, then catching-up prefills, in policy order; returns the prefills deferred behind waiting
+        requests the policy puts first (``_schedule_waiting`` merges them back in key order)."""
 
         # Decodes before catching-up prefills so a long prompt cannot stall token streams.
         def is_prefill(r: Request) -> bool:
@@ -184,11 +184,11 @@ class Scheduler:
         order = self.fair_share.order(
             self._running, lambda r: (is_prefill(r), self.policy.key(r)), self._cost, group=is_prefill
         )
-        # A prompt part-way through chunked prefill does not outrank a waiting request of its tenant that the
-        # policy puts first (with ``sjf``: a burst's short prompts that arrived while a long one's first chunk
-        # ran). Under FCFS nothing waiting sorts first but preempted requests, which arrived earlier. Across
-        # tenants, FairShare decides.
-        heads = self._heads_of_waiting()
+        # With ``sjf`` a prompt part-way through chunked prefill does not outrank a waiting prompt of its tenant
+        # that sorts first (a burst's short prompts that arrived while a long one's first chunk ran). Only sjf:
+        # its aging bounds how long a prompt can be passed over; priority and deadline have no aging, and
+        # under FCFS nothing waiting sorts first but preempted requests. Across tenants, FairShare decides.
+        heads = self._heads_of_waiting() if self.policy.part_prefills_yield else {}
         if not heads:
             self._schedule_in_order(order, step)
             return []
@@ -212,7 +212,10 @@ class Scheduler:
                 heads[r.tenant] = key
         return heads
 
-    def _schedule_in_order(self, order: list[Request], step: _Step) -> None:
+    def _schedule_in_order(self, order: list[Request], step: _Step, may_preempt: bool = True) -> None:
+        """Give each running request its next tokens within the budget. Without ``may_preempt`` (deferred
+        prefills, scheduled after this step's admissions) a request that finds no free blocks waits for a
+        later step instead of preempting what was just admitted."""
         for request in order:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -224,6 +227,8 @@ class Scheduler:
             if num_new == 0:
                 continue
             while not self.kv.allocate_slots(request, num_new):
+                if not may_preempt:
+                    break
                 victim = max(self._running, key=self._victim_key)
                 self._preempt(victim, step)
                 if victim is request:
@@ -231,13 +236,21 @@ class Scheduler:
             else:
                 step.add(request.request_id, num_new)
 
-    def _schedule_waiting(self, step: _Step) -> None:
+    def _schedule_waiting(self, step: _Step, deferred: list[Request]) -> None:
         # Strict policy order (stop at the first request that does not fit): nothing overtakes a long
         # prompt at the head of the queue, so it cannot starve; chunking lets it start within any budget.
+        # Deferred prefills (sjf) take their turn when the first waiting request of their tenant that sorts
+        # after them comes up.
         waiting = self.fair_share.order(
             self._waiting, self.policy.key, self._cost, self._tokens_by_tenant(step)
         )
         for request in waiting:
+            key = self.policy.key(request)
+            due = [d for d in deferred if d.tenant == request.tenant and self.policy.key(d) < key]
+            if due:
+                due_ids = {d.request_id for d in due}
+                deferred[:] = [d for d in deferred if d.request_id not in due_ids]
+                self._schedule_in_order(due, step, may_preempt=False)
             if step.budget == 0 or len(self._running) >= self.config.max_num_seqs:
                 break
             if not self._check_fits(request):

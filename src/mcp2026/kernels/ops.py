@@ -46,44 +46,55 @@ def _onednn_linear() -> Any | None:
     )
     if op is None:
         return None
-    try:  # an op torch may rename: check it once on a tiny input before trusting it
-        x, w, b = torch.randn(2, 8), torch.randn(3, 8), torch.randn(3)
-        ok = torch.allclose(op(x, w, b, "none", [], ""), F.linear(x, w, b), rtol=1e-4, atol=1e-5)
+    try:  # an op torch may rename: check it once (fixed inputs, with and without bias) before trusting it
+        x = torch.arange(16, dtype=torch.float32).reshape(2, 8) / 7
+        w = torch.arange(24, dtype=torch.float32).reshape(3, 8).cos()
+        b = torch.tensor([0.5, -1.0, 2.0])
+        ok = all(
+            torch.allclose(op(x, w, bias, "none", [], ""), F.linear(x, w, bias), rtol=1e-4, atol=1e-5)
+            for bias in (b, None)
+        )
     except (RuntimeError, TypeError):
         return None
     return op if ok else None
 
 
+def _records_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias for fp32 x and fp32 weights (bf16 weights widened): oneDNN for CPU inputs of more
-    rows than a fused decode step, ``F.linear`` otherwise (and under autograd)."""
-    if weight.dtype != x.dtype:
-        weight = weight.to(x.dtype)
-        bias = None if bias is None else bias.to(x.dtype)
+    """x @ weight.T + bias for fp32 x on the CPU (bf16 weights widened to fp32): oneDNN past a fused decode
+    step's rows, ``F.linear`` for fewer rows, under autograd, or where torch has no oneDNN."""
+    if weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.is_cpu:
+        weight = weight.float()
+        bias = None if bias is None else bias.float()
     op = _onednn_linear() if ONEDNN_PREFILL else None
     if (
         op is None
         or x.dim() != 2
         or x.shape[0] <= FUSED_MAX_ROWS
         or x.dtype != torch.float32
+        or weight.dtype != torch.float32
         or not x.is_cpu
-        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        or _records_grad(x, weight, bias)
     ):
         return F.linear(x, weight, bias)
     return op(x.contiguous(), weight, bias, "none", [], "")
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias for float weights, in x's dtype: fp32 x computes in fp32 (bf16 weights widened),
-    bf16 x in the weight's dtype.
-    Decode-sized inputs on AVX2 CPUs take our GEMV (cpu_decode.cpp ``dense_linear``: 2-3x MKL at 1-16 rows),
-    the rest ``F.linear``; the fused decode layers call the same compiled function, so both paths agree."""
-    if x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] > FUSED_MAX_ROWS:
+    """x @ weight.T + bias for float weights, in x's dtype. On the CPU fp32 x computes in fp32 (bf16 weights
+    widened), other activations in the weight's dtype (x cast to it, as before any kernel). Decode-sized CPU
+    inputs take our GEMV (cpu_decode.cpp ``dense_linear``: 2-3x MKL at 1-16 rows; the fused decode layers
+    call the same compiled function, so both paths agree), prefill-sized fp32 ones ``prefill_linear``."""
+    prefill = x.dim() == 2 and x.shape[0] > FUSED_MAX_ROWS and x.is_cpu and x.dtype == torch.float32
+    if prefill and weight.dtype in _KERNEL_DTYPES:
         return prefill_linear(x, weight, bias)
-    k = kernels_for(x, weight) if x.dim() == 2 else None
+    k = kernels_for(x, weight, *(() if bias is None else (bias,))) if x.dim() == 2 else None
     if k is not None:
         return k.dense_linear(x, weight, bias)
-    if x.dtype == torch.float32 and weight.dtype == torch.bfloat16:  # as the compiled one: compute in fp32
+    if x.dtype == torch.float32 and weight.dtype == torch.bfloat16 and x.is_cpu:  # as the compiled one
         return F.linear(x, weight.float(), None if bias is None else bias.float())
     y = F.linear(x if x.dtype == weight.dtype else x.to(weight.dtype), weight, bias)
     return y if y.dtype == x.dtype else y.to(x.dtype)

@@ -1,9 +1,10 @@
 """Quantized linears, one module per weight format, and the quantization math they are built from.
 
 The math (quantize / dequantize / fake-quantize, MSE clipping, activation-aware scaling) is plain
-functions so the DQG can measure errors without building modules. Each module's forward is one real
-kernel call (``aten._weight_int8pack_mm``, ``aten._weight_int4pack_mm_for_cpu``, ``torch._scaled_mm``,
-``F.linear``) plus dtype casts when its ``compute_dtype`` differs from the input's.
+functions so the DQG can measure errors without building modules. Each module's forward is a real kernel:
+our CPU GEMVs at decode sizes (``kernels/cpu_decode.cpp``), dequantize + oneDNN GEMM for prefill on CPUs
+without fast bf16, else torch's (``aten._weight_int8pack_mm``, ``aten._weight_int4pack_mm_for_cpu``,
+``torch._scaled_mm``, ``F.linear``), plus dtype casts when its ``compute_dtype`` differs from the input's.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mcp2026.kernels import ops as kernel_ops
@@ -341,7 +341,9 @@ class QuantLinear(nn.Module):
 
 
 class DenseLinear(QuantLinear):
-    """fp32 / bf16 / fp16 weights through ``F.linear``; ``compute_dtype`` is the weight's dtype."""
+    """fp32 / bf16 / fp16 weights through ``ops.dense_linear`` (our GEMV at decode sizes on the CPU, where
+    bf16 weights meet fp32 activations in fp32; oneDNN or ``F.linear`` beyond); ``compute_dtype`` is the
+    weight's dtype, the one activations are cast to where no kernel computes in fp32."""
 
     formats = DENSE_FORMATS
 
@@ -361,9 +363,8 @@ class DenseLinear(QuantLinear):
         return self.weight.float()
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dim() == 2:  # our GEMV at decode sizes (bf16 weights widened in registers, x kept in fp32)
-            return kernel_ops.dense_linear(x, self.weight, self.bias)
-        return F.linear(x.to(self.compute_dtype), self.weight, self.bias).to(x.dtype)
+        y = kernel_ops.dense_linear(x.reshape(-1, self.in_features), self.weight, self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 class Int8Linear(QuantLinear):
