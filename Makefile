@@ -39,7 +39,7 @@ test: lint
 # The full quality table (`make bench-quality`, ~40 minutes) is separate: it does not depend on machine load.
 bench: setup
 	$(BIN)/mcp2026 bench latency --dtype fp32 --weights int8,int4 --new-tokens 64 --prefill-tokens 512 --repeats 3 --write-docs --no-progress
-	$(BIN)/mcp2026 bench offline --batched-decode 32 --input-len 128 --output-len 64 --dtype fp32 --weights int8,int4 --write-docs --no-progress
+	$(BIN)/mcp2026 bench offline --batched-decode 32 --input-len 128 --output-len 64 --dtype fp32 --weights int8,int4,bf16 --write-docs --no-progress
 	$(BIN)/mcp2026 bench offline --workload sharegpt --num-prompts 200 --max-requests 16 --batch-size 16 --dtype fp32 --weights int8,int4 --write-docs --no-progress
 	$(BIN)/mcp2026 bench kv --write-docs --no-progress
 	$(BIN)/mcp2026 bench headline --write-docs
