@@ -188,7 +188,8 @@ class Scheduler:
         # that sorts first (a burst's short prompts that arrived while a long one's first chunk ran). Only sjf:
         # its aging bounds how long a prompt can be passed over; priority and deadline have no aging, and
         # under FCFS nothing waiting sorts first but preempted requests. Across tenants, FairShare decides.
-        heads = self._heads_of_waiting() if self.policy.part_prefills_yield else {}
+        yielding = self.policy.part_prefills_yield and any(is_prefill(r) for r in self._running)
+        heads = self._heads_of_waiting() if yielding else {}
         if not heads:
             self._schedule_in_order(order, step)
             return []
@@ -245,8 +246,11 @@ class Scheduler:
             self._waiting, self.policy.key, self._cost, self._tokens_by_tenant(step)
         )
         for request in waiting:
-            key = self.policy.key(request)
-            due = [d for d in deferred if d.tenant == request.tenant and self.policy.key(d) < key]
+            due = [
+                d
+                for d in deferred
+                if d.tenant == request.tenant and self.policy.key(d) < self.policy.key(request)
+            ]
             if due:
                 due_ids = {d.request_id for d in due}
                 deferred[:] = [d for d in deferred if d.request_id not in due_ids]

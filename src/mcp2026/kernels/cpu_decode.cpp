@@ -28,6 +28,14 @@ inline float load(const T* p, int64_t i) {
   return static_cast<float>(p[i]);
 }
 
+#if defined(__AVX2__)
+// Eight bf16 values as floats: a bf16 is the high half of its float.
+inline __m256 bf16x8_to_float(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+#endif
+
 void check_cpu_float(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16, name,
@@ -84,11 +92,10 @@ inline const float* attn_rows(const KV* src, int64_t count, float* buf) {
   } else {
     int64_t i = 0;
     for (; i + 8 <= count; i += 8) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
       if constexpr (std::is_same_v<KV, at::BFloat16>)
-        _mm256_storeu_ps(buf + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+        _mm256_storeu_ps(buf + i, bf16x8_to_float(src + i));
       else
-        _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(raw));
+        _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
     }
     for (; i < count; ++i) buf[i] = static_cast<float>(src[i]);
     return buf;
@@ -787,10 +794,7 @@ constexpr int64_t kDenseGemvMaxRows = 32;
 namespace {
 #if defined(__AVX2__) && defined(__FMA__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
+inline __m256 load8(const at::BFloat16* p) { return bf16x8_to_float(p); }
 
 // R rows of x by C weight rows: R * C dot products of length K (K % 8 == 0).
 template <int R, int C, typename W>

@@ -88,14 +88,12 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     widened), other activations in the weight's dtype (x cast to it, as before any kernel). Decode-sized CPU
     inputs take our GEMV (cpu_decode.cpp ``dense_linear``: 2-3x MKL at 1-16 rows; the fused decode layers
     call the same compiled function, so both paths agree), prefill-sized fp32 ones ``prefill_linear``."""
-    prefill = x.dim() == 2 and x.shape[0] > FUSED_MAX_ROWS and x.is_cpu and x.dtype == torch.float32
-    if prefill and weight.dtype in _KERNEL_DTYPES:
-        return prefill_linear(x, weight, bias)
+    # Up to a fused step's rows, the compiled function (the fused layers call it too: same bits either way).
     k = kernels_for(x, weight, *(() if bias is None else (bias,))) if x.dim() == 2 else None
-    if k is not None:
+    if k is not None and x.shape[0] <= FUSED_MAX_ROWS:
         return k.dense_linear(x, weight, bias)
-    if x.dtype == torch.float32 and weight.dtype == torch.bfloat16 and x.is_cpu:  # as the compiled one
-        return F.linear(x, weight.float(), None if bias is None else bias.float())
+    if x.is_cpu and x.dtype == torch.float32 and weight.dtype in _KERNEL_DTYPES:
+        return prefill_linear(x, weight, bias)  # widens bf16 weights, as the compiled one does
     y = F.linear(x if x.dtype == weight.dtype else x.to(weight.dtype), weight, bias)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
