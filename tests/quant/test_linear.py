@@ -224,9 +224,9 @@ def test_quantize_replaces_planned_modules_and_keeps_tied_embedding():
 def test_quantize_requires_named_act_scales():
     model = TinyModel()
     plan = QuantPlan({"lm_head": LayerQuantSpec("int8", act_scale="lm_head")})
-    with pytest.raises(KeyError, match="act_scale 'lm_head'"):
+    with pytest.raises(KeyError, match=r"tensor 'lm_head' \(act_scale\)"):
         quantize_(model, plan)
-    quantize_(model, plan, act_scales={"lm_head": torch.rand(64) + 0.5})
+    quantize_(model, plan, tensors={"lm_head": torch.rand(64) + 0.5})
     assert model.lm_head.inv_act_scale is not None
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
-from mcp2026.quant.linear import LINEAR_FORMATS, QuantLinear
+from mcp2026.quant.linear import QuantLinear, empty_module
 from mcp2026.quant.plan import LayerQuantSpec, QuantPlan
 
 METADATA_FILE = "mcp2026_artifact.json"
@@ -140,10 +140,7 @@ def _build(config: ModelConfig, layers: dict[str, dict]) -> nn.Module:
         for name, info in layers.items():
             spec = LayerQuantSpec(**info["spec"])
             linear = model.get_submodule(name)
-            module = LINEAR_FORMATS[spec.format](
-                linear.in_features, linear.out_features, spec, linear.bias is not None,
-                getattr(torch, info["compute_dtype"]),
-            )  # fmt: skip
+            module = empty_module(linear, spec, getattr(torch, info["compute_dtype"]))
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, module)
     return model

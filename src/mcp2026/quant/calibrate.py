@@ -197,6 +197,9 @@ def calibrate(
     The first ``settings.fisher_samples`` samples also compute logits and backpropagate the next-token
     loss (summed over tokens) to every linear output; the others run in inference mode, where the
     lm_head (not called by the forward) is fed its input, the final hidden state, by hand.
+    The lm_head's output Fisher is not the empirical one: for logits it has a closed form, the softmax's
+    p(1 - p) per vocabulary row (the KL divergence's curvature), averaged over every calibration token, so
+    rows of tokens that never were targets in a few thousand tokens still get their weight.
     """
     names = _linear_names(model)
     head = "lm_head" if "lm_head" in names else None
@@ -210,6 +213,7 @@ def calibrate(
     fisher = _FisherHooks(model, names) if settings.fisher_samples else None
     tensors = [torch.tensor(list(s), dtype=torch.long) for s in samples]
     num_tokens = 0
+    logit_fisher = _LogitFisher() if fisher is not None and head is not None else None
     try:
         with collector, _progress(progress) as bar:
             task = bar.add_task("calibrating", total=len(tensors))
@@ -217,7 +221,7 @@ def calibrate(
                 is_fisher = fisher is not None and i < settings.fisher_samples
                 if fisher is not None and i == settings.fisher_samples:
                     fisher.remove()
-                _run_sample(model, ids.to(device), is_fisher, head, collector, rows)
+                _run_sample(model, ids.to(device), is_fisher, head, collector, rows, logit_fisher)
                 if is_fisher:
                     fisher.num_tokens += len(ids) - 1
                 num_tokens += len(ids)
@@ -233,7 +237,26 @@ def calibrate(
         for n in names
         if n in stats
     }
+    if logit_fisher is not None and head in layers:
+        layers[head].output_fisher = logit_fisher.result()
     return Calibration(layers, tensors, settings.source, num_tokens)
+
+
+class _LogitFisher:
+    """Sum over tokens of p (1 - p) per vocabulary row (the expected Fisher of the logits)."""
+
+    def __init__(self) -> None:
+        self.total: Tensor | None = None
+        self.num_tokens = 0
+
+    def add(self, logits: Tensor) -> None:
+        p = torch.softmax(logits.detach().float(), dim=-1)
+        add = (p * (1 - p)).sum(0).cpu()
+        self.total = add if self.total is None else self.total + add
+        self.num_tokens += logits.shape[0]
+
+    def result(self) -> Tensor | None:
+        return None if self.total is None else self.total / max(self.num_tokens, 1)
 
 
 def _run_sample(
@@ -243,6 +266,7 @@ def _run_sample(
     head: str | None,
     collector: ActivationStatsCollector,
     rows: _RowSampler,
+    logit_fisher: _LogitFisher | None = None,
 ) -> None:
     positions = torch.arange(len(ids), device=ids.device)
     if is_fisher:
@@ -250,9 +274,14 @@ def _run_sample(
             logits = model.compute_logits(model(ids, positions))  # (T, V)
             loss = F.cross_entropy(logits[:-1].float(), ids[1:], reduction="sum")
             loss.backward()
+        if logit_fisher is not None:
+            logit_fisher.add(logits)
         return
     with torch.inference_mode():
         hidden = model(ids, positions)  # (T, H)
+        if logit_fisher is not None:  # the lm_head runs: its hooks see its input
+            logit_fisher.add(model.compute_logits(hidden))
+            return
     if head is not None:
         collector.observe(head, hidden)
         rows.capture(head, hidden)

@@ -10,6 +10,7 @@ each layer's lower convex hull of (cost, error) - the Lagrangian knapsack soluti
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -20,11 +21,14 @@ from torch import Tensor, nn
 
 from mcp2026.errors import MCPError
 from mcp2026.quant.calibrate import Calibration
-from mcp2026.quant.linear import fake_quantize, search_act_scale
+from mcp2026.quant.linear import correction_bias, fake_quantize, search_act_scale
 from mcp2026.quant.plan import DENSE_FORMATS, INT4_GROUP_SIZES, LayerQuantSpec, QuantPlan
 from mcp2026.quant.stats import WeightStats, weight_stats
 
 PRECOMPENSATIONS = ("flagged", "all", "none")
+# Shares of a vocabulary projection's rows the DQG may keep in int8 (the rest int4): where the softmax puts
+# its mass, a few percent of the rows carry nearly all of it (SmolLM2: 5% of rows ~87%, 15% ~95%).
+HIGH_ROW_SHARES = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3)
 WEIGHTINGS = ("fisher", "relative")
 
 
@@ -60,12 +64,13 @@ class Option:
     bits: float  # stored bits per weight, scales and zeros included
     error: float  # what the allocation minimises (est. KLD with Fisher weighting)
     rel_error: float  # ||x dW^T||^2 / ||x W^T||^2 on the calibration rows
-    act_scale: Tensor | None = field(default=None, compare=False, repr=False)
+    tensors: dict[str, Tensor] = field(default_factory=dict, compare=False, repr=False)  # named in spec
 
     @property
     def label(self) -> str:
         s = self.spec
         text = s.format if s.format != "int4" else f"int4 g{s.group_size} {'sym' if s.symmetric else 'asym'}"
+        text += f" ({s.high_rows:.0%} rows int8)" if s.high_rows else ""
         return f"{text} +{self.variant}" if self.variant else text
 
 
@@ -142,6 +147,22 @@ def candidate_specs(
     return out
 
 
+def split_specs(
+    linear: nn.Linear, formats: Sequence[str], settings: DQGSettings
+) -> list[tuple[LayerQuantSpec, str]]:
+    """A vocabulary projection's extra candidates: int4 (each group size) with ``HIGH_ROW_SHARES`` of its rows
+    in int8, each also with bias correction. The caller names the row scores and the mean input."""
+    if "int4" not in formats or "int8" not in formats:
+        return []
+    out = []
+    for g in int4_groups(linear.in_features, linear.out_features):
+        for symmetric in (True, False) if not settings.symmetric_only else (True,):
+            for share in HIGH_ROW_SHARES:
+                spec = LayerQuantSpec("int4", g, symmetric, high_rows=share)
+                out += [(spec, ""), (dataclasses.replace(spec, bias_correction="mean"), "bias_corr")]
+    return out
+
+
 def _layer_options(
     name: str,
     linear: nn.Linear,
@@ -162,26 +183,53 @@ def _layer_options(
         settings.precompensation == "flagged" and stats.needs_precompensation
     )
     options = []
-    for spec, variant in candidate_specs(linear, formats, settings, precompensate):
+    specs = candidate_specs(linear, formats, settings, precompensate)
+    if role_of(name) == "lm_head":
+        specs += split_specs(linear, formats, settings)
+    row_scores: dict[tuple, Tensor] = {}
+    for spec, variant in specs:
+        tensors: dict[str, Tensor] = {}
         scale = None
         if spec.act_scale is not None:
             base = LayerQuantSpec(spec.format, spec.group_size, spec.symmetric)
             scale, alpha, _ = search_act_scale(w, x, base, settings.awq_alphas)
             if alpha == 0.0:
                 continue  # no scaling helps here: the plain variant already covers this point
-            spec = LayerQuantSpec(
-                spec.format, spec.group_size, spec.symmetric, spec.clip_ratio, act_scale=name
-            )
-        dy = x @ (fake_quantize(w, spec, scale) - w).T  # (R, N)
+            spec = dataclasses.replace(spec, act_scale=name)
+            tensors[name] = scale
+        if spec.high_rows:
+            key = (spec.group_size, spec.symmetric)
+            if key not in row_scores:
+                row_scores[key] = _row_scores(w, x, spec, fisher if use_fisher else None)
+            scores_name = f"{name}:row_scores:int4-g{spec.group_size}-{'sym' if spec.symmetric else 'asym'}"
+            spec = dataclasses.replace(spec, row_scores=scores_name)
+            tensors[scores_name] = row_scores[key]
+        wq = fake_quantize(w, spec, scale, tensors.get(spec.row_scores))
+        dy = x @ (wq - w).T  # (R, N)
+        if spec.bias_correction is not None:
+            mean = layer.activations.mean.to(w.device)
+            spec = dataclasses.replace(spec, bias_correction=f"{name}:input_mean")
+            tensors[spec.bias_correction] = mean
+            dy = dy + correction_bias(w, wq, mean)
         rel = (dy.pow(2).sum() / y_energy).item()
         error = 0.5 * (dy.pow(2).mean(0) * fisher).sum().item() if use_fisher else rel
-        options.append(Option(spec, variant, spec.bits_per_weight(linear.in_features), error, rel, scale))
+        bits = spec.bits_per_weight(linear.in_features, linear.out_features)
+        options.append(Option(spec, variant, bits, error, rel, tensors))
     act = layer.activations
     return LayerOptions(
         name, role_of(name), linear.out_features, linear.in_features, is_tied, stats,
         act.sigma.mean().item(), act.absmax.max().item(), y.std().item(),
         fisher.sum().item() if fisher is not None else 0.0, options,
     )  # fmt: skip
+
+
+def _row_scores(w: Tensor, x: Tensor, spec: LayerQuantSpec, fisher: Tensor | None) -> Tensor:
+    """Per output row, the error a split saves by storing it in int8 rather than int4: the drop in its
+    squared output error on the calibration rows, weighted by the row's output Fisher (est. KLD saved)."""
+    low = x @ (fake_quantize(w, dataclasses.replace(spec, high_rows=0.0, row_scores=None)) - w).T
+    high = x @ (fake_quantize(w, LayerQuantSpec("int8")) - w).T
+    saved = low.pow(2).mean(0) - high.pow(2).mean(0)  # (N,)
+    return saved if fisher is None else saved * fisher
 
 
 def measure_options(
@@ -313,6 +361,7 @@ def analytic_choice(
             warnings.simplefilter("ignore")  # clamping every layer is the point here, not news
             fmt = clamp_bits(bits, usable)
         plain = [o for o in lo.options if o.spec.format == fmt and not o.variant and o.spec.act_scale is None
+                 and not o.spec.high_rows
                  and o.spec.clip_ratio == 1.0 and (fmt != "int4" or o.spec.symmetric == symmetric)]  # fmt: skip
         groups = sorted({o.spec.group_size or 0 for o in plain})
         group = (
@@ -328,8 +377,8 @@ def analytic_choice(
 def plan_from_choices(choices: Mapping[str, Option]) -> tuple[QuantPlan, dict[str, Tensor]]:
     """One exact-name rule per layer, and the act scales the AWQ options need."""
     plan = QuantPlan({name: o.spec for name, o in choices.items()})
-    scales = {o.spec.act_scale: o.act_scale for o in choices.values() if o.spec.act_scale is not None}
-    return plan, scales
+    tensors = {k: t for o in choices.values() for k, t in o.tensors.items()}
+    return plan, tensors
 
 
 def total_error(layers: Mapping[str, LayerOptions], choices: Mapping[str, Option]) -> float:
@@ -348,7 +397,7 @@ class DQGResult:
 
     mode: str  # "uniform" | "measured" | "analytic"
     plan: QuantPlan
-    act_scales: dict[str, Tensor] = field(default_factory=dict, repr=False)
+    tensors: dict[str, Tensor] = field(default_factory=dict, repr=False)  # named by the plan's specs
     budget: str = ""
     layers: dict[str, LayerOptions] = field(default_factory=dict, repr=False)
     choices: dict[str, Option] = field(default_factory=dict)
@@ -447,16 +496,20 @@ def _cell(value: object) -> str:
 
 
 def _same(a: LayerQuantSpec, b: LayerQuantSpec) -> bool:
-    return (a.format, a.group_size, a.symmetric) == (b.format, b.group_size, b.symmetric)
+    return (a.format, a.group_size, a.symmetric, a.high_rows) == (
+        b.format,
+        b.group_size,
+        b.symmetric,
+        b.high_rows,
+    )
 
 
 def _without(option: Option, technique: str, options: Sequence[Option]) -> Option | None:
     """The measured option equal to ``option`` except without ``technique``."""
     spec, rest = option.spec, [t for t in option.variant.split("+") if t and t != technique]
-    want = LayerQuantSpec(
-        spec.format, spec.group_size, True if technique == "zero_point" else spec.symmetric,
-        1.0 if technique == "mse_clip" else spec.clip_ratio, None if technique == "awq" else spec.act_scale,
-    )  # fmt: skip
+    undo = {"zero_point": {"symmetric": True}, "mse_clip": {"clip_ratio": 1.0}, "awq": {"act_scale": None},
+            "bias_corr": {"bias_correction": None}}  # fmt: skip
+    want = dataclasses.replace(spec, **undo.get(technique, {}))
     return next((o for o in options if o.spec == want and o.variant == "+".join(rest)), None)
 
 

@@ -15,36 +15,36 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from mcp2026.quant.linear import LINEAR_FORMATS, QuantLinear
+from mcp2026.quant.linear import QuantLinear, build_linear
 from mcp2026.quant.plan import DENSE_FORMATS, LayerQuantSpec, QuantPlan
 
 PLANS = ("quality", "pressure")
 
 
 def _module_for(
+    name: str,
     linear: nn.Linear,
     spec: LayerQuantSpec | None,
-    act_scales: Mapping[str, Tensor],
+    tensors: Mapping[str, Tensor],
     compute_dtypes: Mapping[str, torch.dtype],
 ) -> nn.Module:
     if spec is None or (
         spec.format in DENSE_FORMATS and QuantLinear.dtype_of(spec.format) == linear.weight.dtype
     ):
         return linear
-    scale = act_scales[spec.act_scale] if spec.act_scale is not None else None
-    return LINEAR_FORMATS[spec.format].from_linear(linear, spec, compute_dtypes.get(spec.format), scale)
+    return build_linear(name, linear, spec, compute_dtypes.get(spec.format), tensors)
 
 
 class QuantGate:
     """Holds ``quality_plan`` and ``pressure_plan`` for ``model`` (given unquantized) and installs the
-    quality plan. ``act_scales`` / ``compute_dtypes`` as for ``linear.quantize_`` (both plans' scales)."""
+    quality plan. ``tensors`` / ``compute_dtypes`` as for ``linear.quantize_`` (both plans' tensors)."""
 
     def __init__(
         self,
         model: nn.Module,
         quality_plan: QuantPlan,
         pressure_plan: QuantPlan,
-        act_scales: Mapping[str, Tensor] | None = None,
+        tensors: Mapping[str, Tensor] | None = None,
         compute_dtypes: Mapping[str, torch.dtype] | None = None,
     ) -> None:
         self.model = model
@@ -53,17 +53,17 @@ class QuantGate:
         self._pending: str | None = None
         self._lock = threading.Lock()
         self.num_switches = 0
-        scales, dtypes = act_scales or {}, compute_dtypes or {}
+        scales, dtypes = tensors or {}, compute_dtypes or {}
         self._modules: dict[str, dict[str, nn.Module]] = {}  # only the layers whose specs differ
         for name, linear in list(model.named_modules()):
             if not isinstance(linear, nn.Linear):
                 continue
             specs = {p: plan.spec_for(name) for p, plan in self.plans.items()}
-            quality = _module_for(linear, specs["quality"], scales, dtypes)
+            quality = _module_for(name, linear, specs["quality"], scales, dtypes)
             if specs["pressure"] != specs["quality"]:
                 self._modules[name] = {
                     "quality": quality,
-                    "pressure": _module_for(linear, specs["pressure"], scales, dtypes),
+                    "pressure": _module_for(name, linear, specs["pressure"], scales, dtypes),
                 }
             self._install(name, quality)
         self._hook = model.register_forward_pre_hook(lambda _m, _a: self._apply_pending())

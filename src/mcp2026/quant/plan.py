@@ -21,6 +21,9 @@ FORMATS: tuple[str, ...] = tuple(WEIGHT_BITS)
 DENSE_FORMATS = ("fp32", "bf16", "fp16")
 INT4_GROUP_SIZES = (32, 64, 128)
 SCALE_BITS = 16  # scales and zero points are stored as bf16 (see linear.SCALE_DTYPE)
+INDEX_BITS = 32  # a split layer stores its int8 rows' indices as int32
+BIAS_BITS = 32  # a correction bias is counted as fp32 (it is stored in the compute dtype)
+SPLIT_ROW_MULTIPLE = 16  # the int4 kernel packs 16 output rows at a time, so the int8 rows come in 16s
 DEFAULT_KEY = "_default"
 
 
@@ -33,6 +36,11 @@ class LayerQuantSpec:
     "mse" searches the MSE-optimal ratio per group at quantization time.
     ``act_scale``: name of a per-input-channel scale vector (activation-aware scaling, AWQ) passed to
     ``quantize_``; the weight is multiplied by it and the module divides its input by it.
+    ``high_rows`` (int4 only): this share of the output rows (rounded to 16s) is stored as int8 per channel
+    instead, the rows ranked by the (N,) tensor named ``row_scores`` (default: each row's int4 weight error).
+    Meant for a vocabulary projection, where a few thousand frequent tokens carry nearly all the probability.
+    ``bias_correction``: name of the (K,) mean input from calibration; the module adds the bias
+    ``-mean @ (Wq - W).T``, cancelling the quantization error's average effect on each output.
     """
 
     format: str = "fp32"
@@ -40,6 +48,9 @@ class LayerQuantSpec:
     symmetric: bool = False  # int4 only; int8 and fp8 are always symmetric
     clip_ratio: float | str = 1.0
     act_scale: str | None = None
+    high_rows: float = 0.0
+    row_scores: str | None = None
+    bias_correction: str | None = None
 
     def __post_init__(self) -> None:
         if self.format not in WEIGHT_BITS:
@@ -53,8 +64,21 @@ class LayerQuantSpec:
                 raise ValueError(f"clip_ratio must be a float in (0, 1] or 'mse', got {self.clip_ratio!r}")
         elif not 0.0 < float(self.clip_ratio) <= 1.0:
             raise ValueError(f"clip_ratio must be in (0, 1], got {self.clip_ratio}")
-        if self.format in DENSE_FORMATS and (self.act_scale is not None or self.clip_ratio != 1.0):
-            raise ValueError(f"{self.format} is not quantized: act_scale and clip_ratio do not apply")
+        if self.format in DENSE_FORMATS and (
+            self.act_scale is not None or self.clip_ratio != 1.0 or self.bias_correction is not None
+        ):
+            raise ValueError(
+                f"{self.format} is not quantized: act_scale, clip_ratio and bias_correction do not apply"
+            )
+        if not 0.0 <= float(self.high_rows) < 1.0:
+            raise ValueError(f"high_rows must be a share of the rows in [0, 1), got {self.high_rows}")
+        if self.high_rows and not is_int4:
+            raise ValueError(f"high_rows applies to int4 only (int8 rows inside int4), not {self.format}")
+        if self.high_rows and self.act_scale is not None:
+            raise ValueError("high_rows and act_scale cannot be combined (one input scale per split layer)")
+        if self.row_scores is not None and not self.high_rows:
+            raise ValueError("row_scores ranks the rows of high_rows; set high_rows > 0 or drop row_scores")
+        object.__setattr__(self, "high_rows", float(self.high_rows))
         object.__setattr__(self, "group_size", group)
         object.__setattr__(
             self, "symmetric", bool(self.symmetric) if is_int4 else self.format in ("int8", "fp8")
@@ -66,20 +90,47 @@ class LayerQuantSpec:
     def weight_bits(self) -> int:
         return WEIGHT_BITS[self.format]
 
-    def bits_per_weight(self, in_features: int) -> float:
+    def bits_per_weight(self, in_features: int, out_features: int | None = None) -> float:
         """Stored bits per weight, scales and zero points included (bf16 each).
 
         int4 keeps a scale and a zero per group even when symmetric (the kernel's layout), so
         g32 = 4 + 32/32 = 5.0, g64 = 4.5, g128 = 4.25; int8/fp8 keep one scale per output channel.
+        A split int4 layer's int8 rows cost 8 + (16-bit scale + 32-bit row index) / K each (their exact
+        number needs ``out_features``; without it the share is ``high_rows``); a correction bias 32 / K.
         """
+        bias = BIAS_BITS / in_features if self.bias_correction is not None else 0.0
         if self.format == "int4":
-            return 4 + 2 * SCALE_BITS / self.group_size
+            low = 4 + 2 * SCALE_BITS / self.group_size
+            share = self.high_rows
+            if out_features is not None and share:
+                share = high_row_count(out_features, share) / out_features
+            return low + share * (8 + (SCALE_BITS + INDEX_BITS) / in_features - low) + bias
         if self.format in ("int8", "fp8"):
-            return 8 + SCALE_BITS / in_features
+            return 8 + SCALE_BITS / in_features + bias
         return float(self.weight_bits)
+
+    def describe(self) -> str:
+        """One readable phrase, e.g. "int4 g64 asym, 15% of rows int8, bias-corrected"."""
+        text = self.format
+        if self.format == "int4":
+            text += f" g{self.group_size} {'sym' if self.symmetric else 'asym'}"
+        extras = [
+            f"{self.high_rows:.0%} of rows int8" if self.high_rows else "",
+            f"clip {self.clip_ratio}" if self.clip_ratio != 1.0 else "",
+            "AWQ-scaled" if self.act_scale else "",
+            "bias-corrected" if self.bias_correction else "",
+        ]
+        return ", ".join([text, *filter(None, extras)])
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def high_row_count(out_features: int, share: float) -> int:
+    """Rows a split layer keeps in int8: ``share`` of ``out_features`` rounded to a multiple of 16, leaving
+    at least 16 rows of int4."""
+    k = round(share * out_features / SPLIT_ROW_MULTIPLE) * SPLIT_ROW_MULTIPLE
+    return max(0, min(k, out_features - SPLIT_ROW_MULTIPLE))
 
 
 def _as_spec(value: LayerQuantSpec | Mapping[str, Any] | str) -> LayerQuantSpec:
@@ -179,7 +230,7 @@ class QuantPlan:
         spec = self.spec_for(name)
         if spec is None:
             return module.weight.numel(), float(module.weight.element_size() * 8)
-        return module.weight.numel(), spec.bits_per_weight(module.in_features)
+        return module.weight.numel(), spec.bits_per_weight(module.in_features, module.out_features)
 
     def avg_bits_per_weight(self, model: nn.Module) -> float:
         """Average stored bits per linear weight (scales and zeros included), weighted by size."""
@@ -210,6 +261,9 @@ class QuantPlan:
             if is_linear and self._changes(name, module):
                 count, bits = self._linear_bits(name, module)
                 bias = getattr(module, "bias", None)
+                spec = module.spec if _is_quantized(module) else self.spec_for(name)
+                if spec is not None and spec.bias_correction is not None:
+                    bias = None  # counted in its bits per weight
                 planned_bytes += count * bits / 8 + (
                     0 if bias is None else bias.numel() * bias.element_size()
                 )
@@ -249,8 +303,12 @@ class QuantPlan:
 def _spec_cells(spec: LayerQuantSpec | None) -> list[str]:
     if spec is None:
         return ["(unchanged)", "", "", "", ""]
+    extras = [
+        f"+{spec.high_rows:.0%} rows int8" if spec.high_rows else "",
+        "+bias corr" if spec.bias_correction else "",
+    ]
     return [
-        spec.format,
+        " ".join([spec.format, *filter(None, extras)]),
         str(spec.group_size or ""),
         "y" if spec.symmetric else "n",
         str(spec.clip_ratio),

@@ -275,7 +275,9 @@ def run_quality_bench(
             )
             if settings.decode_kernels:
                 as_decode_steps(quantized)
+            head = plan.spec_for("lm_head")
             rows.append({"plan": name, "family": family, "bits": bits, "mib": mib,
+                         "lm_head": head.describe() if head else "unchanged",
                          **evaluate(quantized, windows, reference).to_dict()})  # fmt: skip
             del quantized
             bar.advance(task)
@@ -306,6 +308,9 @@ def _markdown(rows, header: str) -> str:
         cells = [r["plan"], f"{r['bits']:.3f}", "" if r["mib"] is None else f"{r['mib']:.1f}", f"{r['ppl']:.3f}", delta,
                  *("" if r.get(k) is None else f"{r[k]:.4f}" for k in ("kld", "kld_p99", "top1_agreement"))]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
+    heads = [f"{r['plan']}: {r['lm_head']}" for r in rows if str(r.get("family", "")).startswith("DQG")]
+    if heads:
+        lines += ["", "lm_head as the DQG stored it: " + "; ".join(heads) + "."]
     return "\n".join(lines)
 
 

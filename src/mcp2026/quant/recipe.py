@@ -18,7 +18,7 @@ from mcp2026.quant import dqg
 from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, calibration_samples
 from mcp2026.quant.dqg import BudgetError, DQGResult, DQGSettings
 from mcp2026.quant.gate import QuantGate
-from mcp2026.quant.linear import fake_quantize, quantize_
+from mcp2026.quant.linear import correction_bias, fake_quantize, quantize_
 from mcp2026.quant.plan import DENSE_FORMATS, WEIGHT_BITS, LayerQuantSpec, QuantPlan
 
 QUANT_FORMATS = ("int8", "int4", "fp8")
@@ -112,34 +112,44 @@ def uniform_plan(model: nn.Module, spec: LayerQuantSpec) -> QuantPlan:
 
 
 def fake_quantized_weights(
-    model: nn.Module, plan: QuantPlan, act_scales: Mapping[str, Tensor] | None = None
-) -> dict[str, Tensor]:
-    """name -> the fp weight each planned linear would compute with (for quick quality checks)."""
+    model: nn.Module, plan: QuantPlan, tensors: Mapping[str, Tensor] | None = None
+) -> dict[str, tuple[Tensor, Tensor | None]]:
+    """name -> (weight, bias) each planned linear would compute with, as fp tensors (quick quality checks)."""
+    tensors = tensors or {}
     out = {}
     for name, m in model.named_modules():
         spec = plan.spec_for(name)
         if isinstance(m, nn.Linear) and spec is not None and spec.format != "fp32":
-            scale = None if spec.act_scale is None else (act_scales or {})[spec.act_scale]
-            out[name] = fake_quantize(m.weight.detach(), spec, scale).to(m.weight.dtype)
+            w = m.weight.detach()
+            scale = None if spec.act_scale is None else tensors[spec.act_scale]
+            scores = None if spec.row_scores is None else tensors[spec.row_scores]
+            wq = fake_quantize(w, spec, scale, scores)
+            bias = None if m.bias is None else m.bias.detach().float()
+            if spec.bias_correction is not None:
+                correction = correction_bias(w, wq, tensors[spec.bias_correction])
+                bias = correction if bias is None else bias + correction
+            out[name] = (wq.to(w.dtype), None if bias is None else bias.to(w.dtype))
     return out
 
 
 class swapped_weights:  # noqa: N801 - used as a context manager, like torch.no_grad
-    """Temporarily give linears other weights (new Parameters, so a tied embedding is left alone)."""
+    """Temporarily give linears other weights and biases (new Parameters, so a tied embedding is left alone)."""
 
-    def __init__(self, model: nn.Module, weights: Mapping[str, Tensor]) -> None:
+    def __init__(self, model: nn.Module, weights: Mapping[str, tuple[Tensor, Tensor | None]]) -> None:
         self.model, self.weights, self.saved = model, weights, {}
 
     def __enter__(self) -> nn.Module:
-        for name, w in self.weights.items():
+        for name, (w, b) in self.weights.items():
             m = self.model.get_submodule(name)
-            self.saved[name] = m.weight
+            self.saved[name] = (m.weight, m.bias)
             m.weight = nn.Parameter(w, requires_grad=False)
+            m.bias = None if b is None else nn.Parameter(b, requires_grad=False)
         return self.model
 
     def __exit__(self, *exc: object) -> None:
-        for name, w in self.saved.items():
-            self.model.get_submodule(name).weight = w
+        for name, (w, b) in self.saved.items():
+            m = self.model.get_submodule(name)
+            m.weight, m.bias = w, b
 
 
 def plan_for_config(
@@ -276,7 +286,7 @@ def apply(
         for name in names:
             spec = result.plan.spec_for(name)
             if spec is not None:
-                quantize_(model, QuantPlan({name: spec}), result.act_scales, compute_dtypes)
+                quantize_(model, QuantPlan({name: spec}), result.tensors, compute_dtypes)
             bar.advance(task)
     return model
 
@@ -341,9 +351,7 @@ def gate_for_config(
         pressure_bits_budget=None,
     )
     pressure = _allocate(model, calib, layers, pressure_config, formats, settings, progress)
-    gate = QuantGate(
-        model, quality.plan, pressure.plan, {**quality.act_scales, **pressure.act_scales}, dtypes
-    )
+    gate = QuantGate(model, quality.plan, pressure.plan, {**quality.tensors, **pressure.tensors}, dtypes)
     return quality, pressure, gate
 
 
