@@ -36,3 +36,17 @@ def _check_latency_run(tmp_path):
     assert "--weights int8" in run.command
     assert run.aggregates["greedy_agreement"]["fp32"] == 5  # same weights, same ids: same greedy tokens
     assert run.tables[0].rows[0][0] == "mcp2026"
+
+
+def test_weights_accept_a_dqg_budget_and_reject_nonsense():
+    import pytest
+
+    from mcp2026.bench.latency import _quant_config
+
+    config = LatencyConfig(weights=("int4", "dqg:5"))
+    assert "--weights int4,dqg:5" in config.command()
+    assert _quant_config("dqg:4.75").enable_dqg and _quant_config("dqg:4.75").bits_budget == 4.75
+    assert _quant_config("int8").target_precision == "int8"
+    for bad in ("dqg", "dqg:-1", "dqg:five", "int3"):
+        with pytest.raises(ValueError, match="dqg:BITS"):
+            LatencyConfig(weights=(bad,))

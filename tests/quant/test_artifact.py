@@ -178,3 +178,27 @@ def test_compile_cli_writes_loadable_artifact(tmp_path, tiny_llama_dir):
     (busy / "x.txt").write_text("x")
     clash = _compile(tmp_path, tiny_llama_dir, "target_precision: int8\n", out="busy")
     assert clash.exit_code == 2 and "not an empty folder" in clash.stderr
+
+
+def test_split_bias_corrected_lm_head_round_trips(tmp_path):
+    from mcp2026.quant.linear import SplitRowsLinear
+
+    from conftest import save_tiny_hf
+
+    source = save_tiny_hf(tmp_path / "src", tie=True)
+    loaded = load_model(source)
+    spec = LayerQuantSpec("int4", 32, high_rows=0.2, row_scores="scores", bias_correction="mean")
+    tensors = {"scores": torch.rand(320), "mean": torch.randn(64)}
+    result = dqg.DQGResult(
+        "uniform", QuantPlan({"lm_head": spec, "_default": LayerQuantSpec("int4", 64)}), tensors
+    )
+    recipe.apply(loaded.model, result, DTYPES, progress=False)
+    ids = torch.randint(320, (40,))
+    expected = _logits(loaded.model, ids)
+    out = artifact.save_artifact(tmp_path / "art", loaded, result, QuantConfig(target_precision="int4"))
+    again = load_model(out)  # rebuilt from the metadata alone: no scores or means needed to load
+    head = again.model.lm_head
+    assert isinstance(head, SplitRowsLinear) and head.bias is not None
+    assert torch.equal(head.high_index, loaded.model.lm_head.high_index)
+    assert torch.equal(_logits(again.model, ids), expected)
+    assert again.model.embed_tokens.weight.dtype == torch.float32  # the tied embedding keeps its own copy

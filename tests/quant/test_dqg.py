@@ -249,3 +249,41 @@ def test_pipeline_dqg_budget(tiny_llama_dir, fixed_candidates):
     pipe = Pipeline(model=tiny_llama_dir, config=_config(bits_budget=4.5), dtype="fp32")
     assert pipe.quant_result.mode == "measured"
     assert pipe.quant_result.plan.avg_bits_per_weight(pipe.loaded.model) <= 4.5 + 1e-9
+
+
+def test_lm_head_split_options_are_measured_and_applied(measured):
+    import copy
+
+    from mcp2026.quant.linear import SplitRowsLinear
+
+    model, layers = measured
+    head = layers["lm_head"]
+    splits = [o for o in head.options if o.spec.high_rows]
+    assert splits and not any(
+        o.spec.high_rows for n, lo in layers.items() if n != "lm_head" for o in lo.options
+    )
+    int8 = next(o for o in head.options if o.spec == LayerQuantSpec("int8"))
+    for o in splits:
+        assert o.spec.row_scores in o.tensors and o.label.startswith("int4") and "rows int8" in o.label
+        base = LayerQuantSpec("int4", o.spec.group_size, o.spec.symmetric)
+        plain = next(p for p in head.options if p.spec == base and not p.variant)
+        assert plain.bits < o.bits < int8.bits
+        if not o.variant:  # int8 rows only replace int4 rows where that lowers the (Fisher-weighted) error
+            assert o.error <= plain.error
+    corrected = next(o for o in splits if o.variant == "bias_corr")
+    choices = {n: min(lo.options, key=lambda o: o.bits) for n, lo in layers.items()}
+    choices["lm_head"] = corrected
+    plan, tensors = dqg.plan_from_choices(choices)
+    assert set(tensors) == {corrected.spec.row_scores, corrected.spec.bias_correction}
+    quantized = recipe.apply(
+        copy.deepcopy(model), dqg.DQGResult("measured", plan, tensors), FP32_KERNELS, False
+    )
+    module = quantized.lm_head
+    assert isinstance(module, SplitRowsLinear) and module.bias is not None
+    w = model.lm_head.weight.detach()
+    assert torch.equal(
+        module.dequantize(), fake_quantize(w, corrected.spec, None, tensors[corrected.spec.row_scores])
+    )
+    result = dqg.DQGResult("measured", plan, tensors, "test", layers, choices)
+    assert "bias_corr" in result.precompensation_report()
+    assert abs(plan.avg_bits_per_weight(model) - result.avg_bits) < 1e-9

@@ -11,6 +11,8 @@ from mcp2026.quant.linear import (
     LINEAR_FORMATS,
     Int4Linear,
     Int8Linear,
+    SplitRowsLinear,
+    build_linear,
     dequantize_groupwise_int4,
     dequantize_per_channel_int8,
     fake_quantize,
@@ -21,7 +23,7 @@ from mcp2026.quant.linear import (
     search_act_scale,
     unpack_int4,
 )
-from mcp2026.quant.plan import FORMATS, LayerQuantSpec, QuantPlan
+from mcp2026.quant.plan import FORMATS, LayerQuantSpec, QuantPlan, high_row_count
 
 
 def _linear(in_features: int, out_features: int, bias: bool = True, seed: int = 0) -> nn.Linear:
@@ -247,3 +249,79 @@ def test_state_dict_loads_into_an_empty_module(fmt):
     empty.load_state_dict(built.state_dict())
     x = torch.randn(3, 64)
     assert torch.equal(empty(x), built(x))
+
+
+# ---- split rows (int8 rows inside int4) and bias correction -------------------------------------------
+def test_split_spec_validation_and_bits():
+    with pytest.raises(ValueError, match="int4 only"):
+        LayerQuantSpec("int8", high_rows=0.1)
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        LayerQuantSpec("int4", high_rows=1.0)
+    with pytest.raises(ValueError, match="set high_rows"):
+        LayerQuantSpec("int4", row_scores="x")
+    with pytest.raises(ValueError, match="act_scale"):
+        LayerQuantSpec("int4", high_rows=0.1, act_scale="s")
+    with pytest.raises(ValueError, match="not quantized"):
+        LayerQuantSpec("fp32", bias_correction="m")
+    assert [high_row_count(320, s) for s in (0.0, 0.02, 0.1, 0.5, 0.99)] == [0, 0, 32, 160, 304]
+    spec = LayerQuantSpec("int4", 64, high_rows=0.1, bias_correction="m")
+    # 288 int4 rows at 4 + 32/64 bits, 32 int8 rows at 8 + (16 scale + 32 index)/64, bias 32/64 per weight
+    expected = (288 * 4.5 + 32 * (8 + 48 / 64)) / 320 + 32 / 64
+    assert spec.bits_per_weight(64, 320) == pytest.approx(expected)
+    assert "10% of rows int8" in spec.describe() and "bias-corrected" in spec.describe()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40, 300])  # GEMV, batched GEMV and dequantize + GEMM sizes
+def test_split_rows_linear_matches_its_dequantized_weight(rows):
+    linear = _linear(64, 320, bias=True)
+    scores = torch.rand(320, generator=torch.Generator().manual_seed(1))
+    spec = LayerQuantSpec("int4", 32, high_rows=0.1, row_scores="s")
+    module = build_linear("lm_head", linear, spec, torch.float32, {"s": scores})
+    assert isinstance(module, SplitRowsLinear) and module.high.out_features == 32
+    # the int8 rows are the 32 best-scored ones, and the weight is what fake_quantize predicts
+    assert set(module.high_index.tolist()) == set(scores.topk(32).indices.tolist())
+    w = linear.weight.detach()
+    assert torch.equal(module.dequantize(), fake_quantize(w, spec, row_scores=scores))
+    high = module.high_index.long()
+    assert torch.equal(module.dequantize()[high], fake_quantize(w[high], LayerQuantSpec("int8")))
+    x = torch.randn(rows, 64)
+    reference = x @ module.dequantize().T + linear.bias.detach()
+    torch.testing.assert_close(module(x), reference, rtol=0.02, atol=0.02 * reference.abs().max().item())
+    # int8 rows have less error than the int4 rows they replaced
+    plain = Int4Linear.from_linear(linear, LayerQuantSpec("int4", 32), torch.float32)
+    assert (module.dequantize()[high] - w[high]).pow(2).sum() < (plain.dequantize()[high] - w[high]).pow(
+        2
+    ).sum()
+
+
+def test_split_rows_without_scores_takes_the_worst_int4_rows():
+    linear = _linear(64, 64, bias=False)
+    with torch.no_grad():
+        linear.weight[[3, 40]] *= 20  # two rows with far larger int4 errors
+    spec = LayerQuantSpec("int4", 32, high_rows=0.25)
+    module = build_linear("x", linear, spec, torch.float32)
+    assert {3, 40} <= set(module.high_index.tolist()) and module.high_index.numel() == 16
+
+
+def test_bias_correction_cancels_the_mean_output_error():
+    linear = _linear(64, 48, bias=False)
+    torch.manual_seed(2)
+    x = torch.randn(4096, 64) * 0.5 + torch.linspace(-2, 2, 64)  # inputs with a clear non-zero mean
+    spec = LayerQuantSpec("int4", 64, symmetric=True, bias_correction="mean")
+    corrected = build_linear("x", linear, spec, torch.float32, {"mean": x.mean(0)})
+    plain = Int4Linear.from_linear(linear, LayerQuantSpec("int4", 64, symmetric=True), torch.float32)
+    reference = linear(x).detach()
+    err_plain, err_corrected = plain(x) - reference, corrected(x) - reference
+    assert err_corrected.mean(0).abs().max() < 1e-4  # the mean error per output is gone
+    assert err_corrected.pow(2).mean() < err_plain.pow(2).mean()  # and the total squared error drops
+    expected = -(x.mean(0) @ (plain.dequantize() - linear.weight.detach()).T)
+    torch.testing.assert_close(corrected.bias, expected)
+
+
+def test_plan_naming_a_missing_tensor_is_a_clear_error():
+    model = TinyModel()
+    plan = QuantPlan({"lm_head": LayerQuantSpec("int4", 32, high_rows=0.1, row_scores="scores")})
+    with pytest.raises(KeyError, match=r"lm_head: the plan names tensor 'scores' \(row_scores\)"):
+        quantize_(model, plan)
+    with pytest.raises(ValueError, match="one score per output row"):
+        quantize_(model, plan, tensors={"scores": torch.rand(7)})

@@ -68,7 +68,7 @@ def latency(
     dtype: Annotated[str, typer.Option(help="comma-separated: fp32, bf16")] = "fp32,bf16",
     weights: Annotated[
         str,
-        typer.Option(help="also run ours with uniformly quantized weights: comma-separated int8, int4, fp8"),
+        typer.Option(help="also run ours with quantized weights: comma-separated int8, int4, fp8, dqg:BITS"),
     ] = "",
     new_tokens: Annotated[int, typer.Option(help="decode: tokens generated after the prompt")] = 128,
     prefill_tokens: Annotated[int, typer.Option(help="prefill: prompt length")] = 512,

@@ -30,7 +30,9 @@ class LatencyConfig:
     warmup: int = 1
     peer: bool = True
     seed: int = 0  # random token ids of the prefill prompt
-    weights: tuple[str, ...] = ()  # extra rows of ours with weights quantized uniformly: int8 | int4 | fp8
+    # extra rows of ours with quantized weights: int8 | int4 | fp8 (uniform), or dqg:BITS (a DQG plan at that
+    # average bits per weight, calibrated on ShareGPT at load)
+    weights: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.new_tokens < 2:
@@ -40,9 +42,9 @@ class LatencyConfig:
         bad = [d for d in self.dtypes if d not in ("fp32", "bf16")]
         if bad or not self.dtypes:
             raise ValueError(f"dtypes must be a non-empty list of fp32, bf16; got {list(self.dtypes)}")
-        bad = [w for w in self.weights if w not in ("int8", "int4", "fp8")]
+        bad = [w for w in self.weights if w not in ("int8", "int4", "fp8") and _dqg_bits(w) is None]
         if bad:
-            raise ValueError(f"weights must be a list of int8, int4, fp8; got {bad}")
+            raise ValueError(f"weights must be a list of int8, int4, fp8 or dqg:BITS (e.g. dqg:5); got {bad}")
 
     def command(self) -> str:
         parts = ["mcp2026 bench latency"]
@@ -61,6 +63,24 @@ class LatencyConfig:
         if not self.peer:
             parts.append("--no-peer")
         return " ".join(parts)
+
+
+def _dqg_bits(weights: str) -> float | None:
+    """BITS of a "dqg:BITS" entry (a positive number), else None."""
+    kind, _, bits = weights.partition(":")
+    try:
+        return float(bits) if kind == "dqg" and float(bits) > 0 else None
+    except ValueError:
+        return None
+
+
+def _quant_config(weights: str) -> Any:
+    from mcp2026.config import QuantConfig
+
+    bits = _dqg_bits(weights)
+    if bits is None:
+        return QuantConfig(target_precision=weights)
+    return QuantConfig(enable_dqg=True, bits_budget=bits)
 
 
 @dataclass
@@ -136,7 +156,7 @@ def _load_contenders(
 ) -> tuple[list[Contender], Any, dict[str, float]]:
     from mcp2026 import hardware
     from mcp2026.bench import peers
-    from mcp2026.config import KVConfig, QuantConfig
+    from mcp2026.config import KVConfig
     from mcp2026.pipeline import DTYPES, Pipeline
 
     load_s: dict[str, float] = {}
@@ -151,7 +171,7 @@ def _load_contenders(
     for fmt in config.weights:  # activations in the first dtype; the format's kernel picks its compute dtype
         t0 = time.perf_counter()
         kv = KVConfig(memory_gb=0.5, enable_prefix_caching=False)
-        pipe = Pipeline(config.model, QuantConfig(target_precision=fmt), config.dtypes[0], kv_config=kv)
+        pipe = Pipeline(config.model, _quant_config(fmt), config.dtypes[0], kv_config=kv)
         quantized.append(_ours(pipe, f"{fmt} weights"))
         load_s[f"mcp2026-{fmt}"] = time.perf_counter() - t0
     hf_models: dict[str, Any] = {}

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from mcp2026.errors import MCPError
 from mcp2026.quant.calibrate import Calibration
 from mcp2026.quant.linear import correction_bias, fake_quantize, search_act_scale
-from mcp2026.quant.plan import DENSE_FORMATS, INT4_GROUP_SIZES, LayerQuantSpec, QuantPlan
+from mcp2026.quant.plan import DENSE_FORMATS, INT4_GROUP_SIZES, LayerQuantSpec, QuantPlan, high_row_count
 from mcp2026.quant.stats import WeightStats, weight_stats
 
 PRECOMPENSATIONS = ("flagged", "all", "none")
@@ -157,7 +157,8 @@ def split_specs(
     out = []
     for g in int4_groups(linear.in_features, linear.out_features):
         for symmetric in (True, False) if not settings.symmetric_only else (True,):
-            for share in HIGH_ROW_SHARES:
+            counts = {high_row_count(linear.out_features, s): s for s in reversed(HIGH_ROW_SHARES)}
+            for share in sorted(s for k, s in counts.items() if k):  # distinct, non-empty splits only
                 spec = LayerQuantSpec("int4", g, symmetric, high_rows=share)
                 out += [(spec, ""), (dataclasses.replace(spec, bias_correction="mean"), "bias_corr")]
     return out

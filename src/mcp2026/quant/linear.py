@@ -585,6 +585,11 @@ class SplitRowsLinear(QuantLinear):
     def __init__(self, in_features, out_features, spec, bias, compute_dtype):
         super().__init__(in_features, out_features, spec, bias, compute_dtype)
         k = high_row_count(out_features, spec.high_rows)
+        if k == 0:
+            raise ValueError(
+                f"high_rows={spec.high_rows} of {out_features} rows rounds to no int8 rows (they come in 16s); "
+                "raise high_rows or use plain int4"
+            )
         self.high = Int8Linear(in_features, k, _high_spec(spec), False, compute_dtype)
         self.low = Int4Linear(in_features, out_features - k, _low_spec(spec), False, compute_dtype)
         self.register_buffer("high_index", torch.empty(k, dtype=torch.int32))  # sorted rows kept in int8
