@@ -240,7 +240,8 @@ def run_quality_bench(
     reference = reference_logprobs(model, windows)
     wanted = lambda name: not settings.only or any(k in name for k in settings.only)  # noqa: E731
     plans = {name: (plan, {}, "fixed") for name, plan in _fixed_plans(model).items() if wanted(name)}
-    if any(wanted(n) for n in ("DQG", "curve")):
+    # "DQG 5" selects one DQG plan: calibrate whenever a filter could match a DQG plan's name
+    if any(wanted(n) for n in ("DQG", "curve")) or any("DQG" in k for k in settings.only):
         calibration = calibration or CalibrationSettings()
         calib = calibrate(model, calibration_samples(calibration, tokenizer, model.embed_tokens.num_embeddings),
                           calibration, progress)  # fmt: skip
