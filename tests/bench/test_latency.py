@@ -41,12 +41,14 @@ def _check_latency_run(tmp_path):
 def test_weights_accept_a_dqg_budget_and_reject_nonsense():
     import pytest
 
-    from mcp2026.bench.latency import _quant_config
+    from mcp2026.bench.offline import OfflineConfig
+    from mcp2026.bench.weights import quant_config
 
     config = LatencyConfig(weights=("int4", "dqg:5"))
     assert "--weights int4,dqg:5" in config.command()
-    assert _quant_config("dqg:4.75").enable_dqg and _quant_config("dqg:4.75").bits_budget == 4.75
-    assert _quant_config("int8").target_precision == "int8"
+    assert "--weights bf16,dqg:4.5" in OfflineConfig(weights=("bf16", "dqg:4.5")).command()
+    assert quant_config("dqg:4.75").enable_dqg and quant_config("dqg:4.75").bits_budget == 4.75
+    assert quant_config("int8").target_precision == "int8"
     for bad in ("dqg", "dqg:-1", "dqg:five", "int3"):
         with pytest.raises(ValueError, match="dqg:BITS"):
             LatencyConfig(weights=(bad,))

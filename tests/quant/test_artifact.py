@@ -111,11 +111,12 @@ def test_example_configs_parse():
 
     examples = Path(__file__).parents[2] / "examples" / "quant"
     specs = {p.name: load_spec(p) for p in examples.glob("*.yaml")}
-    assert set(specs) == {"w4a16_g32.yaml", "w8.yaml", "dqg_4.5bpw.yaml"}
+    assert set(specs) == {"w4a16_g32.yaml", "w8.yaml", "dqg_4.5bpw.yaml", "dqg_5bpw.yaml"}
     assert specs["w4a16_g32.yaml"].quant.target_precision == "int4"
     dqg_spec = specs["dqg_4.5bpw.yaml"]
     assert dqg_spec.quant.enable_dqg and dqg_spec.quant.bits_budget == 4.5
     assert dqg_spec.calibration.num_samples == 32 and dqg_spec.dqg.precompensation == "flagged"
+    assert specs["dqg_5bpw.yaml"].quant.bits_budget == 5.0
 
 
 def test_spec_errors_name_the_problem():

@@ -108,7 +108,10 @@ def offline(
     input_len: Annotated[int, typer.Option(help="random workload: prompt tokens")] = 128,
     output_len: Annotated[int, typer.Option(help="random/prefix/long workloads: output tokens")] = 128,
     weights: Annotated[
-        str, typer.Option(help="comma list (int8,int4,bf16): also run ours with these weights, same requests")
+        str,
+        typer.Option(
+            help="comma list (int8,int4,bf16,dqg:BITS): also run ours with these weights, same requests"
+        ),
     ] = "",
     write_docs: DocsOpt = False,
     out_dir: OutOpt = None,

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from mcp2026.bench.report import BenchRun, Table, machine_info
+from mcp2026.bench.weights import check_weights, quant_config
 
 DECODE_PROMPT = "Write a short story about a robot who learns to paint, in about two hundred words."
 ENGINE_LABELS = {"mcp2026": "mcp2026", "hf": "HF transformers", "llama.cpp": "llama.cpp"}
@@ -42,9 +43,7 @@ class LatencyConfig:
         bad = [d for d in self.dtypes if d not in ("fp32", "bf16")]
         if bad or not self.dtypes:
             raise ValueError(f"dtypes must be a non-empty list of fp32, bf16; got {list(self.dtypes)}")
-        bad = [w for w in self.weights if w not in ("int8", "int4", "fp8") and _dqg_bits(w) is None]
-        if bad:
-            raise ValueError(f"weights must be a list of int8, int4, fp8 or dqg:BITS (e.g. dqg:5); got {bad}")
+        check_weights(self.weights, ("int8", "int4", "fp8"))
 
     def command(self) -> str:
         parts = ["mcp2026 bench latency"]
@@ -63,24 +62,6 @@ class LatencyConfig:
         if not self.peer:
             parts.append("--no-peer")
         return " ".join(parts)
-
-
-def _dqg_bits(weights: str) -> float | None:
-    """BITS of a "dqg:BITS" entry (a positive number), else None."""
-    kind, _, bits = weights.partition(":")
-    try:
-        return float(bits) if kind == "dqg" and float(bits) > 0 else None
-    except ValueError:
-        return None
-
-
-def _quant_config(weights: str) -> Any:
-    from mcp2026.config import QuantConfig
-
-    bits = _dqg_bits(weights)
-    if bits is None:
-        return QuantConfig(target_precision=weights)
-    return QuantConfig(enable_dqg=True, bits_budget=bits)
 
 
 @dataclass
@@ -171,7 +152,7 @@ def _load_contenders(
     for fmt in config.weights:  # activations in the first dtype; the format's kernel picks its compute dtype
         t0 = time.perf_counter()
         kv = KVConfig(memory_gb=0.5, enable_prefix_caching=False)
-        pipe = Pipeline(config.model, _quant_config(fmt), config.dtypes[0], kv_config=kv)
+        pipe = Pipeline(config.model, quant_config(fmt), config.dtypes[0], kv_config=kv)
         quantized.append(_ours(pipe, f"{fmt} weights"))
         load_s[f"mcp2026-{fmt}"] = time.perf_counter() - t0
     hf_models: dict[str, Any] = {}

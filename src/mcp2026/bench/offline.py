@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from mcp2026.bench.report import BenchRun, Table, machine_info
+from mcp2026.bench.weights import check_weights, quant_config
 from mcp2026.bench.workloads import BenchRequest, WorkloadSpec, describe, load_workload
 
 
@@ -32,12 +33,10 @@ class OfflineConfig:
     input_len: int = 128  # random workload
     output_len: int = 128  # random / prefix / long workloads
     batched_decode: int | None = None  # N: decode tok/s at N concurrent sequences (random workload)
-    weights: tuple[str, ...] = ()  # extra runs of ours with weights stored uniformly: int8 | int4 | bf16
+    weights: tuple[str, ...] = ()  # extra runs of ours with other weights: int8 | int4 | bf16 | dqg:BITS
 
     def __post_init__(self) -> None:
-        bad = [w for w in self.weights if w not in ("int8", "int4", "bf16")]
-        if bad:
-            raise ValueError(f"weights must be a list of int8, int4, bf16; got {bad}")
+        check_weights(self.weights, ("int8", "int4", "bf16"))
         if self.num_prompts < 1 or self.batch_size < 1:
             raise ValueError("num_prompts and batch_size must be >= 1")
         if self.max_requests is not None and self.max_requests < 1:
@@ -176,10 +175,8 @@ def run_offline(
     torch_dtype = pipe.dtype
     del pipe
     for fmt in config.weights:  # same requests, activations in the same dtype
-        from mcp2026.config import QuantConfig
-
         t0 = time.perf_counter()
-        quantized = Pipeline(config.model, QuantConfig(target_precision=fmt), config.dtype)
+        quantized = Pipeline(config.model, quant_config(fmt), config.dtype)
         load_s[f"mcp2026-{fmt}"] = time.perf_counter() - t0
         _warm_up_ours(quantized.engine, vocab)
         runs[f"mcp2026-{fmt}"] = run_engine(quantized.engine, requests, progress)
