@@ -5,7 +5,7 @@ import json
 from typer.testing import CliRunner
 
 from mcp2026.bench.cli import bench_app
-from mcp2026.bench.headline import headline_markdown
+from mcp2026.bench.headline import headline_markdown, newest_per_kind
 from mcp2026.bench.report import BenchRun
 
 MACHINE = {
@@ -243,3 +243,14 @@ def test_a_paced_goodput_run_is_its_own_claim_next_to_the_saturating_one():
     assert lines.index(next(x for x in lines if x.startswith("- serve @16:"))) < lines.index(
         next(x for x in lines if x.startswith("- serve @16 @0.1req/s:"))
     )
+
+
+def test_paced_runs_against_different_peers_are_separate_claims():
+    runs = []
+    for peer, created in (("llama", "2026-12-01T02:00:00+0000"), ("vllm", "2026-12-01T05:00:00+0000")):
+        run = serve_run()
+        run.config = {"max_concurrency": 16, "request_rate": 0.2, "peers": [{"name": peer}]}
+        run.created_at = created
+        runs.append(run)
+    groups = newest_per_kind(runs)
+    assert set(groups) == {"serve @16 @0.2req/s vs llama", "serve @16 @0.2req/s vs vllm"}

@@ -205,12 +205,16 @@ def _rate(run: BenchRun) -> float | None:
 
 def group_of(run: BenchRun) -> str:
     """What "the newest run" is taken per: the kind, and for serving also the concurrency and a paced request
-    rate (16 and 32 concurrent clients, and goodput at 0.1 req/s, are separate claims)."""
+    rate (16 and 32 concurrent clients, and goodput at 0.1 req/s, are separate claims), and for a paced run its
+    peers (goodput vs llama-server and vs vLLM at one rate are two claims)."""
     if run.kind != "serve":
         return run.kind
     concurrency, rate = run.config.get("max_concurrency"), _rate(run)
     group = f"{run.kind} @{concurrency}" if concurrency else run.kind
-    return f"{group} @{rate:g}req/s" if rate is not None else group
+    if rate is None:
+        return group
+    peers = sorted(p.get("name", "") for p in run.config.get("peers") or [] if isinstance(p, dict))
+    return f"{group} @{rate:g}req/s" + (f" vs {','.join(peers)}" if peers else "")
 
 
 def newest_per_kind(runs: list[BenchRun]) -> dict[str, BenchRun]:
