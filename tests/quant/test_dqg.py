@@ -287,3 +287,10 @@ def test_lm_head_split_options_are_measured_and_applied(measured):
     result = dqg.DQGResult("measured", plan, tensors, "test", layers, choices)
     assert "bias_corr" in result.precompensation_report()
     assert abs(plan.avg_bits_per_weight(model) - result.avg_bits) < 1e-9
+    # the quantized model counts the split lm_head once (not again through its int8 and int4 halves)
+    assert abs(plan.avg_bits_per_weight(quantized) - result.avg_bits) < 1e-9
+    assert abs(plan.total_bytes(quantized) - plan.total_bytes(model)) <= 16
+    report = result.precompensation_report()["bias_corr"]
+    assert report["applied_layers"] == 1 and report["measured"] == sum(
+        o.variant == "bias_corr" for o in splits
+    )

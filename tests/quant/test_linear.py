@@ -325,3 +325,23 @@ def test_plan_naming_a_missing_tensor_is_a_clear_error():
         quantize_(model, plan)
     with pytest.raises(ValueError, match="one score per output row"):
         quantize_(model, plan, tensors={"scores": torch.rand(7)})
+
+
+def test_split_layer_inside_a_decoder_layer_runs_unfused(tiny_llama_dir):
+    # decode steps fuse a layer's linears; a split layer has no single weight, so it runs as itself
+    from mcp2026.loading.loader import load_model
+
+    model = load_model(tiny_llama_dir).model
+    name = "layers.0.mlp.down_proj"
+    reference = model.get_submodule(name)
+    quantize_(model, QuantPlan({name: LayerQuantSpec("int4", 32, high_rows=0.25)}))
+    split = model.get_submodule(name)
+    assert isinstance(split, SplitRowsLinear)
+    dense = nn.Linear(reference.in_features, reference.out_features, bias=False)
+    dense.weight = nn.Parameter(split.dequantize())
+    ids = torch.tensor([5, 17, 3])
+    with torch.inference_mode():
+        steps = [model(ids[i : i + 1], torch.tensor([i])) for i in range(1)]  # one decode-sized step
+        model.layers[0].mlp.down_proj = dense
+        expected = model(ids[:1], torch.tensor([0]))
+    torch.testing.assert_close(steps[0], expected, rtol=0.05, atol=0.05)

@@ -34,7 +34,9 @@ def plan_layer_bits(plan: QuantPlan, config: ModelConfig, dense_bits: float = 32
     bits = {}
     for name, module in linear_modules(model):
         spec = plan.spec_for(name)
-        bits[name] = dense_bits if spec is None else spec.bits_per_weight(module.in_features)
+        bits[name] = (
+            dense_bits if spec is None else spec.bits_per_weight(module.in_features, module.out_features)
+        )
     return bits
 
 

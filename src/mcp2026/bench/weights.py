@@ -18,11 +18,18 @@ def dqg_bits(weights: str) -> float | None:
 
 
 def check_weights(weights: Sequence[str], formats: Sequence[str]) -> None:
+    """Raise, before anything runs, for an entry that is neither a listed format nor a valid DQG budget."""
     bad = [w for w in weights if w not in formats and dqg_bits(w) is None]
     if bad:
         raise ValueError(
             f"weights must be a list of {', '.join(formats)} or dqg:BITS (e.g. dqg:5); got {bad}"
         )
+    for w in weights:
+        if dqg_bits(w) is not None:
+            try:
+                quant_config(w)
+            except ValueError as error:
+                raise ValueError(f"weights {w!r}: {error}") from None
 
 
 def quant_config(weights: str) -> QuantConfig:

@@ -55,7 +55,9 @@ class _Cached:
 def fused_linear(kernels: Any, m: nn.Module, quant_rows: bool) -> Any | None:
     """The compiled stand-in for ``m``, or None when ``m`` cannot be fused for this step (``quant_rows``:
     the step's row count is one the quantized modules send to their GEMVs)."""
-    weight, bias = m.weight, m.bias
+    weight, bias = getattr(m, "weight", None), m.bias
+    if weight is None:  # a split layer (two kernels and a gather): never fused
+        return None
     cached = m.__dict__.get("_fused")
     if cached is None or cached.weight is not weight or cached.bias is not bias:
         cached = m.__dict__["_fused"] = _Cached(weight, bias, _build(kernels, m))

@@ -21,7 +21,7 @@ from torch import nn
 from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
 from mcp2026.quant.linear import QuantLinear, empty_module
-from mcp2026.quant.plan import LayerQuantSpec, QuantPlan
+from mcp2026.quant.plan import LayerQuantSpec, QuantPlan, linear_modules
 
 METADATA_FILE = "mcp2026_artifact.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -91,7 +91,7 @@ def save_artifact(out_dir: str | Path, loaded, result, quant_config=None) -> Pat
     plan = result if isinstance(result, QuantPlan) else result.plan
     layers = {
         name: {"spec": m.spec.to_dict(), "compute_dtype": _dtype_name(m.compute_dtype)}
-        for name, m in model.named_modules()
+        for name, m in linear_modules(model)
         if isinstance(m, QuantLinear)
     }
     save_file(_state_dict(model), str(out / WEIGHTS_FILE), metadata={"format": FORMAT})

@@ -507,12 +507,17 @@ def _same(a: LayerQuantSpec, b: LayerQuantSpec) -> bool:
 
 
 def _without(option: Option, technique: str, options: Sequence[Option]) -> Option | None:
-    """The measured option equal to ``option`` except without ``technique``."""
+    """The measured option equal to ``option`` except without ``technique`` (row-score names, which carry the
+    int4 variant's name, are not compared)."""
     spec, rest = option.spec, [t for t in option.variant.split("+") if t and t != technique]
     undo = {"zero_point": {"symmetric": True}, "mse_clip": {"clip_ratio": 1.0}, "awq": {"act_scale": None},
             "bias_corr": {"bias_correction": None}}  # fmt: skip
-    want = dataclasses.replace(spec, **undo.get(technique, {}))
-    return next((o for o in options if o.spec == want and o.variant == "+".join(rest)), None)
+    want = _unnamed(dataclasses.replace(spec, **undo.get(technique, {})))
+    return next((o for o in options if _unnamed(o.spec) == want and o.variant == "+".join(rest)), None)
+
+
+def _unnamed(spec: LayerQuantSpec) -> LayerQuantSpec:
+    return dataclasses.replace(spec, row_scores=None) if spec.row_scores is not None else spec
 
 
 def _plain(option: Option, options: Sequence[Option]) -> Option | None:
@@ -521,4 +526,5 @@ def _plain(option: Option, options: Sequence[Option]) -> Option | None:
         return None
     return next((o for o in options if not o.variant and _same(o.spec, option.spec)), None) or next(
         (o for o in options if not o.variant and o.spec.format == option.spec.format
-         and o.spec.group_size == option.spec.group_size), None)  # fmt: skip
+         and o.spec.group_size == option.spec.group_size and o.spec.high_rows == option.spec.high_rows),
+        None)  # fmt: skip

@@ -615,7 +615,7 @@ class SplitRowsLinear(QuantLinear):
     def order(self) -> Tensor:
         """Where each output row sits in [high outputs, low outputs] (the gather index), built once."""
         order = self.__dict__.get("_order")
-        if order is None:
+        if order is None or order.device != self.high_index.device:  # new weights, or moved by .to()
             high = self.high_index.long()
             rows = torch.cat([high, self._low_rows(high)])
             order = torch.empty_like(rows)

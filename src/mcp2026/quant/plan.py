@@ -152,9 +152,16 @@ def _is_quantized(module: nn.Module) -> bool:
 
 
 def linear_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(qualified name, module) for every nn.Linear or already-quantized linear in the model."""
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) or _is_quantized(module):
+    """(qualified name, module) for every nn.Linear or already-quantized linear in the model. A quantized
+    module's own submodules (a split layer's int8 and int4 halves) are part of it and not listed."""
+    inside: str | None = None
+    for name, module in model.named_modules():  # pre-order: a module's children come right after it
+        if inside is not None and name.startswith(inside):
+            continue
+        if _is_quantized(module):
+            inside = name + "."
+            yield name, module
+        elif isinstance(module, nn.Linear):
             yield name, module
 
 
@@ -256,7 +263,12 @@ class QuantPlan:
         once; a tied lm_head that gets quantized adds its quantized copy (the embedding keeps its own)."""
         planned_bytes = 0.0
         storages: dict[int, int] = {}
+        inside: str | None = None  # a quantized module's submodules are counted in its bits
         for name, module in model.named_modules():
+            if inside is not None and name.startswith(inside):
+                continue
+            if _is_quantized(module):
+                inside = name + "."
             is_linear = isinstance(module, nn.Linear) or _is_quantized(module)
             if is_linear and self._changes(name, module):
                 count, bits = self._linear_bits(name, module)

@@ -208,9 +208,10 @@ def as_decode_steps(model: nn.Module) -> int:
     teacher-forced evaluation measures the kernels generation runs (the GEMVs take <= GEMV_MAX_ROWS rows).
     Returns the number of linears changed."""
     from mcp2026.quant.linear import GEMV_MAX_ROWS, QuantLinear
+    from mcp2026.quant.plan import linear_modules
 
     changed = 0
-    for module in model.modules():
+    for _, module in linear_modules(model):
         if isinstance(module, QuantLinear):
             full = module.forward
             module.forward = lambda x, full=full: torch.cat([full(c) for c in x.split(GEMV_MAX_ROWS)])
