@@ -32,7 +32,7 @@ def measured(tiny_llama_dir):
     loaded = load_model(tiny_llama_dir)
     calib = calibrate(loaded.model, calibration_samples(CALIB, None, 320), CALIB, progress=False)
     layers = dqg.measure_options(loaded.model, calib, FORMATS, dqg.DQGSettings(precompensation="all"), False)
-    return loaded.model, layers
+    return loaded.model, layers, calib
 
 
 def _config(**kwargs) -> QuantConfig:
@@ -51,7 +51,7 @@ def test_analytic_bits_formula():
 
 
 def test_analytic_plan_clamps_to_candidates(measured):
-    model, layers = measured
+    model, layers = measured[:2]
     name = next(iter(layers))
     sigma = layers[name].out_sigma
     for bits, fmt in ((4, "int4"), (5, "int4"), (6, "int8"), (12, "int8"), (20, "fp32")):
@@ -105,7 +105,7 @@ def test_allocate_matches_brute_force_and_respects_budget():
 
 
 def test_impossible_budget_is_a_clear_error(measured, tiny_llama_dir):
-    model, layers = measured
+    model, layers = measured[:2]
     with pytest.raises(dqg.BudgetError, match="impossible budget: the cheapest plan needs"):
         dqg.allocate(layers, 3.0 * sum(lo.numel for lo in layers.values()))
     with pytest.raises(dqg.BudgetError, match=r"bits_budget=3.*candidate formats: fp32, int8, int4"):
@@ -116,7 +116,7 @@ def test_impossible_budget_is_a_clear_error(measured, tiny_llama_dir):
 
 @pytest.mark.parametrize("bits", [4.5, 5.0, 6.0])
 def test_bits_budget_is_respected(measured, bits):
-    model, layers = measured
+    model, layers = measured[:2]
     chosen = dqg.allocate(layers, bits * sum(lo.numel for lo in layers.values()))
     plan, _ = dqg.plan_from_choices(chosen)
     assert plan.avg_bits_per_weight(model) <= bits + 1e-9
@@ -136,7 +136,7 @@ def test_bytes_budget_is_respected_with_tied_lm_head(tmp_path):
 
 
 def test_more_bits_never_increase_error(measured):
-    _, layers = measured
+    _, layers, _ = measured
     numel = sum(lo.numel for lo in layers.values())
     errors = [dqg.total_error(layers, dqg.allocate(layers, b * numel)) for b in (4.5, 5.0, 6.0, 8.1, 32)]
     assert errors == sorted(errors, reverse=True) and errors[-1] == 0.0
@@ -144,7 +144,7 @@ def test_more_bits_never_increase_error(measured):
 
 # ---- measured plans --------------------------------------------------------------------------------
 def test_precompensation_variants_are_measured_and_reported(measured):
-    model, layers = measured
+    model, layers = measured[:2]
     chosen = dqg.allocate(layers, 4.6 * sum(lo.numel for lo in layers.values()))
     plan, scales = dqg.plan_from_choices(chosen)
     result = dqg.DQGResult("measured", plan, scales, "bits_budget=4.6", layers, chosen)
@@ -216,7 +216,7 @@ def test_max_ppl_increase_search(wide_dir):
 
 
 def test_uniform_plan_falls_back_where_group_does_not_divide(measured):
-    model, _ = measured  # hidden 64: g128 only fits the down projection (K = 128)
+    model = measured[0]  # hidden 64: g128 only fits the down projection (K = 128)
     plan = recipe.uniform_plan(model, LayerQuantSpec("int4", 128, symmetric=True))
     assert plan.spec_for("layers.0.mlp.down_proj").group_size == 128
     assert plan.spec_for("layers.0.attn.qkv_proj") == LayerQuantSpec("int4", 64, symmetric=True)
@@ -256,7 +256,7 @@ def test_lm_head_split_options_are_measured_and_applied(measured):
 
     from mcp2026.quant.linear import SplitRowsLinear
 
-    model, layers = measured
+    model, layers = measured[:2]
     head = layers["lm_head"]
     splits = [o for o in head.options if o.spec.high_rows]
     assert splits and not any(
@@ -271,6 +271,15 @@ def test_lm_head_split_options_are_measured_and_applied(measured):
         if not o.variant:  # int8 rows only replace int4 rows where that lowers the (Fisher-weighted) error
             assert o.error <= plain.error
     corrected = next(o for o in splits if o.variant == "bias_corr")
+    # the DQG measures splits from per-row error columns; the same error straight from the module's weights:
+    from mcp2026.quant.linear import correction_bias
+
+    w = model.lm_head.weight.detach()
+    calib = measured[2]
+    x, mean = calib.layers["lm_head"].rows, calib.layers["lm_head"].activations.mean
+    wq = fake_quantize(w, corrected.spec, None, corrected.tensors[corrected.spec.row_scores])
+    dy = x @ (wq - w).T + correction_bias(w, wq, mean)
+    assert corrected.rel_error == pytest.approx((dy.pow(2).sum() / (x @ w.T).pow(2).sum()).item(), rel=1e-4)
     choices = {n: min(lo.options, key=lambda o: o.bits) for n, lo in layers.items()}
     choices["lm_head"] = corrected
     plan, tensors = dqg.plan_from_choices(choices)

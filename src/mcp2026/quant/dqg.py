@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from mcp2026.errors import MCPError
 from mcp2026.quant.calibrate import Calibration
-from mcp2026.quant.linear import correction_bias, fake_quantize, search_act_scale
+from mcp2026.quant.linear import correction_bias, fake_quantize, search_act_scale, split_rows
 from mcp2026.quant.plan import DENSE_FORMATS, INT4_GROUP_SIZES, LayerQuantSpec, QuantPlan, high_row_count
 from mcp2026.quant.stats import WeightStats, weight_stats
 
@@ -188,7 +188,8 @@ def _layer_options(
     specs = candidate_specs(linear, formats, settings, precompensate)
     if role_of(name) == "lm_head":
         specs += split_specs(linear, formats, settings)
-    row_scores: dict[tuple, Tensor] = {}
+    mean = layer.activations.mean.to(w.device)
+    splits: dict[object, _SplitParts] = {}  # by (group, symmetric), and "int8"
     for spec, variant in specs:
         tensors: dict[str, Tensor] = {}
         scale = None
@@ -199,20 +200,25 @@ def _layer_options(
                 continue  # no scaling helps here: the plain variant already covers this point
             spec = dataclasses.replace(spec, act_scale=name)
             tensors[name] = scale
-        if spec.high_rows:
-            key = (spec.group_size, spec.symmetric)
-            if key not in row_scores:
-                row_scores[key] = _row_scores(w, x, spec, fisher if use_fisher else None)
-            scores_name = f"{name}:row_scores:int4-g{spec.group_size}-{'sym' if spec.symmetric else 'asym'}"
-            spec = dataclasses.replace(spec, row_scores=scores_name)
-            tensors[scores_name] = row_scores[key]
-        wq = fake_quantize(w, spec, scale, tensors.get(spec.row_scores))
-        dy = x @ (wq - w).T  # (R, N)
         if spec.bias_correction is not None:
-            mean = layer.activations.mean.to(w.device)
             spec = dataclasses.replace(spec, bias_correction=f"{name}:input_mean")
             tensors[spec.bias_correction] = mean
-            dy = dy + correction_bias(w, wq, mean)
+        if spec.high_rows:
+            key = (spec.group_size, spec.symmetric)
+            if key not in splits:
+                if "int8" not in splits:
+                    splits["int8"] = _SplitParts.of(w, x, mean, LayerQuantSpec("int8"))
+                splits[key] = _SplitParts.of(w, x, mean, spec, splits["int8"], fisher if use_fisher else None)
+            spec = dataclasses.replace(
+                spec, row_scores=f"{name}:row_scores:int4-g{key[0]}-{'sym' if key[1] else 'asym'}"
+            )
+            tensors[spec.row_scores] = splits[key].scores
+            dy = splits[key].with_high_rows(splits["int8"], split_rows(w, spec, splits[key].scores), spec)
+        else:
+            wq = fake_quantize(w, spec, scale)
+            dy = x @ (wq - w).T  # (R, N)
+            if spec.bias_correction is not None:
+                dy = dy + correction_bias(w, wq, mean)
         rel = (dy.pow(2).sum() / y_energy).item()
         error = 0.5 * (dy.pow(2).mean(0) * fisher).sum().item() if use_fisher else rel
         bits = spec.bits_per_weight(linear.in_features, linear.out_features)
@@ -225,13 +231,36 @@ def _layer_options(
     )  # fmt: skip
 
 
-def _row_scores(w: Tensor, x: Tensor, spec: LayerQuantSpec, fisher: Tensor | None) -> Tensor:
-    """Per output row, the error a split saves by storing it in int8 rather than int4: the drop in its
-    squared output error on the calibration rows, weighted by the row's output Fisher (est. KLD saved)."""
-    low = x @ (fake_quantize(w, dataclasses.replace(spec, high_rows=0.0, row_scores=None)) - w).T
-    high = x @ (fake_quantize(w, LayerQuantSpec("int8")) - w).T
-    saved = low.pow(2).mean(0) - high.pow(2).mean(0)  # (N,)
-    return saved if fisher is None else saved * fisher
+@dataclass
+class _SplitParts:
+    """One format's output error on the calibration rows, per output row: a split layer's error is the int4
+    column of every row but the chosen ones, which take the int8 column (rows are quantized independently), so
+    every share of int8 rows is measured without quantizing the weight again."""
+
+    dy: Tensor  # (R, N) x (Wq - W)^T
+    bias: Tensor  # (N,) the correction bias -E[x] (Wq - W)^T
+    scores: Tensor | None  # (N,) int4 parts: error saved per row by int8, Fisher-weighted (the row ranking)
+
+    @classmethod
+    def of(cls, w: Tensor, x: Tensor, mean: Tensor, spec: LayerQuantSpec, high: _SplitParts | None = None,
+           fisher: Tensor | None = None) -> _SplitParts:  # fmt: skip
+        base = dataclasses.replace(spec, high_rows=0.0, row_scores=None, bias_correction=None)
+        wq = fake_quantize(w, base)
+        dy = x @ (wq - w).T
+        scores = None
+        if high is not None:
+            saved = dy.pow(2).mean(0) - high.dy.pow(2).mean(0)
+            scores = saved if fisher is None else saved * fisher
+        return cls(dy, correction_bias(w, wq, mean), scores)
+
+    def with_high_rows(self, high: _SplitParts, rows: Tensor, spec: LayerQuantSpec) -> Tensor:
+        dy = self.dy.clone()
+        dy[:, rows] = high.dy[:, rows]
+        if spec.bias_correction is not None:
+            bias = self.bias.clone()
+            bias[rows] = high.bias[rows]
+            dy += bias
+        return dy
 
 
 def measure_options(
