@@ -151,17 +151,23 @@ def _is_quantized(module: nn.Module) -> bool:
     return isinstance(module, QuantLinear)
 
 
-def linear_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(qualified name, module) for every nn.Linear or already-quantized linear in the model. A quantized
-    module's own submodules (a split layer's int8 and int4 halves) are part of it and not listed."""
+def _outer_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``model.named_modules()`` without the submodules of a quantized module (a split layer's int8 and int4
+    halves are part of it: counting or listing them again would count the layer twice)."""
     inside: str | None = None
     for name, module in model.named_modules():  # pre-order: a module's children come right after it
         if inside is not None and name.startswith(inside):
             continue
         if _is_quantized(module):
             inside = name + "."
-            yield name, module
-        elif isinstance(module, nn.Linear):
+        yield name, module
+
+
+def linear_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(qualified name, module) for every nn.Linear or already-quantized linear in the model (a quantized
+    module's own submodules are not listed)."""
+    for name, module in _outer_modules(model):
+        if isinstance(module, nn.Linear) or _is_quantized(module):
             yield name, module
 
 
@@ -263,12 +269,7 @@ class QuantPlan:
         once; a tied lm_head that gets quantized adds its quantized copy (the embedding keeps its own)."""
         planned_bytes = 0.0
         storages: dict[int, int] = {}
-        inside: str | None = None  # a quantized module's submodules are counted in its bits
-        for name, module in model.named_modules():
-            if inside is not None and name.startswith(inside):
-                continue
-            if _is_quantized(module):
-                inside = name + "."
+        for name, module in _outer_modules(model):  # a quantized module's submodules are in its bits
             is_linear = isinstance(module, nn.Linear) or _is_quantized(module)
             if is_linear and self._changes(name, module):
                 count, bits = self._linear_bits(name, module)
