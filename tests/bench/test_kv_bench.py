@@ -4,6 +4,7 @@ targets, the shared-reference lockstep, the CLI and its errors."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -116,6 +117,15 @@ def test_compare_quality_many_equals_one_at_a_time(tiny_dir):
     together = compare_quality_many(engine(), [engine(kv) for kv in configs], tokens, 48, 16, 8)
     alone = [compare_quality(engine(), engine(kv), tokens, 48, 16, 8) for kv in configs]
     assert together == alone and together[0] != together[1]
+    # After the prompt: positions 48..94 (the last has no next token); the whole is a token-weighted mix.
+    for q in together:
+        assert q.num_tokens == 95 and q.num_tokens_after_prompt == 47
+        assert min(q.ppl_after_prompt, q.ppl_ref_after_prompt) > 1.0
+    q = together[1]  # sink_window@0.5: the prompt's own positions see the whole prompt so far
+    prompt_nll = math.log(q.ppl) * 95 - math.log(q.ppl_after_prompt) * 47
+    ref_prompt_nll = math.log(q.ppl_ref) * 95 - math.log(q.ppl_ref_after_prompt) * 47
+    assert prompt_nll == pytest.approx(ref_prompt_nll, rel=1e-6)  # the 64-token window covers the prompt
+    assert q.ppl_after_prompt != q.ppl_ref_after_prompt
 
 
 def test_retrieval_prompts_in_token_mode():

@@ -269,14 +269,14 @@ def test_paged_decode_attention_adds_each_heads_block_mass(kernels):
     q = torch.randn(2, nh, hd) / 4
     tables = torch.tensor([[3, 7, 1], [5, 2, -1]])
     lengths = torch.tensor([10, 6])
-    mass = torch.ones(2, 3)  # accumulated, not overwritten
+    mass = torch.ones(2, nkv, 3)  # per KV head; accumulated, not overwritten
     ops.paged_decode_attention(q, k_cache, v_cache, tables, lengths, mass)
     for b in range(2):
         n = int(lengths[b])
         k = k_cache[tables[b, : -(-n // bs)]].transpose(0, 1).flatten(1, 2)[:, :n]  # (nkv, n, hd)
         scores = torch.einsum("kgd,ktd->kgt", q[b].view(nkv, nh // nkv, hd), k)
-        per_token = torch.softmax(scores, -1).sum((0, 1))  # (n,)
-        expected = torch.zeros(3).index_add_(0, torch.arange(n) // bs, per_token) + 1
+        per_token = torch.softmax(scores, -1).sum(1)  # (nkv, n): a KV head's query heads summed
+        expected = torch.zeros(nkv, 3).index_add_(1, torch.arange(n) // bs, per_token) + 1
         torch.testing.assert_close(mass[b], expected)
 
 

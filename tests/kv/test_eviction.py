@@ -1,4 +1,5 @@
-"""Eviction: budgets, which blocks each policy drops, holes in block tables, pool integrity, prefix rule."""
+"""Eviction: budgets, which blocks each policy drops in each lane, slot compaction in the manager, pool
+integrity, the prefix rule."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from mcp2026.kv.eviction import BlockView, EvictionBudget, KVEvictor, StepScores, make_policy
-from mcp2026.kv.manager import HOLE, KVCacheManager
+from mcp2026.kv.manager import KVCacheManager
 
 BS = 4
 
@@ -19,17 +20,27 @@ def budget(**kw) -> EvictionBudget:
     return EvictionBudget(**args)
 
 
-def view(b: EvictionBudget, num_tokens: int, score=None, live=None) -> BlockView:
+def view(b: EvictionBudget, num_tokens: int, score=None, origin=None) -> BlockView:
+    """Lanes = rows of ``score`` (one lane when it is 1-D); ``origin``: the block each slot holds."""
     nb = -(-num_tokens // BS)
-    index = torch.arange(nb)
+    score = torch.zeros(1, nb) if score is None else torch.tensor(score, dtype=torch.float32)
+    score = score if score.dim() == 2 else score.unsqueeze(0)
+    origin = torch.arange(nb) if origin is None else torch.tensor(origin)
+    origin = origin.expand(score.shape[0], -1) if origin.dim() == 1 else origin
     return BlockView(
         num_tokens=num_tokens,
-        is_live=torch.ones(nb, dtype=torch.bool) if live is None else torch.tensor(live),
-        is_sink=index < b.num_sink_blocks(),
-        is_recent=index >= b.first_recent_block(num_tokens),
-        score=torch.zeros(nb) if score is None else torch.tensor(score, dtype=torch.float32),
+        origin=origin,
+        is_sink=origin < b.num_sink_blocks(),
+        is_recent=origin >= b.first_recent_block(num_tokens),
+        score=score,
         num_keep=b.num_keep_blocks(num_tokens),
     )
+
+
+def dropped(mask: torch.Tensor) -> list:
+    """Dropped slots per lane (one lane: a flat list)."""
+    rows = [row.nonzero().squeeze(1).tolist() for row in mask]
+    return rows[0] if len(rows) == 1 else rows
 
 
 def test_budget_blocks():
@@ -44,21 +55,25 @@ def test_budget_blocks():
 def test_sink_window_drops_the_oldest():
     b = budget()
     chosen = make_policy("sink_window", b).select(view(b, 40))
-    assert chosen.tolist() == [1, 2, 3, 4, 5]  # keeps block 0 (sink), 6, 7 (older budget) and 8, 9 (recent)
+    assert dropped(chosen) == [1, 2, 3, 4, 5]  # keeps block 0 (sink), 6, 7 (older budget) and 8, 9 (recent)
 
 
 def test_heavy_hitter_keeps_high_scores_and_protects_sink_and_recent():
     b = budget()
     score = [0.0, 5, 1, 9, 2, 0.5, 7, 3, 0, 0]
     chosen = make_policy("heavy_hitter", b).select(view(b, 40, score))
-    assert sorted(chosen.tolist()) == [1, 2, 4, 5, 7]  # keeps sink 0, recent 8 and 9, the hottest 3 and 6
+    assert dropped(chosen) == [1, 2, 4, 5, 7]  # keeps sink 0, recent 8 and 9, the hottest 3 and 6
 
 
-def test_heavy_hitter_respects_existing_holes():
+def test_heavy_hitter_chooses_per_lane_over_compacted_slots():
+    """Two lanes that already dropped different blocks (slots hold other blocks in each) keep their own
+    heavy hitters; every lane drops the same number of slots."""
     b = budget()
-    live = [True, False, True, True, False, True, True, True, True, True]
-    chosen = make_policy("heavy_hitter", b).select(view(b, 40, [0, 0, 3, 1, 0, 2, 4, 0, 0, 0], live))
-    assert sorted(chosen.tolist()) == [3, 5, 7]  # 8 live -> 5; holes are never chosen again
+    origin = [[0, 2, 3, 5, 6, 7, 8, 9], [0, 1, 4, 5, 6, 7, 8, 9]]  # 8 slots, 40 tokens: keep 5
+    score = [[0, 0, 3, 1, 2, 4, 0, 0], [0, 5, 0, 1, 0, 3, 0, 0]]
+    chosen = make_policy("heavy_hitter", b).select(view(b, 40, score, origin))
+    # each lane keeps sink 0, recent 8 and 9, and its own two hottest: blocks 3 and 7, blocks 1 and 7
+    assert dropped(chosen) == [[1, 3, 4], [2, 3, 4]]
 
 
 def test_snap_only_after_the_prompt():
@@ -75,10 +90,13 @@ def test_dynamic_window_left_boundary():
     #       sink  cold cold  hot  cold  cold | recent (mean heat 2.0)
     score = [9.0, 0.1, 0.5, 1.3, 0.2, 0.1, 2.0, 2.0]
     chosen = make_policy("dynamic_window", b).select(view(b, 32, score))
-    assert chosen.tolist() == [1, 2]  # left edge = block 3, the oldest with heat >= 0.6 x 2.0
+    assert dropped(chosen) == [1, 2]  # left edge = block 3, the oldest with heat >= 0.6 x 2.0
     capped = budget(sparsity_ratio=0.5)  # keep 4 blocks: the oldest of the window go too
     chosen = make_policy("dynamic_window", capped).select(view(capped, 32, score))
-    assert chosen.tolist() == [1, 2, 3, 4]
+    assert dropped(chosen) == [1, 2, 3, 4]
+    # Two lanes: the second is hot from block 2 on; both drop what every lane finds cold (block 1).
+    two = [score, [9.0, 0.1, 1.5, 1.3, 0.2, 0.1, 2.0, 2.0]]
+    assert dropped(make_policy("dynamic_window", b).select(view(b, 32, two))) == [[1], [1]]
 
 
 # --- the manager and the runtime ---------------------------------------------------------------------------
@@ -113,24 +131,25 @@ def compute(kv: KVCacheManager, req: Req) -> int:
     return num_hit
 
 
-def test_evict_blocks_leaves_holes_and_returns_blocks():
+def test_drop_slots_frees_the_tail_and_keeps_registered_blocks_as_hits():
     kv = KVCacheManager(BS, 16)
     a = Req("a", list(range(24)))
-    compute(kv, a)
-    free_before = kv.pool.num_free_blocks
-    freed = kv.evict_blocks("a", [1, 2])
-    table = kv.block_table("a")
-    assert table[1] == table[2] == HOLE and len(table) == 6 and kv.num_holes("a") == 2
-    assert kv.pool.num_free_blocks == free_before and kv.num_free_blocks == 16 - 4  # parked: still cached
+    compute(kv, a)  # 6 blocks, all registered
+    before = kv.block_table("a")
+    tables = kv.drop_slots("a", 6, 2, 1)  # slots 1.. are rewritten (the lanes keep slots 2..5 there)
+    assert tables is not None and tables[0] == before
+    after = tables[1]
+    assert len(after) == 4 and after[0] == before[0] and kv.num_dropped_tokens("a") == 8
+    # Registered blocks about to be rewritten moved to fresh blocks: the originals keep their bytes and
+    # stay prefix hits (parked: nobody holds them); the two vacated slots' blocks too.
+    assert not set(after[1:]) & set(before) and kv.num_free_blocks == 16 - 4
     kv.check_integrity()
-    with pytest.raises(ValueError, match="already evicted"):
-        kv.evict_blocks("a", [1])
-    # Registered prompt blocks stay offered: their KV is what a fresh prefill stores.
     b = Req("b", list(range(24)) + [99])
-    assert compute(kv, b) == 24 and set(freed) <= set(kv.block_table("b"))
+    assert compute(kv, b) == 24 and kv.block_table("b")[:6] == before
     # After an eviction nothing new of "a" is registered: its later KV saw a partial context.
     a.output = list(range(100, 110))
     assert kv.allocate_slots(a, 10)
+    assert len(kv.block_table("a")) == -(-(34 - 8) // BS)  # the table covers the kept tokens
     a.num_computed_tokens = a.num_tokens
     kv.cache_full_blocks(a)
     c = Req("c", a.all_token_ids + [1])
@@ -138,18 +157,29 @@ def test_evict_blocks_leaves_holes_and_returns_blocks():
     for r in (a, b, c):
         kv.free(r)
     kv.check_integrity()
-    assert kv.num_free_blocks == 16
+    assert kv.num_free_blocks == 16 and kv.num_dropped_tokens("a") == 0
+    compute(kv, Req("d", list(range(24))))
+    with pytest.raises(ValueError, match="cannot drop"):
+        kv.drop_slots("d", 6, 6, 1)  # slot 0 is not rewritten, so at most 5 can go
 
 
-def test_shared_block_evicted_by_one_holder_stays_for_the_other():
-    kv = KVCacheManager(BS, 16)
+def test_drop_slots_never_rewrites_a_block_another_request_holds():
+    kv = KVCacheManager(BS, 16, enable_prefix_caching=True)
     a, b = Req("a", list(range(17))), Req("b", list(range(17)))
     compute(kv, a)
     assert compute(kv, b) == 16
-    shared = kv.block_table("b")[0]
-    kv.evict_blocks("a", [0])
-    assert kv.pool.ref_count(shared) == 1 and kv.block_table("b")[0] == shared
+    shared = kv.block_table("b")[:4]
+    tables = kv.drop_slots("a", 5, 1, 0)
+    assert tables is not None and not set(tables[1][:4]) & set(shared)  # "a" writes into its own copies
+    assert kv.block_table("b")[:4] == shared and all(kv.pool.ref_count(x) == 1 for x in shared)
     kv.check_integrity()
+    # No block to copy into: nothing changes.
+    full = KVCacheManager(BS, 6)
+    a2, b2 = Req("a", list(range(17))), Req("b", list(range(16)) + [7])
+    compute(full, a2)
+    assert compute(full, b2) == 16 and full.num_free_blocks == 0
+    assert full.drop_slots("a", 5, 1, 0) is None and len(full.block_table("a")) == 5
+    full.check_integrity()
 
 
 def test_evictor_applies_policy_and_keeps_pool_integrity():
@@ -164,16 +194,17 @@ def test_evictor_applies_policy_and_keeps_pool_integrity():
         request_id: str
         num_tokens: int
 
-    mass = torch.tensor([[0.0, 5, 1, 9, 2, 0.5, 7, 3, 0, 0]])
-    scores = [StepScores(["a"], torch.arange(10).unsqueeze(0), mass)]
+    mass = torch.tensor([[[0.0, 5, 1, 9, 2, 0.5, 7, 3, 0, 0]]])
+    scores = [StepScores(["a"], [10], mass)]
     assert evictor.after_step([Chunk("a", 40)], scores, lambda rid: req) == 5
-    assert [i for i, blk in enumerate(kv.block_table("a")) if blk != HOLE] == [0, 3, 6, 8, 9]
+    assert evictor.origins("a", 5).tolist() == [[0, 3, 6, 8, 9]] and len(kv.block_table("a")) == 5
     kv.check_integrity()
     # Decoding on: the budget grows with the context, the scores keep accumulating.
     req.output = [1, 2, 3, 4]
     assert kv.allocate_slots(req, 4)
     req.num_computed_tokens = 44
     assert evictor.after_step([Chunk("a", 4)], [], lambda rid: req) == 0  # 6 live <= 6 kept
+    assert evictor.origins("a", 6).tolist() == [[0, 3, 6, 8, 9, 10]]  # the new slot holds block 10
     evictor.forget(["a"])
     kv.free(req)
     kv.check_integrity()
@@ -190,14 +221,15 @@ def step(kv: KVCacheManager, evictor: KVEvictor, req: Req, num_tokens: int, mass
     """Compute ``num_tokens`` more tokens of ``req`` whose observation gives ``mass`` to its live blocks."""
     assert kv.allocate_slots(req, num_tokens)
     req.num_computed_tokens += num_tokens
-    live = [i for i, blk in enumerate(kv.block_table(req.request_id)) if blk != HOLE]
-    assert len(live) == len(mass)
-    scores = [StepScores([req.request_id], torch.tensor([live]), torch.tensor([mass]))]
+    num_slots = -(-(req.num_computed_tokens - kv.num_dropped_tokens(req.request_id)) // BS)
+    assert num_slots == len(mass)
+    scores = [StepScores([req.request_id], [num_slots], torch.tensor([[mass]]))]
     return evictor.after_step([Chunk(req.request_id, num_tokens)], scores, lambda rid: req)
 
 
-def live_blocks(kv: KVCacheManager, request_id: str) -> list[int]:
-    return [i for i, blk in enumerate(kv.block_table(request_id)) if blk != HOLE]
+def live_blocks(kv: KVCacheManager, evictor: KVEvictor, request_id: str) -> list[int]:
+    """The blocks the request's slots hold (one lane)."""
+    return evictor.origins(request_id, len(kv.block_table(request_id)))[0].tolist()
 
 
 def test_heavy_hitter_prefill_keeps_the_prompt_budget_and_ranks_by_the_prompt_end():
@@ -209,15 +241,14 @@ def test_heavy_hitter_prefill_keeps_the_prompt_budget_and_ranks_by_the_prompt_en
     req = Req("a", list(range(48)))
     # First chunk: the old rule (keep half of 24 tokens) dropped blocks 1, 2, 3 here.
     assert step(kv, evictor, req, 24, [0.4, 0.01, 0.01, 0.3, 0.01, 0.27]) == 0
-    assert live_blocks(kv, "a") == list(range(6))
+    assert live_blocks(kv, evictor, "a") == list(range(6))
     assert evictor.peak_blocks(48, 24) >= 6 + 6  # what the scheduler admitted by still holds
     physical = kv.block_table("a")[:6]
     # Last chunk: its window attends to blocks 2 and 4 (a mean over both chunks would keep 3 and 5).
     mass = [0.3, 0.01, 0.2, 0.01, 0.2, 0.01, 0.01, 0.01, 0.01, 0.05, 0.1, 0.1]
     assert step(kv, evictor, req, 24, mass) == 6
-    assert live_blocks(kv, "a") == [0, 2, 4, 9, 10, 11]
-    table = kv.block_table("a")
-    assert [table[i] for i in (0, 2, 4)] == [physical[i] for i in (0, 2, 4)]  # positions kept, no shift
+    assert live_blocks(kv, evictor, "a") == [0, 2, 4, 9, 10, 11]
+    assert kv.block_table("a")[:1] == physical[:1]  # slots before the first dropped one are not moved
     kv.check_integrity()
 
 
@@ -232,7 +263,26 @@ def test_heavy_hitter_scores_relative_to_uniform_not_stale_means():
     # 28 tokens later (10 blocks): 0.15 and 0.14 are 1.5x / 1.4x uniform; block 1 gets nothing now.
     mass = [0.3, 0.0, 0.0, 0.01, 0.01, 0.15, 0.14, 0.01, 0.2, 0.18]
     assert step(kv, evictor, req, 28, mass) == 4
-    assert live_blocks(kv, "a") == [0, 5, 6, 7, 8, 9]  # sink, heavy 5 and 6, recent 7 (half), 8, 9
-    score = evictor.score(evictor._states["a"].row, 10)
-    assert score[5] > score[1] > score[2]  # block 1's early score has decayed but is not forgotten
+    assert live_blocks(kv, evictor, "a") == [0, 5, 6, 7, 8, 9]  # sink, heavy 5 and 6, recent 7 (half), 8, 9
+    score = evictor.recent[evictor._states["a"].row, 0, :10]  # compacted with the slots: blocks 0, 5, 6, ...
+    assert (
+        score[1] > 1.0 and score[2] > 1.0 and float(score[6:].abs().sum()) == 0
+    )  # above uniform; rest zeroed
+    kv.check_integrity()
+
+
+@pytest.mark.parametrize(("pool_blocks", "streams"), [(32, False), (20, True)])
+def test_heavy_hitter_keeps_a_prompt_that_fits_whole_until_its_end(pool_blocks, streams):
+    """A 96-token prompt (24 blocks, final budget 12) in 32-token chunks: kept whole when the pool could hold
+    it (the question at its end ranks every block); streamed, dropping what exceeds 12, when it could not."""
+    kv = KVCacheManager(BS, pool_blocks)
+    evictor = KVEvictor(make_policy("heavy_hitter", budget(sparsity_ratio=0.5)), kv, max_model_len=128)
+    req = Req("a", list(range(96)))
+    assert evictor.peak_blocks(96, 32) == (12 + 8 + 1 if streams else 24)
+    assert step(kv, evictor, req, 32, [1.0 / 8] * 8) == 0
+    assert step(kv, evictor, req, 32, [1.0 / 16] * 16) == (4 if streams else 0)
+    num_live = 20 if streams else 24
+    mass = [1.0 / num_live] * num_live
+    assert step(kv, evictor, req, 32, mass) == (8 if streams else 12)
+    assert len(kv.block_table("a")) == 12
     kv.check_integrity()

@@ -130,7 +130,15 @@ def _pooled(results: Sequence[Any]) -> dict[str, float]:
     n = sum(r.num_tokens for r in results)
     nll_ref = sum(math.log(r.ppl_ref) * r.num_tokens for r in results) / n
     nll = sum(math.log(r.ppl) * r.num_tokens for r in results) / n
+    n_after = sum(r.num_tokens_after_prompt for r in results)
+    after = float("nan")
+    if n_after:
+        nll_ref_after = sum(math.log(r.ppl_ref_after_prompt) * r.num_tokens_after_prompt for r in results)
+        nll_after = sum(math.log(r.ppl_after_prompt) * r.num_tokens_after_prompt for r in results)
+        after = math.exp((nll_after - nll_ref_after) / n_after) - 1.0
     return {
+        "delta_ppl_after_prompt": after,
+        "num_tokens_after_prompt": n_after,
         "num_tokens": n,
         "ppl_ref": math.exp(nll_ref),
         "ppl": math.exp(nll),

@@ -41,7 +41,7 @@ DECODE_TARGET = Target("evict", "speedup", 1.5, True, "≥ 1.5x uncompressed")
 
 
 def _pct(x: float | None) -> str:
-    return "—" if x is None else f"{x * 100:+.3g}%"
+    return "—" if x is None or x != x else f"{x * 100:+.3g}%"
 
 
 def metric(aggregates: dict[str, Any], target: Target) -> float | None:
@@ -90,6 +90,7 @@ def _quality_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
         [
             f"uncompressed ({config.identity} KV)",
             _pct(0.0),
+            _pct(0.0),
             0.0,
             1.0,
             ref["kv_bytes_per_token"],
@@ -104,6 +105,7 @@ def _quality_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
             [
                 name,
                 _pct(q["delta_ppl"]),
+                _pct(q.get("delta_ppl_after_prompt")),
                 q["kld"],
                 q["top1_agreement"],
                 q["kv_bytes_per_token"],
@@ -123,6 +125,7 @@ def _quality_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
     columns = [
         "config",
         "ΔPPL",
+        "ΔPPL after prompt",
         "KLD",
         "top-1 agree",
         "KV bytes/token",
@@ -170,7 +173,9 @@ def _decode_table(config: KVBenchConfig, decode: dict[str, Any]) -> Table:
 def notes(config: KVBenchConfig, loaded: Any, retrieval: dict | None, grid: list) -> list[str]:
     notes = [
         f"Quality: prompt = first {config.prompt_len} tokens (prefilled in {PROMPT_CHUNK}-token chunks), "
-        f"the rest teacher-forced in {config.chunk_size}-token chunks; eviction runs after every chunk. "
+        f"the rest teacher-forced in {config.chunk_size}-token chunks; eviction runs after every chunk "
+        "(heavy_hitter keeps a prompt the pool could hold whole until its last chunk). 'ΔPPL after prompt' "
+        "scores only the positions after the prompt (what generation sees). "
         f"Eviction rows store K/V as {config.identity}; KV bytes/token of an eviction row = pool bytes still "
         "held at the end / sequence tokens.",
     ]

@@ -5,9 +5,9 @@ all single-token decodes first (batched together: one fused kernel reading the b
 stored plain on the CPU, else one block gather and two matmuls per layer), then each
 prefill chunk (SDPA; causal over fresh tokens, masked over cached context when the chunk continues).
 Each layer writes the new K/V through the cache's codec, then reads whole live blocks back (decoded); blocks
-a request evicted are not read at all. Keys carry RoPE from before caching, so reading a subset of blocks
+a request evicted are not in its table. Keys carry RoPE from before caching, so reading what eviction kept
 never shifts a position. When eviction needs scores, the decode softmax (already explicit) and the
-attention of a prefill chunk's last queries are summed per block, across layers and heads.
+attention of a prefill chunk's last queries are summed per block, per layer and KV head.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class PrefillSlice:
     mask: torch.Tensor | None  # (q_len, ctx) bool, True = attend; None with context None (causal)
     num_observed: int = 0  # last queries whose attention is summed per block (eviction scores)
     observe_mask: torch.Tensor | None = None  # (num_observed, ctx) bool
-    mass: torch.Tensor | None = None  # (num context blocks,) float32, accumulated over layers
+    mass: torch.Tensor | None = None  # (L, nkv, num context blocks) float32
 
     def to(self, device: torch.device) -> PrefillSlice:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -56,8 +56,8 @@ class AttentionMetadata:
     num_decodes: int = 0  # the first num_decodes tokens are decodes, one per sequence
     decode_read: BlockRead | None = None  # (B, nb) live blocks, each sequence's padded to nb
     decode_bias: torch.Tensor | None = None  # (B, 1, 1, nb * bs) 0 / -inf past each length; None if none
-    decode_mass: torch.Tensor | None = None  # (B, nb) float32 attention mass per live block (scoring)
-    # Fused path (plain K/V storage, no scoring): live block ids (B, nb) and lengths (B,) for the kernel that
+    decode_mass: torch.Tensor | None = None  # (L, B, nkv, nb) float32 attention mass per block (scoring)
+    # Fused path (plain K/V storage): block ids (B, nb) and lengths (B,) for the kernel that
     # reads the blocks in place; decode_read is None then.
     decode_tables: torch.Tensor | None = None
     decode_lengths: torch.Tensor | None = None
@@ -117,8 +117,8 @@ def _decode_attention(
     if bias is not None:
         scores = scores + bias
     probs = torch.softmax(scores, dim=-1)
-    if mass is not None:
-        mass += _block_sums(probs.sum(dim=(1, 2)), mass.shape[1], block_size)
+    if mass is not None:  # (B, nkv, nb)
+        mass += _block_sums(probs.sum(dim=2), mass.shape[-1], block_size)
     out = torch.matmul(probs, v)  # (B, nkv, g, hd)
     return out.reshape(b, nh, hd)
 
@@ -144,13 +144,13 @@ def _prefill_attention(
 def _observe(
     q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, mass: torch.Tensor, block_size: int
 ) -> None:
-    """Add the attention mass the queries q (W, nh, hd) give each block of k (nkv, S, hd) to mass (nb,)."""
+    """Add the attention mass the queries q (W, nh, hd) give each block of k (nkv, S, hd) to mass (nkv, nb)."""
     w, nh, hd = q.shape
     nkv = k.shape[0]
     qg = q.view(w, nkv, nh // nkv, hd).permute(1, 2, 0, 3)  # (nkv, g, W, hd)
     scores = torch.matmul(qg, k.transpose(-1, -2).unsqueeze(1))  # (nkv, g, W, S)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    mass += _block_sums(probs.sum(dim=(0, 1, 2)), mass.shape[0], block_size)
+    mass += _block_sums(probs.sum(dim=(1, 2)), mass.shape[-1], block_size)
 
 
 def attention(
@@ -164,18 +164,15 @@ def attention(
     parts = []
     if meta.num_decodes:
         b = meta.num_decodes
+        mass = None if meta.decode_mass is None else meta.decode_mass[layer]
         if meta.decode_tables is not None:
             kb, vb = cache.layer_blocks(layer)
             parts.append(
-                ops.paged_decode_attention(
-                    q[:b], kb, vb, meta.decode_tables, meta.decode_lengths, meta.decode_mass
-                )
+                ops.paged_decode_attention(q[:b], kb, vb, meta.decode_tables, meta.decode_lengths, mass)
             )
         else:
             kc, vc = cache.gather(layer, meta.decode_read)  # (B, nkv, L, hd)
-            parts.append(
-                _decode_attention(q[:b], kc, vc, meta.decode_bias, meta.decode_mass, meta.block_size)
-            )
+            parts.append(_decode_attention(q[:b], kc, vc, meta.decode_bias, mass, meta.block_size))
     for p in meta.prefills:
         qs = q[p.q_start : p.q_start + p.q_len]
         if p.context is None:
@@ -186,5 +183,5 @@ def attention(
             kc, vc = kc[0], vc[0]  # (nkv, ctx, hd)
         parts.append(_prefill_attention(qs, kc, vc, p.mask))
         if p.num_observed:
-            _observe(qs[-p.num_observed :], kc, p.observe_mask, p.mass, meta.block_size)
+            _observe(qs[-p.num_observed :], kc, p.observe_mask, p.mass[layer], meta.block_size)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

@@ -25,7 +25,7 @@ from mcp2026.engine.sampler import Sampler, SamplingState
 from mcp2026.engine.scheduler import Scheduler
 from mcp2026.kv.debug import fragmentation_report
 from mcp2026.kv.dtss import DTSSController
-from mcp2026.kv.manager import HOLE, KVCacheManager
+from mcp2026.kv.manager import KVCacheManager
 from mcp2026.kv.paged_cache import PagedKVCache
 from mcp2026.kv.sizing import plan_kv_blocks
 from mcp2026.types import CompletionOutput, SamplingParams
@@ -118,7 +118,9 @@ class LLMEngine:
             num_shards=kv.max_kv_cache_shards,
             enable_prefix_caching=kv.enable_prefix_caching,
         )
-        self.evictor = compressor.make_evictor(self.kv_manager, self.max_model_len) if compressor else None
+        self.evictor = (
+            compressor.make_evictor(self.kv_manager, self.max_model_len, self.cache) if compressor else None
+        )
         self.scheduler = Scheduler(
             self.config.scheduler, self.kv_manager, self.max_model_len, self._peak_blocks_rule()
         )
@@ -264,10 +266,9 @@ class LLMEngine:
             self.stats.decode_ms += (t1 - t0) * 1e3
             self.stats.num_decode_steps += 1
             self.stats.num_decode_tokens += len(out.chunks)
-            bs = self.cache.block_size  # evicted blocks (holes) are not read
             self.stats.decode_context_tokens += sum(
-                c.start_pos + 1 - bs * c.block_table.count(HOLE) for c in out.chunks
-            )
+                c.kv_start + 1 for c in out.chunks
+            )  # evicted KV is not read
         self.stats.num_steps += 1
         states = [self.states[r].sampling for r in sample_ids]
         sampled = self.sampler.sample(logits, states) if sample_ids else None

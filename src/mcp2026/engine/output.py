@@ -12,6 +12,9 @@ class ScheduledChunk:
     KV for positions ``< start_pos`` is already in the blocks of ``block_table`` (block ``i`` holds positions
     ``[i*block_size, (i+1)*block_size)``), which covers every position of this chunk. Nothing may be
     written into blocks before ``start_pos // block_size``: they can be shared prefix-cache blocks.
+    After KV eviction, ``kv_offset`` tokens of KV are gone: the table holds ``start_pos - kv_offset`` cached
+    tokens (which positions, per layer and head, is ``kv.eviction``'s business) and the chunk's K/V go at
+    slots from there on.
     """
 
     request_id: str
@@ -19,6 +22,12 @@ class ScheduledChunk:
     start_pos: int  # == the request's num_computed_tokens before this step
     block_table: list[int]
     samples: bool  # the chunk ends at the request's last known token: return one sampled token for it
+    kv_offset: int = 0  # tokens of KV evicted before this chunk (a multiple of the block size)
+
+    @property
+    def kv_start(self) -> int:
+        """Where the chunk's first token goes in the table (cached tokens before it)."""
+        return self.start_pos - self.kv_offset
 
     @property
     def num_tokens(self) -> int:

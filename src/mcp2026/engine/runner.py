@@ -1,8 +1,10 @@
 """The runner executes a SchedulerOutput: one forward over a mixed batch of decode tokens and prefill
 chunks reading K/V through block tables, and logits only for the chunks that sample. It holds no policy.
 
-Block tables may have holes (``kv.manager.HOLE``: evicted blocks); the runner reads only live blocks, with
-masks built from the true positions, and, when asked (``ScoringSpec``), returns each block's attention mass.
+After KV eviction a table holds fewer tokens than the request has computed (``ScheduledChunk.kv_offset``):
+the runner reads and writes slots (``kv_start`` on), while RoPE gets the true positions; a chunk's mask over
+the cache only needs slot order (every cached token precedes the chunk). When asked (``ScoringSpec``), it
+returns each slot's attention mass per layer and KV head.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from mcp2026.engine.attention import AttentionMetadata, ForwardContext, PrefillS
 from mcp2026.engine.output import ScheduledChunk, SchedulerOutput
 from mcp2026.kernels import ops
 from mcp2026.kv.eviction import ScoringSpec, StepScores
-from mcp2026.kv.manager import HOLE, cdiv
+from mcp2026.kv.manager import cdiv
 from mcp2026.kv.paged_cache import PagedKVCache
 
 
@@ -29,6 +31,7 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.block_size
+        self.num_layers, self.num_kv_heads = cache.num_layers, cache.num_kv_heads
         self.scoring = scoring or ScoringSpec()
         # decode attention by the fused kernel (blocks read in place) where the storage and device allow
         self.fused_decode = cache.reads_in_place and ops.decode_kernel_available(cache.device, cache.dtype)
@@ -45,101 +48,92 @@ class ModelRunner:
 
     def _decode_metadata(
         self, meta: AttentionMetadata, decodes: list[ScheduledChunk], stage_after: dict[str, int | None]
-    ) -> torch.Tensor:
-        """Fill the decode fields; returns the table index of every read block, (B, nb), -1 = padding."""
+    ) -> list[int]:
+        """Fill the decode fields; returns the slots each sequence reads."""
         bs = self.block_size
-        starts = torch.tensor([c.start_pos for c in decodes])
-        tables = _pad([c.block_table[: c.start_pos // bs + 1] for c in decodes], HOLE)  # (B, nb)
-        is_live = tables != HOLE
-        num_live = is_live.sum(1)
-        if bool((num_live < starts // bs + 1).any()):  # holes: live blocks first, in table order
-            order = torch.argsort((~is_live).to(torch.uint8), dim=1, stable=True)
-            tables, is_live = tables.gather(1, order), is_live.gather(1, order)
-        else:
-            order = torch.arange(tables.shape[1]).expand_as(tables)
-        width = int(num_live.max())
-        tables, index = tables[:, :width].clone(), order[:, :width].masked_fill(~is_live[:, :width], -1)
+        starts = torch.tensor([c.kv_start for c in decodes])
+        num_slots = [c.kv_start // bs + 1 for c in decodes]
+        tables = _pad([c.block_table[:n] for c, n in zip(decodes, num_slots)], 0)  # (B, nb)
         for b, c in enumerate(decodes):
             staged = self._staged_id(c.request_id, stage_after)
             if staged is not None:
-                tables[b, int(num_live[b]) - 1] = staged
-        lengths = (num_live - 1) * bs + starts % bs + 1
+                tables[b, num_slots[b] - 1] = staged
+        width = tables.shape[1]
+        lengths = starts + 1
         if self.scoring.decode:
-            meta.decode_mass = torch.zeros(tables.shape)
+            meta.decode_mass = torch.zeros(self.num_layers, len(decodes), self.num_kv_heads, width)
         if self.fused_decode and not any(
             self._staged_id(c.request_id, stage_after) is not None for c in decodes
         ):
             meta.decode_tables, meta.decode_lengths = tables, lengths
-            return index
-        meta.decode_read = self.cache.block_read(tables.clamp_min(0))
+            return num_slots
+        meta.decode_read = self.cache.block_read(tables)
         if int(lengths.min()) != width * bs:
             pad = torch.arange(width * bs).unsqueeze(0) >= lengths.unsqueeze(1)  # (B, L)
             bias = torch.zeros(pad.shape, dtype=self.cache.dtype).masked_fill_(pad, float("-inf"))
             meta.decode_bias = bias[:, None, None, :]
-        return index
+        return num_slots
 
     def _prefill_slice(
         self, c: ScheduledChunk, q_start: int, stage_after: dict[str, int | None]
-    ) -> tuple[PrefillSlice, torch.Tensor | None]:
-        """A prefill chunk's slice; with scoring, also the table index of each context block."""
+    ) -> tuple[PrefillSlice, int | None]:
+        """A prefill chunk's slice; with scoring, also the number of slots observed."""
         bs = self.block_size
-        start, end = c.start_pos, c.start_pos + c.num_tokens
+        start, end = c.kv_start, c.kv_start + c.num_tokens  # slot positions
         spec = self.scoring
         num_observed = 0
         if spec.observe_window and (spec.observe_every_chunk or c.samples):
             num_observed = min(spec.observe_window, c.num_tokens)
         if start == 0:
             p = PrefillSlice(q_start, c.num_tokens, None, None)
-            index = torch.arange(cdiv(end, bs))
-            key_pos = torch.arange(end)
         else:
-            live = [i for i, b in enumerate(c.block_table[: cdiv(end, bs)]) if b != HOLE]
-            ids = [c.block_table[i] for i in live]
+            ids = list(c.block_table[: cdiv(end, bs)])
             staged = self._staged_id(c.request_id, stage_after)
             if staged is not None:
                 ids[-1] = staged
-            index = torch.tensor(live, dtype=torch.long)
-            key_pos = (index.unsqueeze(1) * bs + torch.arange(bs)).flatten()  # (ctx,) true positions
+            key_pos = torch.arange(len(ids) * bs)
             mask = key_pos.unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)  # (q_len, ctx)
             read = self.cache.block_read(torch.tensor([ids], dtype=torch.long))
             p = PrefillSlice(q_start, c.num_tokens, read, mask)
         if not num_observed:
             return p, None
+        num_slots = cdiv(end, bs)
+        key_pos = torch.arange(end if start == 0 else num_slots * bs)
         p.num_observed = num_observed
         p.observe_mask = key_pos.unsqueeze(0) <= torch.arange(end - num_observed, end).unsqueeze(1)
-        p.mass = torch.zeros(index.numel())
-        return p, index
+        p.mass = torch.zeros(self.num_layers, self.num_kv_heads, num_slots)
+        return p, num_slots
 
     def _metadata(
         self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]
     ) -> tuple[AttentionMetadata, list[tuple[list[str], torch.Tensor, int | None]]]:
         chunks = decodes + prefills
         write = self.cache.plan_write(
-            [(c.request_id, c.start_pos, c.num_tokens, c.block_table) for c in chunks]
+            [(c.request_id, c.kv_start, c.num_tokens, c.block_table) for c in chunks]
         )
         meta = AttentionMetadata(write, self.block_size, num_decodes=len(decodes))
-        observed = []  # (request ids, table index, prefill slice number or None for decodes)
+        observed = []  # (request ids, slots observed, prefill slice number or None for decodes)
         if decodes:
-            index = self._decode_metadata(meta, decodes, write.stage_after)
+            num_slots = self._decode_metadata(meta, decodes, write.stage_after)
             if meta.decode_mass is not None:
-                observed.append(([c.request_id for c in decodes], index, None))
+                observed.append(([c.request_id for c in decodes], num_slots, None))
         q_start = len(decodes)
         for c in prefills:
-            p, index = self._prefill_slice(c, q_start, write.stage_after)
+            p, num_slots = self._prefill_slice(c, q_start, write.stage_after)
             meta.prefills.append(p)
-            if index is not None:
-                observed.append(([c.request_id], index.unsqueeze(0), len(meta.prefills) - 1))
+            if num_slots is not None:
+                observed.append(([c.request_id], [num_slots], len(meta.prefills) - 1))
             q_start += c.num_tokens
         return meta, observed
 
     def _collect_scores(self, meta: AttentionMetadata, observed: list) -> None:
-        for request_ids, index, i in observed:
-            if i is None:
-                mass = meta.decode_mass.cpu()
+        for request_ids, num_slots, i in observed:
+            if i is None:  # (L, B, nkv, nb) -> (B, lanes, nb)
+                mass = meta.decode_mass.cpu().permute(1, 0, 2, 3).flatten(1, 2)
             else:
                 p = meta.prefills[i]
-                mass = (p.mass.cpu() / p.num_observed).unsqueeze(0)
-            self._scores.append(StepScores(request_ids, index, mass))
+                mass = (p.mass.cpu() / p.num_observed).flatten(0, 1).unsqueeze(0)
+            self._scores.append(StepScores(request_ids, num_slots, mass))
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, all_logits: bool = False) -> tuple[list[str], torch.Tensor]:

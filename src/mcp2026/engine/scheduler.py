@@ -340,6 +340,7 @@ class Scheduler:
             start_pos=start,
             block_table=self.kv.block_table(request.request_id),
             samples=start + num_tokens == request.num_tokens,
+            kv_offset=self.kv.num_dropped_tokens(request.request_id),
         )
 
     # --- after the runner ----------------------------------------------------------------------------------

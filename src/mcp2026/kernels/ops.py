@@ -141,14 +141,11 @@ def paged_decode_attention(
     mass: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (B, nh, hd) pre-scaled; caches (num_blocks, nkv, bs, hd); tables (B, nb) live block ids in order;
-    lengths (B,) tokens to attend. ``mass`` (B, nb) float32: each block's attention, summed over heads, is added
-    to it (eviction scores). Only called when ``decode_kernel_available`` said yes."""
+    lengths (B,) tokens to attend. ``mass`` (B, nkv, nb) float32: each block's attention per KV head (summed over
+    its query heads) is added to it (eviction scores). Only called when ``decode_kernel_available`` said yes."""
     if mass is None:
         return cpu.load().paged_decode_attention(q, k_cache, v_cache, tables, lengths)
-    per_head = torch.zeros(mass.shape[0], k_cache.shape[1], mass.shape[1])
-    out = cpu.load().paged_decode_attention(q, k_cache, v_cache, tables, lengths, per_head)
-    mass += per_head.sum(1)
-    return out
+    return cpu.load().paged_decode_attention(q, k_cache, v_cache, tables, lengths, mass)
 
 
 def decode_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:

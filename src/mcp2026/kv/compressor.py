@@ -17,6 +17,7 @@ from typing import Any
 from mcp2026.kv.codecs import CODECS, KVCodec, make_codec
 from mcp2026.kv.eviction import POLICIES, EvictionBudget, KVEvictor, make_policy
 from mcp2026.kv.manager import KVCacheManager
+from mcp2026.kv.paged_cache import PagedKVCache
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DEFAULT_SPARSITY = 0.7
@@ -169,10 +170,12 @@ class KVCompressor:
             observation_window=self.observation_window,
         )
 
-    def make_evictor(self, manager: KVCacheManager, max_model_len: int) -> KVEvictor | None:
+    def make_evictor(
+        self, manager: KVCacheManager, max_model_len: int, cache: PagedKVCache | None = None
+    ) -> KVEvictor | None:
         if not self.evicts:
             return None
-        return KVEvictor(make_policy(self.policy, self.budget()), manager, max_model_len)
+        return KVEvictor(make_policy(self.policy, self.budget()), manager, max_model_len, cache)
 
     def inject(self, target: Any) -> Any:
         """Apply to an existing ``Pipeline`` (its engine is rebuilt; returns the pipeline) or ``LLMEngine``

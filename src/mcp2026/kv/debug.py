@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from mcp2026.kv.codecs import Planes, TensorCodec
-from mcp2026.kv.manager import HOLE, KVCacheManager
+from mcp2026.kv.manager import KVCacheManager
 
 log = logging.getLogger(__name__)
 KINDS = ("k", "v")
@@ -91,13 +91,12 @@ def fragmentation_report(manager: KVCacheManager, num_computed: Mapping[str, int
     ``num_computed``: tokens with KV of each request holding blocks."""
     pool, bs = manager.pool, manager.block_size
     tokens_in_block: dict[int, int] = {}
-    num_holes = 0
+    num_dropped = 0  # blocks of KV evicted (their slots went back to the pool)
     for rid, n in num_computed.items():
+        dropped = manager.num_dropped_tokens(rid)
+        num_dropped += dropped // bs
         for i, b in enumerate(manager.block_table(rid)):
-            if b == HOLE:
-                num_holes += 1
-            else:
-                tokens_in_block[b] = max(tokens_in_block.get(b, 0), min(bs, max(0, n - i * bs)))
+            tokens_in_block[b] = max(tokens_in_block.get(b, 0), min(bs, max(0, n - dropped - i * bs)))
     num_used = pool.num_used_blocks
     runs = _free_runs(pool.ref_count(b) == 0 and not pool.is_parked(b) for b in range(pool.num_online_blocks))
     num_free = sum(runs)
@@ -107,7 +106,7 @@ def fragmentation_report(manager: KVCacheManager, num_computed: Mapping[str, int
         "num_free_blocks": pool.num_free_blocks,
         "num_evictable_blocks": manager.num_evictable_blocks,
         "usage": manager.usage,
-        "num_holes": num_holes,
+        "num_evicted_blocks": num_dropped,
         "internal_fragmentation": 1.0 - sum(tokens_in_block.values()) / (num_used * bs) if num_used else 0.0,
         "num_free_runs": len(runs),
         "largest_free_run": max(runs, default=0),

@@ -1,13 +1,17 @@
-"""Eviction policies for long contexts, applied per request at block granularity (a registry).
+"""Eviction policies for long contexts, per layer and KV head, at block granularity (a registry).
 
-After each step, a request whose live blocks exceed its budget drops whole blocks: their table entries
-become holes (``kv.manager.HOLE``) and the pool gets them back. Every other block keeps its table index, so
-positions never shift (keys are cached after RoPE). Sinks (the first ``num_sink_tokens``) and the recent
-window are never dropped. Policies: ``sink_window`` (StreamingLLM, arXiv:2309.17453), ``heavy_hitter``
-(H2O, arXiv:2306.14048: recent attention mass per block, relative to uniform, decayed by age; the prompt's
-blocks ranked by its last queries, as SnapKV), ``snap`` (SnapKV,
-arXiv:2404.14469: once, after the prompt, from its last queries' attention), ``dynamic_window`` (our notes'
-calcLeftBoundary: the left edge is the oldest block whose heat is >= ``heat_fraction`` x the recent mean).
+After each step, a request whose blocks exceed its budget drops blocks, chosen separately in every *lane*
+(one layer's one KV head: heads attend to different tokens, so each keeps its own heavy hitters, as H2O and
+SnapKV do). Every lane drops the same number of blocks, and what each keeps is compacted, in order, into
+the request's first slots (``PagedKVCache.compact``): the table then ends in slots nobody needs, which go
+back to the pool (``KVCacheManager.drop_slots``). Keys are cached after RoPE, so a block read from another
+slot keeps its position; which block a slot holds in each lane is tracked here (``origin``). Sinks (the first
+``num_sink_tokens``) and the recent window are never dropped, so they sit in the same slots in every lane.
+Policies: ``sink_window`` (StreamingLLM, arXiv:2309.17453), ``heavy_hitter`` (H2O, arXiv:2306.14048: recent
+attention mass per block, relative to uniform, decayed by age; the prompt's blocks ranked by its last
+queries, as SnapKV), ``snap`` (SnapKV, arXiv:2404.14469: once, after the prompt, from its last queries'
+attention), ``dynamic_window`` (our notes' calcLeftBoundary: the left edge is the oldest block whose heat
+is >= ``heat_fraction`` x the recent mean).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from mcp2026.kv.manager import HOLE, KVCacheManager, cdiv
+from mcp2026.kv.manager import KVCacheManager, cdiv
+from mcp2026.kv.paged_cache import PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -42,8 +47,8 @@ class StepScores:
     """Attention mass per observation (one decode query, or a prefill window's mean) for one step."""
 
     request_ids: list[str]
-    table_index: torch.Tensor  # (N, nb) long: the block's index in the request's table, -1 = padding
-    mass: torch.Tensor  # (N, nb) float32
+    num_slots: list[int]  # slots each request's observation covered (its first ones, in table order)
+    mass: torch.Tensor  # (N, lanes, nb) float32, nb >= max(num_slots); lane = layer * num_kv_heads + head
 
 
 @dataclass(frozen=True)
@@ -77,43 +82,54 @@ class EvictionBudget:
 
 @dataclass
 class BlockView:
-    """One request's blocks by table index: what a policy decides on."""
+    """One request's slots in every lane: what a policy decides on. Slots hold blocks in increasing
+    position order in each lane; sinks are the first slots and the recent window the last, in every lane."""
 
-    num_tokens: int  # positions 0 .. num_tokens-1 hold KV
-    is_live: torch.Tensor  # (nb,) bool
-    is_sink: torch.Tensor  # (nb,) bool
-    is_recent: torch.Tensor  # (nb,) bool
-    score: torch.Tensor  # (nb,) float32 the policy's score (EvictionPolicy.score_kind; 0 = never observed)
+    num_tokens: int  # positions 0 .. num_tokens-1 have been computed
+    origin: torch.Tensor  # (lanes, n) long: the block (positions // block_size) each slot holds
+    is_sink: torch.Tensor  # (lanes, n) bool
+    is_recent: torch.Tensor  # (lanes, n) bool
+    score: (
+        torch.Tensor
+    )  # (lanes, n) float32 the policy's score (EvictionPolicy.score_kind; 0 = never observed)
     num_keep: int
 
     @property
     def candidates(self) -> torch.Tensor:
-        return self.is_live & ~self.is_sink & ~self.is_recent
+        return ~self.is_sink & ~self.is_recent
 
     @property
     def num_over(self) -> int:
-        return int(self.is_live.sum()) - self.num_keep
+        return self.origin.shape[1] - self.num_keep
+
+    @property
+    def num_candidates(self) -> int:
+        """Candidates per lane (the same in every lane)."""
+        return int(self.candidates[0].sum()) if self.origin.numel() else 0
 
 
 @dataclass(frozen=True)
 class StepEvent:
-    num_live: int
+    num_live: int  # slots holding KV
     num_keep: int
     is_prompt_done: bool  # this step computed the request's last prompt token (first time)
     is_block_boundary: bool  # this step filled at least one block
 
 
 def _lowest(view: BlockView, key: torch.Tensor, num: int) -> torch.Tensor:
-    """Table indices of the ``num`` candidates with the lowest key (older first on ties)."""
-    idx = view.candidates.nonzero().squeeze(1)
-    if num <= 0 or idx.numel() == 0:
-        return idx[:0]
-    order = torch.sort(key[idx], stable=True).indices
-    return idx[order[:num]]
+    """(lanes, n) bool: in every lane, the ``num`` candidates with the lowest key (older first on ties)."""
+    num = min(max(num, 0), view.num_candidates)
+    chosen = torch.zeros_like(view.candidates)
+    if num:
+        masked = key.float().masked_fill(~view.candidates, float("inf"))
+        order = torch.sort(masked, dim=1, stable=True).indices[:, :num]  # slot order == age order
+        chosen.scatter_(1, order, True)
+    return chosen
 
 
 class EvictionPolicy(ABC):
-    """Decides which of one request's blocks to drop. Invariant: only ``view.candidates`` are returned."""
+    """Decides which of one request's slots each lane drops: a (lanes, n) bool mask with the same number of
+    candidates (only ``view.candidates``) in every lane."""
 
     name: str = ""
     scoring = ScoringSpec()
@@ -121,6 +137,9 @@ class EvictionPolicy(ABC):
     # Whether it evicts while a prompt is still being prefilled (chunk by chunk), so a prompt longer than the
     # pool can stream through it; snap waits for the whole prompt.
     evicts_during_prefill: ClassVar[bool] = True
+    # Whether it keeps a prompt whole until its last chunk when the pool could hold the whole prompt (and
+    # streams it only when not): what the prompt's end attends to then decides over every prompt block.
+    defers_prompt: ClassVar[bool] = False
     # What BlockView.score holds: "mean" = mean attention mass per observation; "recent" = attention mass
     # relative to uniform (x live blocks observed), averaged with a per-token decay of half-life
     # ``score_half_life`` tokens, and in the step that completes the prompt, that step's observation alone.
@@ -156,7 +175,7 @@ class SinkWindow(EvictionPolicy):
     name = "sink_window"
 
     def select(self, view: BlockView) -> torch.Tensor:
-        return _lowest(view, torch.arange(view.is_live.numel(), dtype=torch.float32), view.num_over)
+        return _lowest(view, view.origin, view.num_over)
 
 
 @register_policy
@@ -168,12 +187,14 @@ class HeavyHitter(EvictionPolicy):
     so a block observed while the context was small is not inflated, and averaged with a decay by age in
     tokens, so stale early scores do not pin blocks forever. When the prompt completes, its blocks are ranked
     by the prompt's last queries alone (SnapKV's observation window: the question of a prompt decides what
-    it needs). While a prompt is prefilled in chunks, only what exceeds the prompt's final budget is dropped:
-    the peak stays the one the scheduler admits by (``KVEvictor.peak_blocks``) and the prompt's end decides
-    the rest."""
+    it needs). A prompt the pool could hold whole is kept whole until then (``defers_prompt``: evicting
+    mid-prompt drops what the question will ask for before it is seen); a longer one streams through the pool,
+    dropping only what exceeds the prompt's final budget (the peak the scheduler admits by,
+    ``KVEvictor.peak_blocks``)."""
 
     name = "heavy_hitter"
     score_kind = "recent"
+    defers_prompt = True
 
     def __init__(self, budget: EvictionBudget) -> None:
         super().__init__(budget)
@@ -186,13 +207,10 @@ class HeavyHitter(EvictionPolicy):
         return keep
 
     def select(self, view: BlockView) -> torch.Tensor:
-        live_recent = int((view.is_live & view.is_recent).sum())
-        candidates = view.candidates.nonzero().squeeze(1)
-        num_recent = min(max(0, view.num_keep // 2 - live_recent), candidates.numel())
-        if num_recent:
-            recent = view.is_recent.clone()
-            recent[candidates[-num_recent:]] = True
-            view = dataclasses.replace(view, is_recent=recent)
+        num_recent = min(max(0, view.num_keep // 2 - int(view.is_recent[0].sum())), view.num_candidates)
+        if num_recent:  # the newest candidates join the recent window (the same slots in every lane)
+            newest = view.candidates.cumsum(1) > view.num_candidates - num_recent
+            view = dataclasses.replace(view, is_recent=view.is_recent | (view.candidates & newest))
         return _lowest(view, view.score, view.num_over)
 
 
@@ -230,27 +248,18 @@ class DynamicWindow(EvictionPolicy):
         return event.is_block_boundary or event.is_prompt_done or event.num_live > event.num_keep
 
     def select(self, view: BlockView) -> torch.Tensor:
+        """Each lane finds its own left edge; all drop as many as the lane with the fewest cold blocks (and
+        at least what the budget demands), the coldest-left first."""
         candidates = view.candidates
-        recent = view.is_live & view.is_recent
-        if not bool(candidates.any()) or not bool(recent.any()):
-            return candidates.nonzero().squeeze(1)[:0]
-        threshold = self.budget.heat_fraction * float(view.score[recent].mean())
-        hot = (candidates & (view.score >= threshold)).nonzero().squeeze(1)
-        left = int(hot[0]) if hot.numel() else view.is_live.numel()
-        index = torch.arange(view.is_live.numel())
-        dropped = candidates & (index < left)
-        num_over = view.num_over - int(dropped.sum())
-        if num_over > 0:
-            rest = BlockView(
-                view.num_tokens,
-                view.is_live & ~dropped,
-                view.is_sink,
-                view.is_recent,
-                view.score,
-                view.num_keep,
-            )
-            dropped[_lowest(rest, index.float(), num_over)] = True
-        return dropped.nonzero().squeeze(1)
+        if view.num_candidates == 0:
+            return torch.zeros_like(candidates)
+        recent_mean = (view.score * view.is_recent).sum(1) / view.is_recent.sum(1).clamp_min(1)
+        hot = candidates & (view.score >= self.budget.heat_fraction * recent_mean.unsqueeze(1))
+        slot = torch.arange(view.origin.shape[1]).expand_as(candidates)
+        left = torch.where(hot, slot, view.origin.shape[1]).amin(1, keepdim=True)  # first hot slot per lane
+        cold = candidates & (slot < left)
+        num = max(view.num_over, int(cold.sum(1).min()))
+        return _lowest(view, view.origin, num)  # the cold blocks are the oldest candidates
 
 
 def make_policy(name: str, budget: EvictionBudget) -> EvictionPolicy:
@@ -268,33 +277,46 @@ class Chunk(Protocol):
 @dataclass
 class _RequestState:
     row: int  # row in the score tensors
-    num_evicted: int = 0  # holes in the table
     is_prompt_done: bool = False
 
 
 @dataclass
 class EvictionCounters:
-    num_evicted_blocks: int = 0
+    num_evicted_blocks: int = 0  # slots dropped (one block each, every lane)
     num_eviction_events: int = 0
     num_decisions: int = 0
-    decide_ms: float = 0.0  # host time deciding and freeing
+    num_copied_chunks: int = 0  # (layer, block, head) chunks moved by compaction
+    num_skipped: int = 0  # evictions put off: no free block to unshare a prefix-cache block into
+    decide_ms: float = 0.0  # host time deciding, compacting and freeing
     score_ms: float = 0.0  # host time folding step scores into the per-request tensors
 
 
 class KVEvictor:
-    """Applies a policy to every request of a step, after the step. Owns per-request attention scores:
-    (rows, max blocks per sequence) sums and observation counts, one row per request that has run; for
-    ``score_kind == "recent"`` also the decayed relative mass and the last observation."""
+    """Applies a policy to every request of a step, after the step. Owns per-request, per-lane state, one
+    (lanes, max slots) row per request that has run: the block each slot holds (``origin``), attention mass
+    sums and observation counts, and for ``score_kind == "recent"`` the decayed relative mass and the last
+    observation. ``cache`` None (unit tests) decides and frees slots without moving KV."""
 
-    def __init__(self, policy: EvictionPolicy, manager: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        policy: EvictionPolicy,
+        manager: KVCacheManager,
+        max_model_len: int,
+        cache: PagedKVCache | None = None,
+        num_lanes: int = 1,
+    ) -> None:
         self.policy = policy
         self.budget = policy.budget
         self.manager = manager
+        self.cache = cache
+        self.num_lanes = cache.num_layers * cache.num_kv_heads if cache is not None else num_lanes
         self.max_blocks = cdiv(max_model_len, self.budget.block_size)
-        self.mass = torch.zeros(0, self.max_blocks)
-        self.count = torch.zeros(0, self.max_blocks)
-        self.recent = torch.zeros(0, self.max_blocks)  # decayed mass relative to uniform ("recent" scores)
-        self.last = torch.zeros(0, self.max_blocks)  # the last observation, relative to uniform
+        shape = (0, self.num_lanes, self.max_blocks)
+        self.origin = torch.zeros(shape, dtype=torch.long)
+        self.mass = torch.zeros(shape)
+        self.count = torch.zeros(shape)
+        self.recent = torch.zeros(shape)  # decayed mass relative to uniform ("recent" scores)
+        self.last = torch.zeros(shape)  # the last observation, relative to uniform
         self._states: dict[str, _RequestState] = {}
         self._free_rows: list[int] = []
         self.counters = EvictionCounters()
@@ -306,12 +328,19 @@ class KVEvictor:
     def peak_blocks(self, num_tokens: int, chunk_tokens: int) -> int:
         """The most blocks a request of ``num_tokens`` holds at once when prefilled in chunks of at most
         ``chunk_tokens``: all of them, unless the policy evicts during prefill; then the blocks it keeps plus
-        one chunk's (and the partly filled block the chunk starts in)."""
+        one chunk's (and the partly filled block the chunk starts in). A policy that ``defers_prompt`` holds
+        a prompt the pool could hold whole."""
         bs = self.budget.block_size
         full = cdiv(num_tokens, bs)
-        if not self.policy.evicts_during_prefill:
+        if not self.policy.evicts_during_prefill or self._defers(num_tokens):
             return full
         return min(full, self.budget.num_keep_blocks(num_tokens) + cdiv(chunk_tokens, bs) + 1)
+
+    def _defers(self, num_prompt_tokens: int) -> bool:
+        return self.policy.defers_prompt and self.manager.can_ever_fit(num_prompt_tokens)
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.origin, self.mass, self.count, self.recent, self.last
 
     def _state(self, request_id: str) -> _RequestState:
         state = self._states.get(request_id)
@@ -319,11 +348,12 @@ class KVEvictor:
             if not self._free_rows:
                 old = self.mass.shape[0]
                 new = max(8, 2 * old)
-                grow = torch.zeros(new - old, self.max_blocks)
-                self.mass, self.count = torch.cat([self.mass, grow]), torch.cat([self.count, grow])
-                self.recent, self.last = torch.cat([self.recent, grow]), torch.cat([self.last, grow])
+                self.origin, self.mass, self.count, self.recent, self.last = (
+                    torch.cat([t, t.new_zeros(new - old, *t.shape[1:])]) for t in self._tensors()
+                )
                 self._free_rows = list(range(new - 1, old - 1, -1))
             state = self._states[request_id] = _RequestState(self._free_rows.pop())
+            self.origin[state.row] = torch.arange(self.max_blocks)
         return state
 
     def forget(self, request_ids: Iterable[str]) -> None:
@@ -331,9 +361,13 @@ class KVEvictor:
         for rid in request_ids:
             state = self._states.pop(rid, None)
             if state is not None:
-                for t in (self.mass, self.count, self.recent, self.last):
+                for t in self._tensors():
                     t[state.row].zero_()
                 self._free_rows.append(state.row)
+
+    def origins(self, request_id: str, num_slots: int) -> torch.Tensor:
+        """(lanes, num_slots): the block each of the request's first slots holds in every lane."""
+        return self.origin[self._state(request_id).row, :, :num_slots].clone()
 
     def absorb(self, scores: Iterable[StepScores], num_new_tokens: dict[str, int] | None = None) -> None:
         """Fold a step's observations in. ``num_new_tokens``: tokens each request computed in the step (the
@@ -341,28 +375,26 @@ class KVEvictor:
         t0 = time.perf_counter()
         recent = self.policy.score_kind == "recent"
         for part in scores:
-            rows = torch.tensor([self._state(rid).row for rid in part.request_ids], dtype=torch.long)
-            valid = part.table_index >= 0
-            index = (rows.unsqueeze(1).expand_as(part.table_index)[valid], part.table_index[valid])
-            mass = part.mass.float()
-            if recent:
-                # relative to uniform: x the live blocks each observation saw
-                rel = (mass * valid.sum(1, keepdim=True)).masked_fill(~valid, 0.0)
-                age = torch.tensor([float((num_new_tokens or {}).get(r, 1)) for r in part.request_ids])
-                keep = (0.5 ** (age / self.policy.score_half_life)).unsqueeze(1).expand_as(rel)[valid]
-                seen = self.count[index] > 0  # a block's first observation is its score
-                old = self.recent[index]
-                self.recent[index] = torch.where(seen, keep * old + (1.0 - keep) * rel[valid], rel[valid])
-                self.last[rows] = 0.0
-                self.last.index_put_(index, rel[valid])
-            self.mass.index_put_(index, mass[valid], accumulate=True)
-            self.count.index_put_(index, torch.ones(index[0].shape), accumulate=True)
+            for i, (rid, n) in enumerate(zip(part.request_ids, part.num_slots)):
+                row = self._state(rid).row
+                mass = part.mass[i, :, :n].float()
+                if recent:
+                    rel = mass * n  # relative to uniform over the blocks this observation saw
+                    age = float((num_new_tokens or {}).get(rid, 1))
+                    keep = 0.5 ** (age / self.policy.score_half_life)
+                    old = self.recent[row, :, :n]
+                    seen = self.count[row, :, :n] > 0  # a block's first observation is its score
+                    self.recent[row, :, :n] = torch.where(seen, keep * old + (1.0 - keep) * rel, rel)
+                    self.last[row].zero_()
+                    self.last[row, :, :n] = rel
+                self.mass[row, :, :n] += mass
+                self.count[row, :, :n] += 1.0
         self.counters.score_ms += (time.perf_counter() - t0) * 1e3
 
     def after_step(
         self, chunks: Iterable[Chunk], scores: Iterable[StepScores], get_request: Callable[[str], Any]
     ) -> int:
-        """Fold the step's scores in, then evict for every request that ran. Returns blocks evicted."""
+        """Fold the step's scores in, then evict for every request that ran. Returns slots dropped."""
         chunks = list(chunks)
         self.absorb(scores, {c.request_id: c.num_tokens for c in chunks})
         t0 = time.perf_counter()
@@ -377,51 +409,66 @@ class KVEvictor:
             is_prompt_done = not state.is_prompt_done and n >= request.num_prompt_tokens
             state.is_prompt_done = state.is_prompt_done or is_prompt_done
             event = StepEvent(
-                num_live=cdiv(n, bs) - state.num_evicted,
+                num_live=cdiv(n - self.manager.num_dropped_tokens(chunk.request_id), bs),
                 num_keep=self.policy.num_keep_blocks(n, request.num_prompt_tokens),
                 is_prompt_done=is_prompt_done,
                 is_block_boundary=(n // bs) != (n - chunk.num_tokens) // bs,
             )
+            if n < request.num_prompt_tokens and self._defers(request.num_prompt_tokens):
+                continue  # the prompt stays whole until its last chunk
             if self.policy.triggers(event):
-                num_evicted += self._evict(chunk.request_id, state, n, event.num_keep, is_prompt_done)
+                num_evicted += self._evict(chunk.request_id, state, n, event, is_prompt_done)
         self.counters.decide_ms += (time.perf_counter() - t0) * 1e3
         return num_evicted
 
-    def score(self, row: int, num_blocks: int, is_prompt_done: bool = False) -> torch.Tensor:
-        """(num_blocks,) the policy's score of one request's blocks (``EvictionPolicy.score_kind``)."""
+    def score(self, row: int, num_slots: int, is_prompt_done: bool = False) -> torch.Tensor:
+        """(lanes, num_slots) the policy's score of one request's slots (``EvictionPolicy.score_kind``)."""
         if self.policy.score_kind == "recent":
-            return (self.last if is_prompt_done else self.recent)[row, :num_blocks].clone()
-        return self.mass[row, :num_blocks] / self.count[row, :num_blocks].clamp_min(1.0)
+            return (self.last if is_prompt_done else self.recent)[row, :, :num_slots].clone()
+        return self.mass[row, :, :num_slots] / self.count[row, :, :num_slots].clamp_min(1.0)
 
     def _evict(
-        self,
-        request_id: str,
-        state: _RequestState,
-        num_tokens: int,
-        num_keep: int,
-        is_prompt_done: bool = False,
+        self, request_id: str, state: _RequestState, num_tokens: int, event: StepEvent, is_prompt_done: bool
     ) -> int:
         self.counters.num_decisions += 1
-        num_blocks = cdiv(num_tokens, self.budget.block_size)
-        table = self.manager.block_table(request_id)[:num_blocks]
-        index = torch.arange(num_blocks)
+        n = event.num_live
+        origin = self.origin[state.row, :, :n]
         view = BlockView(
             num_tokens=num_tokens,
-            is_live=torch.tensor([b != HOLE for b in table], dtype=torch.bool),
-            is_sink=index < self.budget.num_sink_blocks(),
-            is_recent=index >= self.budget.first_recent_block(num_tokens),
-            score=self.score(state.row, num_blocks, is_prompt_done),
-            num_keep=num_keep,
+            origin=origin,
+            is_sink=origin < self.budget.num_sink_blocks(),
+            is_recent=origin >= self.budget.first_recent_block(num_tokens),
+            score=self.score(state.row, n, is_prompt_done),
+            num_keep=event.num_keep,
         )
         chosen = self.policy.select(view)
-        if chosen.numel() == 0:
+        num_dropped = int(chosen[0].sum())
+        if num_dropped == 0:
             return 0
-        assert bool(view.candidates[chosen].all()), f"policy {self.policy.name} chose a protected block"
-        freed = self.manager.evict_blocks(request_id, chosen.tolist())
-        state.num_evicted += len(freed)
-        self.counters.num_evicted_blocks += len(freed)
+        assert bool((chosen.sum(1) == num_dropped).all()), f"policy {self.policy.name}: uneven lanes"
+        assert not bool((chosen & ~view.candidates).any()), (
+            f"policy {self.policy.name} chose a protected block"
+        )
+        slots = torch.arange(n).expand(self.num_lanes, n)
+        source = slots[~chosen].view(self.num_lanes, n - num_dropped)  # kept slots, in order, per lane
+        rewrite_from = int((source != slots[:, : n - num_dropped]).any(0).int().argmax())
+        tables = self.manager.drop_slots(request_id, n, num_dropped, rewrite_from)
+        if tables is None:
+            self.counters.num_skipped += 1
+            return 0
+        if self.cache is not None:
+            self.counters.num_copied_chunks += self.cache.compact(*tables, source)
+        m = n - num_dropped
+        for t in self._tensors():
+            t[state.row, :, :m] = t[state.row, :, :n].gather(1, source)
+            t[state.row, :, m:n] = 0
+        # later slots hold the blocks after the tail (the last slot holds the last block in every lane)
+        self.origin[state.row, :, m:] = (
+            torch.arange(m, self.max_blocks) + cdiv(num_tokens, self.budget.block_size) - m
+        )
+        self.counters.num_evicted_blocks += num_dropped
         self.counters.num_eviction_events += 1
-        return len(freed)
+        return num_dropped
 
     def report(self) -> dict:
         c = self.counters
@@ -430,6 +477,8 @@ class KVEvictor:
             "num_evicted_blocks": c.num_evicted_blocks,
             "num_eviction_events": c.num_eviction_events,
             "num_decisions": c.num_decisions,
+            "num_copied_chunks": c.num_copied_chunks,
+            "num_skipped": c.num_skipped,
             "decide_ms": c.decide_ms,
             "score_ms": c.score_ms,
             "num_tracked_requests": len(self._states),

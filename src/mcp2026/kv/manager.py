@@ -31,16 +31,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-HOLE = -1  # a block table entry whose block was evicted (kv.eviction): its positions hold no KV
-
-
 class KVCacheManager:
     """Owns every block reference: a request's block table holds one reference per block.
 
     A request's table covers at least its computed tokens; block ``i`` holds token positions
     ``[i*block_size, (i+1)*block_size)``. Full computed blocks are registered in the prefix cache; when their
     last holder frees them they stay cached ("evictable") until an allocation needs the space.
-    Failed allocations change nothing. Entries dropped by ``evict_blocks`` are ``HOLE`` and hold no reference.
+    Failed allocations change nothing. After KV eviction (``drop_slots``) a table is a list of *slots*: it covers
+    the request's tokens minus ``num_dropped_tokens``, and which positions a slot holds is the evictor's
+    bookkeeping (it differs per layer and head).
     """
 
     def __init__(
@@ -64,6 +63,7 @@ class KVCacheManager:
         self._uncacheable: set[str] = set()
         # Hit a key collision, or evicted blocks (later KV differs from a fresh prefill): stop registering.
         self._broken: set[str] = set()
+        self._dropped: dict[str, int] = {}  # blocks of KV a request evicted (kv.eviction)
 
     # --- queries -------------------------------------------------------------------------------------------
     @property
@@ -85,6 +85,10 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return list(self._tables.get(request_id, ()))
+
+    def num_dropped_tokens(self, request_id: str) -> int:
+        """Tokens of KV the request evicted: its table covers ``num_computed_tokens`` minus these."""
+        return self._dropped.get(request_id, 0) * self.block_size
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -134,7 +138,12 @@ class KVCacheManager:
             raise ValueError(
                 f"request {rid}: stale prefix hit (a block was evicted since get_computed_blocks)"
             )
-        num_covered = request.num_computed_tokens + len(computed_block_ids) * self.block_size + num_new_tokens
+        num_covered = (
+            request.num_computed_tokens
+            + len(computed_block_ids) * self.block_size
+            + num_new_tokens
+            - self.num_dropped_tokens(rid)
+        )
         num_held = len(table or ()) + len(computed_block_ids)
         num_needed = max(0, self.num_blocks_for(num_covered) - num_held)
         num_revived = sum(1 for b in computed_block_ids if self.pool.ref_count(b) == 0)
@@ -167,23 +176,26 @@ class KVCacheManager:
         rid = request.request_id
         table = self._tables.pop(rid, None)
         self._chains.pop(rid, None)
+        self._dropped.pop(rid, None)
         if not preempted:
             self._keys.pop(rid, None)
             self._uncacheable.discard(rid)
             self._broken.discard(rid)
-        table = [b for b in table or () if b != HOLE]
-        if not table:
-            return
+        if table:
+            # Tail first: equal-time LRU-2 ties then evict the end of a sequence before its shared head.
+            self._release(list(reversed(table)))
+
+    def _release(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; cached ones nobody holds any more become evictable."""
         cached: list[int] = []
-        for b in table:
+        for b in blocks:
             if self.cache.entry_of(b) is None:
                 continue
             if self.pool.is_online(b):
                 cached.append(b)
             else:
                 self.cache.remove(b)
-        # Tail first: equal-time LRU-2 ties then evict the end of a sequence before its shared head.
-        for b in self.pool.free(reversed(table), park=cached):
+        for b in self.pool.free(blocks, park=cached):
             self.cache.set_evictable(b)
 
     # --- registration --------------------------------------------------------------------------------------
@@ -212,34 +224,46 @@ class KVCacheManager:
             chain.append(entry)
             parent = entry
 
-    def evict_blocks(self, request_id: str, block_indices: Iterable[int]) -> list[int]:
-        """Drop the request's blocks at these table indices (KV eviction): the entries become ``HOLE``, the
-        other entries keep their positions, and the dropped blocks go back to the pool. Blocks the request
-        already registered stay offered as prefix hits (their KV is what a fresh prefill stores; cached ones
-        nobody holds become evictable), but it registers none from now on: KV computed after an eviction
-        attended to a partial context. Returns the freed block ids."""
-        table = self._tables[request_id]
-        freed = []
-        for i in block_indices:
-            if table[i] == HOLE:
-                raise ValueError(f"request {request_id}: block {i} is already evicted")
-            freed.append(table[i])
-            table[i] = HOLE
-        self._broken.add(request_id)
-        cached = []
-        for b in freed:
-            if self.cache.entry_of(b) is None:
-                continue
-            if self.pool.is_online(b):
-                cached.append(b)
-            else:
-                self.cache.remove(b)
-        for b in self.pool.free(freed, park=cached):
-            self.cache.set_evictable(b)
-        return freed
+    def drop_slots(
+        self, request_id: str, num_live: int, num_dropped: int, rewrite_from: int
+    ) -> tuple[list[int], list[int]] | None:
+        """KV eviction with compaction: the evictor moves what each layer and head keeps of slots
+        ``[rewrite_from, num_live)`` down into ``[rewrite_from, num_live - num_dropped)``, and slots
+        ``[num_live - num_dropped, num_live)`` leave the table (later slots move down).
 
-    def num_holes(self, request_id: str) -> int:
-        return sum(1 for b in self._tables.get(request_id, ()) if b == HOLE)
+        Slots about to be rewritten must not change KV that someone else reads or may hit: a block shared with
+        another request, or registered in the prefix cache, is replaced by a fresh one (the original keeps its
+        bytes, so it stays a prefix hit); when the pool has no block to spare for a registered one, that
+        block leaves the prefix cache and is rewritten in place. The request registers nothing from now on
+        (its later KV attends to a partial context). Returns (table before, table after): the caller copies
+        the KV before the next allocation (the released blocks' contents are intact until then). None, with
+        nothing changed, when a shared block has no fresh block to go to."""
+        table = self._tables[request_id]
+        if not 0 < num_dropped <= num_live - rewrite_from or num_live > len(table):
+            raise ValueError(
+                f"request {request_id}: cannot drop {num_dropped} of slots [{rewrite_from}, {num_live}) "
+                f"(table of {len(table)})"
+            )
+        kept_end = num_live - num_dropped
+        rewritten = range(rewrite_from, kept_end)
+        shared = [i for i in rewritten if self.pool.ref_count(table[i]) > 1]
+        registered = [i for i in rewritten if i not in shared and self.cache.entry_of(table[i]) is not None]
+        spare = self.num_free_blocks - len(shared)
+        if spare < 0:
+            return None
+        copied = shared + registered[:spare]
+        before = list(table)
+        for i, b in zip(copied, self._allocate(len(copied))):
+            table[i] = b
+        for i in registered[spare:]:
+            self.cache.remove(table[i])
+        vacated = table[kept_end:num_live]
+        del table[kept_end:num_live]
+        self._dropped[request_id] = self._dropped.get(request_id, 0) + num_dropped
+        self._broken.add(request_id)
+        self._chains.pop(request_id, None)
+        self._release([before[i] for i in copied] + vacated)
+        return before, list(table)
 
     def mark_uncacheable(self, request_id: str) -> None:
         """The request's KV will be rewritten (compression): never offer its blocks as prefix hits, and
@@ -285,8 +309,7 @@ class KVCacheManager:
         self.pool.check_integrity(self._tables.values())
         self.cache.check_integrity()
         for rid, table in self._tables.items():
-            held = [b for b in table if b != HOLE]
-            assert len(set(held)) == len(held), f"request {rid} holds a block twice: {table}"
+            assert len(set(table)) == len(table), f"request {rid} holds a block twice: {table}"
         evictable = set(self.cache.evictable_block_ids())
         parked = {b for b in self.cache.cached_block_ids() if self.pool.is_parked(b)}
         assert evictable == parked, f"evictable {sorted(evictable)[:8]} != parked {sorted(parked)[:8]}"

@@ -33,6 +33,11 @@ class QualityResult:
     ppl: float
     kld: float  # mean KL(ref || compressed) per token, nats
     top1_agreement: float  # share of positions where both argmax agree
+    # The same perplexities over the positions after the prompt only (what generation sees: a prompt
+    # token's own logits are computed while its chunk still reads the uncompressed prompt so far)
+    num_tokens_after_prompt: int = 0
+    ppl_ref_after_prompt: float = float("nan")
+    ppl_after_prompt: float = float("nan")
 
     @property
     def ppl_increase(self) -> float:
@@ -77,7 +82,12 @@ def iter_logits(
             if not manager.allocate_slots(request, end - start):
                 raise RuntimeError(f"the KV pool is full at {start} tokens; raise its budget or evict more")
             chunk = ScheduledChunk(
-                request_id, tokens[start:end], start, manager.block_table(request_id), end == prompt_len
+                request_id,
+                tokens[start:end],
+                start,
+                manager.block_table(request_id),
+                end == prompt_len,
+                manager.num_dropped_tokens(request_id),
             )
             _, logits = runner.execute(SchedulerOutput([chunk], end - start), all_logits=True)
             request.num_computed_tokens = end
@@ -115,9 +125,11 @@ def compare_quality_many(
     """``compare_quality`` for several test engines in one lockstep: the reference runs once, not once per
     test. Memory: every engine holds one chunk of logits (``prompt_chunk`` x vocab floats) at a time."""
     tokens = torch.tensor([int(t) for t in token_ids])
-    nll_ref = 0.0
+    first_after = len(tokens) if prompt_len is None else prompt_len  # logits at positions >= it
+    nll_ref = nll_ref_after = 0.0
     nll, kld, agree = [0.0] * len(tests), [0.0] * len(tests), [0] * len(tests)
-    count = 0
+    nll_after = [0.0] * len(tests)
+    count = count_after = 0
     streams = zip(
         iter_logits(ref, token_ids, prompt_len, prompt_chunk, chunk_size, "kv-ref"),
         *(iter_logits(t, token_ids, prompt_len, prompt_chunk, chunk_size, "kv-test") for t in tests),
@@ -127,20 +139,39 @@ def compare_quality_many(
         if n <= 0:
             continue
         target = tokens[start + 1 : start + 1 + n].unsqueeze(1)
+        after = slice(max(0, first_after - start), n)
         la = torch.log_softmax(a[:n].double(), -1)
         pa, top = la.exp(), la.argmax(-1)
-        nll_ref -= float(la.gather(1, target).sum())
+        token_nll = -la.gather(1, target)
+        nll_ref += float(token_nll.sum())
+        nll_ref_after += float(token_nll[after].sum())
         for i, (_, b) in enumerate(others):
             lb = torch.log_softmax(b[:n].double(), -1)
-            nll[i] -= float(lb.gather(1, target).sum())
+            token_nll = -lb.gather(1, target)
+            nll[i] += float(token_nll.sum())
+            nll_after[i] += float(token_nll[after].sum())
             kld[i] += float((pa * (la - lb)).sum())
             agree[i] += int((top == lb.argmax(-1)).sum())
         count += n
+        count_after += len(range(n)[after])
     if count == 0:
         raise ValueError("need at least 2 tokens")
     ppl_ref = math.exp(nll_ref / count)
+
+    def after_ppl(total: float) -> float:
+        return math.exp(total / count_after) if count_after else float("nan")
+
     return [
-        QualityResult(count, ppl_ref, math.exp(nll[i] / count), kld[i] / count, agree[i] / count)
+        QualityResult(
+            count,
+            ppl_ref,
+            math.exp(nll[i] / count),
+            kld[i] / count,
+            agree[i] / count,
+            count_after,
+            after_ppl(nll_ref_after),
+            after_ppl(nll_after[i]),
+        )
         for i in range(len(tests))
     ]
 

@@ -410,6 +410,32 @@ class PagedKVCache:
             out.append(x.flatten(2, 3))
         return out[0], out[1]
 
+    # --- eviction ---------------------------------------------------------------------------------------
+    def compact(self, before: Sequence[int], after: Sequence[int], source: torch.Tensor) -> int:
+        """Per-lane compaction after KV eviction (lane = one layer's one KV head, ``layer * nkv + head``):
+        slot ``j`` of table ``after`` gets, in each lane, what slot ``source[lane, j]`` of table ``before``
+        held. ``source`` (L * nkv, n) is increasing in each row; slot ``j`` with ``source[:, j] == j`` and the
+        same block in both tables is not copied. Every plane moves (data, scales, zero points); a staged
+        codec's unfilled block lives in staging, which belongs to the request and does not move.
+        Returns the number of (layer, block, head) chunks copied."""
+        nkv = self.num_kv_heads
+        lanes, n = source.shape
+        if lanes != self.num_layers * nkv:
+            raise ValueError(f"compact: {lanes} lanes, the cache has {self.num_layers} x {nkv}")
+        old = torch.tensor(list(before), dtype=torch.long)
+        new = torch.tensor(list(after[:n]), dtype=torch.long)
+        layer = torch.arange(self.num_layers).repeat_interleave(nkv).unsqueeze(1) * self.num_blocks
+        head = torch.arange(nkv).repeat(self.num_layers).unsqueeze(1)
+        src = (layer + old[source]) * nkv + head  # chunk ids, (lanes, n)
+        dst = (layer + new.unsqueeze(0)) * nkv + head
+        moved = src != dst
+        src, dst = src[moved].to(self.device), dst[moved].to(self.device)
+        if src.numel():
+            for plane in (*self.k_planes.values(), *self.v_planes.values()):
+                flat = _bytes(plane).flatten(0, 2)  # (L * num_blocks * nkv, *chunk)
+                flat.index_copy_(0, dst, flat.index_select(0, src))
+        return int(src.numel())
+
     # --- debug checks ----------------------------------------------------------------------------------
     def debug_report(self) -> dict:
         return {
