@@ -82,6 +82,13 @@ def test_bytes(run):
 def test_retrieval_decode_and_targets(run):
     scores = run.aggregates["retrieval"]["scores"]
     assert scores["fp32"]["agreement"] == 1.0  # a second, lossless engine answers exactly like the reference
+    assert (
+        scores["fp32"]["num_kept"]
+        == scores["fp32"]["num_ref_correct"]
+        == scores["uncompressed"]["num_correct"]
+    )
+    hh = scores["heavy_hitter@0.7"]
+    assert hh["num_kept"] <= min(hh["num_ref_correct"], hh["num_correct"])
     assert 0.0 <= scores["heavy_hitter@0.7"]["agreement"] <= 1.0
     assert 0.0 <= scores["uncompressed"]["accuracy"] <= 1.0
     assert len([r for r in run.records if r["kind"] == "retrieval"]) == 3 * 3
@@ -97,7 +104,7 @@ def test_retrieval_decode_and_targets(run):
     assert [t.title.split(":")[0] for t in run.tables] == [
         "KV compression quality",
         "Memory",
-        "Decode at 64 tokens of context (2 tokens, one sequence, fp32)",
+        "Decode at 64 tokens of context (2 tokens, one sequence, fp32, fp32 weights)",
     ]
 
 
@@ -174,6 +181,8 @@ def test_config_presets_and_validation():
     quick = make_config(True, context_tokens=512, codecs=None)
     assert quick.context_tokens == 512 and quick.codecs == QUICK["codecs"]
     assert make_config(False) == KVBenchConfig()
+    assert "--decode-weights" not in KVBenchConfig().command()
+    assert "--decode-weights dqg:5" in KVBenchConfig(decode_weights="dqg:5").command()
     assert [n for n, _ in KVBenchConfig(codecs=("int8",), policies=("snap",), sparsities=(0.5,)).grid()] == [
         "int8",
         "snap@0.5",
@@ -186,6 +195,7 @@ def test_config_presets_and_validation():
         ({"codecs": (), "policies": ()}, "nothing to measure"),
         ({"block_size": 12}, "--block-size"),
         ({"text": "wiki"}, "--text"),
+        ({"decode_weights": "int3"}, "weights must be a list of int8, int4, fp8 or dqg:BITS"),
     ]:
         with pytest.raises(ValueError, match=match):
             KVBenchConfig(**kwargs)

@@ -236,6 +236,34 @@ def test_compressed_blocks_are_not_prefix_hits(tiny):
     engine.kv_manager.check_integrity()
 
 
+def test_compaction_never_rewrites_blocks_another_request_reads(tiny):
+    """B hits A's prompt blocks (prefix cache) while A still holds them; both then compact (snap, at their
+    prompt ends, in the same step). Outputs equal each run alone: shared blocks were copied, not rewritten."""
+    kv = KVCompressor(dtype="fp32", policy="snap", sparsity_ratio=0.5, recent_window=16, block_size=8)
+    g = torch.Generator().manual_seed(8)
+    prefix = torch.randint(3, 320, (64,), generator=g).tolist()
+    a = prefix + torch.randint(3, 320, (24,), generator=g).tolist()
+    b = prefix + torch.randint(3, 320, (16,), generator=g).tolist()
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    engine = make_engine(tiny, kv, long_prefill_token_threshold=32)
+    ra = engine.add_request(a, params)
+    engine.step()
+    engine.step()  # A's first 64 tokens are computed and registered
+    rb = engine.add_request(b, params)
+    state_b = engine.request_state(rb)
+    out = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o.output.token_ids
+        engine.kv_manager.check_integrity()
+    assert state_b.request.num_cached_tokens == 64
+    assert engine.kv_manager.num_dropped_tokens(ra) == 0  # freed
+    assert engine.evictor.counters.num_eviction_events == 2
+    alone = [run(make_engine(tiny, kv, long_prefill_token_threshold=32), [p], params)[0] for p in (a, b)]
+    assert [out[ra], out[rb]] == alone
+
+
 def test_pipeline_kv_and_inject(tiny_dir, tiny):
     from mcp2026 import Pipeline
 

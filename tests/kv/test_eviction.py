@@ -3,6 +3,7 @@ integrity, the prefix rule."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import pytest
@@ -286,3 +287,12 @@ def test_heavy_hitter_keeps_a_prompt_that_fits_whole_until_its_end(pool_blocks, 
     assert step(kv, evictor, req, 32, mass) == (8 if streams else 12)
     assert len(kv.block_table("a")) == 12
     kv.check_integrity()
+
+
+def test_heavy_hitter_at_the_prompt_end_ranks_every_candidate_by_the_question():
+    b = budget(sparsity_ratio=0.3)  # 40 tokens: keep 7 blocks; H2O's recent half = 3 (block 7 joins 8, 9)
+    score = [0.0, 5, 1, 9, 2, 0.5, 7, 0.1, 0, 0]
+    policy = make_policy("heavy_hitter", b)
+    assert dropped(policy.select(view(b, 40, score))) == [2, 4, 5]
+    at_end = dataclasses.replace(view(b, 40, score), is_prompt_end=True)
+    assert dropped(policy.select(at_end)) == [2, 5, 7]  # SnapKV: the whole budget by score

@@ -312,9 +312,18 @@ def _decode(ctx: _Context) -> dict[str, Any]:
     evict = config_name(config.decode_policy, DECODE_SPARSITY)
     configs = [("uncompressed", None), (evict, parse_config(evict, config.identity, config.block_size))]
     task = ctx.progress.add_task("decode", total=len(configs)) if ctx.progress is not None else None
+    loaded = ctx.loaded
+    if config.decode_weights:  # a second copy of the model, quantized (the first stays the quality reference)
+        from mcp2026.bench.weights import quant_config
+        from mcp2026.loading.loader import load_model
+        from mcp2026.pipeline import DTYPES
+        from mcp2026.quant.recipe import quantize_loaded
+
+        loaded = load_model(config.model, dtype=DTYPES[config.dtype])
+        quantize_loaded(loaded, quant_config(config.decode_weights), progress=False)
     speeds = {}
     for name, kv in configs:
-        engine = _engine(ctx.loaded, kv, config.decode_context + config.decode_tokens + 2, config.block_size)
+        engine = _engine(loaded, kv, config.decode_context + config.decode_tokens + 2, config.block_size)
         if config.decode_context + config.decode_tokens + 1 > engine.max_model_len:
             raise ValueError(
                 f"--decode-context {config.decode_context} + {config.decode_tokens} tokens exceed this "

@@ -81,6 +81,12 @@ def kv(
     decode_policy: Annotated[
         str | None, typer.Option(help="policy at 70% sparsity for decode tok/s (default heavy_hitter)")
     ] = None,
+    decode_weights: Annotated[
+        str | None,
+        typer.Option(
+            help="weights for decode tok/s: int8 | int4 | fp8 | dqg:BITS (default: as loaded, --dtype)"
+        ),
+    ] = None,
     text: Annotated[str | None, typer.Option(help="sharegpt (default) | random token ids")] = None,
     seed: Annotated[int | None, typer.Option(help="text and retrieval seed (default 0)")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="a small grid: int8,int4, heavy_hitter@0.7")] = False,
@@ -118,6 +124,7 @@ def kv(
         decode_context=decode_context,
         decode_tokens=decode_tokens,
         decode_policy=decode_policy,
+        decode_weights=decode_weights,
         text=text,
         seed=seed,
     )

@@ -52,6 +52,9 @@ class KVBenchConfig:
     decode_context: int = 4096  # 0: skip the decode-speed comparison
     decode_tokens: int = 32
     decode_policy: str = "heavy_hitter"
+    # weights of the decode-speed engines: "" = as loaded in --dtype; int8 | int4 | fp8 | dqg:BITS quantized (what
+    # a long-context deployment would serve; the less time the weights take, the more the KV reads count)
+    decode_weights: str = ""
     text: str = "sharegpt"  # sharegpt | random (models without a tokenizer always use random ids)
     seed: int = 0
 
@@ -80,6 +83,10 @@ class KVBenchConfig:
         for name in self.retrieval_configs:
             parse_config(name, self.identity, self.block_size)
         parse_config(config_name(self.decode_policy, DECODE_SPARSITY), self.identity, self.block_size)
+        if self.decode_weights:
+            from mcp2026.bench.weights import check_weights
+
+            check_weights((self.decode_weights,), ("int8", "int4", "fp8"))
 
     @property
     def identity(self) -> str:
@@ -116,6 +123,7 @@ class KVBenchConfig:
             f"--decode-context {self.decode_context}",
             f"--decode-tokens {self.decode_tokens}",
             f"--decode-policy {self.decode_policy}",
+            *([f"--decode-weights {self.decode_weights}"] if self.decode_weights else []),
             f"--text {self.text}",
             f"--seed {self.seed}",
         ]

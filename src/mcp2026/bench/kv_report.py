@@ -81,9 +81,9 @@ def _quality_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
     quality, retrieval = agg["quality"], agg["retrieval"]
     scores = retrieval["scores"] if retrieval else {}
 
-    def count(name: str, key: str) -> str:
+    def count(name: str, key: str, of: str = "num_prompts") -> str:
         s = scores.get(name)
-        return f"{s[key]}/{s['num_prompts']}" if s else "—"
+        return f"{s[key]}/{s[of]}" if s and of in s else "—"
 
     ref = agg["memory"][config.identity]
     rows: list[list[Any]] = [
@@ -97,6 +97,7 @@ def _quality_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
             f"{ref['bytes_ratio']:.2f}x",
             "—",  # the reference itself
             count("uncompressed", "num_correct"),
+            "—",
             "",
         ]
     ]
@@ -112,6 +113,7 @@ def _quality_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
                 f"{q['bytes_ratio']:.2f}x",
                 count(name, "num_agree"),
                 count(name, "num_correct"),
+                count(name, "num_kept", "num_ref_correct"),
                 _verdicts(agg, name, QUALITY_TARGETS),
             ]
         )
@@ -132,6 +134,7 @@ def _quality_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
         "fewer bytes vs bf16",
         "same answer",
         "answer correct",
+        "fact kept",
         "target",
     ]
     return Table(title, columns, rows)
@@ -165,7 +168,7 @@ def _decode_table(config: KVBenchConfig, decode: dict[str, Any]) -> Table:
     ]
     title = (
         f"Decode at {config.decode_context} tokens of context ({config.decode_tokens} tokens, one sequence, "
-        f"{config.dtype})"
+        f"{config.dtype}, {config.decode_weights or config.dtype} weights)"
     )
     return Table(title, ["config", "decode tok/s", "vs uncompressed", "target"], rows)
 
@@ -183,7 +186,8 @@ def notes(config: KVBenchConfig, loaded: Any, retrieval: dict | None, grid: list
         notes.append(
             f"Retrieval ({retrieval['mode']}): a fact early in the context, asked at the end; 'same answer' "
             "= greedy answer token ids equal to the uncompressed engine's, 'answer correct' = the answer "
-            "contains the fact (a 135M model may not retrieve well even uncompressed)."
+            "contains the fact (a 135M model may not retrieve well even uncompressed), 'fact kept' = correct "
+            "where the uncompressed engine was correct."
         )
     if any(kv.dtype == "fp8" for _, kv in grid) and next(loaded.model.parameters()).device.type == "cpu":
         notes.append(

@@ -93,6 +93,8 @@ class RetrievalScore:
     num_prompts: int
     num_agree: int  # answers identical to the uncompressed engine's
     num_correct: int  # answers containing the fact
+    num_ref_correct: int = 0  # prompts the uncompressed engine answered correctly ...
+    num_kept: int = 0  # ... and this engine too: the fact survived compression
 
     @property
     def agreement(self) -> float:
@@ -112,5 +114,7 @@ def score(
     if not len(prompts) == len(reference) == len(got) or not prompts:
         raise ValueError("need one reference and one answer per prompt, and at least one prompt")
     agree = sum(list(a) == list(b) for a, b in zip(reference, got))
-    correct = sum(p.is_correct(a, tokenizer) for p, a in zip(prompts, got))
-    return RetrievalScore(len(prompts), agree, correct)
+    correct = [p.is_correct(a, tokenizer) for p, a in zip(prompts, got)]
+    ref_correct = [p.is_correct(a, tokenizer) for p, a in zip(prompts, reference)]
+    kept = sum(r and c for r, c in zip(ref_correct, correct))
+    return RetrievalScore(len(prompts), agree, sum(correct), sum(ref_correct), kept)

@@ -89,10 +89,9 @@ class BlockView:
     origin: torch.Tensor  # (lanes, n) long: the block (positions // block_size) each slot holds
     is_sink: torch.Tensor  # (lanes, n) bool
     is_recent: torch.Tensor  # (lanes, n) bool
-    score: (
-        torch.Tensor
-    )  # (lanes, n) float32 the policy's score (EvictionPolicy.score_kind; 0 = never observed)
+    score: torch.Tensor  # (lanes, n) float32: the policy's score (see EvictionPolicy.score_kind)
     num_keep: int
+    is_prompt_end: bool = False  # the step that completed the prompt
 
     @property
     def candidates(self) -> torch.Tensor:
@@ -186,8 +185,9 @@ class HeavyHitter(EvictionPolicy):
     Scores: each observation's block mass is taken relative to uniform attention (x the live blocks it saw),
     so a block observed while the context was small is not inflated, and averaged with a decay by age in
     tokens, so stale early scores do not pin blocks forever. When the prompt completes, its blocks are ranked
-    by the prompt's last queries alone (SnapKV's observation window: the question of a prompt decides what
-    it needs). A prompt the pool could hold whole is kept whole until then (``defers_prompt``: evicting
+    by the prompt's last queries alone, over the whole budget (SnapKV's observation window: the question of
+    a prompt decides what it needs), and that observation replaces the scores so far: decoding goes on
+    from the question's ranking. A prompt the pool could hold whole is kept whole until then (``defers_prompt``: evicting
     mid-prompt drops what the question will ask for before it is seen); a longer one streams through the pool,
     dropping only what exceeds the prompt's final budget (the peak the scheduler admits by,
     ``KVEvictor.peak_blocks``)."""
@@ -207,6 +207,8 @@ class HeavyHitter(EvictionPolicy):
         return keep
 
     def select(self, view: BlockView) -> torch.Tensor:
+        if view.is_prompt_end:  # SnapKV: the question ranks every prompt block, no recent half
+            return _lowest(view, view.score, view.num_over)
         num_recent = min(max(0, view.num_keep // 2 - int(view.is_recent[0].sum())), view.num_candidates)
         if num_recent:  # the newest candidates join the recent window (the same slots in every lane)
             newest = view.candidates.cumsum(1) > view.num_candidates - num_recent
@@ -408,6 +410,8 @@ class KVEvictor:
             n = request.num_computed_tokens
             is_prompt_done = not state.is_prompt_done and n >= request.num_prompt_tokens
             state.is_prompt_done = state.is_prompt_done or is_prompt_done
+            if is_prompt_done and self.policy.score_kind == "recent":
+                self.recent[state.row] = self.last[state.row]
             event = StepEvent(
                 num_live=cdiv(n - self.manager.num_dropped_tokens(chunk.request_id), bs),
                 num_keep=self.policy.num_keep_blocks(n, request.num_prompt_tokens),
@@ -440,6 +444,7 @@ class KVEvictor:
             is_recent=origin >= self.budget.first_recent_block(num_tokens),
             score=self.score(state.row, n, is_prompt_done),
             num_keep=event.num_keep,
+            is_prompt_end=is_prompt_done,
         )
         chosen = self.policy.select(view)
         num_dropped = int(chosen[0].sum())
