@@ -82,13 +82,6 @@ def test_bytes(run):
 def test_retrieval_decode_and_targets(run):
     scores = run.aggregates["retrieval"]["scores"]
     assert scores["fp32"]["agreement"] == 1.0  # a second, lossless engine answers exactly like the reference
-    assert (
-        scores["fp32"]["num_kept"]
-        == scores["fp32"]["num_ref_correct"]
-        == scores["uncompressed"]["num_correct"]
-    )
-    hh = scores["heavy_hitter@0.7"]
-    assert hh["num_kept"] <= min(hh["num_ref_correct"], hh["num_correct"])
     assert 0.0 <= scores["heavy_hitter@0.7"]["agreement"] <= 1.0
     assert 0.0 <= scores["uncompressed"]["accuracy"] <= 1.0
     assert len([r for r in run.records if r["kind"] == "retrieval"]) == 3 * 3
@@ -133,6 +126,22 @@ def test_compare_quality_many_equals_one_at_a_time(tiny_dir):
     ref_prompt_nll = math.log(q.ppl_ref) * 95 - math.log(q.ppl_ref_after_prompt) * 47
     assert prompt_nll == pytest.approx(ref_prompt_nll, rel=1e-6)  # the 64-token window covers the prompt
     assert q.ppl_after_prompt != q.ppl_ref_after_prompt
+
+
+def test_score_counts_facts_kept_where_the_reference_was_right():
+    filler = list(range(100, 200))
+    prompts = [build_prompt(seed, filler, None, 320) for seed in range(4)]
+    right = [list(p.value_ids) + [1] for p in prompts]
+    wrong = [[7, 7, 7, 7, 7, 1] for _ in prompts]
+    reference = [right[0], right[1], right[2], wrong[3]]  # the reference misses prompt 3
+    got = [
+        right[0],
+        wrong[1],
+        [*right[2][:-1], 2],
+        right[3],
+    ]  # 2: same fact, other ending; 3: only test right
+    s = score(prompts, reference, got, None)
+    assert (s.num_agree, s.num_correct, s.num_ref_correct, s.num_kept) == (1, 3, 3, 2)
 
 
 def test_retrieval_prompts_in_token_mode():

@@ -164,6 +164,63 @@ def test_eviction_keeps_positions(tiny, monkeypatch, dtype, atol):
     assert err < atol, f"{dtype}: logprobs off by {err:.3g}"
 
 
+@pytest.mark.parametrize("policy", ["sink_window", "heavy_hitter", "dynamic_window", "snap"])
+def test_evictor_lanes_match_what_the_model_attends_to(tiny, monkeypatch, policy):
+    """The evictor's own record of which block each slot holds in each lane (``origins``, read before every
+    step) is what the engine attends to: full fp32 attention masked to exactly those blocks per (layer, KV
+    head), plus the step's own tokens, gives the engine's logprobs. Chunked prefill, eviction mid-prompt
+    (sink_window, dynamic_window) and at the prompt end, and during decode."""
+    from mcp2026.models import llama
+
+    bs = 8
+    kv = KVCompressor(
+        dtype="fp32", policy=policy, sparsity_ratio=0.6, recent_window=8, num_sink_tokens=4, block_size=bs
+    )
+    engine = make_engine(tiny, kv, num_blocks=64, long_prefill_token_threshold=24)
+    prompt = torch.randint(3, 320, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=40, ignore_eos=True, logprobs=0))
+    request = engine.request_state(rid).request
+    num_layers, nkv = tiny.config.num_layers, tiny.config.num_kv_heads
+    history = []  # (first position the step computes, origins of the cached slots before it)
+    final = None
+    while engine.has_unfinished():
+        start = request.num_computed_tokens
+        cached = start - engine.kv_manager.num_dropped_tokens(rid)
+        history.append((start, engine.evictor.origins(rid, -(-cached // bs))))
+        final = next((o for o in engine.step() if o.finished), final)
+    assert engine.evictor.counters.num_evicted_blocks > 0
+    out = final.output
+    seq = torch.tensor(prompt + out.token_ids[:-1])
+    n = len(seq)
+    masks = torch.zeros(num_layers, nkv, n, n, dtype=torch.bool)
+    ends = [h[0] for h in history[1:]] + [n]
+    for (start, origins), end in zip(history, ends):
+        for lane, blocks in enumerate(origins.tolist()):
+            layer, head = divmod(lane, nkv)
+            for p in range(start, min(end, n)):
+                for b in blocks:
+                    masks[layer, head, p, b * bs : min((b + 1) * bs, start)] = True
+                masks[layer, head, p, start : p + 1] = True
+    group = tiny.config.num_heads // nkv
+
+    def masked_attention(layer, q, k, v, ctx):
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1).repeat_interleave(group, 0),
+            v.transpose(0, 1).repeat_interleave(group, 0),
+            attn_mask=masks[layer].repeat_interleave(group, 0),
+            scale=1.0,
+        )
+        return o.transpose(0, 1)
+
+    monkeypatch.setattr(llama, "attention", masked_attention)
+    with torch.inference_mode():
+        logits = tiny.model.compute_logits(tiny.model(seq, torch.arange(n)))[len(prompt) - 1 :]
+    logprobs = torch.log_softmax(logits, -1)[torch.arange(40), out.token_ids]
+    assert logits.argmax(-1).tolist() == out.token_ids
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in out.logprobs]), logprobs, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("policy", ["sink_window", "heavy_hitter", "dynamic_window"])
 def test_eviction_frees_blocks_and_keeps_the_pool_whole(tiny, policy):
     kv = KVCompressor(
@@ -262,6 +319,35 @@ def test_compaction_never_rewrites_blocks_another_request_reads(tiny):
     assert engine.evictor.counters.num_eviction_events == 2
     alone = [run(make_engine(tiny, kv, long_prefill_token_threshold=32), [p], params)[0] for p in (a, b)]
     assert [out[ra], out[rb]] == alone
+
+
+@pytest.mark.parametrize("policy", ["heavy_hitter", "sink_window"])
+def test_recompute_after_preemption_fits_what_the_scheduler_admitted(tiny, policy):
+    """A preempted request recomputes prompt + output in chunks that run past the prompt end. heavy_hitter's
+    keep-the-prompt-whole rule must follow what the scheduler admitted (prompt + output here, which does not
+    fit the 8-block pool): it streams instead, and the request finishes (it used to preempt itself forever)."""
+    kv = KVCompressor(
+        dtype="fp32", policy=policy, sparsity_ratio=0.6, recent_window=8, num_sink_tokens=4, block_size=8
+    )
+    config = EngineConfig(
+        KVConfig(block_size=8, num_blocks=8, enable_prefix_caching=False),
+        SchedulerConfig(long_prefill_token_threshold=24),
+        kv_compressor=kv,
+    )
+    engine = LLMEngine(tiny.model, tiny.config, None, config)
+    prompt = torch.randint(3, 320, (50,), generator=torch.Generator().manual_seed(1)).tolist()
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=24, ignore_eos=True))
+    request = engine.request_state(rid).request
+    final = None
+    for _ in range(200):
+        if request.num_tokens >= 66 and request.num_preemptions == 0:
+            engine.scheduler._preempt(request, None)  # as memory pressure would
+        final = next((o for o in engine.step() if o.finished), final)
+        engine.kv_manager.check_integrity()
+        if not engine.has_unfinished():
+            break
+    assert final is not None and final.finish_reason == "length" and len(final.output.token_ids) == 24
+    assert request.num_preemptions == 1
 
 
 def test_pipeline_kv_and_inject(tiny_dir, tiny):

@@ -296,3 +296,16 @@ def test_heavy_hitter_at_the_prompt_end_ranks_every_candidate_by_the_question():
     assert dropped(policy.select(view(b, 40, score))) == [2, 4, 5]
     at_end = dataclasses.replace(view(b, 40, score), is_prompt_end=True)
     assert dropped(policy.select(at_end)) == [2, 5, 7]  # SnapKV: the whole budget by score
+
+
+def test_recent_scores_decay_with_age_and_start_from_the_first_observation():
+    kv = KVCacheManager(BS, 32)
+    evictor = KVEvictor(make_policy("heavy_hitter", budget()), kv, max_model_len=128, num_lanes=2)
+    first = torch.tensor([[[0.5, 0.4, 0.1], [0.2, 0.2, 0.6]]])  # (1 request, 2 lanes, 3 slots)
+    evictor.absorb([StepScores(["a"], [3], first)], {"a": 12})
+    row = evictor._states["a"].row
+    torch.testing.assert_close(evictor.recent[row, :, :3], first[0] * 3)  # relative to uniform (x 3 slots)
+    second = torch.tensor([[[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]])
+    evictor.absorb([StepScores(["a"], [3], second)], {"a": 256})  # one half-life later: equal weights
+    torch.testing.assert_close(evictor.recent[row, :, :3], (first[0] + second[0]) * 1.5)
+    torch.testing.assert_close(evictor.last[row, :, :3], second[0] * 3)

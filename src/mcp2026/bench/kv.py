@@ -283,13 +283,15 @@ def _retrieval(ctx: _Context) -> dict[str, Any]:
 
 def _memory(ctx: _Context) -> dict[str, dict[str, float]]:
     """KV bytes per token and sequences of ``concurrent_len`` tokens a ``budget_gb`` pool holds."""
-    from mcp2026.kv.measure import kv_bytes_per_token, max_concurrent_sequences
+    from mcp2026.kv.measure import bounds_peak, kv_bytes_per_token, max_concurrent_sequences
 
     config, model = ctx.config, ctx.loaded.config
     dtype = next(ctx.loaded.model.parameters()).dtype
     codecs = [c for c in config.codecs if c not in ctx.skipped]
     names = list(dict.fromkeys(["bf16", config.identity, *codecs]))
-    evicting = [p for p in config.policies if p != "snap"]  # snap drops prompt blocks only, once
+    # snap drops prompt blocks only, once; heavy_hitter holds a prompt whole until its end (the peak of a
+    # 2048-token prompt is all of it)
+    evicting = [p for p in config.policies if bounds_peak(p)]
     names += [f"bf16 + {config_name(evicting[0], s)}" for s in config.sparsities] if evicting else []
     budget = int(config.budget_gb * 1e9)
     rows = {}

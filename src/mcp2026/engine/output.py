@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 class ScheduledChunk:
     """Tokens of one request to compute this step, at positions ``start_pos .. start_pos+len-1``.
 
-    KV for positions ``< start_pos`` is already in the blocks of ``block_table`` (block ``i`` holds positions
-    ``[i*block_size, (i+1)*block_size)``), which covers every position of this chunk. Nothing may be
-    written into blocks before ``start_pos // block_size``: they can be shared prefix-cache blocks.
-    After KV eviction, ``kv_offset`` tokens of KV are gone: the table holds ``start_pos - kv_offset`` cached
-    tokens (which positions, per layer and head, is ``kv.eviction``'s business) and the chunk's K/V go at
-    slots from there on.
+    KV for positions ``< start_pos`` is already cached in the blocks of ``block_table``, which also covers this
+    chunk. Without eviction block ``i`` holds positions ``[i*block_size, (i+1)*block_size)``. After KV eviction
+    ``kv_offset`` tokens of KV are gone: the table holds ``kv_start = start_pos - kv_offset`` cached tokens
+    (which positions, per layer and head, is ``kv.eviction``'s business) and the chunk's K/V go at slots
+    ``kv_start ..``. Nothing may be written into blocks before ``kv_start // block_size``: they can be shared
+    prefix-cache blocks.
     """
 
     request_id: str

@@ -120,7 +120,7 @@ def _lowest(view: BlockView, key: torch.Tensor, num: int) -> torch.Tensor:
     num = min(max(num, 0), view.num_candidates)
     chosen = torch.zeros_like(view.candidates)
     if num:
-        masked = key.float().masked_fill(~view.candidates, float("inf"))
+        masked = key.float().nan_to_num(0.0).masked_fill(~view.candidates, float("inf"))
         order = torch.sort(masked, dim=1, stable=True).indices[:, :num]  # slot order == age order
         chosen.scatter_(1, order, True)
     return chosen
@@ -369,7 +369,8 @@ class KVEvictor:
 
     def origins(self, request_id: str, num_slots: int) -> torch.Tensor:
         """(lanes, num_slots): the block each of the request's first slots holds in every lane."""
-        return self.origin[self._state(request_id).row, :, :num_slots].clone()
+        row = self._state(request_id).row  # first: a new request may grow (replace) the tensors
+        return self.origin[row, :, :num_slots].clone()
 
     def absorb(self, scores: Iterable[StepScores], num_new_tokens: dict[str, int] | None = None) -> None:
         """Fold a step's observations in. ``num_new_tokens``: tokens each request computed in the step (the
@@ -418,8 +419,10 @@ class KVEvictor:
                 is_prompt_done=is_prompt_done,
                 is_block_boundary=(n // bs) != (n - chunk.num_tokens) // bs,
             )
-            if n < request.num_prompt_tokens and self._defers(request.num_prompt_tokens):
-                continue  # the prompt stays whole until its last chunk
+            # The prompt stays whole until its last chunk. The test is on num_tokens, as in peak_blocks (what the
+            # scheduler admitted by): a recompute after preemption runs past the prompt end in one chunk.
+            if n < request.num_prompt_tokens and self._defers(request.num_tokens):
+                continue
             if self.policy.triggers(event):
                 num_evicted += self._evict(chunk.request_id, state, n, event, is_prompt_done)
         self.counters.decide_ms += (time.perf_counter() - t0) * 1e3
@@ -456,7 +459,8 @@ class KVEvictor:
         )
         slots = torch.arange(n).expand(self.num_lanes, n)
         source = slots[~chosen].view(self.num_lanes, n - num_dropped)  # kept slots, in order, per lane
-        rewrite_from = int((source != slots[:, : n - num_dropped]).any(0).int().argmax())
+        moved = (source != slots[:, : n - num_dropped]).any(0)  # slots whose content changes in some lane
+        rewrite_from = int(moved.int().argmax()) if bool(moved.any()) else n - num_dropped
         tables = self.manager.drop_slots(request_id, n, num_dropped, rewrite_from)
         if tables is None:
             self.counters.num_skipped += 1

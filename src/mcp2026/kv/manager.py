@@ -34,8 +34,8 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Owns every block reference: a request's block table holds one reference per block.
 
-    A request's table covers at least its computed tokens; block ``i`` holds token positions
-    ``[i*block_size, (i+1)*block_size)``. Full computed blocks are registered in the prefix cache; when their
+    A request's table covers at least its computed tokens (minus ``num_dropped_tokens``); without eviction,
+    block ``i`` holds token positions ``[i*block_size, (i+1)*block_size)``. Full computed blocks are registered in the prefix cache; when their
     last holder frees them they stay cached ("evictable") until an allocation needs the space.
     Failed allocations change nothing. After KV eviction (``drop_slots``) a table is a list of *slots*: it covers
     the request's tokens minus ``num_dropped_tokens``, and which positions a slot holds is the evictor's
@@ -127,9 +127,9 @@ class KVCacheManager:
     def allocate_slots(
         self, request: KVRequest, num_new_tokens: int, computed_block_ids: Sequence[int] = ()
     ) -> bool:
-        """Grow the request's table to cover ``num_computed_tokens`` (plus the tokens of
-        ``computed_block_ids``, prefix hits from ``get_computed_blocks`` for a request without blocks) plus
-        ``num_new_tokens``, evicting cached blocks if needed. False, with nothing changed, if it cannot."""
+        """Grow the request's table to cover ``num_computed_tokens`` minus ``num_dropped_tokens`` (plus the
+        tokens of ``computed_block_ids``, prefix hits from ``get_computed_blocks`` for a request without blocks)
+        plus ``num_new_tokens``, evicting cached blocks if needed. False, with nothing changed, if it cannot."""
         rid = request.request_id
         table = self._tables.get(rid)
         if computed_block_ids and (table or request.num_computed_tokens):

@@ -183,6 +183,15 @@ def kv_bytes_per_token(model: ModelConfig, compressor: KVCompressor | None, dtyp
     return kv_block_bytes(model, bs, dtype, codec) / bs
 
 
+def bounds_peak(policy: str) -> bool:
+    """Whether the policy keeps a sequence within its budget all along: snap compresses the prompt once, and
+    a policy that keeps a prompt whole (heavy_hitter) holds all of it while prefilling (a 2048-token prompt)."""
+    from mcp2026.kv.eviction import POLICIES
+
+    cls = POLICIES[policy]
+    return cls.evicts_during_prefill and not cls.defers_prompt
+
+
 def max_concurrent_sequences(
     model: ModelConfig,
     compressor: KVCompressor | None,
@@ -196,7 +205,7 @@ def max_concurrent_sequences(
     codec = compressor.make_codec() if compressor is not None else None
     block_bytes = kv_block_bytes(model, bs, dtype, codec)
     blocks = cdiv(seq_len, bs)
-    if compressor is not None and compressor.evicts and compressor.policy != "snap":
+    if compressor is not None and compressor.evicts and bounds_peak(compressor.policy):
         blocks = min(blocks, compressor.budget().num_keep_blocks(seq_len) + 1)  # +1: the block being filled
     per_seq = blocks * block_bytes
     if codec is not None and codec.is_staged:
