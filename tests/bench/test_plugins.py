@@ -134,3 +134,17 @@ def test_bench_plugin_command_by_file_path(tiny_dir, tmp_path):
     )
     bad_param = CliRunner().invoke(bench_app, ["plugin", spec, "--param", "prefix_len"])
     assert bad_param.exit_code == 2 and "KEY=VALUE" in bad_param.output
+
+
+def test_eviction_simulation_plugin_masks_what_each_variant_drops(tiny_dir):
+    spec = f"{EXAMPLES / 'kv_eviction_sim.py'}:EvictionSimulation"
+    name, plugin = load_plugin(spec)
+    ctx = PluginContext(model=tiny_dir, dtype="fp32", params={"context_tokens": "192", "sparsity": "0.5"})
+    metrics = run_plugin(name, plugin, ctx).aggregates["metrics"]
+    variants = ("block-global", "block-lane", "token-lane", "token-window")
+    assert set(metrics) == {"ppl_ref", *(f"delta_ppl_pct_{v}" for v in variants)} and metrics["ppl_ref"] > 1
+    assert all(metrics[f"delta_ppl_pct_{v}"] != 0.0 for v in variants)  # every variant changed the attention
+    assert len({round(metrics[f"delta_ppl_pct_{v}"], 9) for v in variants}) == 4  # and each differently
+    bad = PluginContext(model=tiny_dir, dtype="fp32", params={"variants": "block-random"})
+    with pytest.raises(PluginError, match="variants must be among"):
+        run_plugin(name, plugin, bad)

@@ -127,15 +127,18 @@ def estimate_seconds(
 
 def _pooled(results: Sequence[Any]) -> dict[str, float]:
     """Token-weighted over sequences: perplexities from summed NLL, KLD and top-1 from summed counts."""
+
+    def mean_nll(ppl: str, count: str) -> float:  # token-weighted mean NLL of a perplexity field
+        total = sum(getattr(r, count) for r in results)
+        return sum(math.log(getattr(r, ppl)) * getattr(r, count) for r in results) / total
+
     n = sum(r.num_tokens for r in results)
-    nll_ref = sum(math.log(r.ppl_ref) * r.num_tokens for r in results) / n
-    nll = sum(math.log(r.ppl) * r.num_tokens for r in results) / n
+    nll_ref, nll = mean_nll("ppl_ref", "num_tokens"), mean_nll("ppl", "num_tokens")
     n_after = sum(r.num_tokens_after_prompt for r in results)
     after = float("nan")
     if n_after:
-        nll_ref_after = sum(math.log(r.ppl_ref_after_prompt) * r.num_tokens_after_prompt for r in results)
-        nll_after = sum(math.log(r.ppl_after_prompt) * r.num_tokens_after_prompt for r in results)
-        after = math.exp((nll_after - nll_ref_after) / n_after) - 1.0
+        delta = mean_nll("ppl_after_prompt", "num_tokens_after_prompt")
+        after = math.exp(delta - mean_nll("ppl_ref_after_prompt", "num_tokens_after_prompt")) - 1.0
     return {
         "delta_ppl_after_prompt": after,
         "num_tokens_after_prompt": n_after,
@@ -333,7 +336,13 @@ def _decode(ctx: _Context) -> dict[str, Any]:
             )
         speeds[name] = decode_tokens_per_s(engine, config.decode_context, config.decode_tokens, config.seed)
         ctx.records.append(
-            {"kind": "decode", "config": name, "context": config.decode_context, "tok_per_s": speeds[name]}
+            {
+                "kind": "decode",
+                "config": name,
+                "context": config.decode_context,
+                "tok_per_s": speeds[name],
+                "eviction": engine.evictor.report() if engine.evictor is not None else None,  # host time
+            }
         )
         if ctx.progress is not None:
             ctx.progress.advance(task)

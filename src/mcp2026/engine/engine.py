@@ -266,9 +266,8 @@ class LLMEngine:
             self.stats.decode_ms += (t1 - t0) * 1e3
             self.stats.num_decode_steps += 1
             self.stats.num_decode_tokens += len(out.chunks)
-            self.stats.decode_context_tokens += sum(
-                c.kv_start + 1 for c in out.chunks
-            )  # evicted KV is not read
+            # tokens each decode read (evicted KV is not read)
+            self.stats.decode_context_tokens += sum(c.kv_start + 1 for c in out.chunks)
         self.stats.num_steps += 1
         states = [self.states[r].sampling for r in sample_ids]
         sampled = self.sampler.sample(logits, states) if sample_ids else None

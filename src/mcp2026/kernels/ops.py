@@ -143,8 +143,6 @@ def paged_decode_attention(
     """q (B, nh, hd) pre-scaled; caches (num_blocks, nkv, bs, hd); tables (B, nb) live block ids in order;
     lengths (B,) tokens to attend. ``mass`` (B, nkv, nb) float32: each block's attention per KV head (summed over
     its query heads) is added to it (eviction scores). Only called when ``decode_kernel_available`` said yes."""
-    if mass is None:
-        return cpu.load().paged_decode_attention(q, k_cache, v_cache, tables, lengths)
     return cpu.load().paged_decode_attention(q, k_cache, v_cache, tables, lengths, mass)
 
 

@@ -187,10 +187,10 @@ class HeavyHitter(EvictionPolicy):
     tokens, so stale early scores do not pin blocks forever. When the prompt completes, its blocks are ranked
     by the prompt's last queries alone, over the whole budget (SnapKV's observation window: the question of
     a prompt decides what it needs), and that observation replaces the scores so far: decoding goes on
-    from the question's ranking. A prompt the pool could hold whole is kept whole until then (``defers_prompt``: evicting
-    mid-prompt drops what the question will ask for before it is seen); a longer one streams through the pool,
-    dropping only what exceeds the prompt's final budget (the peak the scheduler admits by,
-    ``KVEvictor.peak_blocks``)."""
+    from the question's ranking. A prompt the pool could hold whole is kept whole until then
+    (``defers_prompt``: evicting mid-prompt drops what the question will ask for before it is seen); a
+    longer one streams through the pool, dropping only what exceeds the prompt's final budget (the peak the
+    scheduler admits by, ``KVEvictor.peak_blocks``)."""
 
     name = "heavy_hitter"
     score_kind = "recent"
@@ -388,8 +388,7 @@ class KVEvictor:
                     old = self.recent[row, :, :n]
                     seen = self.count[row, :, :n] > 0  # a block's first observation is its score
                     self.recent[row, :, :n] = torch.where(seen, keep * old + (1.0 - keep) * rel, rel)
-                    self.last[row].zero_()
-                    self.last[row, :, :n] = rel
+                    self.last[row, :, :n] = rel  # slots past n are zero (compaction zeroes what it vacates)
                 self.mass[row, :, :n] += mass
                 self.count[row, :, :n] += 1.0
         self.counters.score_ms += (time.perf_counter() - t0) * 1e3

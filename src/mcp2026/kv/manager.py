@@ -34,12 +34,12 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Owns every block reference: a request's block table holds one reference per block.
 
-    A request's table covers at least its computed tokens (minus ``num_dropped_tokens``); without eviction,
-    block ``i`` holds token positions ``[i*block_size, (i+1)*block_size)``. Full computed blocks are registered in the prefix cache; when their
+    A request's table covers at least its computed tokens; block ``i`` holds token positions
+    ``[i*block_size, (i+1)*block_size)``. Full computed blocks are registered in the prefix cache; when their
     last holder frees them they stay cached ("evictable") until an allocation needs the space.
-    Failed allocations change nothing. After KV eviction (``drop_slots``) a table is a list of *slots*: it covers
-    the request's tokens minus ``num_dropped_tokens``, and which positions a slot holds is the evictor's
-    bookkeeping (it differs per layer and head).
+    Failed allocations change nothing. After KV eviction (``drop_slots``) a table is a list of *slots*: it
+    covers the computed tokens minus ``num_dropped_tokens``, and which positions a slot holds is the
+    evictor's bookkeeping (it differs per layer and head).
     """
 
     def __init__(
@@ -247,7 +247,11 @@ class KVCacheManager:
         kept_end = num_live - num_dropped
         rewritten = range(rewrite_from, kept_end)
         shared = [i for i in rewritten if self.pool.ref_count(table[i]) > 1]
-        registered = [i for i in rewritten if i not in shared and self.cache.entry_of(table[i]) is not None]
+        registered = [
+            i
+            for i in rewritten
+            if self.pool.ref_count(table[i]) == 1 and self.cache.entry_of(table[i]) is not None
+        ]
         spare = self.num_free_blocks - len(shared)
         if spare < 0:
             return None

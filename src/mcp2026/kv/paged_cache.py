@@ -432,8 +432,8 @@ class PagedKVCache:
         src, dst = src[moved].to(self.device), dst[moved].to(self.device)
         if src.numel():
             for plane in (*self.k_planes.values(), *self.v_planes.values()):
-                flat = _bytes(plane).flatten(0, 2)  # (L * num_blocks * nkv, *chunk)
-                flat.index_copy_(0, dst, flat.index_select(0, src))
+                flat = plane.flatten(0, 2)  # (L * num_blocks * nkv, *chunk)
+                _copy(flat, dst, _select(flat, src))
         return int(src.numel())
 
     # --- debug checks ----------------------------------------------------------------------------------

@@ -1,0 +1,160 @@
+"""QBench plugin: how much does *where* eviction chooses matter? A simulation with explicit masks (full K/V
+kept, attention masked to what each variant keeps), on the kv bench's text and chunking, to compare ranking
+granularities the engine does not all implement. docs/kv-cache.md quotes its figures.
+
+    mcp2026 bench plugin examples/bench_plugins/kv_eviction_sim.py:EvictionSimulation --dtype fp32
+
+Parameters (``--param KEY=VALUE``): context_tokens (2048), sparsity (0.7), variants (comma list, default all):
+``block-global`` one block ranking shared by every layer and KV head (the engine before session 9),
+``block-lane`` a block ranking per (layer, KV head) (the engine now), ``token-lane`` per lane and token,
+``token-window`` sinks + a recent window of 97% of the budget, per token (StreamingLLM). Rankings use the
+attention mass of each chunk's last 32 queries, summed over chunks (H2O); sinks are 4 tokens, the recent
+window at least 64. The prompt (first half) is prefilled in 256-token chunks, the rest in 32-token chunks,
+evicting after each chunk, as ``mcp2026 bench kv``. Slow (pure PyTorch attention): ~2 minutes at 2k.
+
+Metrics: ppl_ref, and delta_ppl_pct_<variant> for each variant.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mcp2026.bench.plugins import PluginContext
+
+VARIANTS = ("block-global", "block-lane", "token-lane", "token-window")
+BLOCK, SINK, MIN_RECENT, WINDOW = 16, 4, 64, 32
+
+
+class _MaskedAttention:
+    """Replaces the model's attention: keeps every K/V, masks to what ``keep`` says, sums the last queries'
+    attention per (KV head, position) into ``score``."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.layers: list[dict[str, Any]] = [{} for _ in range(num_layers)]
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Any
+    ) -> torch.Tensor:
+        st = self.layers[layer]
+        t, nh, hd = q.shape
+        nkv = k.shape[1]
+        if not st:
+            st.update(k=k.new_zeros(nkv, 0, hd), v=v.new_zeros(nkv, 0, hd))
+            st.update(keep=torch.zeros(nkv, 0, dtype=torch.bool), score=torch.zeros(nkv, 0))
+        st["k"] = torch.cat([st["k"], k.transpose(0, 1)], 1)
+        st["v"] = torch.cat([st["v"], v.transpose(0, 1)], 1)
+        st["keep"] = torch.cat([st["keep"], torch.ones(nkv, t, dtype=torch.bool)], 1)
+        st["score"] = torch.cat([st["score"], torch.zeros(nkv, t)], 1)
+        total = st["k"].shape[1]
+        start = total - t
+        causal = torch.arange(total)[None, :] <= (start + torch.arange(t))[:, None]  # (T, S)
+        mask = st["keep"][:, None, :] & causal[None]  # (nkv, T, S)
+        qg = q.view(t, nkv, nh // nkv, hd).permute(1, 2, 0, 3)  # (nkv, g, T, hd)
+        scores = (qg @ st["k"].transpose(-1, -2)[:, None]).masked_fill(~mask[:, None], float("-inf"))
+        probs = torch.softmax(scores, -1)
+        st["score"] += probs[:, :, -min(WINDOW, t) :].sum((1, 2))
+        return (probs @ st["v"][:, None]).permute(2, 0, 1, 3).reshape(t, nh, hd)
+
+    def evict(self, n: int, sparsity: float, variant: str) -> None:
+        budget = n - int(n * sparsity)
+        recent = max(MIN_RECENT, int(budget * 0.97)) if variant == "token-window" else MIN_RECENT
+        shared = sum(st["score"].sum(0) for st in self.layers)[None] if variant == "block-global" else None
+        for st in self.layers:
+            score = st["score"] if shared is None else shared
+            keep = _keep_blocks(score, st["keep"], n, budget, recent) if variant.startswith("block") else None
+            if keep is None:
+                keep = _keep_tokens(score, st["keep"], n, budget, recent)
+            if keep is not None:
+                st["keep"][:, :n] = keep
+
+
+def _keep_blocks(
+    score: torch.Tensor, live: torch.Tensor, n: int, budget: int, recent: int
+) -> torch.Tensor | None:
+    nb, nkv = -(-n // BLOCK), live.shape[0]
+    pad = nb * BLOCK - n
+    block_score = F.pad(score[:, :n], (0, pad)).view(score.shape[0], nb, BLOCK).sum(-1)
+    block_live = F.pad(live[:, :n].float(), (0, pad)).view(nkv, nb, BLOCK).amax(-1).bool()[: score.shape[0]]
+    protected = torch.zeros_like(block_live)
+    protected[:, : -(-SINK // BLOCK)] = True
+    protected[:, max(0, n - recent) // BLOCK :] = True
+    num_live, num_keep = int(block_live[0].sum()), -(-budget // BLOCK)
+    if num_live <= num_keep:
+        return None
+    key = block_score.masked_fill(protected, float("inf")).masked_fill(~block_live, float("-inf"))
+    drop = key.topk(nb - num_keep, largest=False).indices  # the dead ones (-inf) and the lowest live ones
+    kept = torch.ones_like(block_live).scatter_(1, drop, False)
+    return kept.repeat_interleave(BLOCK, 1)[:, :n].expand(nkv, n)
+
+
+def _keep_tokens(
+    score: torch.Tensor, live: torch.Tensor, n: int, budget: int, recent: int
+) -> torch.Tensor | None:
+    nkv = live.shape[0]
+    if int(live[0, :n].sum()) <= budget:
+        return None
+    protected = torch.zeros(score.shape[0], n, dtype=torch.bool)
+    protected[:, :SINK] = True
+    protected[:, n - recent :] = True
+    key = (
+        score[:, :n]
+        .masked_fill(protected, float("inf"))
+        .masked_fill(~live[: score.shape[0], :n], float("-inf"))
+    )
+    drop = key.topk(n - budget, largest=False).indices
+    return torch.ones(score.shape[0], n, dtype=torch.bool).scatter_(1, drop, False).expand(nkv, n)
+
+
+class EvictionSimulation:
+    def init(self, ctx: PluginContext) -> None:
+        from mcp2026.bench.kv import token_sequences
+
+        self.context = int(ctx.param("context_tokens", "2048"))
+        self.sparsity = float(ctx.param("sparsity", "0.7"))
+        self.variants = [v for v in ctx.param("variants", ",".join(VARIANTS)).split(",") if v]
+        unknown = sorted(set(self.variants) - set(VARIANTS))
+        if unknown or not 0.0 < self.sparsity < 1.0:
+            raise ValueError(
+                f"variants must be among {', '.join(VARIANTS)} (got {unknown}); 0 < sparsity < 1"
+            )
+        loaded = ctx.pipeline.loaded
+        self.model = loaded.model
+        self.num_layers = loaded.config.num_layers
+        self.tokens = token_sequences(
+            "sharegpt", loaded.tokenizer, loaded.config.vocab_size, 1, self.context, 0
+        )[0]
+
+    def _ppl(self, variant: str | None) -> float:
+        from mcp2026.models import llama
+
+        n, prompt = len(self.tokens), len(self.tokens) // 2
+        chunks = [(s, min(s + 256, prompt)) for s in range(0, prompt, 256)]
+        chunks += [(s, min(s + 32, n)) for s in range(prompt, n, 32)]
+        attention, original = _MaskedAttention(self.num_layers), llama.attention
+        llama.attention = attention
+        nll = []
+        try:
+            with torch.inference_mode():
+                for a, b in chunks:
+                    logits = self.model.compute_logits(
+                        self.model(torch.tensor(self.tokens[a:b]), torch.arange(a, b))
+                    )
+                    target = torch.tensor(self.tokens[a + 1 : b + 1])
+                    logprobs = torch.log_softmax(logits.float()[: len(target)], -1)
+                    nll.append(-logprobs.gather(1, target[:, None]).squeeze(1))
+                    if variant is not None:
+                        attention.evict(b, self.sparsity, variant)
+        finally:
+            llama.attention = original
+        return math.exp(float(torch.cat(nll).mean()))
+
+    def run(self, ctx: PluginContext) -> dict[str, float]:
+        ref = self._ppl(None)
+        out = {"ppl_ref": ref}
+        for variant in self.variants:
+            out[f"delta_ppl_pct_{variant}"] = 100.0 * (self._ppl(variant) / ref - 1.0)
+        return out
