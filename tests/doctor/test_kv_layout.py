@@ -12,6 +12,7 @@ from mcp2026.doctor.kv_layout import check_block_size, check_cache_layout, check
 from mcp2026.doctor.result import Status
 from mcp2026.kv.compressor import KVCompressor
 from mcp2026.kv.paged_cache import PagedKVCache
+from mcp2026.pipeline import resolve_dtype
 
 
 @pytest.mark.parametrize("dtype", [None, "int8", "fp8", "int4"])
@@ -21,7 +22,8 @@ def test_engine_cache_for_the_model_passes(tiny_llama_dir, dtype):
     block, layout = check_kv_layout(ctx)
     assert block.status is Status.PASS and block.details["blocks_per_sequence"] == 512 // 16
     assert layout.status is Status.PASS, layout.reason
-    assert layout.details["codec"] == (dtype or "float32")
+    plain = str(resolve_dtype("auto", None)).removeprefix("torch.")  # the model's dtype on this CPU
+    assert layout.details["codec"] == (dtype or plain)
 
 
 @pytest.mark.parametrize("block_size", [4, 48, 256])

@@ -69,6 +69,46 @@ def test_round_trip_gives_identical_logits(tmp_path, tie):
     assert meta["model_config"]["hidden_size"] == 64 and meta["quant_config"]["target_precision"] == "int4"
 
 
+def _pack_as(q: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """q (N, K) in torch's packed int4 layout for a CPU with ``block_rows``-row blocks (not this one's)."""
+    n, k = q.shape
+    full = n // block_rows * block_rows
+    halves = q[:full].view(n // block_rows, 2, block_rows // 2, k)
+    parts = [(halves[:, 0] | halves[:, 1] << 4).permute(0, 2, 1).reshape(-1)]
+    if n > full:
+        pairs = q[full:].view((n - full) // 2, 2, k)
+        parts.append((pairs[:, 0] | pairs[:, 1] << 4).t().reshape(-1))
+    return torch.cat(parts).view(n, k // 2)
+
+
+def test_artifact_from_the_other_kind_of_cpu_is_repacked(tmp_path, tiny_llama_dir):
+    # torch packs int4 in 64-row blocks on AVX-512 and 32-row blocks on AVX2: an artifact compiled on the
+    # other kind (its weights and recorded layout rewritten so) gives the same logits here.
+    from safetensors.torch import load_file, save_file
+
+    from mcp2026.quant.linear import int4pack_block_rows, unpack_int4
+
+    loaded = load_model(tiny_llama_dir)
+    recipe.apply(
+        loaded.model, dqg.DQGResult("uniform", MIXED, {"awq0": torch.rand(64) + 0.5}), DTYPES, progress=False
+    )
+    ids = torch.randint(320, (40,))
+    expected = _logits(loaded.model, ids)
+    out = artifact.save_artifact(tmp_path / "art", loaded, MIXED, QuantConfig(target_precision="int4"))
+    other = 96 - int4pack_block_rows()  # 32 <-> 64
+    state = load_file(str(out / artifact.WEIGHTS_FILE))
+    for name, m in loaded.model.named_modules():
+        if isinstance(m, Int4Linear):
+            q = unpack_int4(m.weight, m.out_features, m.in_features)
+            state[f"{name}.weight"] = _pack_as(q, other).contiguous()
+    save_file(state, str(out / artifact.WEIGHTS_FILE), metadata={"format": artifact.FORMAT})
+    meta = json.loads((out / artifact.METADATA_FILE).read_text())
+    assert meta["int4_pack_block_rows"] == int4pack_block_rows()
+    meta["int4_pack_block_rows"] = other
+    (out / artifact.METADATA_FILE).write_text(json.dumps(meta))
+    assert torch.equal(_logits(load_model(out).model, ids), expected)
+
+
 def test_bf16_load_converts_only_dense_tensors(tmp_path, tiny_llama_dir):
     loaded = load_model(tiny_llama_dir)
     result = dqg.DQGResult("uniform", QuantPlan.uniform("int8"))

@@ -16,6 +16,7 @@ from mcp2026.quant.linear import (
     dequantize_groupwise_int4,
     dequantize_per_channel_int8,
     fake_quantize,
+    int4pack_block_rows,
     pack_int4,
     quantize_,
     quantize_groupwise_int4,
@@ -44,6 +45,47 @@ def test_int4_pack_unpack_round_trip(n, k):
     packed = pack_int4(q)
     assert packed.shape == (n, k // 2)
     assert torch.equal(unpack_int4(packed, n, k), q)
+
+
+def _pack_by_hand(q: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """torch's packed int4 layout written out element by element (the unpack docstring's description)."""
+    n, k = q.shape
+    out = []
+    for r0 in range(0, n, block_rows):
+        rows = min(block_rows, n - r0)
+        for kk in range(k):
+            for j in range(rows // 2):
+                lo, hi = (j, j + rows // 2) if rows == block_rows else (2 * j, 2 * j + 1)
+                out.append(int(q[r0 + lo, kk]) | int(q[r0 + hi, kk]) << 4)
+    return torch.tensor(out, dtype=torch.uint8).view(n, k // 2)
+
+
+@pytest.mark.parametrize(("n", "k"), [(96, 8), (80, 4), (48, 8), (16, 4), (128, 2)])
+def test_int4_unpack_reads_the_avx2_and_avx512_layouts(n, k):
+    # Both CPU kinds' layouts (32- and 64-row blocks) whatever this machine packs, so an artifact
+    # compiled on one kind unpacks on the other; and this machine's pack is the layout it reports.
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(n * k))
+    for block_rows in (32, 64):
+        assert torch.equal(unpack_int4(_pack_by_hand(q, block_rows), n, k, block_rows), q)
+    assert torch.equal(pack_int4(q), _pack_by_hand(q, int4pack_block_rows()))
+
+
+@pytest.mark.parametrize("offset", [0, 2, 8])
+def test_int8_module_takes_weights_and_activations_at_any_address(offset):
+    # torch's AVX-512 int8 kernel faults on operands off a 16-byte boundary (weights mmapped from an
+    # artifact, activation views): the module realigns them and gives the dequantized reference.
+    torch.manual_seed(0)
+    q = Int8Linear.from_linear(_linear(64, 96), LayerQuantSpec("int8"), torch.bfloat16)
+    raw = torch.zeros(q.weight.numel() + 64, dtype=torch.int8)
+    start = (-raw.data_ptr()) % 64 + offset
+    q.weight = raw[start : start + q.weight.numel()].view_as(q.weight).copy_(q.weight)
+    xs = torch.zeros(40 * 64 + 64, dtype=torch.bfloat16)
+    begin = ((-xs.data_ptr()) % 64 + offset) // 2
+    x = xs[begin : begin + 40 * 64].view(40, 64).copy_(torch.randn(40, 64))
+    with torch.inference_mode():
+        out = q(x)
+    ref = x.float() @ q.dequantize().T + q.bias.float()
+    torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.02)
 
 
 def test_int8_quantize_round_trip_error_within_half_step():

@@ -20,7 +20,14 @@ from torch import nn
 
 from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
-from mcp2026.quant.linear import QuantLinear, empty_module
+from mcp2026.quant.linear import (
+    Int4Linear,
+    QuantLinear,
+    empty_module,
+    int4pack_block_rows,
+    pack_int4,
+    unpack_int4,
+)
 from mcp2026.quant.plan import LayerQuantSpec, QuantPlan, linear_modules
 
 METADATA_FILE = "mcp2026_artifact.json"
@@ -111,6 +118,7 @@ def save_artifact(out_dir: str | Path, loaded, result, quant_config=None) -> Pat
         "tokenizer": {"source": f"{loaded.file_format}:{source.resolve()}", "files": _save_tokenizer(loaded.tokenizer, out)},
         "quant_config": dataclasses.asdict(quant_config) if quant_config is not None else None,
         "plan_id": plan.plan_id,
+        "int4_pack_block_rows": int4pack_block_rows(),
         "layers": layers,
     }  # fmt: skip
     (out / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
@@ -146,6 +154,21 @@ def _build(config: ModelConfig, layers: dict[str, dict]) -> nn.Module:
     return model
 
 
+# Artifacts written before the layout was recorded were all compiled on AVX2 machines (32-row blocks).
+LEGACY_INT4_BLOCK_ROWS = 32
+
+
+def _repack_int4(model: nn.Module, saved_block_rows: int) -> None:
+    """torch packs int4 weights per CPU kind (64-row blocks with AVX-512, 32 with AVX2): an artifact
+    compiled on another kind of CPU is repacked for this one, or its int4 layers would compute garbage."""
+    if saved_block_rows == int4pack_block_rows():
+        return
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            n, k = module.out_features, module.in_features
+            module.weight = pack_int4(unpack_int4(module.weight, n, k, saved_block_rows))
+
+
 def load_artifact(path: str | Path, dtype: torch.dtype | None = None):
     """LoadedModel from an artifact folder. ``dtype`` converts the tensors that are not quantized
     linears (embedding, norms, layers kept dense as nn.Linear); quantized layers stay as compiled."""
@@ -173,6 +196,7 @@ def load_artifact(path: str | Path, dtype: torch.dtype | None = None):
         )
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
+    _repack_int4(model, metadata.get("int4_pack_block_rows", LEGACY_INT4_BLOCK_ROWS))
     max_positions = min(config.max_position_embeddings, MAX_ROPE_POSITIONS)
     model.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
     if dtype is not None:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mcp2026.kernels import ops as kernel_ops
@@ -109,6 +110,19 @@ DEQUANT_MIN_ROWS = GEMV_BATCH_MAX_ROWS + 1
 INT4_DEQUANT_MIN_ROWS = INT4_GEMV_BATCH_MAX_ROWS + 1
 
 
+# torch 2.13's AVX-512 `_weight_int8pack_mm` uses aligned 16-byte loads on every row of the activations and
+# the weights: a row start off a 16-byte boundary is a segfault (or garbage), seen on an AVX512-BF16 EPYC with
+# K = 8 and 168 (rows of 8 / 168 bytes) and with weights mmapped from an artifact at an 8-byte offset. So such
+# layers (K not a multiple of 16) dequantize instead, and the operands are realigned where needed. Every
+# linear of the default model has K = 576 or 1536.
+INT8PACK_K_MULTIPLE = 16
+INT8PACK_ALIGN = 64
+
+
+def _aligned(t: Tensor) -> Tensor:
+    return t if t.data_ptr() % INT8PACK_ALIGN == 0 else t.clone()
+
+
 def gemv_rows(x2: Tensor, batch_max_rows: int = GEMV_BATCH_MAX_ROWS) -> bool:
     rows = x2.shape[0]
     return rows <= GEMV_MAX_ROWS or (rows <= batch_max_rows and _bf16_int_kernels_slow(x2))
@@ -143,18 +157,32 @@ def pack_int4(q: Tensor) -> Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
 
 
-def unpack_int4(packed: Tensor, out_features: int, in_features: int) -> Tensor:
-    """Inverse of ``pack_int4``. NOTE: the layout is torch's (checked by a round-trip test): blocks of
-    32 rows, byte (k, j) of a block holds row j in its low nibble and row j + 16 in its high nibble;
-    a last block of 16 rows holds rows 2j / 2j + 1 in the low / high nibble of byte (k, j)."""
+@functools.cache
+def int4pack_block_rows() -> int:
+    """Rows per block of torch's packed int4 layout on this CPU: it depends on the kernel torch dispatches to
+    (64 with AVX-512, 32 with AVX2), so it is read off one tiny pack, not assumed."""
+    q = (torch.arange(64, dtype=torch.int32) // 16).repeat_interleave(2).view(64, 2)  # q[r, :] = r // 16
+    first = int(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1).reshape(-1)[0])
+    rows = 32 * (first >> 4)  # byte 0 holds row 0 and row rows / 2
+    if first & 0xF or rows not in (32, 64):
+        raise RuntimeError(f"unknown int4 pack layout in this torch build (first byte {first:#x})")
+    return rows
+
+
+def unpack_int4(packed: Tensor, out_features: int, in_features: int, block_rows: int | None = None) -> Tensor:
+    """Inverse of ``pack_int4`` on a CPU whose layout has ``block_rows`` (default: this one's). NOTE: the
+    layout is torch's (checked by a round-trip test): blocks of B rows, byte (k, j) of a block holds row j in
+    its low nibble and row j + B/2 in its high nibble; the rows past the last full block form one block whose
+    byte (k, j) holds rows 2j / 2j + 1 in the low / high nibble."""
     n, k = out_features, in_features
+    rows = block_rows or int4pack_block_rows()
     flat = packed.reshape(-1)
-    full = n // 32 * 32
-    blocks = flat[: full * k // 2].view(n // 32, k, 16)  # (nb, K, 16)
+    full = n // rows * rows
+    blocks = flat[: full * k // 2].view(n // rows, k, rows // 2)  # (nb, K, B/2)
     q = torch.cat([blocks & 0xF, blocks >> 4], dim=2).permute(0, 2, 1).reshape(full, k)
     if n > full:
-        tail = flat[full * k // 2 :].view(k, 8)  # (K, 8) for the last 16 rows
-        tail_q = torch.stack([tail & 0xF, tail >> 4], dim=2).reshape(k, 16).t()
+        tail = flat[full * k // 2 :].view(k, (n - full) // 2)
+        tail_q = torch.stack([tail & 0xF, tail >> 4], dim=2).reshape(k, n - full).t()
         q = torch.cat([q, tail_q])
     return q
 
@@ -462,7 +490,12 @@ class Int8Linear(QuantLinear):
             w = self.weight * self.scales.float().unsqueeze(1)  # one pass: int8 * fp32 -> fp32
             xs = self._scaled(x2)
             return self._output(kernel_ops.prefill_linear(xs, w), x)
-        y = torch.ops.aten._weight_int8pack_mm(self._input(x), self.weight, self.scales)
+        if self.in_features % INT8PACK_K_MULTIPLE:
+            y = F.linear(self._input(x), self._quantized().to(self.compute_dtype))
+            return self._output(y, x)
+        if self.weight.data_ptr() % INT8PACK_ALIGN:  # mmapped from a file: one aligned copy
+            self.weight = self.weight.clone()
+        y = torch.ops.aten._weight_int8pack_mm(_aligned(self._input(x)), self.weight, self.scales)
         return self._output(y, x)
 
     def gemv_scales(self) -> Tensor:
