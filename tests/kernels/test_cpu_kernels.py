@@ -167,7 +167,8 @@ def test_int4_linear_takes_the_gemv_for_decode_sized_batches_only(kernels, fast_
     # batched decode and mid-sized steps take the GEMV only where torch's int kernel would compute in slow bf16
     gemv_rows = [2] if fast_bf16 else [2, qlinear.GEMV_MAX_ROWS + 1, qlinear.INT4_GEMV_BATCH_MAX_ROWS]
     assert [rows for name, rows in calls if name == "int4_gemv"] == gemv_rows
-    assert ("int4_dequant" in [name for name, _ in calls]) is not fast_bf16  # prefill: dequantize + fp32 GEMM
+    # prefill: dequantize + GEMM, fp32 past the GEMV's rows; bf16 past a fused step's rows where bf16 is fast
+    assert sum(name == "int4_dequant" for name, _ in calls) == (2 if fast_bf16 else 1)
     assert "_gemv" in q.__dict__
     q.load_state_dict(q.state_dict())
     assert "_gemv" not in q.__dict__  # new weights: the layout is rebuilt on next use
@@ -260,6 +261,24 @@ def test_prefill_sized_batches_dequantize_to_fp32_where_bf16_is_slow(kernels, fm
     with torch.inference_mode():
         y_bf16 = q(x)
     assert not torch.allclose(y_bf16, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_int4_prefill_where_bf16_is_fast_is_a_bf16_gemm_on_the_dequantized_weights(kernels, monkeypatch):
+    from mcp2026.quant import linear as qlinear
+    from mcp2026.quant.plan import LayerQuantSpec
+
+    monkeypatch.setattr(qlinear, "_cpu_has_fast_bf16", lambda: True)
+    q = qlinear.Int4Linear.from_linear(
+        torch.nn.Linear(128, 64, bias=True), LayerQuantSpec("int4"), torch.bfloat16
+    )
+    qs, sz = q.gemv_weights()
+    w = kernels.int4_dequant(qs, sz, out_bf16=True)
+    assert w.dtype == torch.bfloat16 and torch.equal(w, kernels.int4_dequant(qs, sz).to(torch.bfloat16))
+    x = torch.randn(qlinear.INT4_BF16_DEQUANT_MIN_ROWS, 128)
+    with torch.inference_mode():
+        y = q(x)
+    expected = (torch.nn.functional.linear(x.bfloat16(), q.dequantize().bfloat16()) + q.bias).float()
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_paged_decode_attention_adds_each_heads_block_mass(kernels):
