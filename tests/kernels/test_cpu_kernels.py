@@ -110,31 +110,32 @@ def test_paged_decode_attention_rejects_bad_tables(kernels):
         kernels.paged_decode_attention(q, k_cache, k_cache, torch.tensor([[0]]), torch.tensor([17]))
 
 
-@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize(("group_size", "k"), [(32, 192), (64, 192), (32, 800)])  # 800: 25 blocks, one odd
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 20, 64])  # one row, a partial tile, full 8-row tiles + rests
-def test_int4_gemv_is_exact_integer_math_and_close_to_the_weights(kernels, group_size, rows):
+def test_int4_gemv_is_exact_integer_math_and_close_to_the_weights(kernels, group_size, k, rows):
     from mcp2026.quant.linear import Int4Linear, gemv_layout, unpack_int4
     from mcp2026.quant.plan import LayerQuantSpec
 
     torch.manual_seed(2)
-    linear = torch.nn.Linear(192, 96, bias=False)
+    linear = torch.nn.Linear(k, 96, bias=False)
     q = Int4Linear.from_linear(linear, LayerQuantSpec("int4", group_size=group_size), torch.bfloat16)
-    packed, sz = gemv_layout(unpack_int4(q.weight, 96, 192), q.scales_and_zeros, group_size)
-    x = torch.randn(rows, 192)
+    packed, sz = gemv_layout(unpack_int4(q.weight, 96, k), q.scales_and_zeros, group_size)
+    x = torch.randn(rows, k)
     y = kernels.int4_gemv(x, packed, sz)
     # the kernel's definition: per 32-block int8 activations (absmax / 127), w = (q - 8) * scale + zero
-    xb = x.view(rows, 6, 32)
+    xb = x.view(rows, k // 32, 32)
     dx = xb.abs().amax(-1, keepdim=True) / 127
     xq = torch.round(xb / dx) * dx
     scale, zero = sz.float().unbind(-1)
     w = (torch.cat([packed & 15, packed >> 4], dim=-1).float() - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1)
-    torch.testing.assert_close(y, xq.view(rows, 192) @ w.view(96, 192).T, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(w.view(96, 192), q.dequantize())
+    torch.testing.assert_close(y, xq.view(rows, k) @ w.view(96, k).T, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(w.view(96, k), q.dequantize())
     exact = x @ q.dequantize().T
     assert ((y - exact).norm() / exact.norm()).item() < 0.01  # int8 activations: ~0.5% measured
 
 
-@pytest.mark.parametrize("k", [192, 576, 1536])  # 6 blocks (all leftover), 18 (2 groups of 8 + 2), 48
+# 6 blocks (all leftover), 7 and 25 (a last odd block), 18 (2 groups of 8 + 2; VNNI: 16 + a pair), 48
+@pytest.mark.parametrize("k", [192, 224, 576, 800, 1536])
 def test_int4_gemv_gives_a_row_the_same_bits_in_any_batch(kernels, k):
     # batched == alone for int4 models rests on this: each row's arithmetic must not depend on the others
     torch.manual_seed(3)
@@ -274,6 +275,11 @@ def test_int4_prefill_where_bf16_is_fast_is_a_bf16_gemm_on_the_dequantized_weigh
     qs, sz = q.gemv_weights()
     w = kernels.int4_dequant(qs, sz, out_bf16=True)
     assert w.dtype == torch.bfloat16 and torch.equal(w, kernels.int4_dequant(qs, sz).to(torch.bfloat16))
+    buffer = torch.full((64 * 128,), float("nan"), dtype=torch.bfloat16)
+    assert torch.equal(kernels.int4_dequant(qs, sz, out_bf16=True, out=buffer), w)
+    assert torch.equal(buffer.view(64, 128), w)  # written in place, no copy
+    with pytest.raises(RuntimeError, match="out must be"):
+        kernels.int4_dequant(qs, sz, out_bf16=True, out=torch.empty(64 * 128))  # fp32 buffer for bf16 output
     x = torch.randn(qlinear.INT4_BF16_DEQUANT_MIN_ROWS, 128)
     with torch.inference_mode():
         y = q(x)
@@ -391,3 +397,20 @@ def test_a_trainable_bias_alone_still_gets_its_gradient(rows):
     lin.weight.requires_grad_(False)
     lin(torch.randn(rows, 96)).sum().backward()
     torch.testing.assert_close(lin.bias.grad, torch.full((50,), float(rows)))
+
+
+def test_scratch_buffers_are_reused_within_a_thread_and_private_to_it():
+    import threading
+
+    from mcp2026.kernels import ops
+
+    a = ops.scratch((4, 8), torch.bfloat16)
+    b = ops.scratch((2, 8), torch.bfloat16)
+    assert a.shape == (4, 8) and b.shape == (2, 8) and a.data_ptr() == b.data_ptr()  # one buffer, reused
+    assert ops.scratch((4, 8), torch.float32).data_ptr() != a.data_ptr()  # one per dtype
+    assert ops.scratch((64, 8), torch.bfloat16).numel() == 512  # grows when asked for more
+    other = []
+    thread = threading.Thread(target=lambda: other.append(ops.scratch((64, 8), torch.bfloat16).data_ptr()))
+    thread.start()
+    thread.join()
+    assert other[0] != ops.scratch((64, 8), torch.bfloat16).data_ptr()  # engines on two threads never share

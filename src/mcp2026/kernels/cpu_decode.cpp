@@ -518,10 +518,17 @@ void with_row_count(int64_t M, F&& f) {
   }
 }
 
+// AVX-512 VNNI (dpbusd: 64 u8 x s8 products summed in fours into int32 lanes, one instruction) takes two
+// blocks per multiply-add where AVX2 needs three instructions per block.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define MCP_INT4_VNNI 1
+#endif
+
 struct QuantizedRows {
-  std::vector<int8_t> q;     // (M, K)
-  std::vector<float> scale;  // (M, K/32): dx
-  std::vector<float> sum;    // (M, K/32): dx * sum of the quantized x over the block
+  std::vector<int8_t> q;      // (M, K)
+  std::vector<float> scale;   // (M, K/32): dx
+  std::vector<float> sum;     // (M, K/32): dx * sum of the quantized x over the block
+  std::vector<float> scale8;  // (M, K/4): each block's dx 8 times, one per int32 lane of dpbusd (VNNI only)
 };
 
 // Rows r0.. of a QuantizedRows (one row tile).
@@ -529,19 +536,50 @@ struct RowsView {
   const int8_t* q;
   const float* scale;
   const float* sum;
+  const float* scale8;
 };
 
 inline RowsView rows_from(const QuantizedRows& r, int64_t r0, int64_t K) {
-  return {r.q.data() + r0 * K, r.scale.data() + r0 * (K / 32), r.sum.data() + r0 * (K / 32)};
+  return {r.q.data() + r0 * K, r.scale.data() + r0 * (K / 32), r.sum.data() + r0 * (K / 32),
+          r.scale8.empty() ? nullptr : r.scale8.data() + r0 * (K / 4)};
 }
+
+#ifdef MCP_INT4_VNNI
+// One fp32 block as the scalar loop below quantizes it, bit for bit: the max of |x| is exact, x * inv is the same
+// IEEE product, and the conversion rounds to nearest even as nearbyint does in the default rounding mode.
+inline void quantize_block_avx512(const float* xb, int8_t* qb, float* dx_out, int32_t* qsum_out) {
+  const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float dx = amax / 127.f;
+  const __m512 inv = _mm512_set1_ps(dx > 0.f ? 1.f / dx : 0.f);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb16 = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(qb16));
+  *dx_out = dx;
+  *qsum_out = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb16));
+}
+#endif
 
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
   const int64_t nblk = K / 32;
-  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nblk), std::vector<float>(M * nblk)};
+  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nblk), std::vector<float>(M * nblk), {}};
+#ifdef MCP_INT4_VNNI
+  r.scale8.resize(M * nblk * 8);
+#endif
   for (int64_t i = 0; i < M; ++i)
     for (int64_t b = 0; b < nblk; ++b) {
       const T* xb = x + i * K + b * 32;
+#ifdef MCP_INT4_VNNI
+      float* s8 = r.scale8.data() + (i * nblk + b) * 8;
+      if constexpr (std::is_same_v<T, float>) {
+        int32_t qsum;
+        quantize_block_avx512(xb, r.q.data() + i * K + b * 32, &r.scale[i * nblk + b], &qsum);
+        r.sum[i * nblk + b] = r.scale[i * nblk + b] * static_cast<float>(qsum);
+        std::fill(s8, s8 + 8, r.scale[i * nblk + b]);
+        continue;
+      }
+#endif
       float amax = 0.f;
       for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(static_cast<float>(xb[k])));
       const float dx = amax / 127.f;
@@ -556,6 +594,9 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
       // The offset term uses the quantized x too: the activation error then enters as w * (xq - x), smaller
       // than d * q * (xq - x) plus an exact offset * sum(x) (measured: 0.55% vs 0.9% relative output error).
       r.sum[i * nblk + b] = dx * static_cast<float>(qsum);
+#ifdef MCP_INT4_VNNI
+      std::fill(s8, s8 + 8, dx);
+#endif
     }
   return r;
 }
@@ -647,13 +688,87 @@ inline void gemv_weight_row(const uint8_t* wq, const uint16_t* szn, const RowsVi
   for (int i = 0; i < M; ++i) out[i * stride] = hsum(acc[i]) + tail[i];
 }
 
+#ifdef MCP_INT4_VNNI
+// 64 weights of blocks b and b+1 (their 32 packed bytes) as u8 in the activations' byte order: 128-bit lanes
+// [low nibbles of b | high nibbles of b | low of b+1 | high of b+1].
+inline __m512i unpack_block_pair(const uint8_t* wq) {
+  const __m512i p = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq)));
+  const __m512i dup = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0), p);
+  return _mm512_and_si512(_mm512_mask_srli_epi32(dup, 0xF0F0, dup, 4), _mm512_set1_epi8(0x0F));
+}
+
+// The VNNI version of gemv_weight_row: per pair of blocks and row, dpbusd gives 16 int32 partial sums (8 per
+// block), converted and scaled by (weight scale x dx) per lane in one FMA. Blocks go 16 at a time, so their 16
+// (scale, zero) pairs are one load and the offset term (zero - 8 scale) x dx x sum(xq) is one FMA per row
+// into the same accumulators; two accumulators per row (even and odd pairs) keep the FMA chain from bounding
+// a single row. Leftover pairs and a last odd block take the same steps with scalar-built scales. One row or
+// eight, every row's arithmetic is identical: a sequence decoded in a batch gets the same bits as alone.
+template <int M>
+inline void gemv_weight_row_vnni(const uint8_t* wq, const uint16_t* szn, const RowsView& xr, int64_t K,
+                                 float* out, int64_t stride) {
+  const int64_t nblk = K / 32, k4 = K / 4;
+  __m512 acc[M][2];
+  float tail[M];
+  for (int i = 0; i < M; ++i) {
+    acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    tail[i] = 0.f;
+  }
+  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  auto pair = [&](int64_t b, __m512 ws, int slot) {
+    const __m512i w = unpack_block_pair(wq + b * 16);
+    for (int i = 0; i < M; ++i) {
+      const __m512i x = _mm512_loadu_si512(xr.q + i * K + b * 32);
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x));
+      const __m512 d = _mm512_mul_ps(ws, _mm512_loadu_ps(xr.scale8 + i * k4 + b * 8));
+      acc[i][slot] = _mm512_fmadd_ps(dot, d, acc[i][slot]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 16 <= nblk; b += 16) {
+    const __m512i raw = _mm512_loadu_si512(szn + 2 * b);
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    const __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);
+    for (int i = 0; i < M; ++i) acc[i][0] = _mm512_fmadd_ps(off, _mm512_loadu_ps(xr.sum + i * nblk + b), acc[i][0]);
+    for (int p = 0; p < 8; ++p)
+      pair(b + 2 * p, _mm512_permutexvar_ps(_mm512_add_epi32(halves, _mm512_set1_epi32(2 * p)), s), p & 1);
+  }
+  for (; b < nblk; ++b) {
+    const float s0 = bf16_bits_to_float(szn[2 * b]);
+    const float off0 = bf16_bits_to_float(szn[2 * b + 1]) - 8.f * s0;
+    for (int i = 0; i < M; ++i) tail[i] += off0 * xr.sum[i * nblk + b];
+    if (b + 1 < nblk) {
+      const float s1 = bf16_bits_to_float(szn[2 * b + 2]);
+      const float off1 = bf16_bits_to_float(szn[2 * b + 3]) - 8.f * s1;
+      for (int i = 0; i < M; ++i) tail[i] += off1 * xr.sum[i * nblk + b + 1];
+      pair(b, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1)), 0);
+      ++b;
+      continue;
+    }
+    const __m256i w = unpack_block(wq + b * 16);
+    for (int i = 0; i < M; ++i) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q + i * K + b * 32));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x));
+      tail[i] += s0 * xr.scale[i * nblk + b] * hsum(dot);
+    }
+  }
+  for (int i = 0; i < M; ++i) out[i * stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) + tail[i];
+}
+#endif
+
 // The row count is a template parameter, so the per-row arrays are fixed-size (in registers up to ~6 rows;
 // at 7-8 rows some accumulators spill, touched once per eight blocks).
 template <int M>
 void gemv_fixed_rows(const uint8_t* qs, const uint16_t* sz, const RowsView& xr, int64_t K, int64_t n0,
                      int64_t n1, float* out, int64_t N) {
   const int64_t nblk = K / 32;
-  for (int64_t n = n0; n < n1; ++n) gemv_weight_row<M>(qs + n * nblk * 16, sz + n * nblk * 2, xr, K, out + n, N);
+  for (int64_t n = n0; n < n1; ++n) {
+#ifdef MCP_INT4_VNNI
+    gemv_weight_row_vnni<M>(qs + n * nblk * 16, sz + n * nblk * 2, xr, K, out + n, N);
+#else
+    gemv_weight_row<M>(qs + n * nblk * 16, sz + n * nblk * 2, xr, K, out + n, N);
+#endif
+  }
 }
 #endif
 
@@ -878,13 +993,34 @@ torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& w, const
 // rounded to nearest even, as Tensor.to does). Measured with a throwaway script on a 2-core AVX512-BF16 EPYC,
 // 576 -> 3072 at 512 / 128 / 64 rows: dequantize + bf16 F.linear 5.7 / 1.8 / 1.0 ms, torch's int4 kernel
 // 14.3 / 3.7 / 1.5 (the dequantization alone 0.46).
-torch::Tensor int4_dequant(const torch::Tensor& qs, const torch::Tensor& sz, bool out_bf16) {
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight floats to bf16 as c10::BFloat16 rounds finite values (to nearest, ties to even), in integer arithmetic:
+// a per-element conversion was most of a dequantization's time (0.55 ms of 576 -> 3072).
+inline __m128i float8_to_bf16(__m256 f) {
+  const __m256i bits = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+#endif
+
+torch::Tensor int4_dequant(const torch::Tensor& qs, const torch::Tensor& sz, bool out_bf16,
+                           const c10::optional<torch::Tensor>& out_buffer) {
   TORCH_CHECK(qs.scalar_type() == torch::kByte && qs.is_contiguous() && qs.dim() == 3 && qs.size(2) == 16,
               "qs must be contiguous uint8 (N, K/32, 16)");
   TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.is_contiguous() && sz.numel() == qs.numel() / 8,
               "sz must be contiguous bfloat16 (N, K/32, 2)");
   const int64_t N = qs.size(0), nblk = qs.size(1), K = nblk * 32;
-  auto out = torch::empty({N, K}, out_bf16 ? torch::kBFloat16 : torch::kFloat);
+  const auto out_dtype = out_bf16 ? torch::kBFloat16 : torch::kFloat;
+  torch::Tensor out;
+  if (out_buffer.has_value()) {
+    TORCH_CHECK(out_buffer->scalar_type() == out_dtype && out_buffer->is_contiguous() && out_buffer->is_cpu() &&
+                    out_buffer->numel() == N * K,
+                "out must be a contiguous CPU tensor of N * K elements in the output dtype");
+    out = out_buffer->view({N, K});
+  } else {
+    out = torch::empty({N, K}, out_dtype);
+  }
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -900,11 +1036,16 @@ torch::Tensor int4_dequant(const torch::Tensor& qs, const torch::Tensor& sz, boo
         alignas(32) uint8_t qb[32];
         _mm256_store_si256(reinterpret_cast<__m256i*>(qb), unpack_block(q));
         const __m256 vs = _mm256_set1_ps(s), voff = _mm256_set1_ps(off);
+        at::BFloat16* ob = out_bf16 ? out.data_ptr<at::BFloat16>() + n * K + b * 32 : nullptr;
         for (int k = 0; k < 32; k += 8) {
           const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + k));
-          const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw));
-          _mm256_storeu_ps(o + k, _mm256_fmadd_ps(qf, vs, voff));
+          const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)), vs, voff);
+          if (ob != nullptr)
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(ob + k), float8_to_bf16(w));
+          else
+            _mm256_storeu_ps(o + k, w);
         }
+        continue;
 #else
         for (int k = 0; k < 16; ++k) {
           o[k] = static_cast<float>(q[k] & 0x0F) * s + off;
@@ -1029,7 +1170,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.attr("DENSE_GEMV_MAX_ROWS") = kDenseGemvMaxRows;
   m.def("int4_dequant", &int4_dequant, "the int4 GEMV layout back to float or bf16 (N, K)", py::arg("qs"),
-        py::arg("sz"), py::arg("out_bf16") = false);
+        py::arg("sz"), py::arg("out_bf16") = false, py::arg("out") = py::none());
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
   py::class_<FusedLinear>(m, "FusedLinear")
       .def(py::init([](int64_t kind, torch::Tensor a, torch::Tensor b, c10::optional<torch::Tensor> bias,

@@ -557,19 +557,26 @@ class Int4Linear(QuantLinear):
         if x2.shape[0] >= INT4_DEQUANT_MIN_ROWS and _bf16_int_kernels_slow(x2):
             kernels = kernel_ops.kernels_for(x2)
             if kernels is not None:  # fp32 GEMM
-                w = kernels.int4_dequant(*self.gemv_weights())
+                w = kernels.int4_dequant(*self.gemv_weights(), out=self._dequant_buffer(torch.float32))
                 return self._output(kernel_ops.prefill_linear(self._scaled(x2), w), x)
         if x2.shape[0] >= INT4_BF16_DEQUANT_MIN_ROWS and x2.is_cpu and _cpu_has_fast_bf16():
             kernels = kernel_ops.kernels_for(x2)
             if kernels is not None:  # a GEMM in the compute dtype, as torch's int4 kernel computes
                 bf16 = self.compute_dtype == torch.bfloat16
-                w = kernels.int4_dequant(*self.gemv_weights(), out_bf16=bf16)
+                w = kernels.int4_dequant(
+                    *self.gemv_weights(),
+                    out_bf16=bf16,
+                    out=self._dequant_buffer(torch.bfloat16 if bf16 else torch.float32),
+                )
                 xs = self._input(x)
                 return self._output(F.linear(xs, w) if bf16 else kernel_ops.prefill_linear(xs, w), x)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             self._input(x), self.weight, self.spec.group_size, self.scales_and_zeros
         )
         return self._output(y, x)
+
+    def _dequant_buffer(self, dtype: torch.dtype) -> Tensor:
+        return kernel_ops.scratch((self.out_features, self.in_features), dtype)
 
     def gemv_weights(self) -> tuple[Tensor, Tensor]:
         """The weights in the GEMV kernel's layout, built on the first decode-sized call."""
