@@ -89,9 +89,12 @@ def _free_port() -> int:
 
 
 @contextmanager
-def running_server(pipe: Any, serve: Any, ready_timeout_s: float = 300.0) -> Iterator[tuple[str, str]]:
+def running_server(
+    pipe: Any, serve: Any, ready_timeout_s: float = 300.0, compute_thread: Any = None
+) -> Iterator[tuple[str, str]]:
     """Our HTTP server over ``pipe`` in a thread on a free loopback port; yields (base URL, model id).
-    TLS and API keys are dropped: the sweep measures the engine configuration, not the access layer."""
+    TLS and API keys are dropped: the sweep measures the engine configuration, not the access layer.
+    ``compute_thread``: the ComputeThread ``pipe`` was loaded on, which then runs its steps (as a server's)."""
     import httpx
 
     from mcp2026.engine.async_engine import AsyncEngine
@@ -106,7 +109,7 @@ def running_server(pipe: Any, serve: Any, ready_timeout_s: float = 300.0) -> Ite
         tenants_file=None,
         model_name=serve.model_name or "sweep",
     )
-    async_engine = AsyncEngine(pipe.engine, warmup=serve.warmup)
+    async_engine = AsyncEngine(pipe.engine, warmup=serve.warmup, compute_thread=compute_thread)
     gate = pick_gate(serve.traffic.gate, pipe, serve.traffic.pressure_kv_sparsity)
     server = make_server(async_engine, pipe.tokenizer, serve, log_level="warning", gate=gate)
     thread = threading.Thread(target=server.run, name="sweep-server", daemon=True)
@@ -131,9 +134,12 @@ def running_server(pipe: Any, serve: Any, ready_timeout_s: float = 300.0) -> Ite
 
 @contextmanager
 def kv_timeline(engine: Any, interval_s: float) -> Iterator[dict[str, Any]]:
-    """KV blocks held by requests, sampled every ``interval_s`` from a thread while the block runs."""
+    """KV blocks held by requests, sampled every ``interval_s`` from a thread while the block runs, and the
+    peak that the engine saw after its steps (``peak_blocks``: short requests can start and finish between
+    two samples)."""
     pool = engine.kv_manager.pool
     timeline: dict[str, Any] = {"t_s": [], "blocks_used": [], "num_blocks": pool.num_online_blocks}
+    engine.stats.peak_kv_usage = 0.0  # a running max the loop thread raises after each step
     stop = threading.Event()
     start = time.perf_counter()
 
@@ -151,6 +157,8 @@ def kv_timeline(engine: Any, interval_s: float) -> Iterator[dict[str, Any]]:
     finally:
         stop.set()
         thread.join()
+        stepped = round(engine.stats.peak_kv_usage * pool.num_online_blocks)
+        timeline["peak_blocks"] = max(stepped, *timeline["blocks_used"])
 
 
 def paged_perplexity(
@@ -208,12 +216,18 @@ def _requests(config: SweepConfig, pipe: Any, rate_index: int) -> list[Any]:
 
 # ---- the sweep ------------------------------------------------------------------------------------
 def _serve_rates(
-    point: SweepPoint, pipe: Any, config: SweepConfig, progress: Any, task: Any, notes: list[str]
+    point: SweepPoint,
+    pipe: Any,
+    config: SweepConfig,
+    progress: Any,
+    task: Any,
+    notes: list[str],
+    compute_thread: Any = None,
 ) -> list[dict[str, Any]]:
     from mcp2026.bench.serve import ServeBenchConfig, bench_serve
 
     rows = []
-    with running_server(pipe, point.serve) as (url, model_id):
+    with running_server(pipe, point.serve, compute_thread=compute_thread) as (url, model_id):
         for i, rate in enumerate(config.rates):
             load = ServeBenchConfig(
                 base_url=url,
@@ -234,7 +248,7 @@ def _serve_rates(
                 notes.append(f"{point.name} @ {rate:g}/s: the server did not go idle ({agg['server_after']})")
             row = {"config": point.name, "rate": rate, **{k: agg[k] for k in ROW_METRICS}}
             row[config.latency_metric] = agg[config.latency_metric]
-            row["kv_peak_blocks"] = max(timeline["blocks_used"], default=0)
+            row["kv_peak_blocks"] = timeline["peak_blocks"]
             row["requests"] = [  # per request, for latency CDFs
                 {"ttft": r["ttft"], "latency": r["latency"], "output_tokens": r["output_tokens"]}
                 for r in run.records
@@ -306,6 +320,7 @@ def run_sweep(
     """Serve every point at every rate; one row per (point, rate). ``windows``: token windows for the
     perplexity figure instead of held-out ShareGPT text (tests, models without a tokenizer)."""
     from mcp2026.bench.bitplan import model_layer_bits
+    from mcp2026.engine.compute_thread import ComputeThread
     from mcp2026.serve.server import build_pipeline
 
     if not points:
@@ -320,18 +335,20 @@ def run_sweep(
     task = progress.add_task("sweep", total=len(points) * len(config.rates)) if progress is not None else None
     for point in points:
         t0 = time.perf_counter()
-        pipe = build_pipeline(point.serve, point.engine)  # as `mcp2026 serve` loads it
+        compute = ComputeThread()  # as `mcp2026 serve` loads and steps it: torch work on one thread
+        pipe = compute.run(build_pipeline, point.serve, point.engine)
         info = {**point.describe(), "load_s": time.perf_counter() - t0, "ppl": None, "ppl_tokens": None}
         if windows is not None or config.quality_windows:
             try:
                 chosen = windows if windows is not None else held_out_windows(pipe, config)
-                info["ppl"], info["ppl_tokens"] = paged_perplexity(pipe.engine, chosen)
+                info["ppl"], info["ppl_tokens"] = compute.run(paged_perplexity, pipe.engine, chosen)
             except (ValueError, FileNotFoundError) as e:
                 notes.append(f"{point.name}: no perplexity ({e})")
         if point.serve.quant:
             layer_bits[point.name] = model_layer_bits(pipe.loaded.model)
         configs[point.name] = info
-        point_rows = _serve_rates(point, pipe, config, progress, task, notes)
+        point_rows = _serve_rates(point, pipe, config, progress, task, notes, compute)
+        compute.stop()
         for row in point_rows:
             row["ppl"] = info["ppl"]
         rows += point_rows

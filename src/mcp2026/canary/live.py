@@ -249,11 +249,13 @@ def build_router(
     what ``read_candidate`` returned (read before the baseline loaded)."""
     from mcp2026 import hardware
     from mcp2026.engine.async_engine import AsyncEngine
+    from mcp2026.engine.compute_thread import ComputeThread
     from mcp2026.serve.server import build_pipeline
 
     config = serve_config.canary
     candidate_serve, candidate_engine_config = candidate_configs or read_candidate(config)
-    pipe = build_pipeline(candidate_serve, candidate_engine_config)
+    compute = ComputeThread()  # the candidate's own engine thread, which also loads it (compute_thread.py)
+    pipe = compute.run(build_pipeline, candidate_serve, candidate_engine_config)
     b, c = baseline_pipe.engine, pipe.engine
     if b.model_config.vocab_size != c.model_config.vocab_size:
         raise ValueError("the canary candidate has another vocabulary than the served model")
@@ -264,7 +266,7 @@ def build_router(
         )
     return CanaryRouter(
         baseline_engine,
-        AsyncEngine(c, warmup=candidate_serve.warmup),
+        AsyncEngine(c, warmup=candidate_serve.warmup, compute_thread=compute),
         config,
         baseline_weight_bytes=baseline_pipe.weight_bytes(),
         candidate_weight_bytes=pipe.weight_bytes(),

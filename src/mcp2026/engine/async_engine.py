@@ -1,6 +1,7 @@
 """AsyncEngine: the LLMEngine driven by one background thread, with one asyncio token stream per request.
 
-The model forward is blocking torch code, so ``step()`` runs on a dedicated thread. The engine is not
+The model forward is blocking torch code, so ``step()`` runs on a dedicated thread: a ``ComputeThread``, the
+one the model was loaded on where the caller passes it (see compute_thread.py for why). The engine is not
 thread-safe: every ``add_request``/``abort`` is queued as a command that the loop thread runs between
 steps. Outputs go back to the event loop with ``call_soon_threadsafe`` into per-request asyncio queues.
 A failure the engine does not isolate to one request is logged, fails every live stream and marks the
@@ -10,6 +11,7 @@ engine dead (``is_alive`` turns false, so /healthz fails) instead of killing the
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -19,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mcp2026.engine.compute_thread import ComputeThread
 from mcp2026.engine.engine import LLMEngine
 from mcp2026.engine.output_processor import RequestOutput
 from mcp2026.engine.request import RequestStatus
@@ -63,13 +66,17 @@ class AsyncEngine:
     """Call ``start()`` from inside the running event loop that will consume the streams; ``generate``
     then yields the request's ``RequestOutput``s until one is finished. Not bound to a second loop."""
 
-    def __init__(self, engine: LLMEngine, *, warmup: bool = True) -> None:
+    def __init__(
+        self, engine: LLMEngine, *, warmup: bool = True, compute_thread: ComputeThread | None = None
+    ) -> None:
         self.engine = engine
         self.warmup = warmup
         self._cond = threading.Condition()  # guards _commands, _should_stop
         self._commands: deque[Callable[[], None]] = deque()
         self._should_stop = False
-        self._thread: threading.Thread | None = None
+        self._compute = compute_thread  # None: a thread of its own, started by start()
+        self._owns_compute = compute_thread is None
+        self._running: concurrent.futures.Future[None] | None = None  # the loop, once started
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, _Stream] = {}  # event-loop thread only
         self._unscheduled: dict[str, RequestTiming] = {}  # loop thread only
@@ -84,21 +91,22 @@ class AsyncEngine:
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the loop thread; must be called from the event loop that will consume the streams."""
-        if self._thread is not None:
+        if self._running is not None:
             raise RuntimeError("AsyncEngine.start() was already called")
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="mcp2026-engine-loop", daemon=True)
+        if self._compute is None:
+            self._compute = ComputeThread()
         self._is_accepting = True
-        self._thread.start()
+        self._running = self._compute.submit(self._run)
 
     @property
     def is_started(self) -> bool:
-        return self._thread is not None
+        return self._running is not None
 
     @property
     def is_alive(self) -> bool:
-        """The loop thread runs and has not died from an error."""
-        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+        """The loop runs and has not died from an error."""
+        return self._running is not None and not self._running.done() and self.dead_error is None
 
     @property
     def is_ready(self) -> bool:
@@ -131,8 +139,10 @@ class AsyncEngine:
         with self._cond:
             self._should_stop = True
             self._cond.notify()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 10.0)
+        if self._running is not None:
+            await asyncio.to_thread(concurrent.futures.wait, [self._running], 10.0)
+            if self._owns_compute:
+                self._compute.stop()
         self._fail_all(EngineNotReadyError("the engine was shut down"))
 
     # ---- requests -------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import uvicorn
 
 from mcp2026.config import EngineConfig
 from mcp2026.engine.async_engine import AsyncEngine
+from mcp2026.engine.compute_thread import ComputeThread
 from mcp2026.serve.app import create_app
 from mcp2026.serve.config import ServeConfig, load_quant_spec
 from mcp2026.serve.traffic import Gate, KVPolicyGate, ObserveGate
@@ -93,10 +94,11 @@ def build_server(
         from mcp2026.canary.live import build_router, read_candidate
 
         candidate = read_candidate(serve_config.canary)  # a bad candidate YAML fails before any model loads
-    pipe = build_pipeline(serve_config, engine_config)
+    compute = ComputeThread()  # loads the model and then runs its steps (compute_thread.py says why)
+    pipe = compute.run(build_pipeline, serve_config, engine_config)
     if serve_config.model_name is None:
         serve_config = dataclasses.replace(serve_config, model_name=pipe.loaded.source.stem)
-    async_engine = AsyncEngine(pipe.engine, warmup=serve_config.warmup)
+    async_engine = AsyncEngine(pipe.engine, warmup=serve_config.warmup, compute_thread=compute)
     gate = pick_gate(serve_config.traffic.gate, pipe, serve_config.traffic.pressure_kv_sparsity)
     canary = None if candidate is None else build_router(serve_config, pipe, async_engine, candidate)
     return make_server(async_engine, pipe.tokenizer, serve_config, log_level, gate, canary)
