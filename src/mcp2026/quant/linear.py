@@ -108,9 +108,15 @@ GEMV_BATCH_MAX_ROWS = 128  # int8 weights
 INT4_GEMV_BATCH_MAX_ROWS = 256
 DEQUANT_MIN_ROWS = GEMV_BATCH_MAX_ROWS + 1
 INT4_DEQUANT_MIN_ROWS = INT4_GEMV_BATCH_MAX_ROWS + 1
-# On AVX512-BF16 CPUs torch's int4 kernel computes in bf16; past a fused decode step's rows a dequantize to
-# bf16 + bf16 GEMM beats it (576 -> 3072: 1.8 vs 3.7 ms at 128 rows, 5.7 vs 14.3 at 512; even at 64).
-INT4_BF16_DEQUANT_MIN_ROWS = kernel_ops.FUSED_MAX_ROWS + 1
+# On AVX512-BF16 CPUs torch's int4 kernel computes in bf16, and a dequantize to bf16 (into a reused buffer) +
+# one bf16 GEMM beats it from about 20 rows. Measured on an AMX Xeon (session 11, AVX-512 dequantize, 2 threads,
+# throwaway script, the int4 serving config, whole prefill steps without prefix-cache hits, two passes): at
+# 16 / 24 / 32 / 48 / 64 tokens 42-43 / 44-45 / 47-49 / 53-54 / 58-64 ms this way, 34-38 / 49-53 / 59-64 /
+# 63-88 / 110-116 ms through torch's kernel; a 16-sequence decode step 85 against 69 ms. (On one layer's
+# linears with weights in cache the crossover is ~12 rows; in a step the bf16 copy makes a round trip through
+# memory.) Session 10, AVX512-BF16 EPYC, older dequantize: 576 -> 3072 at 128 / 512 rows 1.8 / 5.7 ms against
+# 3.7 / 14.3; the crossover there was not re-measured.
+INT4_BF16_DEQUANT_MIN_ROWS = 20
 
 
 # torch 2.13's AVX-512 `_weight_int8pack_mm` uses aligned 16-byte loads on every row of the activations and
