@@ -4,7 +4,9 @@ AsyncEngine given one steps on the thread that loaded its model, as `mcp2026 ser
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 
 import pytest
 
@@ -40,11 +42,18 @@ def test_tasks_run_in_order_on_one_thread_and_errors_reach_the_caller():
     with pytest.raises(ZeroDivisionError):
         compute.run(lambda: 1 / 0)
     assert compute.run(lambda: compute.run(lambda: "nested")) == "nested"  # from its own thread: no deadlock
+
+    class Model:  # stands in for a loaded model: an idle thread must not keep the last result alive
+        pass
+
+    ref = weakref.ref(compute.run(Model))
+    gc.collect()
+    assert ref() is None
     compute.stop()
+    with pytest.raises(RuntimeError, match="has stopped"):
+        compute.submit(lambda: None)  # refused at once, not queued behind the stop
     compute._thread.join(10)
     assert not compute.is_alive
-    with pytest.raises(RuntimeError, match="has stopped"):
-        compute.submit(lambda: None)
 
 
 def test_async_engine_steps_on_the_thread_that_loaded_the_model(tiny):

@@ -336,19 +336,21 @@ def run_sweep(
     for point in points:
         t0 = time.perf_counter()
         compute = ComputeThread()  # as `mcp2026 serve` loads and steps it: torch work on one thread
-        pipe = compute.run(build_pipeline, point.serve, point.engine)
-        info = {**point.describe(), "load_s": time.perf_counter() - t0, "ppl": None, "ppl_tokens": None}
-        if windows is not None or config.quality_windows:
-            try:
-                chosen = windows if windows is not None else held_out_windows(pipe, config)
-                info["ppl"], info["ppl_tokens"] = compute.run(paged_perplexity, pipe.engine, chosen)
-            except (ValueError, FileNotFoundError) as e:
-                notes.append(f"{point.name}: no perplexity ({e})")
-        if point.serve.quant:
-            layer_bits[point.name] = model_layer_bits(pipe.loaded.model)
-        configs[point.name] = info
-        point_rows = _serve_rates(point, pipe, config, progress, task, notes, compute)
-        compute.stop()
+        try:
+            pipe = compute.run(build_pipeline, point.serve, point.engine)
+            info = {**point.describe(), "load_s": time.perf_counter() - t0, "ppl": None, "ppl_tokens": None}
+            if windows is not None or config.quality_windows:
+                try:
+                    chosen = windows if windows is not None else held_out_windows(pipe, config)
+                    info["ppl"], info["ppl_tokens"] = compute.run(paged_perplexity, pipe.engine, chosen)
+                except (ValueError, FileNotFoundError) as e:
+                    notes.append(f"{point.name}: no perplexity ({e})")
+            if point.serve.quant:
+                layer_bits[point.name] = model_layer_bits(pipe.loaded.model)
+            configs[point.name] = info
+            point_rows = _serve_rates(point, pipe, config, progress, task, notes, compute)
+        finally:
+            compute.stop()  # the thread ends; the next point loads on a new one
         for row in point_rows:
             row["ppl"] = info["ppl"]
         rows += point_rows

@@ -98,6 +98,7 @@ class AsyncEngine:
             self._compute = ComputeThread()
         self._is_accepting = True
         self._running = self._compute.submit(self._run)
+        self._running.add_done_callback(_log_loop_exception)
 
     @property
     def is_started(self) -> bool:
@@ -334,6 +335,12 @@ class AsyncEngine:
                 self.engine.abort(request_id)
             except Exception:  # noqa: BLE001 - best effort: the engine state may be what broke
                 log.exception("abort of %s after engine death failed", request_id)
+
+
+def _log_loop_exception(running: concurrent.futures.Future[None]) -> None:
+    """``_run`` reports its own errors; one raised while it reports would otherwise vanish in the future."""
+    if not running.cancelled() and running.exception() is not None:
+        log.error("engine loop ended with an unreported error", exc_info=running.exception())
 
 
 def _set_future(future: asyncio.Future[None], error: BaseException | None) -> None:

@@ -28,12 +28,13 @@ class ComputeThread:
 
     def __init__(self, name: str = "mcp2026-engine-loop") -> None:
         self._tasks: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = queue.SimpleQueue()
+        self._stopped = False
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Queue ``fn(*args)``; its future holds the result or the exception it raised."""
-        if not self._thread.is_alive():
+        if self._stopped or not self._thread.is_alive():
             raise RuntimeError(f"compute thread {self._thread.name!r} has stopped")
         future: Future[T] = Future()
         self._tasks.put((functools.partial(fn, *args), future))
@@ -46,7 +47,8 @@ class ComputeThread:
         return self.submit(fn, *args).result()
 
     def stop(self) -> None:
-        """Let the thread end after the tasks queued so far."""
+        """Let the thread end after the tasks queued so far; later submissions are refused."""
+        self._stopped = True
         self._tasks.put(None)
 
     @property
@@ -62,3 +64,5 @@ class ComputeThread:
                 future.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - the caller gets it through the future
                 future.set_exception(e)
+            # while idle, hold nothing: the last task's closure or result can be a whole loaded model
+            del task, fn, future

@@ -112,7 +112,9 @@ INT4_DEQUANT_MIN_ROWS = INT4_GEMV_BATCH_MAX_ROWS + 1
 # one bf16 GEMM beats it from about 20 rows. Measured on an AMX Xeon (session 11, AVX-512 dequantize, 2 threads,
 # throwaway script, the int4 serving config, whole prefill steps without prefix-cache hits, two passes): at
 # 16 / 24 / 32 / 48 / 64 tokens 42-43 / 44-45 / 47-49 / 53-54 / 58-64 ms this way, 34-38 / 49-53 / 59-64 /
-# 63-88 / 110-116 ms through torch's kernel; a 16-sequence decode step 85 against 69 ms. (On one layer's
+# 63-88 / 110-116 ms through torch's kernel; a 16-sequence decode step 85 against 69 ms; decode steps of 24 /
+# 32 / 48 sequences (256-token prompts, 64-sequence config) 76-78 / 75-82 / 91-103 against 79-83 / 98-100 /
+# 137-145 ms. A row's last bits can change where its step crosses this limit, as at the GEMV's. (On one layer's
 # linears with weights in cache the crossover is ~12 rows; in a step the bf16 copy makes a round trip through
 # memory.) Session 10, AVX512-BF16 EPYC, older dequantize: 576 -> 3072 at 128 / 512 rows 1.8 / 5.7 ms against
 # 3.7 / 14.3; the crossover there was not re-measured.
