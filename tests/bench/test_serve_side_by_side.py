@@ -41,6 +41,7 @@ class FakeServer:
     ):
         self.name, self.log, self.delay, self.style, self.usage = name, log, token_delay_s, style, usage
         self.silent = silent  # ours' style when no token has any text: only the finishing chunk, empty
+        self.seen: set[tuple[int, ...]] = set()  # prompts served (the llama style reports them as cached)
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -73,6 +74,12 @@ class FakeServer:
     def stream(self, out, request: dict) -> None:
         n = request["max_tokens"]
         usage = {"prompt_tokens": len(request["prompt"]), "completion_tokens": n, "total_tokens": n}
+        if (
+            self.style == "llama"
+        ):  # llama-server's prompt cache: a prompt seen before is all cached but its last
+            key = tuple(request["prompt"])
+            usage["prompt_tokens_details"] = {"cached_tokens": len(key) - 1 if key in self.seen else 0}
+            self.seen.add(key)
 
         def send(chunk: dict) -> None:
             out.write(f"data: {json.dumps(chunk)}\n\n".encode())
@@ -215,6 +222,9 @@ def test_same_workload_interleaved_and_ratios():
         assert agg["completed"] == 8 and agg["total_output_tokens"] == 40
         assert agg["token_sources"] == {"usage": 8}
         assert agg["duration_s"] == pytest.approx(sum(p["seconds"] for p in phases if p["endpoint"] == name))
+    assert endpoints["llama"]["prompt_cache_share"] == 0.0  # every prompt new to it
+    assert endpoints[OURS]["prompt_cache_share"] is None  # the fake of ours reports no cached tokens
+    assert not any("prefix cache" in note for note in run.notes)
     records = {(r["endpoint"], r["request_id"]): r for r in run.records}
     assert len(records) == 16 and all(r["output_tokens"] == 5 for r in records.values())
     assert all(len(r["itl"]) == 4 for r in records.values())
@@ -337,3 +347,22 @@ def test_example_configs_match_the_peer_slots(seqs, suffix):
     if suffix:  # int4 weights, K/V in bf16 (llama-server's f16 KV: same bytes), nothing evicted
         assert serve.quant is not None
         assert engine.kv_compressor.dtype == "bf16" and engine.kv_compressor.policy == "none"
+
+
+def test_a_rerun_against_a_warm_prefix_cache_says_so():
+    requests = requests_for(4)
+    with two_fakes(ours_delay=0.002, peer_delay=0.002) as (ours, peer, log):
+        config = ServeBenchConfig(
+            base_url=ours.url, max_concurrency=2, peers=(PeerEndpoint("llama", peer.url),)
+        )
+        bench_serve(config, requests)
+        rerun = bench_serve(config, requests)  # the same prompts again: llama-style servers serve them cached
+    share = rerun.aggregates["endpoints"]["llama"]["prompt_cache_share"]
+    prompt = sum(len(r.prompt_token_ids) for r in requests)
+    assert share == pytest.approx((prompt - len(requests)) / prompt)
+    assert any(
+        note.startswith("llama:") and "prefix cache" in note and "--seed" in note for note in rerun.notes
+    )
+    assert {r["cached_tokens"] for r in rerun.records if r["endpoint"] == "llama"} == {
+        len(r.prompt_token_ids) - 1 for r in requests
+    }
