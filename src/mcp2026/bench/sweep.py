@@ -19,11 +19,14 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mcp2026.bench.pareto import pareto_front
 from mcp2026.bench.report import BenchRun, Table, machine_info
 from mcp2026.bench.sweep_grid import SweepPoint
+
+if TYPE_CHECKING:
+    from mcp2026.engine.compute_thread import ComputeThread
 
 LATENCY_METRICS = tuple(
     f"{stat}_{name}_ms"
@@ -90,7 +93,7 @@ def _free_port() -> int:
 
 @contextmanager
 def running_server(
-    pipe: Any, serve: Any, ready_timeout_s: float = 300.0, compute_thread: Any = None
+    pipe: Any, serve: Any, ready_timeout_s: float = 300.0, compute_thread: ComputeThread | None = None
 ) -> Iterator[tuple[str, str]]:
     """Our HTTP server over ``pipe`` in a thread on a free loopback port; yields (base URL, model id).
     TLS and API keys are dropped: the sweep measures the engine configuration, not the access layer.
@@ -222,7 +225,7 @@ def _serve_rates(
     progress: Any,
     task: Any,
     notes: list[str],
-    compute_thread: Any = None,
+    compute_thread: ComputeThread | None = None,
 ) -> list[dict[str, Any]]:
     from mcp2026.bench.serve import ServeBenchConfig, bench_serve
 
@@ -320,8 +323,7 @@ def run_sweep(
     """Serve every point at every rate; one row per (point, rate). ``windows``: token windows for the
     perplexity figure instead of held-out ShareGPT text (tests, models without a tokenizer)."""
     from mcp2026.bench.bitplan import model_layer_bits
-    from mcp2026.engine.compute_thread import ComputeThread
-    from mcp2026.serve.server import build_pipeline
+    from mcp2026.serve.server import load_pipeline
 
     if not points:
         raise ValueError("the sweep grid is empty: give --configs or grid options")
@@ -335,9 +337,8 @@ def run_sweep(
     task = progress.add_task("sweep", total=len(points) * len(config.rates)) if progress is not None else None
     for point in points:
         t0 = time.perf_counter()
-        compute = ComputeThread()  # as `mcp2026 serve` loads and steps it: torch work on one thread
+        pipe, compute = load_pipeline(point.serve, point.engine)  # as `mcp2026 serve` loads and steps it
         try:
-            pipe = compute.run(build_pipeline, point.serve, point.engine)
             info = {**point.describe(), "load_s": time.perf_counter() - t0, "ppl": None, "ppl_tokens": None}
             if windows is not None or config.quality_windows:
                 try:

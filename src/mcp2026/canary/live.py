@@ -249,13 +249,11 @@ def build_router(
     what ``read_candidate`` returned (read before the baseline loaded)."""
     from mcp2026 import hardware
     from mcp2026.engine.async_engine import AsyncEngine
-    from mcp2026.engine.compute_thread import ComputeThread
-    from mcp2026.serve.server import build_pipeline
+    from mcp2026.serve.server import load_pipeline
 
     config = serve_config.canary
     candidate_serve, candidate_engine_config = candidate_configs or read_candidate(config)
-    compute = ComputeThread()  # the candidate's own engine thread, which also loads it (compute_thread.py)
-    pipe = compute.run(build_pipeline, candidate_serve, candidate_engine_config)
+    pipe, compute = load_pipeline(candidate_serve, candidate_engine_config)  # its own engine thread
     b, c = baseline_pipe.engine, pipe.engine
     if b.model_config.vocab_size != c.model_config.vocab_size:
         raise ValueError("the canary candidate has another vocabulary than the served model")

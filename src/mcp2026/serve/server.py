@@ -83,6 +83,13 @@ def build_pipeline(serve_config: ServeConfig, engine_config: EngineConfig) -> Pi
     )
 
 
+def load_pipeline(serve_config: ServeConfig, engine_config: EngineConfig) -> tuple[Pipeline, ComputeThread]:
+    """``build_pipeline`` on a new ComputeThread, returned with it: the engine's steps must run on the thread
+    that loaded the model (compute_thread.py says why), so pass it to ``AsyncEngine(compute_thread=...)``."""
+    compute = ComputeThread()
+    return compute.run(build_pipeline, serve_config, engine_config), compute
+
+
 def build_server(
     serve_config: ServeConfig, engine_config: EngineConfig, log_level: str = "info"
 ) -> GracefulServer:
@@ -94,8 +101,7 @@ def build_server(
         from mcp2026.canary.live import build_router, read_candidate
 
         candidate = read_candidate(serve_config.canary)  # a bad candidate YAML fails before any model loads
-    compute = ComputeThread()  # loads the model and then runs its steps (compute_thread.py says why)
-    pipe = compute.run(build_pipeline, serve_config, engine_config)
+    pipe, compute = load_pipeline(serve_config, engine_config)
     if serve_config.model_name is None:
         serve_config = dataclasses.replace(serve_config, model_name=pipe.loaded.source.stem)
     async_engine = AsyncEngine(pipe.engine, warmup=serve_config.warmup, compute_thread=compute)
