@@ -576,8 +576,8 @@ class Int4Linear(QuantLinear):
                     out_bf16=bf16,
                     out=self._dequant_buffer(torch.bfloat16 if bf16 else torch.float32),
                 )
-                xs = self._input(x)
-                return self._output(F.linear(xs, w) if bf16 else kernel_ops.prefill_linear(xs, w), x)
+                xs = self._input(x)  # an fp16 compute dtype runs the GEMM in fp32 (w is fp32 then)
+                return self._output(F.linear(xs, w) if bf16 else kernel_ops.prefill_linear(xs.float(), w), x)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             self._input(x), self.weight, self.spec.group_size, self.scales_and_zeros
         )
