@@ -25,7 +25,12 @@ import torch.nn.functional as F
 
 from mcp2026.bench.plugins import PluginContext
 
-VARIANTS = ("block-global", "block-lane", "token-lane", "token-window")
+VARIANTS = (
+    "block-global", "block-lane", "token-lane", "token-window",
+    "oracle-token", "oracle-block", "future-block", "future-token",
+)  # fmt: skip
+ORACLES = ("oracle-token", "oracle-block")  # per-query selection: a bound for any policy
+FUTURES = ("future-block", "future-token")  # eviction ranked by the attention yet to come: clairvoyant
 BLOCK, SINK, MIN_RECENT, WINDOW = 16, 4, 64, 32
 
 
@@ -33,8 +38,20 @@ class _MaskedAttention:
     """Replaces the model's attention: keeps every K/V, masks to what ``keep`` says, sums the last queries'
     attention per (KV head, position) into ``score``."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        oracle: str | None = None,
+        future: list[torch.Tensor] | None = None,
+        record: int = 0,
+    ) -> None:
         self.layers: list[dict[str, Any]] = [{} for _ in range(num_layers)]
+        self.oracle = oracle  # per query: keep only its own top keys (a bound, not a policy)
+        self.budget: tuple[int, int] | None = None  # (tokens kept, at context length) for the oracle
+        self.future = future  # per layer (nkv, T, T): the full-attention run's mass of query t on key s
+        # a full-attention run records that mass for a ``record``-token text (fp16: 0.75 GB at 2k)
+        self.recorded = [torch.zeros(0)] * num_layers if record else None
+        self.record_len = record
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Any
@@ -56,16 +73,47 @@ class _MaskedAttention:
         qg = q.view(t, nkv, nh // nkv, hd).permute(1, 2, 0, 3)  # (nkv, g, T, hd)
         scores = (qg @ st["k"].transpose(-1, -2)[:, None]).masked_fill(~mask[:, None], float("-inf"))
         probs = torch.softmax(scores, -1)
+        if self.oracle is not None and self.budget is not None:
+            probs = self._oracle_probs(scores, probs, start)
         st["score"] += probs[:, :, -min(WINDOW, t) :].sum((1, 2))
+        if self.recorded is not None:
+            if not self.recorded[layer].numel():
+                self.recorded[layer] = torch.zeros(nkv, self.record_len, self.record_len, dtype=torch.float16)
+            self.recorded[layer][:, start:total, :total] = probs.sum(1).half()
         return (probs @ st["v"][:, None]).permute(2, 0, 1, 3).reshape(t, nh, hd)
+
+    def _oracle_probs(self, scores: torch.Tensor, probs: torch.Tensor, start: int) -> torch.Tensor:
+        """Each query keeps, per KV head, the keys its own group attends to most: as many as the engine's
+        lane holds at that position (the budget at the last eviction + the tokens since). No eviction
+        policy, which must decide before the queries come, can keep a better set of that size."""
+        kept, at = self.budget
+        nkv, _, t, total = probs.shape
+        mass = probs.sum(1)  # (nkv, T, S): the group's attention
+        if self.oracle == "oracle-block":
+            nb = -(-total // BLOCK)
+            mass = F.pad(mass, (0, nb * BLOCK - total)).view(nkv, t, nb, BLOCK).sum(-1)
+        ranks = mass.argsort(-1, descending=True).argsort(-1)  # 0 = the most attended key (block)
+        pos = start + torch.arange(t)
+        num = (kept + pos + 1 - at).clamp(max=pos + 1)  # (T,) tokens the lane holds for this query
+        if self.oracle == "oracle-block":
+            num = -(-num // BLOCK)
+        keep = ranks < num[None, :, None]
+        if self.oracle == "oracle-block":
+            keep = keep.repeat_interleave(BLOCK, -1)[..., :total]
+        return torch.softmax(scores.masked_fill(~keep[:, None], float("-inf")), -1)
 
     def evict(self, n: int, sparsity: float, variant: str) -> None:
         budget = n - int(n * sparsity)
+        if variant in ORACLES:
+            self.budget = (budget, n)
+            return
         recent = max(MIN_RECENT, int(budget * 0.97)) if variant == "token-window" else MIN_RECENT
         shared = sum(st["score"].sum(0) for st in self.layers)[None] if variant == "block-global" else None
-        for st in self.layers:
+        for layer, st in enumerate(self.layers):
             score = st["score"] if shared is None else shared
-            keep = _keep_blocks(score, st["keep"], n, budget, recent) if variant.startswith("block") else None
+            if variant in FUTURES:  # what the queries from here on attend to (in the full-attention run)
+                score = self.future[layer][:, n:, :].float().sum(1)
+            keep = _keep_blocks(score, st["keep"], n, budget, recent) if "block" in variant else None
             if keep is None:
                 keep = _keep_tokens(score, st["keep"], n, budget, recent)
             if keep is not None:
@@ -115,6 +163,8 @@ class EvictionSimulation:
 
         self.context = int(ctx.param("context_tokens", "2048"))
         self.sparsity = float(ctx.param("sparsity", "0.7"))
+        self.defer_prompt = ctx.param("defer_prompt", "0") == "1"  # evict from the prompt's end on
+        self.future: list[torch.Tensor] | None = None
         self.variants = [v for v in ctx.param("variants", ",".join(VARIANTS)).split(",") if v]
         unknown = sorted(set(self.variants) - set(VARIANTS))
         if unknown or not 0.0 < self.sparsity < 1.0:
@@ -128,13 +178,16 @@ class EvictionSimulation:
             "sharegpt", loaded.tokenizer, loaded.config.vocab_size, 1, self.context, 0
         )[0]
 
-    def _ppl(self, variant: str | None) -> float:
+    def _nll(self, variant: str | None) -> torch.Tensor:
         from mcp2026.models import llama
 
         n, prompt = len(self.tokens), len(self.tokens) // 2
         chunks = [(s, min(s + 256, prompt)) for s in range(0, prompt, 256)]
         chunks += [(s, min(s + 32, n)) for s in range(prompt, n, 32)]
-        attention, original = _MaskedAttention(self.num_layers), llama.attention
+        oracle = variant if variant in ORACLES else None
+        record = n if variant is None and any(v in FUTURES for v in self.variants) else 0
+        attention = _MaskedAttention(self.num_layers, oracle, self.future, record)
+        original = llama.attention
         llama.attention = attention
         nll = []
         try:
@@ -146,15 +199,22 @@ class EvictionSimulation:
                     target = torch.tensor(self.tokens[a + 1 : b + 1])
                     logprobs = torch.log_softmax(logits.float()[: len(target)], -1)
                     nll.append(-logprobs.gather(1, target[:, None]).squeeze(1))
-                    if variant is not None:
+                    if variant is not None and (b >= prompt or not self.defer_prompt):
                         attention.evict(b, self.sparsity, variant)
         finally:
             llama.attention = original
-        return math.exp(float(torch.cat(nll).mean()))
+        if record:
+            self.future = attention.recorded
+        return torch.cat(nll)
 
     def run(self, ctx: PluginContext) -> dict[str, float]:
-        ref = self._ppl(None)
-        out = {"ppl_ref": ref}
+        ref = self._nll(None)
+        after = len(self.tokens) // 2  # nll[i] scores token i + 1: the positions after the prompt
+        out = {"ppl_ref": math.exp(float(ref.mean()))}
         for variant in self.variants:
-            out[f"delta_ppl_pct_{variant}"] = 100.0 * (self._ppl(variant) / ref - 1.0)
+            nll = self._nll(variant)
+            out[f"delta_ppl_pct_{variant}"] = 100.0 * math.expm1(float(nll.mean() - ref.mean()))
+            out[f"delta_ppl_after_prompt_pct_{variant}"] = 100.0 * math.expm1(
+                float(nll[after:].mean() - ref[after:].mean())
+            )
         return out

@@ -4,6 +4,7 @@ tiny model and records a BenchRun; broken plugins fail with one line naming the 
 from __future__ import annotations
 
 import json
+import math
 from importlib import metadata
 from pathlib import Path
 
@@ -141,10 +142,22 @@ def test_eviction_simulation_plugin_masks_what_each_variant_drops(tiny_dir):
     name, plugin = load_plugin(spec)
     ctx = PluginContext(model=tiny_dir, dtype="fp32", params={"context_tokens": "192", "sparsity": "0.5"})
     metrics = run_plugin(name, plugin, ctx).aggregates["metrics"]
-    variants = ("block-global", "block-lane", "token-lane", "token-window")
-    assert set(metrics) == {"ppl_ref", *(f"delta_ppl_pct_{v}" for v in variants)} and metrics["ppl_ref"] > 1
+    variants = plugin.variants
+    assert len(variants) == 8 and {"oracle-token", "future-block"} <= set(variants)
+    keys = {f"delta_ppl_{part}pct_{v}" for v in variants for part in ("", "after_prompt_")}
+    assert set(metrics) == {"ppl_ref", *keys} and metrics["ppl_ref"] > 1
     assert all(metrics[f"delta_ppl_pct_{v}"] != 0.0 for v in variants)  # every variant changed the attention
-    assert len({round(metrics[f"delta_ppl_pct_{v}"], 9) for v in variants}) == 4  # and each differently
+    assert len({round(metrics[f"delta_ppl_pct_{v}"], 9) for v in variants}) == len(variants)  # differently
+    deferred = PluginContext(
+        model=tiny_dir,
+        dtype="fp32",
+        params={"context_tokens": "192", "variants": "token-window", "defer_prompt": "1"},
+    )
+    late = run_plugin(name, plugin, deferred).aggregates["metrics"]
+    # evicting from the prompt's end on leaves the prompt's positions exact: all of the whole text's change
+    # (191 scored positions) is in the 95 after the prompt
+    whole, after = (late[f"delta_ppl_{p}pct_token-window"] / 100 for p in ("", "after_prompt_"))
+    assert after != 0 and math.isclose(191 * math.log1p(whole), 95 * math.log1p(after), rel_tol=1e-4)
     bad = PluginContext(model=tiny_dir, dtype="fp32", params={"variants": "block-random"})
     with pytest.raises(PluginError, match="variants must be among"):
         run_plugin(name, plugin, bad)

@@ -289,13 +289,18 @@ def test_heavy_hitter_keeps_a_prompt_that_fits_whole_until_its_end(pool_blocks, 
     kv.check_integrity()
 
 
-def test_heavy_hitter_at_the_prompt_end_ranks_every_candidate_by_the_question():
-    b = budget(sparsity_ratio=0.3)  # 40 tokens: keep 7 blocks; H2O's recent half = 3 (block 7 joins 8, 9)
-    score = [0.0, 5, 1, 9, 2, 0.5, 7, 0.1, 0, 0]
+def test_heavy_hitter_splits_each_lanes_budget_by_how_far_it_attends():
+    """A lane whose attention stays local keeps a window; a lane that reaches back keeps what it reaches for,
+    with the share of its budget that a window would lose of its attention."""
+    b = budget(sparsity_ratio=0.3)  # 40 tokens: keep 7 blocks = sink 0 + recent 8, 9 + 4 flexible
+    local = [1.0, 0, 0, 0, 0, 0.01, 0.02, 1, 2, 3]  # nothing on blocks 1-3 (what a window drops)
+    far = [1.0, 0, 4, 0, 0, 0.01, 0.02, 0.1, 1, 1]  # 4 of its 6.13 non-sink mass on block 2: 65%
     policy = make_policy("heavy_hitter", b)
-    assert dropped(policy.select(view(b, 40, score))) == [2, 4, 5]
-    at_end = dataclasses.replace(view(b, 40, score), is_prompt_end=True)
-    assert dropped(policy.select(at_end)) == [2, 5, 7]  # SnapKV: the whole budget by score
+    assert policy.heavy_slots(view(b, 40, [local, far])).tolist() == [0, 3]  # floor(0.65 x 6 blocks)
+    # local: the window (4-7); far: the newest block 7, then its three hottest candidates (2, 5, 6)
+    assert dropped(policy.select(view(b, 40, [local, far]))) == [[1, 2, 3], [1, 3, 4]]
+    capped = make_policy("heavy_hitter", dataclasses.replace(b, max_heavy_share=0.0))
+    assert dropped(capped.select(view(b, 40, [local, far]))) == [[1, 2, 3], [1, 2, 3]]  # sink_window's
 
 
 def test_recent_scores_decay_with_age_and_start_from_the_first_observation():
@@ -306,6 +311,7 @@ def test_recent_scores_decay_with_age_and_start_from_the_first_observation():
     row = evictor._states["a"].row
     torch.testing.assert_close(evictor.recent[row, :, :3], first[0] * 3)  # relative to uniform (x 3 slots)
     second = torch.tensor([[[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]])
-    evictor.absorb([StepScores(["a"], [3], second)], {"a": 256})  # one half-life later: equal weights
+    half_life = int(evictor.policy.score_half_life)
+    evictor.absorb([StepScores(["a"], [3], second)], {"a": half_life})  # one half-life later: equal weights
     torch.testing.assert_close(evictor.recent[row, :, :3], (first[0] + second[0]) * 1.5)
     torch.testing.assert_close(evictor.last[row, :, :3], second[0] * 3)

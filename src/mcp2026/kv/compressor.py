@@ -53,6 +53,9 @@ class KVCompressor:
         32  # heavy_hitter / snap / dynamic_window: last prompt queries that score blocks
     )
     heat_fraction: float = 0.6  # dynamic_window: calcLeftBoundary's fraction of the recent mean heat
+    # heavy_hitter: the most of a lane's budget for heavy hitters (each lane gives the share of its attention a
+    # plain window would lose; the rest is the newest blocks)
+    max_heavy_share: float = 0.9
     error_check_interval: int = 16  # measure the round-trip error every this many steps
 
     def __post_init__(self) -> None:
@@ -107,6 +110,10 @@ class KVCompressor:
         _require(
             0 < self.heat_fraction <= 1,
             f"KVCompressor.heat_fraction must be in (0, 1], got {self.heat_fraction}",
+        )
+        _require(
+            0 <= self.max_heavy_share <= 1,
+            f"KVCompressor.max_heavy_share must be in [0, 1], got {self.max_heavy_share}",
         )
         _require(
             self.error_check_interval >= 1,
@@ -168,6 +175,7 @@ class KVCompressor:
             max_kv_tokens=self.max_kv_tokens,
             heat_fraction=self.heat_fraction,
             observation_window=self.observation_window,
+            max_heavy_share=self.max_heavy_share,
         )
 
     def make_evictor(
