@@ -41,6 +41,7 @@ class FakeServer:
     ):
         self.name, self.log, self.delay, self.style, self.usage = name, log, token_delay_s, style, usage
         self.silent = silent  # ours' style when no token has any text: only the finishing chunk, empty
+        self.drop: list[str] = []  # per coming POST: "silent" closes before any response, "cut" after headers
         self.seen: set[tuple[int, ...]] = set()  # prompts served (the llama style reports them as cached)
         fake = self
 
@@ -58,6 +59,15 @@ class FakeServer:
 
             def do_POST(self):
                 request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                drop = fake.drop.pop(0) if fake.drop else None
+                if drop == "cut":  # a response starts, then the connection goes
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                if drop is not None:
+                    self.close_connection = True
+                    return
                 entry = {"server": fake.name, "arrived": time.monotonic(), **request}
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
@@ -321,6 +331,25 @@ def test_latency_cdfs_get_a_series_per_endpoint():
     assert series["serve llama"]["ttft"] == pytest.approx([200.0])
     single = latency_samples(BenchRun("serve", "", {}, records=[record, record]))
     assert list(single) == ["serve"] and len(single["serve"]["ttft"]) == 2
+
+
+def test_a_request_the_server_dropped_before_any_response_is_sent_again():
+    """A keep-alive connection the server closes as the request goes out (llama-server closes idle ones after
+    5 s) never reached it: sent once more and counted. A response cut after it started is a failure."""
+    from mcp2026.bench.serve import LoadGenerator, endpoint_aggregates, token_source_notes
+
+    with FakeServer("llama", [], 0.001, "llama") as peer:
+        config = ServeBenchConfig(base_url=peer.url, max_concurrency=1)
+        peer.drop = ["silent"]
+        results, seconds = asyncio.run(LoadGenerator(config, "m").run(requests_for(2)))
+        assert [(r.success, r.retries) for r in results] == [(True, 1), (True, 0)]
+        endpoint = endpoint_aggregates(results, seconds, config)
+        assert endpoint["num_retried"] == 1 and "sent twice" in token_source_notes({"llama": endpoint})[0]
+        peer.drop = ["cut"]
+        (cut,), _ = asyncio.run(LoadGenerator(config, "m").run(requests_for(1)))
+        assert (
+            not cut.success and cut.retries == 0 and cut.status == 200 and "RemoteProtocolError" in cut.error
+        )
 
 
 def test_ours_empty_finishing_chunk_is_a_token():

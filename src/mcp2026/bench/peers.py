@@ -199,7 +199,10 @@ def load_llama_cpp(
             "llama.cpp peer skipped: llama-cpp-python is not installed "
             '(CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python; builds llama.cpp, ~12 min on 2 cores)'
         )
-    from llama_cpp import Llama
+    try:
+        from llama_cpp import Llama
+    except ImportError as e:  # installed without its own dependencies (diskcache, ...), or a broken build
+        raise PeerUnavailable(f"llama.cpp peer skipped: llama_cpp does not import ({e})") from None
 
     from mcp2026 import hardware
     from mcp2026.loading.loader import default_model_path

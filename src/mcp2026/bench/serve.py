@@ -157,6 +157,7 @@ class RequestResult:
     cached_tokens: int | None = None  # prompt tokens served from the server's prefix cache, as its usage says
     endpoint: str = ""  # side-by-side runs: which endpoint served it
     phase: int = 0  # side-by-side runs: the phase it was sent in
+    retries: int = 0  # sent again after the server dropped a keep-alive connection before any response
 
 
 # ---- metric math (pure) -------------------------------------------------------------------------
@@ -300,7 +301,7 @@ class LoadGenerator:
             if plan.kind == "malformed":
                 await self._send_malformed(client, plan, result)
             else:
-                await self._stream(client, plan, result)
+                await self._stream_once_retried(client, plan, result)
         except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash of the run
             result.success, result.error = False, f"{type(e).__name__}: {e}"
         return result
@@ -312,6 +313,20 @@ class LoadGenerator:
         response = await client.post("/v1/completions", content=content, headers=headers)
         result.status = response.status_code
         result.success = 400 <= response.status_code < 500
+
+    async def _stream_once_retried(self, client: Any, plan: _Plan, result: RequestResult) -> None:
+        """``_stream``, sent once more when the server closed the connection before any response: a pooled
+        keep-alive connection it had just closed as idle (llama-server does after 5 s), so the request never
+        reached it. Counted in ``retries``; anything after a response has started is a failure."""
+        import httpx
+
+        try:
+            await self._stream(client, plan, result)
+        except httpx.RemoteProtocolError:
+            if result.status is not None:
+                raise
+            result.retries += 1
+            await self._stream(client, plan, result)
 
     async def _stream(self, client: Any, plan: _Plan, result: RequestResult) -> None:
         """One streamed completion. A chunk with choices carries tokens, except llama-server's closing
@@ -607,6 +622,7 @@ def endpoint_aggregates(
     aggregates.update(robustness_summary(results))
     aggregates["num_sent"] = len(results)
     aggregates["token_sources"] = dict(Counter(r.token_source for r in results if r.token_source))
+    aggregates["num_retried"] = sum(r.retries > 0 for r in results)
     reported = [r for r in results if r.kind == "normal" and r.success and r.cached_tokens is not None]
     prompt_tokens = sum(r.prompt_len for r in reported)
     aggregates["prompt_cache_share"] = (
@@ -638,6 +654,11 @@ def prefix_cache_notes(endpoints: dict[str, dict[str, Any]]) -> list[str]:
 def token_source_notes(endpoints: dict[str, dict[str, Any]]) -> list[str]:
     notes = []
     for name, agg in endpoints.items():
+        if agg.get("num_retried"):
+            notes.append(
+                f"{name}: {agg['num_retried']} requests were sent twice: the server closed an idle keep-alive "
+                "connection as the request went out (before any response), so the first never reached it"
+            )
         sources = agg.get("token_sources") or {}
         if sources.get("tokenizer"):
             notes.append(
