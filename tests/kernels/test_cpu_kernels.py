@@ -414,3 +414,41 @@ def test_scratch_buffers_are_reused_within_a_thread_and_private_to_it():
     thread.start()
     thread.join()
     assert other[0] != ops.scratch((64, 8), torch.bfloat16).data_ptr()  # engines on two threads never share
+
+
+def _sdpa_at_offset(q, k, v, offset):
+    t, s = q.shape[0], k.shape[1]
+    mask = torch.arange(s)[None, :] <= (offset + torch.arange(t))[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k[None].float(), v[None].float(), attn_mask=mask, scale=1.0, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    ("t", "s", "offset", "nh", "nkv", "hd", "kv_dtype"),
+    [
+        (200, 200, 0, 9, 3, 64, torch.float32),  # a first chunk: causal (SmolLM2's heads)
+        (97, 300, 150, 9, 3, 64, torch.bfloat16),  # a later chunk over cached bf16 K/V, padding slots past it
+        (70, 70, 0, 8, 2, 128, torch.float32),  # tails of every tile: 70 positions, 4 per tile
+        (65, 130, 65, 4, 4, 32, torch.float32),  # no grouping
+        (3, 40, 37, 12, 1, 64, torch.float32),  # 12 heads on one KV head: one position per tile
+    ],
+)
+def test_prefill_attention_matches_sdpa(kernels, t, s, offset, nh, nkv, hd, kv_dtype):
+    if not kernels.prefill_attention_available():
+        pytest.skip("this CPU build has no AVX-512 prefill attention")
+    torch.manual_seed(0)
+    q = torch.randn(t, nh, hd) * 0.4
+    k, v = torch.randn(nkv, s, hd).to(kv_dtype), torch.randn(nkv, s, hd).to(kv_dtype)
+    out = kernels.prefill_attention(q, k, v, offset)
+    torch.testing.assert_close(out, _sdpa_at_offset(q, k, v, offset), atol=2e-5, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="offset"):
+        kernels.prefill_attention(q, k, v, s - t + 1)  # the chunk's own keys must be in k
+
+
+def test_prefill_attention_dispatch_falls_back_to_sdpa_where_it_does_not_apply():
+    q, k = torch.randn(80, 9, 64, dtype=torch.float64), torch.randn(3, 80, 64, dtype=torch.float64)
+    assert ops.prefill_attention(q, k, k, 0) is None  # a dtype the kernel does not take
+    q, k = torch.randn(80, 9, 48), torch.randn(3, 80, 48)
+    assert ops.prefill_attention(q, k, k, 0) is None  # a head size it does not take

@@ -32,6 +32,7 @@ class PrefillSlice:
     num_observed: int = 0  # last queries whose attention is summed per block (eviction scores)
     observe_mask: torch.Tensor | None = None  # (num_observed, ctx) bool
     mass: torch.Tensor | None = None  # (L, nkv, num context blocks) float32
+    kv_start: int = 0  # the chunk's first slot: query i sees slots 0 .. kv_start + i (what mask says)
 
     def to(self, device: torch.device) -> PrefillSlice:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -46,6 +47,7 @@ class PrefillSlice:
             self.num_observed,
             move(self.observe_mask),
             move(self.mass),
+            self.kv_start,
         )
 
 
@@ -124,9 +126,13 @@ def _decode_attention(
 
 
 def _prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, offset: int = 0
 ) -> torch.Tensor:
-    # q: (T, nh, hd) pre-scaled; k, v: (nkv, S, hd); causal when mask is None (S == T).
+    # q: (T, nh, hd) pre-scaled; k, v: (nkv, S, hd); causal when mask is None (S == T). ``mask`` is the causal
+    # mask at ``offset`` (query i sees keys 0 .. offset + i), which our kernel applies without it.
+    out = ops.prefill_attention(q, k, v, offset)
+    if out is not None:
+        return out
     # 4-D inputs on purpose: with 3-D ones PyTorch's CPU dispatcher falls back to the math kernel
     # (materialised scores, ~4x slower at 512 tokens); with a batch dim it takes the flash kernel.
     out = F.scaled_dot_product_attention(
@@ -181,7 +187,7 @@ def attention(
         else:
             kc, vc = cache.gather(layer, p.context)
             kc, vc = kc[0], vc[0]  # (nkv, ctx, hd)
-        parts.append(_prefill_attention(qs, kc, vc, p.mask))
+        parts.append(_prefill_attention(qs, kc, vc, p.mask, p.kv_start))
         if p.num_observed:
             _observe(qs[-p.num_observed :], kc, p.observe_mask, p.mass[layer], meta.block_size)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

@@ -94,7 +94,7 @@ class ModelRunner:
             key_pos = torch.arange(len(ids) * bs)
             mask = key_pos.unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)  # (q_len, ctx)
             read = self.cache.block_read(torch.tensor([ids], dtype=torch.long))
-            p = PrefillSlice(q_start, c.num_tokens, read, mask)
+            p = PrefillSlice(q_start, c.num_tokens, read, mask, kv_start=start)
         if not num_observed:
             return p, None
         num_slots = cdiv(end, bs)
