@@ -228,3 +228,17 @@ def test_request_keeps_the_arrival_time_it_reached_the_server_with(tiny):
 
     arrival = run(main())
     assert 4.5 < time.monotonic() - arrival < 30
+
+
+@pytest.mark.parametrize(("num_blocks", "prompt_len"), [(NUM_BLOCKS, 252), (8, 126)])
+def test_warm_up_prefills_a_real_prompt_that_the_pool_holds(tiny, num_blocks, prompt_len):
+    """The warm-up runs a prefill long enough for the prefill kernels (max_model_len 256 caps it at 252), and
+    halves it until a tiny pool could hold it (8 blocks of 16: 126 tokens + 2 new ones)."""
+    from mcp2026.engine import async_engine
+
+    engine = LLMEngine(tiny.model, tiny.config, None, EngineConfig(KVConfig(num_blocks=num_blocks)))
+    seen = []
+    generate = engine.generate
+    engine.generate = lambda prompts, params: seen.append(len(prompts[0])) or generate(prompts, params)
+    AsyncEngine(engine)._warm_up()
+    assert async_engine.WARMUP_PROMPT_TOKENS == 256 and seen == [prompt_len]
