@@ -254,3 +254,37 @@ def test_paced_runs_against_different_peers_are_separate_claims():
         runs.append(run)
     groups = newest_per_kind(runs)
     assert set(groups) == {"serve @16 @0.2req/s vs llama", "serve @16 @0.2req/s vs vllm"}
+
+
+def test_a_kind_with_no_run_keeps_its_rows_from_the_previous_table():
+    first = headline_markdown([latency_run(8.0), serve_run(), kv_run()])
+    serve_lines = [line for line in first.splitlines() if "mcp2026 bench serve" in line]
+    assert len(serve_lines) == 2
+    second = headline_markdown([latency_run(16.0, commit="newnewnew0")], previous=first)
+    assert all(line in second for line in serve_lines)  # serving rows as they were
+    assert row(second, "single-stream decode tok/s, fp32 (64 tokens)")[5].startswith("2.00x HF")  # new run
+    assert "1.00x HF" not in second  # the old latency rows are replaced, not kept
+    assert "- serve @16: run" in second and "(kept from the previous table)" in second
+    assert "Kept from the previous table (no run of that kind given): serve, kv." in second
+    assert "Not in this table (no run found): offline-batched-decode, offline, quality." in second
+    # the table's order is by kind whatever was kept: latency, ..., serve, kv
+    assert second.index("single-stream decode") < second.index("serving, 16") < second.index("KV cache")
+    third = headline_markdown([latency_run(16.0)], previous=second)
+    assert third.count("(kept from the previous table)") == second.count("(kept from the previous table)")
+    assert "Kept from" not in headline_markdown([latency_run(16.0)])  # nothing to keep from
+
+
+def test_cli_drop_missing_leaves_out_kinds_without_a_run(tmp_path, monkeypatch):
+    import mcp2026.bench.report as report
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    previous = headline_markdown([serve_run()])
+    (docs / "benchmarks.md").write_text(f"<!-- bench:headline -->\n{previous}<!-- /bench:headline -->\n")
+    monkeypatch.setattr(report, "project_root", lambda: tmp_path)
+    latency = write(tmp_path / "latency.json", latency_run())
+    kept = CliRunner().invoke(bench_app, ["headline", str(latency)])
+    assert kept.exit_code == 0 and "serving, 16 concurrent clients" in kept.output
+    dropped = CliRunner().invoke(bench_app, ["headline", str(latency), "--drop-missing"])
+    assert dropped.exit_code == 0 and "serving, 16 concurrent clients" not in dropped.output
+    assert "serve" in dropped.output.split("Not in this table (no run found):")[1]

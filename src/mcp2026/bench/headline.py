@@ -1,10 +1,14 @@
 """The headline table of docs/benchmarks.md, rebuilt from run JSONs: the newest run of each kind, one row per
 claim (ours, each peer, ours / peer, the run's own command). Every number is read from a run's aggregates;
-a row whose numbers are not there is left out. ``mcp2026 bench headline`` (bench/headline_cli.py) drives it.
+a row whose numbers are not there is left out. A kind with no run given keeps its rows (and its "runs used"
+lines) from the previous table, said so under it: `make bench` cannot rerun the serving runs (they need the peer
+servers up), and a fresh checkout has no runs/, so regenerating must not silently drop what it cannot remeasure.
+``mcp2026 bench headline`` (bench/headline_cli.py) drives it.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
@@ -238,23 +242,71 @@ def _concurrency(group: str) -> tuple[int, str]:
     return (int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0, " @".join(parts[2:]))
 
 
-def headline_markdown(runs: list[BenchRun]) -> str:
-    """The headline table from the newest run of each kind, a line per run used and the kinds not found."""
+_COMMAND_CELL = re.compile(r"`mcp2026 bench (\S+)([^`]*)`")
+KEPT = " (kept from the previous table)"
+
+
+def row_kind(line: str) -> str | None:
+    """The kind of a rendered table row, read from its command cell; None for a row without one."""
+    match = _COMMAND_CELL.search(line)
+    if match is None:
+        return None
+    kind = match.group(1)
+    if kind == "offline" and "--batched-decode" in match.group(2):
+        kind = "offline-batched-decode"
+    return kind if kind in KINDS else None
+
+
+def _run_line_kind(line: str) -> str:
+    # "- serve @16 @0.51req/s vs llama: run ..." -> "serve"
+    return line[2:].split(":", 1)[0].split(" ", 1)[0]
+
+
+def kept_lines(previous: str, kinds: Iterable[str]) -> dict[str, tuple[list[str], list[str]]]:
+    """Per kind in ``kinds`` found in the previous table: its row lines and its "runs used" lines."""
+    lines = previous.splitlines()
+    kept = {}
+    for kind in kinds:
+        rows = [line for line in lines if line.startswith("| ") and row_kind(line) == kind]
+        used = [line for line in lines if line.startswith("- ") and _run_line_kind(line) == kind]
+        if rows:
+            kept[kind] = (rows, [line if line.endswith(KEPT) else line + KEPT for line in used])
+    return kept
+
+
+def _render(row: list[str]) -> str:
+    return "| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |"
+
+
+def headline_markdown(runs: list[BenchRun], previous: str = "") -> str:
+    """The headline table from the newest run of each kind, a line per run used and the kinds not found;
+    a kind with no run keeps its rows from ``previous`` (the current section's text), when there."""
     newest = newest_per_kind(runs)
-    used = [g for kind in KINDS for g in sorted(newest, key=_concurrency) if newest[g].kind == kind]
-    rows = [row for g in used for row in ROWS[newest[g].kind](newest[g])]
+    found = {run.kind for run in newest.values()}
+    kept = kept_lines(previous, [k for k in KINDS if k not in found])
+    rows, used = [], []
+    for kind in KINDS:
+        if kind in kept:
+            rows += kept[kind][0]
+            used += kept[kind][1]
+            continue
+        for g in sorted((g for g in newest if newest[g].kind == kind), key=_concurrency):
+            rows += [_render(row) for row in ROWS[kind](newest[g])]
+            used.append(f"- {g}: run {newest[g].created_at}; {machine_line(newest[g].machine)}")
     lines = [
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "|".join("---" for _ in COLUMNS) + "|",
-        *("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows),
+        *rows,
         "",
         "Ratios are ours / peer of the values shown: above 1, ours is higher (better for tok/s, worse for TTFT).",
         "Runs used (the newest of each kind):",
         "",
-        *(f"- {g}: run {newest[g].created_at}; {machine_line(newest[g].machine)}" for g in used),
+        *used,
         "",
     ]
-    missing = [k for k in KINDS if not any(run.kind == k for run in newest.values())]
+    if kept:
+        lines += [f"Kept from the previous table (no run of that kind given): {', '.join(kept)}.", ""]
+    missing = [k for k in KINDS if k not in found and k not in kept]
     if missing:
         lines += [f"Not in this table (no run found): {', '.join(missing)}.", ""]
     return "\n".join(lines) + "\n"

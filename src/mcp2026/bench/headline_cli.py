@@ -48,11 +48,18 @@ def headline(
             "--write-docs/--no-write-docs", help="replace the headline section of docs/benchmarks.md"
         ),
     ] = False,
+    keep_missing: Annotated[
+        bool,
+        typer.Option(
+            "--keep-missing/--drop-missing",
+            help="a kind with no run keeps its rows from the current table in docs/benchmarks.md (default)",
+        ),
+    ] = True,
 ) -> None:
     """The headline table (ours vs HF transformers, llama.cpp, vLLM) from the newest run of each kind."""
     from mcp2026.bench.cli import out
     from mcp2026.bench.headline import headline_markdown
-    from mcp2026.bench.report import project_root, update_benchmarks_md
+    from mcp2026.bench.report import project_root, read_benchmarks_section, update_benchmarks_md
 
     if runs:
         loaded = [load_run(path) for path in runs]
@@ -66,7 +73,7 @@ def headline(
                 loaded.append(load_run(path))
             except ValueError as e:
                 err.print(f"[yellow]skipped[/] {escape(str(e))}", highlight=False)
-    markdown = headline_markdown(loaded)
+    markdown = headline_markdown(loaded, read_benchmarks_section("headline") if keep_missing else "")
     out.print(markdown, markup=False, highlight=False)
     if write_docs:
         err.print(f"[dim]updated {update_benchmarks_md('headline', markdown)} (section headline)[/]")

@@ -192,6 +192,18 @@ def read_run(path: Path) -> BenchRun:
     return BenchRun.from_json(Path(path).read_text())
 
 
+def read_benchmarks_section(section: str, path: Path | None = None) -> str:
+    """The text between the section's markers in docs/benchmarks.md; "" when the file or section is not there."""
+    path = Path(path) if path is not None else project_root() / "docs" / "benchmarks.md"
+    start, end = f"<!-- bench:{section} -->", f"<!-- /bench:{section} -->"
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return ""
+    match = re.search(re.escape(start) + r"(.*?)" + re.escape(end), text, re.DOTALL)
+    return match.group(1) if match else ""
+
+
 def update_benchmarks_md(section: str, markdown: str, path: Path | None = None) -> Path:
     """Replace the text between ``<!-- bench:SECTION -->`` and ``<!-- /bench:SECTION -->`` in
     docs/benchmarks.md (appending the section, or creating the file, when it is not there yet)."""
