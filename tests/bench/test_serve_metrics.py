@@ -82,8 +82,27 @@ def test_robustness_summary_counts_5xx():
     assert summary["statuses"]["malformed"] == {"400": 1, "500": 1}
 
 
+def test_arrivals_are_vllms_schedule():
+    """Offsets from the start (vLLM's delay_ts): running sums of seeded Gamma gaps, rescaled in a run of N
+    requests so that the last is due at N / rate; duration runs (no N) keep the raw sums."""
+    rate, n = 4.0, 100
+    for burstiness in (1.0, 0.5):
+        gaps = np.random.RandomState(7).gamma(shape=burstiness, scale=1 / (rate * burstiness), size=n)
+        generator = LoadGenerator(ServeBenchConfig(request_rate=rate, burstiness=burstiness, seed=7), "m")
+        raw = [generator.arrival_offset(i) for i in range(n)]
+        assert raw == pytest.approx(np.cumsum(gaps))
+        scaled = [generator.arrival_offset(i, n) for i in range(n)]
+        assert scaled[-1] == pytest.approx(n / rate)
+        assert scaled == pytest.approx(np.cumsum(gaps) * (n / rate) / gaps.sum())
+        assert generator.arrival_offset(-1, n) == 0.0  # the start
+    everything_at_once = LoadGenerator(ServeBenchConfig(seed=7), "m")
+    assert [everything_at_once.arrival_offset(i, n) for i in (0, 50, 99)] == [0.0, 0.0, 0.0]
+
+
 def test_options_and_goodput_parsing():
     assert parse_goodput(["ttft:1000", "tpot:100"]) == {"ttft": 1000.0, "tpot": 100.0}
+    assert parse_goodput(["ttft:1000,tpot:100", "e2el:5000"]) == {"ttft": 1e3, "tpot": 100.0, "e2el": 5e3}
+    assert parse_goodput(["ttft:1000 tpot:100"]) == {"ttft": 1000.0, "tpot": 100.0}
     for bad in (["ttft"], ["speed:3"], ["tpot:fast"]):
         with pytest.raises(ValueError):
             parse_goodput(bad)

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -18,6 +19,7 @@ from typer.testing import CliRunner
 
 from mcp2026.bench.serve import (
     OURS,
+    LoadGenerator,
     PeerEndpoint,
     ServeBenchConfig,
     bench_serve,
@@ -306,6 +308,7 @@ def test_side_by_side_command(tmp_path):
     with two_fakes(ours_delay=0.001, peer_delay=0.004) as (ours, peer, log):
         args = ["--base-url", ours.url, "--workload", "random", "--num-prompts", "4", "--input-len", "16"]
         args += ["--output-len", "3", "--max-concurrency", "2", "--peer-url", f"llama={peer.url}"]
+        args += ["--goodput", "ttft:1000", "tpot:100"]  # vLLM's syntax: several SLOs after one flag
         args += ["--rounds", "2", "--no-progress", "--out", str(tmp_path)]
         result = CliRunner().invoke(serve_app, args)
         too_many = CliRunner().invoke(serve_app, [*args, "--rounds", "5"])
@@ -315,9 +318,36 @@ def test_side_by_side_command(tmp_path):
     (path,) = tmp_path.glob("*-serve.json")
     data = json.loads(path.read_text())
     assert data["aggregates"]["endpoints"]["llama"]["completed"] == 4
+    assert data["config"]["goodput_ms"] == {"ttft": 1000.0, "tpot": 100.0}
+    assert data["aggregates"]["endpoints"]["llama"]["request_goodput"] is not None
     assert data["config"]["peers"] == [{"name": "llama", "base_url": peer.url, "model": "llama-model"}]
     assert set(data["aggregates"]["ratios"]["llama"]) >= {"output_throughput", "median_ttft_ms"}
     assert len([e for e in log if e["server"] == "llama"]) == 4
+
+
+def test_requests_go_out_on_their_schedule_in_every_phase():
+    """Each request is sent at its arrival offset counted from its phase's start, never early, and late
+    wake-ups do not push every later arrival back (the schedule is absolute)."""
+    requests = requests_for(12, output_len=2)
+    with two_fakes(ours_delay=0.001, peer_delay=0.001) as (ours, peer, _log):
+        config = ServeBenchConfig(
+            base_url=ours.url, request_rate=40.0, seed=3, rounds=2, peers=(PeerEndpoint("llama", peer.url),)
+        )
+        run = bench_serve(config, requests)
+    schedule = LoadGenerator(replace(config, peers=()), "m")
+    for name in (OURS, "llama"):
+        for phase in (p for p in run.aggregates["phases"] if p["endpoint"] == name):
+            start = phase["first_index"]
+            base = schedule.arrival_offset(start - 1, len(requests))
+            sent = sorted(
+                (r["start_time"], int(r["request_id"][1:]))
+                for r in run.records
+                if r["endpoint"] == name and r["phase"] == phase["phase"]
+            )
+            assert [i for _, i in sent] == list(range(start, start + 6))
+            for t, i in sent:
+                due = schedule.arrival_offset(i, len(requests)) - base
+                assert due - 0.002 <= t <= due + 0.25, (name, i, t, due)
 
 
 def test_latency_cdfs_get_a_series_per_endpoint():

@@ -72,6 +72,8 @@ def test_options_parse_with_clear_errors():
         SweepConfig(latency_metric="fastest")
     with pytest.raises(ValueError, match="rates"):
         SweepConfig(rates=(1.0, 0.0))
+    with pytest.raises(ValueError, match="burstiness"):
+        SweepConfig(burstiness=0.0)
 
 
 def test_sweep_on_a_tiny_model(tiny_dir, tmp_path):
@@ -118,9 +120,18 @@ def test_sweep_on_a_tiny_model(tiny_dir, tmp_path):
     ]
 
 
-def test_bench_sweep_command(tiny_dir, tmp_path):
+def test_bench_sweep_command(tiny_dir, tmp_path, monkeypatch):
+    import mcp2026.bench.serve as serve_module
+
+    loads = []  # the load generator's config of every (config, rate)
+    real_bench_serve = serve_module.bench_serve
+    monkeypatch.setattr(
+        serve_module, "bench_serve", lambda c, *a, **k: loads.append(c) or real_bench_serve(c, *a, **k)
+    )
     args = ["sweep", "--model", tiny_dir, "--dtype", "fp32", "--rates", "50,inf", "--max-num-seqs", "1,4"]
     args += [
+        "--burstiness",
+        "0.5",
         "--num-prompts",
         "3",
         "--input-len",
@@ -141,6 +152,8 @@ def test_bench_sweep_command(tiny_dir, tmp_path):
         and "--max-num-seqs 1,4" in data["command"]
     )
     assert any("no perplexity" in note and "no tokenizer" in note for note in data["notes"])
+    assert data["config"]["burstiness"] == 0.5 and "--burstiness 0.5" in data["command"]
+    assert [c.burstiness for c in loads] == [0.5] * 4  # every rate's arrivals
     report = tmp_path / f"{path.stem}-report"
     assert (report / "throughput-vs-rate.png").exists() and not (report / "ppl-front.png").exists()
     assert "PPL vs latency front" in (report / "report.md").read_text()  # listed as not drawn

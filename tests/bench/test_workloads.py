@@ -171,8 +171,7 @@ def test_real_sharegpt_file_has_expected_shape():
 
 
 def test_bursty_is_sharegpt_sampling_with_gamma_half_arrivals():
-    from mcp2026.bench.serve_cli import workload_burstiness
-    from mcp2026.bench.workloads import WORKLOADS
+    from mcp2026.bench.workloads import WORKLOADS, workload_burstiness
 
     assert WORKLOADS["bursty"].sample is WORKLOADS["sharegpt"].sample
     assert workload_burstiness("bursty") == 0.5 and workload_burstiness("sharegpt") == 1.0

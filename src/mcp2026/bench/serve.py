@@ -2,8 +2,10 @@
 (ours, llama.cpp's server, vLLM) with the metric definitions of vLLM's ``bench serve``
 (vllm/benchmarks/serve.py), so numbers are comparable across engines.
 
-Arrivals: Gamma intervals with shape ``burstiness`` and mean ``1 / request_rate`` (burstiness 1 = Poisson;
-rate inf = all at once), capped by ``max_concurrency``. Prompts go as token ids, so every engine gets the same
+Arrivals as vLLM schedules them: request ``i`` is sent at a fixed offset from the start, the sum of ``i + 1``
+Gamma gaps with shape ``burstiness`` and mean ``1 / request_rate`` (burstiness 1 = Poisson; rate inf = all at
+once), rescaled so that a run of N requests sends its last at N / rate; ``max_concurrency`` caps the requests
+in flight (a request due while every slot is busy waits for one). Prompts go as token ids, so every engine gets the same
 tokens. Per request: TTFT, ITL, TPOT, E2E; aggregates: throughputs, mean/median/std/percentiles, goodput.
 Optionally a share of clients disconnect mid-stream and a share of requests are malformed (robustness runs).
 
@@ -125,9 +127,10 @@ def parse_peers(urls: Sequence[str], models: Sequence[str] = ()) -> tuple[PeerEn
 
 
 def parse_goodput(items: Sequence[str]) -> dict[str, float]:
-    """``["ttft:1000", "tpot:100"]`` -> ``{"ttft": 1000.0, "tpot": 100.0}`` (vLLM's --goodput syntax)."""
+    """``["ttft:1000", "tpot:100"]`` -> ``{"ttft": 1000.0, "tpot": 100.0}`` (vLLM's --goodput syntax); an item
+    may hold several, comma- or space-separated (``"ttft:1000,tpot:100"``)."""
     slos = {}
-    for item in items:
+    for item in (part for text in items for part in re.split(r"[,\s]+", text.strip()) if part):
         name, _, value = item.partition(":")
         if name not in GOODPUT_METRICS or not value:
             raise ValueError(f"--goodput takes NAME:MS with NAME in {GOODPUT_METRICS}, got {item!r}")
@@ -269,16 +272,23 @@ class LoadGenerator:
         self.count_tokens = count_tokens  # for responses without usage: tokens of the generated text
         self.headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self._arrivals = np.random.RandomState(config.seed)
-        self._gaps: list[float] = []
+        self._sums: list[float] = []  # running sums of the Gamma gaps, request 0's included
 
-    def gap_after(self, i: int) -> float:
-        """Seconds between the arrivals of request ``i`` and ``i + 1`` (Gamma, seeded; 0 at rate inf)."""
-        if math.isinf(self.config.request_rate):
+    def arrival_offset(self, i: int, num_requests: int | None = None) -> float:
+        """Seconds from the start of the sequence to request ``i``'s arrival (vLLM's ``delay_ts[i]``): the sum
+        of Gamma gaps 0 .. i (seeded; 0 at rate inf, -1 is the start). ``num_requests``: the run sends that
+        many, and, as in vLLM, the offsets are scaled so that the last one is due at ``num_requests / rate``
+        (the raw sum misses it by a few percent); duration runs are open-ended and not scaled."""
+        rate = self.config.request_rate
+        if i < 0 or math.isinf(rate):
             return 0.0
-        theta = 1.0 / (self.config.request_rate * self.config.burstiness)
-        while len(self._gaps) <= i:
-            self._gaps.append(float(self._arrivals.gamma(shape=self.config.burstiness, scale=theta)))
-        return self._gaps[i]
+        theta = 1.0 / (rate * self.config.burstiness)
+        while len(self._sums) <= max(i, (num_requests or 0) - 1):
+            gap = float(self._arrivals.gamma(shape=self.config.burstiness, scale=theta))
+            self._sums.append(gap + (self._sums[-1] if self._sums else 0.0))
+        if not num_requests or self._sums[num_requests - 1] <= 0:
+            return self._sums[i]
+        return self._sums[i] * (num_requests / rate) / self._sums[num_requests - 1]
 
     def plan_at(self, requests: Sequence[BenchRequest], i: int) -> _Plan:
         """What request ``i`` sends (the workload cycled in duration mode), drawn from a seed per index."""
@@ -407,9 +417,10 @@ class LoadGenerator:
         duration_s: float | None = None,
         on_done: Callable[[], None] | None = None,
     ) -> PhaseResult:
-        """Send requests ``start .. stop - 1`` (with ``duration_s``: until that many seconds have passed;
-        a request still waiting for a concurrency slot then is not sent, and the next phase starts at the
-        first such one). Returns once every sent request has ended."""
+        """Send requests ``start .. stop - 1``, each at its ``arrival_offset`` counted from the arrival of
+        request ``start - 1`` (with ``duration_s``: until that many seconds have passed; a request still
+        waiting for a concurrency slot then is not sent, and the next phase starts at the first such one).
+        Returns once every sent request has ended."""
         import httpx
 
         config = self.config
@@ -441,8 +452,15 @@ class LoadGenerator:
                 if on_done is not None:
                     on_done()
 
+            # A fixed-length run (every request once) scales its schedule as vLLM does; duration runs don't.
+            num_scheduled = len(requests) if duration_s is None else None
+            base = self.arrival_offset(start - 1, num_scheduled)
             t0 = time.perf_counter()
             for i in range(start, stop):
+                # An absolute schedule: time lost to a late wake-up is not added to every later arrival.
+                due = self.arrival_offset(i, num_scheduled) - base - (time.perf_counter() - t0)
+                if due > 0:
+                    await asyncio.sleep(due)
                 if duration_s is not None and time.perf_counter() - t0 >= duration_s:
                     break
                 task = asyncio.create_task(one(i, self.plan_at(requests, i)))
@@ -451,9 +469,6 @@ class LoadGenerator:
                 next_index = i + 1
                 while len(pending) >= max_pending:
                     await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                gap = self.gap_after(i)
-                if gap:
-                    await asyncio.sleep(gap)
             if pending:
                 await asyncio.gather(*pending)
         results.sort(key=lambda r: r.start_time)

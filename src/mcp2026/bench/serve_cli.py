@@ -16,14 +16,6 @@ out = Console()
 err = Console(stderr=True, soft_wrap=True)
 
 
-def workload_burstiness(workload: str) -> float:
-    """The arrival shape a workload implies (``bursty``: 0.5); 1.0 (Poisson) for unknown names."""
-    from mcp2026.bench.workloads import WORKLOADS
-
-    entry = WORKLOADS.get(workload)
-    return entry.burstiness if entry is not None else 1.0
-
-
 def load_tokenizer(tokenizer_path: str | None) -> Any:
     """Our tokenizer: the default model's unless ``tokenizer_path`` (a .gguf or an HF folder)."""
     from mcp2026.loading.loader import default_model_path
@@ -76,7 +68,11 @@ def serve(
         float | None, typer.Option(help="seconds: cycle the requests until then instead of sending each once")
     ] = None,
     goodput: Annotated[
-        list[str] | None, typer.Option(help="SLO for goodput, repeatable: ttft:MS, tpot:MS, e2el:MS")
+        list[str] | None,
+        typer.Option(
+            help="SLOs for goodput: NAME:MS with NAME ttft, tpot or e2el; several after one flag as in vLLM "
+            "(--goodput ttft:1000 tpot:100), repeated, or comma-separated"
+        ),
     ] = None,
     disconnect_share: Annotated[float, typer.Option(help="share of clients leaving mid-stream")] = 0.0,
     malformed_share: Annotated[float, typer.Option(help="share of malformed requests mixed in")] = 0.0,
@@ -107,6 +103,10 @@ def serve(
         Path | None, typer.Option("--out", help="folder for the run's JSON and markdown")
     ] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="show a progress bar")] = True,
+    more_slos: Annotated[
+        list[str] | None,
+        typer.Argument(hidden=True, help="the values after --goodput's first (vLLM's nargs='+' syntax)"),
+    ] = None,
 ) -> None:
     """Serving benchmark with vLLM bench-serve metrics: TTFT, TPOT, ITL, E2E, throughput and goodput."""
     import sys
@@ -114,6 +114,7 @@ def serve(
 
     from mcp2026.bench.report import render_markdown, shell_join, write_run
     from mcp2026.bench.serve import ServeBenchConfig, bench_serve, parse_goodput, parse_peers
+    from mcp2026.bench.workloads import workload_burstiness
 
     try:
         config = ServeBenchConfig(
@@ -125,7 +126,7 @@ def serve(
             max_concurrency=max_concurrency,
             seed=seed,
             duration_s=duration,
-            goodput_ms=parse_goodput(goodput or []),
+            goodput_ms=parse_goodput([*(goodput or []), *(more_slos or [])]),
             disconnect_share=disconnect_share,
             malformed_share=malformed_share,
             check_server=check_server,

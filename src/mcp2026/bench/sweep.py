@@ -58,6 +58,7 @@ class SweepConfig:
 
     rates: tuple[float, ...] = (1.0, 2.0, 4.0)  # requests/s (inf: all at once)
     workload: str = "random"
+    burstiness: float = 1.0  # Gamma shape of the arrivals: 1 = Poisson, < 1 burstier (bursty: 0.5)
     num_prompts: int = 16
     input_len: int = 128
     output_len: int = 32
@@ -82,6 +83,8 @@ class SweepConfig:
             )
         if not self.kv_sample_s > 0:
             raise ValueError(f"kv_sample_s must be > 0, got {self.kv_sample_s}")
+        if not self.burstiness > 0:
+            raise ValueError(f"burstiness must be > 0, got {self.burstiness}")
 
 
 # ---- pieces ---------------------------------------------------------------------------------------
@@ -236,6 +239,7 @@ def _serve_rates(
                 base_url=url,
                 model=model_id,
                 request_rate=rate,
+                burstiness=config.burstiness,
                 max_concurrency=config.max_concurrency,
                 seed=config.seed + i,
                 goodput_ms=dict(config.goodput_ms),

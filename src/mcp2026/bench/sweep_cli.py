@@ -40,13 +40,17 @@ def sweep(
     quant: Annotated[
         str | None, typer.Option(help="grid axis of QuantConfig YAMLs, e.g. none,examples/quant/w8.yaml")
     ] = None,
-    workload: Annotated[str, typer.Option(help="random | sharegpt | prefix | long")] = "random",
+    workload: Annotated[str, typer.Option(help="random | sharegpt | bursty | prefix | long")] = "random",
+    burstiness: Annotated[
+        float | None, typer.Option(help="Gamma shape: 1 = Poisson, < 1 burstier (default: the workload's)")
+    ] = None,
     num_prompts: Annotated[int, typer.Option(help="requests per (config, rate)")] = 16,
     input_len: Annotated[int, typer.Option(help="random workload: prompt tokens")] = 128,
     output_len: Annotated[int, typer.Option(help="tokens generated per request")] = 32,
     max_concurrency: Annotated[int | None, typer.Option(help="requests in flight at most")] = None,
     goodput: Annotated[
-        list[str] | None, typer.Option(help="SLO for goodput, repeatable: ttft:MS, tpot:MS, e2el:MS")
+        list[str] | None,
+        typer.Option(help="SLO for goodput, repeated or comma-separated: ttft:MS, tpot:MS, e2el:MS"),
     ] = None,
     quality_windows: Annotated[
         int, typer.Option(help="held-out 512-token windows for each config's perplexity (0: none)")
@@ -65,10 +69,12 @@ def sweep(
     from mcp2026.bench.serve import parse_goodput
     from mcp2026.bench.sweep import SweepConfig, run_sweep
     from mcp2026.bench.sweep_grid import GridAxes, build_grid, parse_list
+    from mcp2026.bench.workloads import workload_burstiness
 
     config = SweepConfig(
         rates=_rates(rates),
         workload=workload,
+        burstiness=burstiness if burstiness is not None else workload_burstiness(workload),
         num_prompts=num_prompts,
         input_len=input_len,
         output_len=output_len,
@@ -92,7 +98,8 @@ def sweep(
         "--rates": rates, "--configs": configs, "--model": model, "--dtype": dtype, "--max-num-seqs": max_num_seqs,
         "--max-num-batched-tokens": max_num_batched_tokens, "--kv-dtype": kv_dtype, "--kv-policy": kv_policy,
         "--kv-sparsity": kv_sparsity, "--quant": quant, "--workload": workload, "--num-prompts": num_prompts,
-        "--input-len": input_len, "--output-len": output_len, "--max-concurrency": max_concurrency,
+        "--burstiness": burstiness, "--input-len": input_len, "--output-len": output_len,
+        "--max-concurrency": max_concurrency,
         "--quality-windows": quality_windows, "--latency-metric": latency_metric, "--seed": seed,
     }  # fmt: skip
     args = [str(a) for flag, value in options.items() if value is not None for a in (flag, value)]

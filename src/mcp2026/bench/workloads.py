@@ -95,6 +95,12 @@ def register(
     return wrap
 
 
+def workload_burstiness(name: str) -> float:
+    """The arrival shape a workload implies (``bursty``: 0.5); 1.0 (Poisson) for unknown names."""
+    entry = WORKLOADS.get(name)
+    return entry.burstiness if entry is not None else 1.0
+
+
 def load_workload(
     spec: WorkloadSpec,
     tokenizer: TokenizerLike | None = None,
