@@ -173,6 +173,16 @@ def quality_rows(run: BenchRun) -> list[list[str]]:
     plans = run.aggregates.get("plans") or {}
     windows = run.config.get("num_windows")
     rows = []
+    peers = run.aggregates.get("peers") or {}
+    if peers:  # the reference's perplexity next to the peers' on the same windows
+        columns = {"HF transformers": "HF", "llama.cpp": "llama.cpp"}
+        shown = [(col, p.get("ppl"), _peer_label(name)) for name, p in peers.items()
+                 for col, prefix in columns.items() if name.startswith(prefix)]  # fmt: skip
+        what = "perplexity of the model, ours fp32" + (
+            f" ({windows} windows; lower is better)" if windows else ""
+        )
+        row = _row(what, run.aggregates.get("reference_ppl"), shown, "", run.command)
+        rows += [row] if row else []
     for name in run.aggregates.get("headline") or []:
         plan = plans.get(name) or {}
         bits, kld = _number(plan.get("bits")), _number(plan.get("kld"))
@@ -182,6 +192,12 @@ def quality_rows(run: BenchRun) -> list[list[str]]:
         what = f"weights {name}, {bits:.2f} bits/weight" + (f" ({windows} windows)" if windows else "")
         rows.append([what, ours, "—", "—", "—", "—", _command(run.command)])
     return rows
+
+
+def _peer_label(name: str) -> str:
+    """ "llama.cpp, X.gguf as stored (peer)" -> "X.gguf as stored"; "HF transformers fp32 (peer)" -> "fp32"."""
+    label = name.removesuffix(" (peer)")
+    return label.split(", ", 1)[1] if ", " in label else label.removeprefix("HF transformers ").strip()
 
 
 ROWS = {

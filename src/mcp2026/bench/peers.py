@@ -191,9 +191,13 @@ def hf_generate_static_batches(
 
 # ---- llama.cpp ------------------------------------------------------------------------------------
 def load_llama_cpp(
-    gguf_path: str | Path | None = None, n_ctx: int = 2048, n_threads: int | None = None
+    gguf_path: str | Path | None = None,
+    n_ctx: int = 2048,
+    n_threads: int | None = None,
+    logits_all: bool = False,
 ) -> Any:
-    """A ``llama_cpp.Llama`` over the same GGUF file (its own quantized kernels: Q4_1 for the default)."""
+    """A ``llama_cpp.Llama`` over the same GGUF file (its own quantized kernels: Q4_1 for the default);
+    ``logits_all`` keeps every position's logits (``llm.scores``), for perplexity."""
     if importlib.util.find_spec("llama_cpp") is None:
         raise PeerUnavailable(
             "llama.cpp peer skipped: llama-cpp-python is not installed "
@@ -212,7 +216,13 @@ def load_llama_cpp(
         raise PeerUnavailable(f"llama.cpp peer skipped: {path} is not a GGUF file")
     threads = n_threads or hardware.usable_cpu_count()
     return Llama(
-        str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False
+        str(path),
+        n_ctx=n_ctx,
+        n_batch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        logits_all=logits_all,
+        verbose=False,
     )
 
 

@@ -25,17 +25,31 @@ def headline_plans(plans: dict[str, dict[str, Any]], budgets: tuple[float, ...])
 def quality_run(result: Any, settings: Any, command: str, model: Any = None) -> BenchRun:
     """``result``: a ``quant.quality.QualityBench``; ``settings`` the ``QualityBenchSettings`` it ran with."""
     reference = next((r for r in result.rows if r["family"] == "reference"), {})
+    keys = (
+        "family",
+        "bits",
+        "mib",
+        "ppl",
+        "delta_ppl",
+        "delta_ppl_stderr",
+        "kld",
+        "kld_p99",
+        "top1_agreement",
+    )
     plans = {
-        r["plan"]: {k: r.get(k) for k in ("family", "bits", "mib", "ppl", "delta_ppl", "delta_ppl_stderr",
-                                          "kld", "kld_p99", "top1_agreement")}
+        r["plan"]: {k: r.get(k) for k in keys}
         for r in result.rows
-        if r["family"] != "reference"
-    }  # fmt: skip
+        if r["family"] not in ("reference", "peer")
+    }
+    peers = {r["plan"]: {k: r.get(k) for k in keys} for r in result.rows if r["family"] == "peer"}
     config = {**asdict(settings), "model": str(model) if model else None}
     table = Table(
         "Weight quantization quality vs fp32",
         ["plan", "bits/weight", "ΔPPL", "KLD"],
-        [[name, format_value(p["bits"]), delta_text(p), format_value(p["kld"])] for name, p in plans.items()],
+        [
+            [name, format_value(p["bits"]), delta_text(p), format_value(p["kld"])]
+            for name, p in {**plans, **peers}.items()
+        ],
     )
     return BenchRun(
         kind="quality",
@@ -46,9 +60,11 @@ def quality_run(result: Any, settings: Any, command: str, model: Any = None) -> 
             "reference_ppl": reference.get("ppl"),
             "scored_tokens": reference.get("num_tokens"),
             "plans": plans,
+            "peers": peers,  # other engines on the same windows, against the same reference
             "headline": headline_plans(plans, tuple(settings.dqg_budgets)),
         },
         tables=[table],
+        notes=list(getattr(result, "notes", [])),
         machine=machine_info(),
     )
 

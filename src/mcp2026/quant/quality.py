@@ -10,8 +10,8 @@ calibration split never overlaps it).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -84,21 +84,32 @@ def scored_logprobs(model: nn.Module, window: Tensor) -> tuple[Tensor, Tensor]:
     first = n // 2
     hidden = model(ids, torch.arange(n, device=device))  # (n, H)
     logits = model.compute_logits(hidden[first : n - 1])  # (S, V)
-    return torch.log_softmax(logits.float(), dim=-1).cpu(), window[first + 1 :]
+    return torch.log_softmax(logits.float(), dim=-1).cpu(), scored_targets(window)
 
 
 def reference_logprobs(model: nn.Module, windows: Sequence[Tensor]) -> list[Tensor]:
     return [scored_logprobs(model, w)[0] for w in windows]
 
 
+def scored_targets(window: Tensor) -> Tensor:
+    """The tokens the scored positions of ``window`` predict (what ``scored_logprobs`` returns with them)."""
+    return window[len(window) // 2 + 1 :]
+
+
 def evaluate(
-    model: nn.Module, windows: Sequence[Tensor], reference: Sequence[Tensor] | nn.Module | None = None
+    model: nn.Module | Callable[[Tensor], Tensor],
+    windows: Sequence[Tensor],
+    reference: Sequence[Tensor] | nn.Module | None = None,
 ) -> QualityResult:
     """Perplexity of ``model`` on ``windows``; with ``reference`` (the unquantized model, or its
-    ``reference_logprobs`` for these windows) also KLD, top-1 agreement and the perplexity change."""
+    ``reference_logprobs`` for these windows) also KLD, top-1 agreement and the perplexity change.
+    ``model`` may also be a function from a window to its scored log-probabilities (a peer engine)."""
     nlls, ref_nlls, klds, agree = [], [], [], []
     for i, window in enumerate(windows):
-        logprobs, targets = scored_logprobs(model, window)
+        if isinstance(model, nn.Module):
+            logprobs, targets = scored_logprobs(model, window)
+        else:
+            logprobs, targets = model(window), scored_targets(window)
         nlls.append(nll_of(logprobs, targets))
         if reference is None:
             continue
@@ -159,6 +170,7 @@ class QualityBenchSettings:
     # Score quantized plans with their linears fed decode-sized row chunks, i.e. through the int4/int8 GEMV
     # kernels (int8 activations) that generation uses, instead of one prefill-sized matmul (bf16 activations).
     decode_kernels: bool = False
+    peers: tuple[str, ...] = ()  # other engines scored on the same windows (bench.quality_peers.PEERS)
 
 
 @dataclass
@@ -166,6 +178,7 @@ class QualityBench:
     rows: list[dict[str, object]]
     markdown: str
     curve_png: str | None = None
+    notes: list[str] = field(default_factory=list)  # peers skipped, and why
 
 
 def _symmetric_family(layers):
@@ -224,10 +237,12 @@ def run_quality_bench(
     settings: QualityBenchSettings = QualityBenchSettings(),
     calibration=None,
     progress: bool = True,
+    peer_rows: Callable[[Sequence[Tensor], Sequence[Tensor]], tuple[list[dict], list[str]]] | None = None,
 ) -> QualityBench:
     """PPL and KLD vs the unquantized model on held-out ShareGPT for uniform int8 / int4 (sym, asym,
     g32/64/128), the llama.cpp-style role mixture, the DQG at fixed budgets and at the mixture's bits,
-    and a ΔPPL-vs-bits curve of DQG budgets. Quantized models run the real kernels."""
+    and a ΔPPL-vs-bits curve of DQG budgets. Quantized models run the real kernels. ``peer_rows``: given
+    the windows and the reference log-probabilities, other engines' rows and lines about peers skipped."""
     import copy
 
     from mcp2026.loading.loader import load_model
@@ -268,6 +283,10 @@ def run_quality_bench(
             plans[name] = (plan, scales, family)
     rows = [{"plan": "fp32 (reference)", "family": "reference", "bits": 32.0, "mib": None,
              **evaluate(model, windows).to_dict()}]  # fmt: skip
+    notes: list[str] = []
+    if peer_rows is not None:
+        more, notes = peer_rows(windows, reference)
+        rows += more
     with _progress(progress) as bar:
         task = bar.add_task("evaluating plans", total=len(plans))
         for name, (plan, scales, family) in plans.items():
@@ -286,7 +305,7 @@ def run_quality_bench(
     header = f"{loaded.source.name}, {len(windows)} windows x {settings.n_ctx} tokens (second halves scored)"
     if settings.decode_kernels:
         header += f"; quantized linears in decode-sized chunks (kernels: {_kernel_note()})"
-    bench = QualityBench(rows, _markdown(rows, header))
+    bench = QualityBench(rows, _markdown(rows, header, notes), notes=notes)
     if settings.out_dir:
         bench.curve_png = _write(bench, settings.out_dir)
     return bench
@@ -298,7 +317,7 @@ def _kernel_note() -> str:
     return "our int4/int8 GEMVs" if cpu.load() is not None else f"unavailable, {cpu.unavailable_reason()}"
 
 
-def _markdown(rows, header: str) -> str:
+def _markdown(rows, header: str, notes: Sequence[str] = ()) -> str:
     lines = [f"Quality: {header}", "", "| plan | bits/weight | weights MiB | PPL | ΔPPL | KLD | KLD p99 | top-1 agree |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
@@ -307,12 +326,17 @@ def _markdown(rows, header: str) -> str:
             if r.get("delta_ppl") is None
             else f"{100 * r['delta_ppl']:+.2f}% ± {100 * r['delta_ppl_stderr']:.2f}"
         )
-        cells = [r["plan"], f"{r['bits']:.3f}", "" if r["mib"] is None else f"{r['mib']:.1f}", f"{r['ppl']:.3f}", delta,
+        bits = "" if r["bits"] is None else f"{r['bits']:.3f}"
+        cells = [r["plan"], bits, "" if r["mib"] is None else f"{r['mib']:.1f}", f"{r['ppl']:.3f}", delta,
                  *("" if r.get(k) is None else f"{r[k]:.4f}" for k in ("kld", "kld_p99", "top1_agreement"))]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     heads = [f"{r['plan']}: {r['lm_head']}" for r in rows if str(r.get("family", "")).startswith("DQG")]
     if heads:
         lines += ["", "lm_head as the DQG stored it: " + "; ".join(heads) + "."]
+    if any(r.get("family") == "peer" for r in rows):
+        lines += ["", "Peers (their ΔPPL and KLD are against our fp32 reference on the same windows and token "
+                  "ids): HF transformers runs the same weights in fp32; llama.cpp runs the model file as stored."]  # fmt: skip
+    lines += [f"- {note}" for note in notes]
     return "\n".join(lines)
 
 
@@ -342,7 +366,8 @@ def _write(bench: QualityBench, out_dir: str) -> str | None:
             ax.annotate(r["plan"], (r["bits"], 100 * r["delta_ppl"]), fontsize=7)
     ax.set_xlabel("bits per weight (scales and zeros included)")
     ax.set_ylabel("ΔPPL vs fp32 (%)")
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:  # a run of fixed plans only has no curve to label
+        ax.legend()
     ax.grid(alpha=0.3)
     path = out / "quality_curve.png"
     fig.savefig(path, dpi=120, bbox_inches="tight")

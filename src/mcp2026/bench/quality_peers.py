@@ -1,0 +1,86 @@
+"""Peers in ``mcp2026 bench quality``: HF transformers and llama.cpp score the same held-out windows as our
+fp32 reference, and get the same columns (PPL, ΔPPL and KLD against our reference).
+
+HF runs the same weights in fp32: its row checks our reference (ΔPPL ~0, KLD ~0). llama.cpp runs the GGUF
+file as stored with its own kernels (for the embedded model, Q4_1 with its quantized activations): its row is
+what the file loses in llama.cpp's arithmetic, next to what our quantized plans lose. Either one is skipped
+with a line saying why when it cannot run here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mcp2026.bench.peers import PeerUnavailable, load_hf_model, load_llama_cpp
+from mcp2026.quant.quality import evaluate
+
+PEERS = ("hf", "llama.cpp")
+
+
+@torch.inference_mode()
+def hf_scored_logprobs(hf: Any, window: Tensor) -> Tensor:
+    """HF's log-probabilities (S, V) at the positions ``quant.quality.scored_logprobs`` scores."""
+    n = len(window)
+    logits = hf(input_ids=window[None]).logits[0, n // 2 : n - 1]  # (S, V)
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def llama_cpp_scored_logprobs(llm: Any, window: Tensor) -> Tensor:
+    """llama.cpp's log-probabilities (S, V) at the scored positions (``llm`` built with ``logits_all``)."""
+    n = len(window)
+    llm.reset()
+    llm.eval(window.tolist())
+    logits = torch.from_numpy(llm.scores[n // 2 : n - 1].copy())  # (S, V)
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _hf_row(model: str | Path | None, windows: Sequence[Tensor], reference: Sequence[Tensor]) -> dict:
+    hf = load_hf_model(model, torch.float32)
+    return {
+        "plan": "HF transformers fp32 (peer)",
+        "family": "peer",
+        "bits": 32.0,
+        "mib": None,
+        **evaluate(lambda w: hf_scored_logprobs(hf, w), windows, reference).to_dict(),
+    }
+
+
+def _llama_cpp_row(model: str | Path | None, windows: Sequence[Tensor], reference: Sequence[Tensor]) -> dict:
+    n_ctx = max(len(w) for w in windows)
+    llm = load_llama_cpp(model, n_ctx=n_ctx, logits_all=True)
+    name = Path(llm.model_path).name
+    return {
+        "plan": f"llama.cpp, {name} as stored (peer)",
+        "family": "peer",
+        "bits": None,
+        "mib": Path(llm.model_path).stat().st_size / 2**20,
+        **evaluate(lambda w: llama_cpp_scored_logprobs(llm, w), windows, reference).to_dict(),
+    }
+
+
+def peer_quality_rows(
+    model: str | Path | None,
+    peers: Sequence[str],
+    windows: Sequence[Tensor],
+    reference: Sequence[Tensor],
+) -> tuple[list[dict], list[str]]:
+    """A quality row per peer that runs here, and a line for each one skipped."""
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        raise ValueError(f"unknown quality peers {unknown}; available: {', '.join(PEERS)}")
+    rows, notes = [], []
+    for peer, row in (("hf", _hf_row), ("llama.cpp", _llama_cpp_row)):
+        if peer not in peers:
+            continue
+        try:
+            rows.append(row(model, windows, reference))
+        except PeerUnavailable as e:
+            notes.append(str(e))
+        except (OSError, ValueError, RuntimeError) as e:  # e.g. transformers cannot read this architecture
+            notes.append(f"{peer} peer skipped: {type(e).__name__}: {e}")
+    return rows, notes
