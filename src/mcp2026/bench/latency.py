@@ -158,11 +158,15 @@ def _load_contenders(
     hf_models: dict[str, Any] = {}
     if config.peer:
         t0 = time.perf_counter()
-        first = peers.load_hf_model(config.model, DTYPES[config.dtypes[0]])
-        hf_models[config.dtypes[0]] = first
-        for dtype in config.dtypes[1:]:
-            hf_models[dtype] = peers.hf_with_dtype(first, DTYPES[dtype])
-        load_s["hf"] = time.perf_counter() - t0
+        try:
+            first = peers.load_hf_peer(config.model, DTYPES[config.dtypes[0]])
+        except peers.PeerUnavailable as e:
+            notes.append(str(e))
+        else:
+            hf_models[config.dtypes[0]] = first
+            for dtype in config.dtypes[1:]:
+                hf_models[dtype] = peers.hf_with_dtype(first, DTYPES[dtype])
+            load_s["hf"] = time.perf_counter() - t0
     for dtype in config.dtypes:
         contenders.append(_ours(pipes[dtype], dtype))
         if dtype in hf_models:

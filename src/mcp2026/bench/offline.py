@@ -7,6 +7,10 @@ Counted (both engines, as vLLM's ``benchmark_throughput``): output tok/s = sum o
 tokens a static batch generates for rows that wanted fewer are cost, never counted. ``--batched-decode N``
 instead measures steady decode at N concurrent sequences (random 128-in/128-out prompts): decode tok/s =
 tokens of pure-decode steps / their time (ours: steps after the last prefill chunk; HF: steps 2..end).
+
+With the HF peer the run is A B A: every configuration of ours runs the requests, then HF, then ours again
+(a fresh prefix-cache salt per pass, so the second pass prefills like the first); ours is reported over both
+passes (tokens and seconds summed) and each pass's tok/s is kept, so a drifting machine weighs on both sides.
 """
 
 from __future__ import annotations
@@ -80,16 +84,18 @@ class EngineRun:
     kv_timeline: dict[str, Any]  # KV blocks held after each step: t_s, blocks_used, num_blocks
 
 
-def run_engine(engine: Any, requests: list[BenchRequest], progress: Any = None) -> EngineRun:
-    """Add every request at once, step to completion. Per request: TTFT and E2E from the common start."""
+def run_engine(
+    engine: Any, requests: list[BenchRequest], progress: Any = None, cache_salt: str | None = None
+) -> EngineRun:
+    """Add every request at once, step to completion. Per request: TTFT and E2E from the common start.
+    ``cache_salt``: prefix-cache salt of this pass (blocks cached by an earlier pass are no hits)."""
     from mcp2026.types import SamplingParams
 
     task = progress.add_task("mcp2026", total=sum(r.output_len for r in requests)) if progress else None
     start = time.perf_counter()
     for r in requests:
-        engine.add_request(
-            r.prompt_token_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True), r.request_id
-        )
+        params = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
+        engine.add_request(r.prompt_token_ids, params, r.request_id, cache_salt=cache_salt)
     finals: dict[str, Any] = {}
     started: set[str] = set()
     decode_s, decode_tokens, num_steps = 0.0, 0, 0
@@ -137,6 +143,20 @@ def run_engine(engine: Any, requests: list[BenchRequest], progress: Any = None) 
     return EngineRun(seconds, records, decode_s, decode_tokens, num_steps, timeline)
 
 
+def combine_passes(passes: list[EngineRun], name: str) -> EngineRun:
+    """One engine's passes as one run (tokens, seconds and steps summed: the mean throughput); records say
+    their pass and engine; the KV timeline is the first pass's."""
+    records = [{**x, "engine": name, "pass": k} for k, run in enumerate(passes) for x in run.records]
+    return EngineRun(
+        sum(run.seconds for run in passes),
+        records,
+        sum(run.decode_seconds for run in passes),
+        sum(run.decode_tokens for run in passes),
+        sum(run.num_steps for run in passes),
+        passes[0].kv_timeline,
+    )
+
+
 def _warm_up_ours(engine: Any, vocab_size: int) -> None:
     from mcp2026.types import SamplingParams
 
@@ -162,52 +182,64 @@ def run_offline(
     config = config or OfflineConfig()
     notes: list[str] = []
     t0 = time.perf_counter()
-    pipe = Pipeline(config.model, dtype=config.dtype)
+    pipes = {"mcp2026": Pipeline(config.model, dtype=config.dtype)}
     load_s = {"mcp2026": time.perf_counter() - t0}
+    pipe = pipes["mcp2026"]
     dtype = {"torch.float32": "fp32", "torch.bfloat16": "bf16"}.get(str(pipe.dtype), str(pipe.dtype))
+    torch_dtype = pipe.dtype
     vocab = pipe.loaded.config.vocab_size
     requests = load_workload(config.spec(), pipe.tokenizer, vocab, use_cache=use_cache)
     requests = requests[: config.max_requests] if config.max_requests else requests
     check_fits(requests, pipe.engine.max_model_len)
-    _warm_up_ours(pipe.engine, vocab)
-    ours = run_engine(pipe.engine, requests, progress)
-    runs = {"mcp2026": ours}
-    torch_dtype = pipe.dtype
-    del pipe
     for fmt in config.weights:  # same requests, activations in the same dtype
         t0 = time.perf_counter()
-        quantized = Pipeline(config.model, quant_config(fmt), config.dtype)
+        pipes[f"mcp2026-{fmt}"] = Pipeline(config.model, quant_config(fmt), config.dtype)
         load_s[f"mcp2026-{fmt}"] = time.perf_counter() - t0
-        _warm_up_ours(quantized.engine, vocab)
-        runs[f"mcp2026-{fmt}"] = run_engine(quantized.engine, requests, progress)
-        for record in runs[f"mcp2026-{fmt}"].records:
-            record["engine"] = f"mcp2026-{fmt}"
-        del quantized
+    for p in pipes.values():
+        _warm_up_ours(p.engine, vocab)
+    passes: dict[str, list[EngineRun]] = {name: [] for name in pipes}
+
+    def run_ours(k: int) -> None:
+        for name, p in pipes.items():
+            passes[name].append(run_engine(p.engine, requests, progress, cache_salt=f"offline-pass-{k}"))
+
+    run_ours(0)
+    hf_result = None
+    if config.peer:
+        from mcp2026.bench import peers
+
+        t0 = time.perf_counter()
+        try:
+            hf = peers.load_hf_peer(config.model, torch_dtype)
+        except peers.PeerUnavailable as e:
+            notes.append(str(e))
+        else:
+            load_s["hf"] = time.perf_counter() - t0
+            peers.hf_generate(hf, [[i % vocab for i in range(1, 17)]] * 2, 4)  # warm-up, excluded
+            batch = config.batched_decode or config.batch_size
+            hf_result = peers.hf_generate_static_batches(hf, requests, batch, progress)
+            del hf
+            run_ours(1)  # A B A: ours again after the peer
+    else:
+        notes.append("HF peer skipped (--no-peer)")
+    runs = {name: combine_passes(p, name) for name, p in passes.items()}
     for name, run_ in runs.items():
         failed = [x["request_id"] for x in run_.records if x["finish_reason"] == "error"]
         if failed:
             notes.append(
                 f"{len(failed)} requests failed on {name} (e.g. {failed[0]}); their tokens are not counted"
             )
-    hf_result = None
-    if config.peer:
-        from mcp2026.bench import peers
-
-        t0 = time.perf_counter()
-        hf = peers.load_hf_model(config.model, torch_dtype)
-        load_s["hf"] = time.perf_counter() - t0
-        peers.hf_generate(hf, [[i % vocab for i in range(1, 17)]] * 2, 4)  # warm-up, excluded
-        batch = config.batched_decode or config.batch_size
-        hf_result = peers.hf_generate_static_batches(hf, requests, batch, progress)
-        del hf
-    else:
-        notes.append("HF peer skipped (--no-peer)")
+    ours = runs["mcp2026"]
     if dtype == "bf16":
         from mcp2026 import hardware
 
         if not hardware.has_fast_bf16():
             notes.append("bf16 on a CPU without AVX512-BF16/AMX: emulated, several times slower than fp32")
-    aggregates = _aggregate(requests, runs, hf_result)
+    aggregates = _aggregate(runs, hf_result)
+    for name, p in passes.items():  # each pass's throughput: how far the machine drifted around the peer
+        aggregates[name]["passes_output_tok_per_s"] = [
+            sum(x["num_output_tokens"] for x in run_.records) / run_.seconds for run_ in p
+        ]
     aggregates["load_seconds"] = load_s
     aggregates["workload"] = describe(requests)
     aggregates["prefix_cache_hit_tokens"] = sum(x["num_cached_tokens"] for x in ours.records)
@@ -227,13 +259,13 @@ def run_offline(
     return run
 
 
-def _aggregate(requests: list[BenchRequest], runs: dict[str, EngineRun], hf: Any) -> dict[str, Any]:
+def _aggregate(runs: dict[str, EngineRun], hf: Any) -> dict[str, Any]:
     """Per engine run (``mcp2026``, ``mcp2026-int8``, ...) and HF: throughputs; ``ratio`` is ours (first run) /
-    HF, ``ratio_<fmt>`` each quantized run / HF."""
-    prompt_tokens = sum(r.prompt_len for r in requests)
+    HF, ``ratio_<fmt>`` each quantized run / HF. Tokens are counted from the records (every pass's)."""
     result: dict[str, Any] = {}
     for name, run in runs.items():
         out = sum(x["num_output_tokens"] for x in run.records)
+        prompt_tokens = sum(x["prompt_len"] for x in run.records)
         result[name] = {
             "seconds": run.seconds,
             "output_tok_per_s": out / run.seconds,
@@ -244,6 +276,7 @@ def _aggregate(requests: list[BenchRequest], runs: dict[str, EngineRun], hf: Any
         }
     if hf is not None:
         hf_out = sum(x["num_output_tokens"] for x in hf.records)
+        prompt_tokens = sum(x["prompt_len"] for x in hf.records)
         decode_s = sum(b["decode_seconds"] for b in hf.batches)
         decode_tokens = sum(b["size"] * max(b["num_steps"] - 1, 0) for b in hf.batches)
         result["hf"] = {

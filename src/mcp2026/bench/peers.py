@@ -69,6 +69,17 @@ def load_hf_model(model: str | Path | None = None, dtype: torch.dtype = torch.fl
     return hf
 
 
+def load_hf_peer(model: str | Path | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """``load_hf_model`` for a benchmark: where transformers cannot load the model (an architecture or GGUF
+    type it does not know, a missing file) the peer is unavailable, with the reason, and the run goes on."""
+    try:
+        return load_hf_model(model, dtype)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise PeerUnavailable(
+            f"HF transformers peer skipped: transformers cannot load this model ({type(e).__name__}: {e})"
+        ) from None
+
+
 def hf_with_dtype(hf: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy in another dtype (loading the GGUF again costs far more than a copy)."""
     return copy.deepcopy(hf).to(dtype)

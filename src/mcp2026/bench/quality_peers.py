@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mcp2026.bench.peers import PeerUnavailable, load_hf_model, load_llama_cpp
+from mcp2026.bench.peers import PeerUnavailable, load_hf_peer, load_llama_cpp
 from mcp2026.quant.quality import evaluate
 
 PEERS = ("hf", "llama.cpp")
@@ -40,7 +40,7 @@ def llama_cpp_scored_logprobs(llm: Any, window: Tensor) -> Tensor:
 
 
 def _hf_row(model: str | Path | None, windows: Sequence[Tensor], reference: Sequence[Tensor]) -> dict:
-    hf = load_hf_model(model, torch.float32)
+    hf = load_hf_peer(model, torch.float32)
     return {
         "plan": "HF transformers fp32 (peer)",
         "family": "peer",
@@ -81,6 +81,4 @@ def peer_quality_rows(
             rows.append(row(model, windows, reference))
         except PeerUnavailable as e:
             notes.append(str(e))
-        except (OSError, ValueError, RuntimeError) as e:  # e.g. transformers cannot read this architecture
-            notes.append(f"{peer} peer skipped: {type(e).__name__}: {e}")
     return rows, notes
