@@ -209,16 +209,17 @@ def test_quality_runs_give_the_headline_plans_with_their_bits_and_delta():
 
     rows = [
         {"plan": "fp32 (reference)", "family": "reference", "bits": 32.0, "mib": None, "ppl": 4.7, "num_tokens": 5120},
-        r("int8", "fixed", 8.024, 0.0011),
+        {**r("int8", "fixed", 8.024, 0.0011), "layer_bits": {"lm_head": 8.024}},
         r("int4 sym g64", "fixed", 4.5, 0.3),  # not a headline plan
         r("llama.cpp-style mixture (sym g64 + int8)", "fixed", 5.026, 0.155),
-        r("DQG 5 bpw", "DQG", 5.0, 0.034, 0.0036),
+        {**r("DQG 5 bpw", "DQG", 5.0, 0.034, 0.0036), "layer_bits": {"lm_head": 5.5, "layers.0.mlp.down_proj": 5.0}},
         r("DQG 4.75 bpw", "DQG", 4.75, 0.14),  # a curve point, not a budget
     ]  # fmt: skip
     settings = QualityBenchSettings(num_windows=20)
     run = quality_run(QualityBench(rows, "md"), settings, "mcp2026 bench quality --num-windows 20")
     assert run.kind == "quality" and run.aggregates["reference_ppl"] == 4.7
     assert run.aggregates["headline"] == ["int8", "llama.cpp-style mixture (sym g64 + int8)", "DQG 5 bpw"]
+    assert list(run.aggregates["layer_bits"]) == ["DQG 5 bpw"]  # the headline's DQG plans get heatmaps
     md = headline_markdown([BenchRun.from_json(run.to_json())])  # through the JSON, as the CLI reads it
     assert row(md, "weights int8, 8.02 bits/weight (20 windows)")[1] == "ΔPPL +0.11% ± 0.40, KLD 0.01"
     assert row(md, "weights DQG 5 bpw, 5.00 bits/weight (20 windows)")[1].startswith("ΔPPL +3.40% ± 0.36")

@@ -118,5 +118,10 @@ def test_quantized_weights_run_the_same_requests_beside_fp32(tiny_dir):
         "mcp2026 / HF", "mcp2026 int8 / HF",
     ]  # fmt: skip
     assert "--weights int8" in run.command
+    (bits,) = agg["layer_bits"].values()  # per linear, for `bench report`'s bit-plan heatmap
+    assert list(agg["layer_bits"]) == ["int8 weights"] and all(8 < b < 9 for b in bits.values())
+    from mcp2026.bench.figures import latency_samples
+
+    assert set(latency_samples(run, "off")) == {"off", "off int8 weights"}  # a CDF series per config
     with pytest.raises(ValueError, match="int8, int4"):
         OfflineConfig(weights=("int3",))

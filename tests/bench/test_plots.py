@@ -32,7 +32,7 @@ def assert_png(path) -> None:
         image.verify()
 
 
-def serve_run(rate: float, ttfts: list[float]) -> BenchRun:
+def serve_run(rate: float, ttfts: list[float], kv_usage: dict | None = None) -> BenchRun:
     records = [
         {"kind": "normal", "success": True, "ttft": t, "latency": t + 0.5, "output_tokens": 6} for t in ttfts
     ]
@@ -42,7 +42,7 @@ def serve_run(rate: float, ttfts: list[float]) -> BenchRun:
         command="mcp2026 bench serve",
         config={"request_rate": rate, "model": "tiny", "base_url": "http://127.0.0.1:1"},
         records=records,
-        aggregates={"output_throughput": 10.0 * rate},
+        aggregates={"output_throughput": 10.0 * rate, "kv_usage": kv_usage},
     )
 
 
@@ -158,8 +158,9 @@ def test_figure_data_from_runs():
 
 
 def test_write_report_draws_what_the_runs_support(tmp_path):
+    usage = {"metric": "mcp2026_kv_cache_usage_ratio", "t_s": [0.0, 0.5, 1.0], "share": [0.0, 0.4, 0.1]}
     runs = [
-        ("serve-1", serve_run(1.0, [0.1, 0.3])),
+        ("serve-1", serve_run(1.0, [0.1, 0.3], usage)),
         ("serve-2", serve_run(2.0, [0.2, 0.4])),
         ("sw", sweep_run()),
     ]
@@ -167,6 +168,7 @@ def test_write_report_draws_what_the_runs_support(tmp_path):
     names = sorted(p.name for _, p in figures.paths)
     assert names == [
         "bit-plan.png",
+        "kv-usage-serve.png",
         "kv-usage.png",
         "latency-cdf.png",
         "ppl-front.png",
@@ -180,7 +182,11 @@ def test_write_report_draws_what_the_runs_support(tmp_path):
     assert "![Latency CDFs](latency-cdf.png)" in text and "## sw (sweep)" in text
 
     only_serve, figures = write_report(runs[:1], tmp_path / "serve-only")
-    assert {p.name for _, p in figures.paths} == {"latency-cdf.png", "throughput-vs-rate.png"}
+    assert {p.name for _, p in figures.paths} == {
+        "latency-cdf.png",
+        "throughput-vs-rate.png",
+        "kv-usage-serve.png",
+    }
     skipped = " ".join(figures.skipped)
     assert "need a sweep run" in skipped and "--plan" in skipped and "KV usage" in skipped
     assert "Not drawn:" in only_serve.read_text()

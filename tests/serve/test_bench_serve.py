@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from serve_helpers import MODEL, live_server
 from typer.testing import CliRunner
 
@@ -39,11 +40,15 @@ def test_load_generator_measures_and_the_server_stays_clean():
     normal = [r for r in run.records if r["kind"] == "normal"]
     assert agg["completed"] == len(normal) and agg["failed"] == 0
     for r in normal:
-        assert r["output_tokens"] == 6 and 0 < r["ttft"] <= r["latency"] and len(r["itl"]) <= 5
+        assert r["output_tokens"] == 6 and 0 < r["ttft"] <= r["latency"] and 1 <= len(r["itl"]) <= 5
+        assert sum(r["itl"]) == pytest.approx(r["latency"] - r["ttft"], abs=1e-6)  # first to last token
     assert agg["total_output_tokens"] == 6 * len(normal)
     assert agg["request_goodput"] == agg["request_throughput"]  # generous SLOs: every request is good
     assert agg["p99_ttft_ms"] >= agg["median_ttft_ms"] > 0 and agg["mean_tpot_ms"] > 0
     assert run.tables[0].rows[0] == ["successful requests", len(normal)]
+    usage = agg["kv_usage"]  # sampled from /metrics while the load ran
+    assert usage["metric"] == "mcp2026_kv_cache_usage_ratio" and len(usage["t_s"]) == len(usage["share"]) >= 1
+    assert all(0.0 <= x <= 1.0 for x in usage["share"]) and usage["t_s"] == sorted(usage["t_s"])
 
 
 def test_bench_serve_command(tmp_path):

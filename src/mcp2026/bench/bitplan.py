@@ -10,16 +10,12 @@ from pathlib import Path
 from torch import nn
 
 from mcp2026.config import ModelConfig
-from mcp2026.quant.plan import QuantPlan, linear_modules
+from mcp2026.quant.plan import QuantPlan, layer_bits, linear_modules
 
 
 def model_layer_bits(model: nn.Module) -> dict[str, float]:
     """Stored bits per weight of each linear as the model holds it now (scales and zeros included)."""
-    bits = {}
-    for name, module in linear_modules(model):
-        per_weight = getattr(module, "bits_per_weight", None)
-        bits[name] = float(per_weight) if per_weight is not None else float(module.weight.element_size() * 8)
-    return bits
+    return layer_bits(model)
 
 
 def plan_layer_bits(plan: QuantPlan, config: ModelConfig, dense_bits: float = 32.0) -> dict[str, float]:

@@ -67,12 +67,17 @@ def latency_samples(run: BenchRun, label: str = "") -> dict[str, dict[str, list[
                 series[f"{label} {name}"] = _serve_samples(mine)
         else:
             series[label] = _serve_samples(run.records)
-    elif run.kind.startswith("offline"):
-        series[label] = [
-            (r.get("ttft_s"), r.get("e2e_s"), r.get("num_output_tokens"))
-            for r in run.records
-            if r.get("engine") == "mcp2026" and r.get("finish_reason") != "error"
+    elif run.kind.startswith("offline"):  # a series per configuration of ours (fp32, int8 weights, ...)
+        engines = [
+            e for e in dict.fromkeys(r.get("engine") for r in run.records) if str(e).startswith("mcp2026")
         ]
+        for engine in engines:
+            name = label if engine == "mcp2026" else f"{label} {engine.removeprefix('mcp2026-')} weights"
+            series[name] = [
+                (r.get("ttft_s"), r.get("e2e_s"), r.get("num_output_tokens"))
+                for r in run.records
+                if r.get("engine") == engine and r.get("finish_reason") != "error"
+            ]
     elif run.kind == "sweep":
         for row in run.records:
             if row.get("requests"):
@@ -134,6 +139,20 @@ def kv_series(runs: Sequence[LabelledRun]) -> tuple[dict[str, tuple[list, list]]
     return series, capacity
 
 
+def kv_share_series(runs: Sequence[LabelledRun]) -> dict[str, tuple[list, list]]:
+    """Serve runs: each endpoint's share of its KV pool in use over its load, from its /metrics."""
+    series: dict[str, tuple[list, list]] = {}
+    for label, run in runs:
+        if run.kind != "serve":
+            continue
+        endpoints = run.aggregates.get("endpoints") or {"": run.aggregates}
+        for name, agg in endpoints.items():
+            usage = agg.get("kv_usage") or {}
+            if usage.get("t_s"):
+                series[f"{label} {name}".strip()] = (usage["t_s"], usage["share"])
+    return series
+
+
 def write_figures(
     runs: Sequence[LabelledRun],
     out_dir: str | Path,
@@ -180,6 +199,13 @@ def write_figures(
         attempt(f"Bit plan: {title}", name, lambda p, b=bits, t=title: plots.bit_plan_heatmap(b, p, t))
     series, capacity = kv_series(runs)
     attempt("KV usage over time", "kv-usage.png", lambda p: plots.kv_usage_over_time(series, p, capacity))
+    if any(run.kind == "serve" for _, run in runs):
+        shares = kv_share_series(runs)
+        attempt(
+            "KV pool in use while serving",
+            "kv-usage-serve.png",
+            lambda p: plots.kv_usage_over_time(shares, p, as_share=True),
+        )
     return figures
 
 

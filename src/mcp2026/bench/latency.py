@@ -133,10 +133,12 @@ def _prompts(pipe: Any, config: LatencyConfig) -> tuple[list[int], list[int]]:
 
 
 def _load_contenders(
-    config: LatencyConfig, notes: list[str]
+    config: LatencyConfig, notes: list[str], layer_bits: dict[str, dict[str, float]]
 ) -> tuple[list[Contender], Any, dict[str, float]]:
+    """Every engine of the run, loaded; fills ``layer_bits`` (each quantized config's bits per linear)."""
     from mcp2026 import hardware
     from mcp2026.bench import peers
+    from mcp2026.bench.bitplan import model_layer_bits
     from mcp2026.config import KVConfig
     from mcp2026.pipeline import DTYPES, Pipeline
 
@@ -154,6 +156,7 @@ def _load_contenders(
         kv = KVConfig(memory_gb=0.5, enable_prefix_caching=False)
         pipe = Pipeline(config.model, quant_config(fmt), config.dtypes[0], kv_config=kv)
         quantized.append(_ours(pipe, f"{fmt} weights"))
+        layer_bits[f"{fmt} weights"] = model_layer_bits(pipe.loaded.model)
         load_s[f"mcp2026-{fmt}"] = time.perf_counter() - t0
     hf_models: dict[str, Any] = {}
     if config.peer:
@@ -190,7 +193,8 @@ def _load_contenders(
 def run_latency(config: LatencyConfig | None = None, progress: Any = None) -> BenchRun:
     config = config or LatencyConfig()
     notes: list[str] = []
-    contenders, pipe, load_s = _load_contenders(config, notes)
+    layer_bits: dict[str, dict[str, float]] = {}
+    contenders, pipe, load_s = _load_contenders(config, notes, layer_bits)
     decode_ids, prefill_ids = _prompts(pipe, config)
     records: list[dict[str, Any]] = []
     rounds = config.warmup + config.repeats
@@ -228,6 +232,7 @@ def run_latency(config: LatencyConfig | None = None, progress: Any = None) -> Be
     aggregates["load_seconds"] = load_s
     aggregates["decode_prompt_len"] = len(decode_ids)
     aggregates["greedy_agreement"] = _agreement(records)
+    aggregates["layer_bits"] = layer_bits  # the bit-plan heatmaps of `bench report`
     run = BenchRun(
         kind="latency",
         command=config.command(),

@@ -177,6 +177,7 @@ def check_fits(requests: list[BenchRequest], max_model_len: int) -> None:
 def run_offline(
     config: OfflineConfig | None = None, progress: Any = None, use_cache: bool = True
 ) -> BenchRun:
+    from mcp2026.bench.bitplan import model_layer_bits
     from mcp2026.pipeline import Pipeline
 
     config = config or OfflineConfig()
@@ -195,6 +196,8 @@ def run_offline(
         t0 = time.perf_counter()
         pipes[f"mcp2026-{fmt}"] = Pipeline(config.model, quant_config(fmt), config.dtype)
         load_s[f"mcp2026-{fmt}"] = time.perf_counter() - t0
+    layer_bits = {f"{n.removeprefix('mcp2026-')} weights": model_layer_bits(p.loaded.model)
+                  for n, p in pipes.items() if n != "mcp2026"}  # fmt: skip
     for p in pipes.values():
         _warm_up_ours(p.engine, vocab)
     passes: dict[str, list[EngineRun]] = {name: [] for name in pipes}
@@ -244,6 +247,7 @@ def run_offline(
     aggregates["workload"] = describe(requests)
     aggregates["prefix_cache_hit_tokens"] = sum(x["num_cached_tokens"] for x in ours.records)
     aggregates["kv_timeline"] = ours.kv_timeline
+    aggregates["layer_bits"] = layer_bits  # the bit-plan heatmaps of `bench report`
     run = BenchRun(
         kind="offline-batched-decode" if config.batched_decode else "offline",
         command=config.command(),

@@ -157,19 +157,25 @@ def kv_usage_over_time(
     series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
     path: str | Path,
     capacity: Mapping[str, int] | None = None,
+    as_share: bool = False,
 ) -> Path:
     """KV blocks held against time (label -> (seconds, blocks)); ``capacity`` (label -> pool size) goes in
-    the legend, not on the axis, so a large pool does not flatten the usage."""
+    the legend, not on the axis, so a large pool does not flatten the usage. ``as_share``: the values are
+    shares of each server's pool (serving runs read them from the servers' /metrics)."""
     lines = {label: (t, b) for label, (t, b) in series.items() if len(t) and len(t) == len(b)}
     if not lines:
-        raise NoPlotData("KV usage over time needs a run that sampled KV blocks (offline or sweep runs)")
+        raise NoPlotData(
+            "KV usage over time needs a run that sampled KV usage (serve runs against a server with /metrics)"
+            if as_share
+            else "KV usage over time needs a run that sampled KV blocks (offline or sweep runs)"
+        )
     fig, (ax,) = _figure()
     for label, (times, blocks) in lines.items():
         pool = (capacity or {}).get(label)
         ax.step(times, blocks, where="post", label=f"{label} (pool {pool})" if pool else label)
-    ax.set_xlabel("seconds since the run started")
-    ax.set_ylabel("KV blocks held by requests")
-    ax.set_ylim(bottom=0)
+    ax.set_xlabel("seconds of load on the endpoint" if as_share else "seconds since the run started")
+    ax.set_ylabel("share of the KV pool in use" if as_share else "KV blocks held by requests")
+    ax.set_ylim(bottom=0, top=1.0 if as_share else None)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return _save(fig, path)

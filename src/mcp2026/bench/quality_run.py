@@ -62,6 +62,14 @@ def quality_run(result: Any, settings: Any, command: str, model: Any = None) -> 
             "plans": plans,
             "peers": peers,  # other engines on the same windows, against the same reference
             "headline": headline_plans(plans, tuple(settings.dqg_budgets)),
+            # bits per linear of the headline's DQG plans: `bench report` draws them as heatmaps
+            "layer_bits": {
+                r["plan"]: r["layer_bits"]
+                for r in result.rows
+                if r.get("layer_bits")
+                and r["plan"] in headline_plans(plans, tuple(settings.dqg_budgets))
+                and str(r["family"]).startswith("DQG")
+            },
         },
         tables=[table],
         notes=list(getattr(result, "notes", [])),

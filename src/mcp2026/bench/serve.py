@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from mcp2026.bench.kv_usage import join_phases
 from mcp2026.bench.workloads import BenchRequest
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
@@ -71,6 +72,7 @@ class ServeBenchConfig:
     disconnect_share: float = 0.0  # clients that close the stream after a few chunks
     malformed_share: float = 0.0  # requests replaced by broken bodies (they must get a 4xx)
     ignore_eos: bool = True  # every engine generates exactly output_len tokens
+    kv_sample_s: float | None = 0.5  # poll the server's /metrics for its KV usage this often (None: never)
     timeout_s: float = 600.0
     check_server: bool = False  # afterwards read our server's /metrics: nothing running, no KV held
     detailed: bool = False  # keep every request's ITLs in the records
@@ -90,6 +92,8 @@ class ServeBenchConfig:
             raise ValueError(f"burstiness must be > 0, got {self.burstiness}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.kv_sample_s is not None and not self.kv_sample_s > 0:
+            raise ValueError(f"kv_sample_s must be > 0 (None: no sampling), got {self.kv_sample_s}")
         if self.duration_s is not None and not self.duration_s > 0:
             raise ValueError(f"duration_s must be > 0, got {self.duration_s}")
         unknown = sorted(set(self.goodput_ms) - set(GOODPUT_METRICS))
@@ -257,6 +261,7 @@ class PhaseResult:
     results: list[RequestResult]
     seconds: float
     next_index: int
+    kv_usage: dict[str, Any] | None = None  # the server's KV pool share over the phase (bench.kv_usage)
 
 
 class LoadGenerator:
@@ -273,6 +278,7 @@ class LoadGenerator:
         self.headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self._arrivals = np.random.RandomState(config.seed)
         self._sums: list[float] = []  # running sums of the Gamma gaps, request 0's included
+        self.kv_usage: dict[str, Any] | None = None  # of the last run()
 
     def arrival_offset(self, i: int, num_requests: int | None = None) -> float:
         """Seconds from the start of the sequence to request ``i``'s arrival (vLLM's ``delay_ts[i]``): the sum
@@ -407,6 +413,7 @@ class LoadGenerator:
         config = self.config
         stop = len(requests) if config.duration_s is None else config.max_requests
         phase = await self.run_phase(requests, 0, stop, config.duration_s, on_done)
+        self.kv_usage = phase.kv_usage
         return phase.results, phase.seconds
 
     async def run_phase(
@@ -456,6 +463,14 @@ class LoadGenerator:
             num_scheduled = len(requests) if duration_s is None else None
             base = self.arrival_offset(start - 1, num_scheduled)
             t0 = time.perf_counter()
+            stop_sampling = asyncio.Event()
+            sampler = None
+            if config.kv_sample_s:
+                from mcp2026.bench.kv_usage import sample_kv_usage
+
+                sampler = asyncio.create_task(
+                    sample_kv_usage(client, self.headers, config.kv_sample_s, t0, stop_sampling)
+                )
             for i in range(start, stop):
                 # An absolute schedule: time lost to a late wake-up is not added to every later arrival.
                 due = self.arrival_offset(i, num_scheduled) - base - (time.perf_counter() - t0)
@@ -471,8 +486,11 @@ class LoadGenerator:
                     await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             if pending:
                 await asyncio.gather(*pending)
+            seconds = time.perf_counter() - t0
+            stop_sampling.set()
+            kv_usage = await sampler if sampler is not None else None
         results.sort(key=lambda r: r.start_time)
-        return PhaseResult(results, time.perf_counter() - t0, min(unsent, default=next_index))
+        return PhaseResult(results, seconds, min(unsent, default=next_index), kv_usage)
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -584,6 +602,7 @@ def bench_serve(
     generator = LoadGenerator(replace(config, peers=()), model, count_tokens)
     results, duration_s = asyncio.run(generator.run(requests, on_done))
     aggregates = endpoint_aggregates(results, duration_s, config)
+    aggregates["kv_usage"] = generator.kv_usage
     if config.check_server:
         aggregates["server_after"] = server_state(config.base_url)
     records = [asdict(r) if config.detailed else {**asdict(r), "itl": None} for r in results]
@@ -760,6 +779,7 @@ async def run_interleaved(
     every endpoint in round r. Returns results and summed phase seconds per endpoint, and the phase rows."""
     names = list(generators)
     results: dict[str, list[RequestResult]] = {n: [] for n in names}
+    kv_usage: dict[str, list] = {n: [] for n in names}
     seconds = dict.fromkeys(names, 0.0)
     next_index = dict.fromkeys(names, 0)
     phases = []
@@ -775,8 +795,11 @@ async def run_interleaved(
         for x in phase.results:
             x.endpoint, x.phase = name, k
         results[name] += phase.results
+        kv_usage[name].append((seconds[name], phase.kv_usage))
         seconds[name] += phase.seconds
         phases.append(phase_row(k, r, name, start, phase))
+    for name in names:
+        generators[name].kv_usage = join_phases(kv_usage[name])
     return results, seconds, phases
 
 
@@ -820,6 +843,8 @@ def bench_side_by_side(
         on_done = lambda name: progress.advance(tasks[name])  # noqa: E731
     results, seconds, phases = asyncio.run(run_interleaved(generators, requests, config, on_done))
     endpoints = {n: endpoint_aggregates(results[n], seconds[n], config) for n in generators}
+    for name, generator in generators.items():
+        endpoints[name]["kv_usage"] = generator.kv_usage
     ours = endpoints[OURS]
     if config.check_server:
         ours["server_after"] = server_state(config.base_url)

@@ -244,6 +244,7 @@ def _serve_rates(
                 seed=config.seed + i,
                 goodput_ms=dict(config.goodput_ms),
                 check_server=True,
+                kv_sample_s=None,  # kv_timeline reads the engine itself, step-exact
             )
             requests = _requests(config, pipe, i)
             if progress is not None:

@@ -171,6 +171,15 @@ def linear_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
+def layer_bits(model: nn.Module) -> dict[str, float]:
+    """Stored bits per weight of each linear as the model holds it now (scales and zeros included)."""
+    bits = {}
+    for name, module in linear_modules(model):
+        per_weight = getattr(module, "bits_per_weight", None)
+        bits[name] = float(per_weight) if per_weight is not None else float(module.weight.element_size() * 8)
+    return bits
+
+
 class QuantPlan:
     """Ordered ``pattern -> LayerQuantSpec``; the first matching glob wins, then ``_default``.
 

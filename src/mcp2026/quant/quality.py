@@ -248,6 +248,7 @@ def run_quality_bench(
     from mcp2026.loading.loader import load_model
     from mcp2026.quant import dqg, recipe
     from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, calibration_samples
+    from mcp2026.quant.plan import layer_bits
 
     loaded = load_model(model_path)
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -298,7 +299,7 @@ def run_quality_bench(
                 as_decode_steps(quantized)
             head = plan.spec_for("lm_head")
             rows.append({"plan": name, "family": family, "bits": bits, "mib": mib,
-                         "lm_head": head.describe() if head else "unchanged",
+                         "lm_head": head.describe() if head else "unchanged", "layer_bits": layer_bits(quantized),
                          **evaluate(quantized, windows, reference).to_dict()})  # fmt: skip
             del quantized
             bar.advance(task)

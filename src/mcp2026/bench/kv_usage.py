@@ -1,0 +1,73 @@
+"""KV usage of a server over a serving run, read from its Prometheus ``/metrics`` while the load runs: ours
+(``mcp2026_kv_cache_usage_ratio``), vLLM's (``vllm:kv_cache_usage_perc``, a fraction despite the name) and
+llama-server's with ``--metrics`` (``llamacpp:kv_cache_usage_ratio``). An endpoint exposing none of them is
+sampled once and left alone."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+KV_USAGE_METRICS = (
+    "mcp2026_kv_cache_usage_ratio",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",  # vLLM before v1
+    "llamacpp:kv_cache_usage_ratio",
+)
+
+
+def kv_usage_share(text: str) -> tuple[str, float] | None:
+    """The first known KV-usage gauge in a Prometheus exposition, as (metric, share of the pool in use)."""
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in KV_USAGE_METRICS:
+            try:
+                return name, float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                return None
+    return None
+
+
+async def sample_kv_usage(
+    client: Any, headers: dict[str, str], interval_s: float, t0: float, stop: asyncio.Event
+) -> dict[str, Any] | None:
+    """Poll ``/metrics`` every ``interval_s`` until ``stop`` is set: {"metric", "t_s", "share"} with times
+    from ``t0`` (perf_counter), or None when the server exposes no known gauge."""
+    import httpx
+
+    times: list[float] = []
+    shares: list[float] = []
+    metric = None
+    while True:
+        try:
+            response = await client.get("/metrics", headers=headers, timeout=5.0)
+            found = kv_usage_share(response.text) if response.status_code == 200 else None
+        except httpx.HTTPError:
+            found = None
+        if found is None and metric is None:
+            return None  # nothing to sample here
+        if found is not None:
+            metric = found[0]
+            times.append(round(time.perf_counter() - t0, 3))
+            shares.append(found[1])
+        try:
+            await asyncio.wait_for(stop.wait(), interval_s)
+            break
+        except asyncio.TimeoutError:
+            continue
+    return {"metric": metric, "t_s": times, "share": shares}
+
+
+def join_phases(samples: list[tuple[float, dict[str, Any] | None]]) -> dict[str, Any] | None:
+    """One endpoint's phases (offset in seconds of its own sending time, samples) as one timeline."""
+    metric, times, shares = None, [], []
+    for offset, sample in samples:
+        if sample is None:
+            continue
+        metric = sample["metric"]
+        times += [round(offset + t, 3) for t in sample["t_s"]]
+        shares += sample["share"]
+    return {"metric": metric, "t_s": times, "share": shares} if metric else None
