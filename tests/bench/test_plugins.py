@@ -116,7 +116,7 @@ def test_loading_errors():
 
 def test_bench_plugin_command_by_file_path(tiny_dir, tmp_path):
     spec = f"{EXAMPLES / 'prefix_cache_hit.py'}:PrefixCacheHitRate"
-    args = ["plugin", spec, "--model", tiny_dir, "--dtype", "fp32", "--param", "prefix_len=32"]
+    args = ["plugin", "--plugin", spec, "--model", tiny_dir, "--dtype", "fp32", "--param", "prefix_len=32"]
     args += ["--param", "num_requests=3", "--param", "suffix_len=4", "--out", str(tmp_path)]
     result = CliRunner().invoke(bench_app, args)
     assert result.exit_code == 0, result.output
@@ -135,6 +135,8 @@ def test_bench_plugin_command_by_file_path(tiny_dir, tmp_path):
     )
     bad_param = CliRunner().invoke(bench_app, ["plugin", spec, "--param", "prefix_len"])
     assert bad_param.exit_code == 2 and "KEY=VALUE" in bad_param.output
+    two = CliRunner().invoke(bench_app, ["plugin", spec, "--plugin", "other:Class"])
+    assert two.exit_code == 2 and "two plugins given" in two.output
 
 
 def test_eviction_simulation_plugin_masks_what_each_variant_drops(tiny_dir):

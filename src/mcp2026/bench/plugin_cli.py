@@ -27,6 +27,9 @@ def plugin(
         str | None,
         typer.Argument(help="installed plugin name, module:Class or path/to/file.py:Class"),
     ] = None,
+    plugin_option: Annotated[
+        str | None, typer.Option("--plugin", help="the same, as an option: --plugin module:Class")
+    ] = None,
     model: Annotated[str | None, typer.Option("--model", "-m", help="HF folder, .gguf or artifact")] = None,
     dtype: Annotated[str, typer.Option(help="auto | fp32 | bf16")] = "auto",
     seed: Annotated[int, typer.Option(help="seed handed to the plugin")] = 0,
@@ -46,6 +49,9 @@ def plugin(
         if not found:
             err.print("no plugins installed (entry point group mcp2026.bench_plugins)")
         return
+    if name is not None and plugin_option is not None and name != plugin_option:
+        raise ValueError(f"two plugins given ({name!r} and --plugin {plugin_option!r}); give one")
+    name = name or plugin_option
     if name is None:
         raise ValueError(
             "give a plugin: an installed name, module:Class or path/to/file.py:Class (or --list)"
