@@ -81,7 +81,11 @@ def kv_run():
         kind="kv",
         command="mcp2026 bench kv",
         config={"context_tokens": 2048},
-        aggregates={"quality": quality, "memory": memory},
+        aggregates={
+            "quality": quality,
+            "memory": memory,
+            "llama_cpp_kv": {"q8_0": {"delta_ppl": 0.0009, "bytes_ratio": 16 / 8.5}},
+        },
         machine=MACHINE,
     )
 
@@ -118,6 +122,7 @@ def test_offline_serve_and_kv_rows():
     assert row(md, "serving, 16 concurrent clients, TTFT")[5] == "0.25x llama.cpp, 2.00x vLLM"
     kv = row(md, "int8 KV cache at 2048 tokens")
     assert kv[1] == "ΔPPL -0.03%, 1.88x fewer bytes/token than bf16, 1.86x bf16's sequences"
+    assert kv[3] == "ΔPPL +0.09% vs its f16 KV (q8_0, 1.88x fewer bytes)"  # llama.cpp's cache of that size
     assert "heavy_hitter" not in md  # eviction rows have no clear bytes claim
     assert "Not in this table (no run found): latency, quality." in md
 

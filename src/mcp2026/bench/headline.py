@@ -150,6 +150,7 @@ def kv_rows(run: BenchRun) -> list[list[str]]:
     """Per KV codec in both ``aggregates.quality`` and ``aggregates.memory`` (eviction rows are left out):
     ΔPPL vs uncompressed, bytes per token and max sequences vs bf16."""
     quality, memory = run.aggregates.get("quality") or {}, run.aggregates.get("memory") or {}
+    peer = run.aggregates.get("llama_cpp_kv") or {}
     tokens = run.config.get("context_tokens")
     rows = []
     for codec, q in quality.items():
@@ -160,9 +161,18 @@ def kv_rows(run: BenchRun) -> list[list[str]]:
         ours = f"ΔPPL {100 * delta:+.2f}%, {ratio:.2f}x fewer bytes/token than bf16"
         seqs = _number(m.get("seqs_ratio"))
         ours += f", {seqs:.2f}x bf16's sequences" if seqs is not None else ""
-        what = f"{codec} KV cache{f' at {tokens} tokens' if tokens else ''}"
-        rows.append([what, ours, "—", "—", "—", "—", _command(run.command)])
+        theirs, kv_type = "—", LLAMA_KV_PEER.get(codec)
+        if kv_type in peer and _number(peer[kv_type].get("delta_ppl")) is not None:
+            p = peer[kv_type]
+            theirs = f"ΔPPL {100 * p['delta_ppl']:+.2f}% vs its f16 KV ({kv_type}, {p['bytes_ratio']:.2f}x fewer bytes)"
+        what = (
+            f"{codec} KV cache{f' at {tokens} tokens' if tokens else ''}, ΔPPL vs each engine's 16/32-bit KV"
+        )
+        rows.append([what, ours, "—", theirs, "—", "—", _command(run.command)])
     return rows
+
+
+LLAMA_KV_PEER = {"int8": "q8_0", "int4": "q4_0"}  # our codec -> llama.cpp's cache type of about its size
 
 
 def quality_rows(run: BenchRun) -> list[list[str]]:

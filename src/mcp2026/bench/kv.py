@@ -224,6 +224,21 @@ def _quality(
     return {"rows": rows, "group_size": group}
 
 
+def _llama_cpp_kv(ctx: _Context, sequences: list[list[int]]) -> dict[str, dict[str, float]] | None:
+    """llama.cpp's KV types on the same sequences (bench.kv_peer), pooled as our rows; None (with a note)
+    where llama-cpp-python or a GGUF file is missing."""
+    from mcp2026.bench.kv_peer import kv_type_bytes_ratio, llama_cpp_kv_quality
+    from mcp2026.bench.peers import PeerUnavailable
+
+    config = ctx.config
+    try:
+        results = llama_cpp_kv_quality(config.model, sequences, config.prompt_len, config.llama_cpp_kv)
+    except PeerUnavailable as e:
+        ctx.notes.append(str(e))
+        return None
+    return {t: {**_pooled(r), "bytes_ratio": kv_type_bytes_ratio(t)} for t, r in results.items()}
+
+
 def _retrieval(ctx: _Context) -> dict[str, Any]:
     from mcp2026.bench import kv_retrieval as kr
 
@@ -411,6 +426,11 @@ def run_kv(
     quality = _quality(ctx, ref, grid, sequences, group)
     del ref
     timings["quality"] = time.perf_counter() - t0
+    peer = None
+    if config.llama_cpp_kv:
+        t0 = time.perf_counter()
+        peer = _llama_cpp_kv(ctx, sequences)
+        timings["llama_cpp_kv"] = time.perf_counter() - t0
     retrieval = None
     if config.retrieval_seeds and config.retrieval_configs:
         t0 = time.perf_counter()
@@ -429,6 +449,7 @@ def run_kv(
         if config.text == "sharegpt" and loaded.tokenizer is not None
         else "random token ids",
         "quality": quality["rows"],
+        "llama_cpp_kv": peer,  # llama.cpp's KV types, each against its own f16 cache; None: not run
         "lockstep_group_size": quality["group_size"],
         "retrieval": retrieval,
         "memory": memory,

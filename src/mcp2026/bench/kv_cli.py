@@ -89,6 +89,13 @@ def kv(
     ] = None,
     text: Annotated[str | None, typer.Option(help="sharegpt (default) | random token ids")] = None,
     seed: Annotated[int | None, typer.Option(help="text and retrieval seed (default 0)")] = None,
+    llama_cpp_kv: Annotated[
+        str | None,
+        typer.Option(
+            help="llama.cpp's own KV cache types scored on the same sequences, each against its f16 cache "
+            "(needs llama-cpp-python), or none (default q8_0,q4_0)"
+        ),
+    ] = None,
     quick: Annotated[bool, typer.Option("--quick", help="a small grid: int8,int4, heavy_hitter@0.7")] = False,
     write_docs: Annotated[
         bool,
@@ -127,6 +134,7 @@ def kv(
         decode_weights=decode_weights,
         text=text,
         seed=seed,
+        llama_cpp_kv=_names(llama_cpp_kv),
     )
     with _progress(progress) as bar:
         run = run_kv(config, bar, lambda message: err.print(f"[dim]{message}[/]", highlight=False))

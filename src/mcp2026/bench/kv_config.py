@@ -57,6 +57,8 @@ class KVBenchConfig:
     decode_weights: str = ""
     text: str = "sharegpt"  # sharegpt | random (models without a tokenizer always use random ids)
     seed: int = 0
+    # llama.cpp's own KV cache types scored on the same sequences (bench.kv_peer); () skips the peer
+    llama_cpp_kv: tuple[str, ...] = ("q8_0", "q4_0")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("fp32", "bf16"):
@@ -83,6 +85,14 @@ class KVBenchConfig:
         for name in self.retrieval_configs:
             parse_config(name, self.identity, self.block_size)
         parse_config(config_name(self.decode_policy, DECODE_SPARSITY), self.identity, self.block_size)
+        from mcp2026.bench.kv_peer import LLAMA_KV_TYPES
+
+        unknown = sorted(set(self.llama_cpp_kv) - set(LLAMA_KV_TYPES) | {"f16"} & set(self.llama_cpp_kv))
+        if unknown:
+            raise ValueError(
+                f"--llama-cpp-kv takes {', '.join(t for t in LLAMA_KV_TYPES if t != 'f16')} (f16 is the "
+                f"reference) or none, got {unknown}"
+            )
         if self.decode_weights:
             from mcp2026.bench.weights import check_weights
 
@@ -126,6 +136,7 @@ class KVBenchConfig:
             *([f"--decode-weights {self.decode_weights}"] if self.decode_weights else []),
             f"--text {self.text}",
             f"--seed {self.seed}",
+            f"--llama-cpp-kv {','.join(self.llama_cpp_kv) or 'none'}",
         ]
         return " ".join(parts)
 

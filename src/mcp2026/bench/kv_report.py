@@ -72,6 +72,7 @@ def _verdicts(aggregates: dict[str, Any], config: str, targets: Sequence[Target]
 def tables(config: KVBenchConfig, agg: dict[str, Any]) -> list[Table]:
     return [
         _quality_table(config, agg),
+        *([_llama_cpp_table(config, agg)] if agg.get("llama_cpp_kv") else []),
         _memory_table(config, agg),
         *([_decode_table(config, agg["decode"])] if agg["decode"] else []),
     ]
@@ -137,6 +138,23 @@ def _quality_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
         "fact kept",
         "target",
     ]
+    return Table(title, columns, rows)
+
+
+def _llama_cpp_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
+    """llama.cpp's KV types on the same sequences, each against llama.cpp's own f16 cache."""
+    peer = agg["llama_cpp_kv"]
+    first = next(iter(peer.values()))
+    rows = [
+        [f"llama.cpp {t}", _pct(q["delta_ppl"]), _pct(q.get("delta_ppl_after_prompt")), q["kld"],
+         q["top1_agreement"], f"{q['bytes_ratio']:.2f}x"]
+        for t, q in peer.items()
+    ]  # fmt: skip
+    title = (
+        f"The peer: llama.cpp's KV cache types on the same sequences, each against its f16 cache "
+        f"({first['num_tokens']} scored, its PPL with f16 K/V {first['ppl_ref']:.3g})"
+    )
+    columns = ["config", "ΔPPL", "ΔPPL after prompt", "KLD", "top-1 agree", "fewer bytes vs bf16"]
     return Table(title, columns, rows)
 
 

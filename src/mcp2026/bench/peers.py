@@ -206,9 +206,11 @@ def load_llama_cpp(
     n_ctx: int = 2048,
     n_threads: int | None = None,
     logits_all: bool = False,
+    **options: Any,
 ) -> Any:
     """A ``llama_cpp.Llama`` over the same GGUF file (its own quantized kernels: Q4_1 for the default);
-    ``logits_all`` keeps every position's logits (``llm.scores``), for perplexity."""
+    ``logits_all`` keeps every position's logits (``llm.scores``), for perplexity; ``options`` go to
+    ``Llama`` as they are (``type_k``, ``flash_attn``, ...)."""
     if importlib.util.find_spec("llama_cpp") is None:
         raise PeerUnavailable(
             "llama.cpp peer skipped: llama-cpp-python is not installed "
@@ -234,6 +236,7 @@ def load_llama_cpp(
         n_threads_batch=threads,
         logits_all=logits_all,
         verbose=False,
+        **options,
     )
 
 

@@ -114,6 +114,64 @@ def compare_quality(
     return compare_quality_many(ref, [test], token_ids, prompt_len, prompt_chunk, chunk_size)[0]
 
 
+class QualityAccumulator:
+    """Running sums of several test streams' logits against a reference's on one teacher-forced sequence:
+    NLL (over all positions and after the prompt), KL(ref || test) and top-1 agreement. Feed it chunks of
+    logits in position order; any engine's logits will do (ours, or a peer's)."""
+
+    def __init__(self, token_ids: Sequence[int], num_tests: int, prompt_len: int | None = None) -> None:
+        self.tokens = torch.tensor([int(t) for t in token_ids])
+        self.first_after = len(self.tokens) if prompt_len is None else prompt_len  # logits at positions >= it
+        self.nll_ref = self.nll_ref_after = 0.0
+        self.nll, self.nll_after = [0.0] * num_tests, [0.0] * num_tests
+        self.kld, self.agree = [0.0] * num_tests, [0] * num_tests
+        self.count = self.count_after = 0
+
+    def add(self, start: int, ref_logits: torch.Tensor, test_logits: Sequence[torch.Tensor]) -> None:
+        """Logits (n, V) of positions start .. start + n - 1: the reference's, and each test's."""
+        n = min(ref_logits.shape[0], len(self.tokens) - 1 - start)  # the last position has no next token
+        if n <= 0:
+            return
+        target = self.tokens[start + 1 : start + 1 + n].unsqueeze(1)
+        after = slice(max(0, self.first_after - start), n)
+        la = torch.log_softmax(ref_logits[:n].double(), -1)
+        pa, top = la.exp(), la.argmax(-1)
+        token_nll = -la.gather(1, target)
+        self.nll_ref += float(token_nll.sum())
+        self.nll_ref_after += float(token_nll[after].sum())
+        for i, b in enumerate(test_logits):
+            lb = torch.log_softmax(b[:n].double(), -1)
+            token_nll = -lb.gather(1, target)
+            self.nll[i] += float(token_nll.sum())
+            self.nll_after[i] += float(token_nll[after].sum())
+            self.kld[i] += float((pa * (la - lb)).sum())
+            self.agree[i] += int((top == lb.argmax(-1)).sum())
+        self.count += n
+        self.count_after += len(range(n)[after])
+
+    def results(self) -> list[QualityResult]:
+        if self.count == 0:
+            raise ValueError("need at least 2 tokens")
+
+        def after_ppl(total: float) -> float:
+            return math.exp(total / self.count_after) if self.count_after else float("nan")
+
+        ppl_ref = math.exp(self.nll_ref / self.count)
+        return [
+            QualityResult(
+                self.count,
+                ppl_ref,
+                math.exp(self.nll[i] / self.count),
+                self.kld[i] / self.count,
+                self.agree[i] / self.count,
+                self.count_after,
+                after_ppl(self.nll_ref_after),
+                after_ppl(self.nll_after[i]),
+            )
+            for i in range(len(self.nll))
+        ]
+
+
 def compare_quality_many(
     ref: LLMEngine,
     tests: Sequence[LLMEngine],
@@ -124,56 +182,14 @@ def compare_quality_many(
 ) -> list[QualityResult]:
     """``compare_quality`` for several test engines in one lockstep: the reference runs once, not once per
     test. Memory: every engine holds one chunk of logits (``prompt_chunk`` x vocab floats) at a time."""
-    tokens = torch.tensor([int(t) for t in token_ids])
-    first_after = len(tokens) if prompt_len is None else prompt_len  # logits at positions >= it
-    nll_ref = nll_ref_after = 0.0
-    nll, kld, agree = [0.0] * len(tests), [0.0] * len(tests), [0] * len(tests)
-    nll_after = [0.0] * len(tests)
-    count = count_after = 0
+    scores = QualityAccumulator(token_ids, len(tests), prompt_len)
     streams = zip(
         iter_logits(ref, token_ids, prompt_len, prompt_chunk, chunk_size, "kv-ref"),
         *(iter_logits(t, token_ids, prompt_len, prompt_chunk, chunk_size, "kv-test") for t in tests),
     )
     for (start, a), *others in streams:
-        n = min(a.shape[0], len(tokens) - 1 - start)  # the last position has no next token
-        if n <= 0:
-            continue
-        target = tokens[start + 1 : start + 1 + n].unsqueeze(1)
-        after = slice(max(0, first_after - start), n)
-        la = torch.log_softmax(a[:n].double(), -1)
-        pa, top = la.exp(), la.argmax(-1)
-        token_nll = -la.gather(1, target)
-        nll_ref += float(token_nll.sum())
-        nll_ref_after += float(token_nll[after].sum())
-        for i, (_, b) in enumerate(others):
-            lb = torch.log_softmax(b[:n].double(), -1)
-            token_nll = -lb.gather(1, target)
-            nll[i] += float(token_nll.sum())
-            nll_after[i] += float(token_nll[after].sum())
-            kld[i] += float((pa * (la - lb)).sum())
-            agree[i] += int((top == lb.argmax(-1)).sum())
-        count += n
-        count_after += len(range(n)[after])
-    if count == 0:
-        raise ValueError("need at least 2 tokens")
-    ppl_ref = math.exp(nll_ref / count)
-
-    def after_ppl(total: float) -> float:
-        return math.exp(total / count_after) if count_after else float("nan")
-
-    return [
-        QualityResult(
-            count,
-            ppl_ref,
-            math.exp(nll[i] / count),
-            kld[i] / count,
-            agree[i] / count,
-            count_after,
-            after_ppl(nll_ref_after),
-            after_ppl(nll_after[i]),
-        )
-        for i in range(len(tests))
-    ]
+        scores.add(start, a, [b for _, b in others])
+    return scores.results()
 
 
 def kv_bytes_per_token(model: ModelConfig, compressor: KVCompressor | None, dtype: torch.dtype) -> float:
