@@ -49,7 +49,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def vllm_reference(path, tokenizer, num_requests: int, seed: int) -> list[tuple[list[int], int]]:
-    """vLLM's ShareGPTDataset.load_data + sample, written out plainly."""
+    """vLLM's ShareGPTDataset.load_data + sample (+ maybe_oversample_requests), written out plainly."""
     data = json.loads(path.read_text())
     data = [e for e in data if "conversations" in e and len(e["conversations"]) >= 2]
     random.seed(seed)
@@ -68,6 +68,8 @@ def vllm_reference(path, tokenizer, num_requests: int, seed: int) -> list[tuple[
         ):
             continue
         out.append((prompt_ids, output_len))
+    if out and len(out) < num_requests:
+        out += random.choices(out, k=num_requests - len(out))
     return out
 
 
@@ -97,6 +99,8 @@ def test_sharegpt_oversamples_when_too_few_valid(dataset):
     spec = WorkloadSpec("sharegpt", 400, 0, dataset_path=str(dataset))
     requests = load_workload(spec, WordTokenizer(), use_cache=False)
     assert len(requests) == 400
+    expected = vllm_reference(dataset, WordTokenizer(), 400, 0)  # the same extra draws as vLLM
+    assert [(r.prompt_token_ids, r.output_len) for r in requests] == expected
     assert len({r.request_id for r in requests}) == 400
 
 
