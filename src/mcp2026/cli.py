@@ -14,7 +14,7 @@ from mcp2026.cli_errors import err, user_errors
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="mcp2026: Model-Centric Pipeline inference engine"
 )
-out = Console()
+out = Console(emoji=False)
 
 ModelOpt = Annotated[
     Path | None,

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from mcp2026.errors import MCPError
 
-err = Console(stderr=True, soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True, emoji=False)  # "tpot:100:" is text, not an emoji code
 
 
 def user_errors(fn: Callable[..., Any] | None = None, *, exit_code: int = 2) -> Any:

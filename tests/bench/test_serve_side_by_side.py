@@ -312,8 +312,10 @@ def test_side_by_side_command(tmp_path):
         args += ["--rounds", "2", "--no-progress", "--out", str(tmp_path)]
         result = CliRunner().invoke(serve_app, args)
         too_many = CliRunner().invoke(serve_app, [*args, "--rounds", "5"])
+        stray = CliRunner().invoke(serve_app, ["--base-url", ours.url, "tpot:100", "--no-progress"])
     assert result.exit_code == 0, result.output
     assert too_many.exit_code == 2 and "rounds" in too_many.output
+    assert stray.exit_code == 2 and "unexpected argument(s) tpot:100" in stray.output
     assert f"| metric | {OURS} | llama | {OURS} / llama |" in result.output
     (path,) = tmp_path.glob("*-serve.json")
     data = json.loads(path.read_text())
@@ -323,6 +325,29 @@ def test_side_by_side_command(tmp_path):
     assert data["config"]["peers"] == [{"name": "llama", "base_url": peer.url, "model": "llama-model"}]
     assert set(data["aggregates"]["ratios"]["llama"]) >= {"output_throughput", "median_ttft_ms"}
     assert len([e for e in log if e["server"] == "llama"]) == 4
+
+
+def test_a_duration_phase_ends_with_its_window_not_at_the_next_arrival():
+    """At 0.5 req/s the first arrival is ~2 s out; phases of 0.15 s send what is due in them and end, the
+    next phase continuing the sequence (it is not slept through)."""
+    requests = requests_for(6, output_len=2)
+    with two_fakes(ours_delay=0.001, peer_delay=0.001) as (ours, peer, _log):
+        config = ServeBenchConfig(
+            base_url=ours.url,
+            request_rate=0.5,
+            seed=0,
+            duration_s=0.3,
+            rounds=2,
+            peers=(PeerEndpoint("llama", peer.url),),
+        )
+        run = bench_serve(config, requests)
+    schedule = LoadGenerator(replace(config, peers=()), "m")
+    for phase in run.aggregates["phases"]:
+        assert phase["seconds"] < 0.15 + 0.1, phase
+        due = schedule.arrival_offset(phase["first_index"]) - schedule.arrival_offset(
+            phase["first_index"] - 1
+        )
+        assert phase["num_sent"] == (1 if due < 0.15 else 0)
 
 
 def test_requests_go_out_on_their_schedule_in_every_phase():

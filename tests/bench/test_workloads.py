@@ -68,7 +68,8 @@ def vllm_reference(path, tokenizer, num_requests: int, seed: int) -> list[tuple[
         ):
             continue
         out.append((prompt_ids, output_len))
-    if out and len(out) < num_requests:
+    if out and len(out) < num_requests:  # maybe_oversample_requests
+        random.seed(seed)
         out += random.choices(out, k=num_requests - len(out))
     return out
 

@@ -7,15 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from torch import nn
-
 from mcp2026.config import ModelConfig
 from mcp2026.quant.plan import QuantPlan, layer_bits, linear_modules
 
-
-def model_layer_bits(model: nn.Module) -> dict[str, float]:
-    """Stored bits per weight of each linear as the model holds it now (scales and zeros included)."""
-    return layer_bits(model)
+model_layer_bits = layer_bits  # stored bits per weight of each linear of a live model (quant.plan)
 
 
 def plan_layer_bits(plan: QuantPlan, config: ModelConfig, dense_bits: float = 32.0) -> dict[str, float]:

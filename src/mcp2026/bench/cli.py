@@ -20,7 +20,7 @@ bench_app = typer.Typer(
     no_args_is_help=True,
     help="QBench: benchmarks of mcp2026 side by side with HF transformers and llama.cpp, same run.",
 )
-out = Console(soft_wrap=True)  # markdown lines must not be wrapped
+out = Console(soft_wrap=True, emoji=False)  # markdown lines must not be wrapped
 
 ModelOpt = Annotated[
     str | None, typer.Option("--model", "-m", help="HF folder or .gguf (default: embedded SmolLM2-135M)")

@@ -87,7 +87,8 @@ class KVBenchConfig:
         parse_config(config_name(self.decode_policy, DECODE_SPARSITY), self.identity, self.block_size)
         from mcp2026.bench.kv_peer import LLAMA_KV_TYPES
 
-        unknown = sorted(set(self.llama_cpp_kv) - set(LLAMA_KV_TYPES) | {"f16"} & set(self.llama_cpp_kv))
+        # f16 is the peer's reference, not a type to compare
+        unknown = sorted((set(self.llama_cpp_kv) - set(LLAMA_KV_TYPES)) | ({"f16"} & set(self.llama_cpp_kv)))
         if unknown:
             raise ValueError(
                 f"--llama-cpp-kv takes {', '.join(t for t in LLAMA_KV_TYPES if t != 'f16')} (f16 is the "

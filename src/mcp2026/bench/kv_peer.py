@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,15 +25,11 @@ LLAMA_KV_TYPES = {"f16": (1, 16.0), "q8_0": (8, 8.5), "q4_0": (2, 4.5), "q4_1": 
 SCORE_CHUNK = 256  # positions scored at a time (double-precision log-softmax over the vocabulary)
 
 
-def _logits(model: str | Path | None, tokens: Sequence[int], kv_type: str) -> torch.Tensor:
-    ggml_type = LLAMA_KV_TYPES[kv_type][0]
-    llm = load_llama_cpp(
-        model, n_ctx=len(tokens), logits_all=True, flash_attn=True, type_k=ggml_type, type_v=ggml_type
-    )
+def _logits(llm: Any, tokens: Sequence[int]) -> torch.Tensor:
+    """Every position's logits (n, V) of ``tokens`` evaluated from an empty cache."""
+    llm.reset()
     llm.eval(list(tokens))
-    logits = torch.from_numpy(llm.scores[: len(tokens)].copy())  # (n, V)
-    llm.close()
-    return logits
+    return torch.from_numpy(llm.scores[: len(tokens)].copy())
 
 
 def llama_cpp_kv_quality(
@@ -43,16 +40,32 @@ def llama_cpp_kv_quality(
     unknown = sorted(set(types) - set(LLAMA_KV_TYPES))
     if unknown:
         raise ValueError(f"unknown llama.cpp KV types {unknown}; available: {', '.join(LLAMA_KV_TYPES)}")
+    n_ctx = max(len(tokens) for tokens in sequences)
+    llms = {
+        kv_type: load_llama_cpp(
+            model,
+            n_ctx=n_ctx,
+            logits_all=True,
+            flash_attn=True,
+            type_k=LLAMA_KV_TYPES[kv_type][0],
+            type_v=LLAMA_KV_TYPES[kv_type][0],
+        )
+        for kv_type in ("f16", *types)
+    }
     out: dict[str, list[QualityResult]] = {t: [] for t in types}
-    for tokens in sequences:
-        reference = _logits(model, tokens, "f16")
-        tests = [_logits(model, tokens, t) for t in types]
-        scores = QualityAccumulator(tokens, len(types), prompt_len)
-        for start in range(0, len(tokens), SCORE_CHUNK):
-            end = start + SCORE_CHUNK
-            scores.add(start, reference[start:end], [t[start:end] for t in tests])
-        for kv_type, result in zip(types, scores.results()):
-            out[kv_type].append(result)
+    try:
+        for tokens in sequences:
+            reference = _logits(llms["f16"], tokens)
+            tests = [_logits(llms[t], tokens) for t in types]
+            scores = QualityAccumulator(tokens, len(types), prompt_len)
+            for start in range(0, len(tokens), SCORE_CHUNK):
+                end = start + SCORE_CHUNK
+                scores.add(start, reference[start:end], [t[start:end] for t in tests])
+            for kv_type, result in zip(types, scores.results()):
+                out[kv_type].append(result)
+    finally:
+        for llm in llms.values():
+            llm.close()
     return out
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from mcp2026.bench.peers import PeerUnavailable, load_hf_peer, load_llama_cpp
-from mcp2026.quant.quality import evaluate
+from mcp2026.quant.quality import evaluate, scored_positions
 
 PEERS = ("hf", "llama.cpp")
 
@@ -25,17 +25,15 @@ PEERS = ("hf", "llama.cpp")
 @torch.inference_mode()
 def hf_scored_logprobs(hf: Any, window: Tensor) -> Tensor:
     """HF's log-probabilities (S, V) at the positions ``quant.quality.scored_logprobs`` scores."""
-    n = len(window)
-    logits = hf(input_ids=window[None]).logits[0, n // 2 : n - 1]  # (S, V)
+    logits = hf(input_ids=window[None]).logits[0, scored_positions(len(window))]  # (S, V)
     return torch.log_softmax(logits.float(), dim=-1)
 
 
 def llama_cpp_scored_logprobs(llm: Any, window: Tensor) -> Tensor:
     """llama.cpp's log-probabilities (S, V) at the scored positions (``llm`` built with ``logits_all``)."""
-    n = len(window)
     llm.reset()
     llm.eval(window.tolist())
-    logits = torch.from_numpy(llm.scores[n // 2 : n - 1].copy())  # (S, V)
+    logits = torch.from_numpy(llm.scores[scored_positions(len(window))].copy())  # (S, V)
     return torch.log_softmax(logits.float(), dim=-1)
 
 
@@ -53,13 +51,17 @@ def _hf_row(model: str | Path | None, windows: Sequence[Tensor], reference: Sequ
 def _llama_cpp_row(model: str | Path | None, windows: Sequence[Tensor], reference: Sequence[Tensor]) -> dict:
     n_ctx = max(len(w) for w in windows)
     llm = load_llama_cpp(model, n_ctx=n_ctx, logits_all=True)
-    name = Path(llm.model_path).name
+    try:
+        result = evaluate(lambda w: llama_cpp_scored_logprobs(llm, w), windows, reference)
+    finally:
+        llm.close()
+    path = Path(llm.model_path)
     return {
-        "plan": f"llama.cpp, {name} as stored (peer)",
+        "plan": f"llama.cpp, {path.name} as stored (peer)",
         "family": "peer",
         "bits": None,
-        "mib": Path(llm.model_path).stat().st_size / 2**20,
-        **evaluate(lambda w: llama_cpp_scored_logprobs(llm, w), windows, reference).to_dict(),
+        "mib": path.stat().st_size / 2**20,
+        **result.to_dict(),
     }
 
 

@@ -43,6 +43,7 @@ def quality_run(result: Any, settings: Any, command: str, model: Any = None) -> 
     }
     peers = {r["plan"]: {k: r.get(k) for k in keys} for r in result.rows if r["family"] == "peer"}
     config = {**asdict(settings), "model": str(model) if model else None}
+    headline = headline_plans(plans, tuple(settings.dqg_budgets))
     table = Table(
         "Weight quantization quality vs fp32",
         ["plan", "bits/weight", "ΔPPL", "KLD"],
@@ -61,14 +62,12 @@ def quality_run(result: Any, settings: Any, command: str, model: Any = None) -> 
             "scored_tokens": reference.get("num_tokens"),
             "plans": plans,
             "peers": peers,  # other engines on the same windows, against the same reference
-            "headline": headline_plans(plans, tuple(settings.dqg_budgets)),
+            "headline": headline,
             # bits per linear of the headline's DQG plans: `bench report` draws them as heatmaps
             "layer_bits": {
                 r["plan"]: r["layer_bits"]
                 for r in result.rows
-                if r.get("layer_bits")
-                and r["plan"] in headline_plans(plans, tuple(settings.dqg_budgets))
-                and str(r["family"]).startswith("DQG")
+                if r.get("layer_bits") and r["plan"] in headline and str(r["family"]).startswith("DQG")
             },
         },
         tables=[table],

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from mcp2026.bench.kv_usage import join_phases
+from mcp2026.bench.kv_usage import join_phases, prometheus_values
 from mcp2026.bench.workloads import BenchRequest
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
@@ -465,30 +465,37 @@ class LoadGenerator:
             t0 = time.perf_counter()
             stop_sampling = asyncio.Event()
             sampler = None
-            if config.kv_sample_s:
+            if config.kv_sample_s:  # its own connection: never one a request is waiting for
                 from mcp2026.bench.kv_usage import sample_kv_usage
 
                 sampler = asyncio.create_task(
-                    sample_kv_usage(client, self.headers, config.kv_sample_s, t0, stop_sampling)
+                    sample_kv_usage(config.base_url, self.headers, config.kv_sample_s, t0, stop_sampling)
                 )
-            for i in range(start, stop):
-                # An absolute schedule: time lost to a late wake-up is not added to every later arrival.
-                due = self.arrival_offset(i, num_scheduled) - base - (time.perf_counter() - t0)
-                if due > 0:
-                    await asyncio.sleep(due)
-                if duration_s is not None and time.perf_counter() - t0 >= duration_s:
-                    break
-                task = asyncio.create_task(one(i, self.plan_at(requests, i)))
-                pending.add(task)
-                task.add_done_callback(pending.discard)
-                next_index = i + 1
-                while len(pending) >= max_pending:
-                    await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if pending:
-                await asyncio.gather(*pending)
-            seconds = time.perf_counter() - t0
-            stop_sampling.set()
-            kv_usage = await sampler if sampler is not None else None
+            try:
+                for i in range(start, stop):
+                    # An absolute schedule: time lost to a late wake-up is not added to every later arrival.
+                    due = self.arrival_offset(i, num_scheduled) - base
+                    if duration_s is not None and due >= duration_s:
+                        break  # due after the phase's window: the next phase starts with it
+                    wait = due - (time.perf_counter() - t0)
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                    if duration_s is not None and time.perf_counter() - t0 >= duration_s:
+                        break
+                    task = asyncio.create_task(one(i, self.plan_at(requests, i)))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+                    next_index = i + 1
+                    while len(pending) >= max_pending:
+                        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if pending:
+                    await asyncio.gather(*pending)
+                seconds = time.perf_counter() - t0
+                stop_sampling.set()
+                kv_usage = await sampler if sampler is not None else None
+            finally:  # an error or a cancellation: nothing of this phase keeps running
+                for task in [*pending, *([sampler] if sampler is not None else [])]:
+                    task.cancel()
         results.sort(key=lambda r: r.start_time)
         return PhaseResult(results, seconds, min(unsent, default=next_index), kv_usage)
 
@@ -520,11 +527,8 @@ def server_state(base_url: str, timeout_s: float = 10.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     state: dict[str, Any] = {}
     while True:
-        text = httpx.get(f"{base_url}/metrics", timeout=10).text
-        for line in text.splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in names:
-                state[names[name]] = float(line.rsplit(" ", 1)[1])
+        values = prometheus_values(httpx.get(f"{base_url}/metrics", timeout=10).text, names)
+        state.update({names[name]: value for name, value in values.items()})
         state["idle"] = len(state) == len(names) and not any(state[k] for k in names.values())
         if state["idle"] or time.monotonic() > deadline:
             return state

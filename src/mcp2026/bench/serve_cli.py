@@ -12,8 +12,9 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-out = Console()
-err = Console(stderr=True, soft_wrap=True)
+from mcp2026.cli_errors import err
+
+out = Console(emoji=False)
 
 
 def load_tokenizer(tokenizer_path: str | None) -> Any:
@@ -117,6 +118,8 @@ def serve(
     from mcp2026.bench.workloads import workload_burstiness
 
     try:
+        if more_slos and not goodput:
+            raise ValueError(f"unexpected argument(s) {' '.join(more_slos)}: bench serve takes only options")
         config = ServeBenchConfig(
             base_url=base_url.rstrip("/"),
             model=model,

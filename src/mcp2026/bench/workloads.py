@@ -22,7 +22,7 @@ from typing import Any, Protocol
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 # vLLM's is_valid_sequence(): prompt and output >= 4 tokens, prompt <= 1024, prompt + output <= 2048.
 MIN_LEN, MAX_PROMPT_LEN, MAX_TOTAL_LEN = 4, 1024, 2048
-CACHE_VERSION = 2  # 2: oversampling draws as vLLM's random.choices
+CACHE_VERSION = 2  # 2: oversampling draws as vLLM's maybe_oversample_requests
 
 
 class TokenizerLike(Protocol):
@@ -215,13 +215,10 @@ def load_conversations(path: str) -> tuple[tuple[dict[str, Any], ...], ...]:
     )
 
 
-def shuffled_conversations(
-    spec: WorkloadSpec, rng: random.Random | None = None
-) -> list[tuple[dict[str, Any], ...]]:
-    """vLLM's order: ``random.seed(seed); random.shuffle(data)`` (a fresh Random(seed) draws the same;
-    ``rng``: that generator, to go on drawing from it as vLLM's global one does)."""
+def shuffled_conversations(spec: WorkloadSpec) -> list[tuple[dict[str, Any], ...]]:
+    """vLLM's order: ``random.seed(seed); random.shuffle(data)`` (a fresh Random(seed) draws the same)."""
     conversations = list(load_conversations(str(spec.dataset_path or sharegpt_path())))
-    (rng or random.Random(spec.seed)).shuffle(conversations)
+    random.Random(spec.seed).shuffle(conversations)
     return conversations
 
 
@@ -241,12 +238,11 @@ def sample_sharegpt(
 ) -> list[BenchRequest]:
     """Shuffle (seed), then in order: prompt = turn 0, output length = token count of turn 1 (both
     tokenized with special tokens, as ``tokenizer(text).input_ids`` does), keep the valid ones until
-    ``num_requests``. Too few valid conversations: oversample as vLLM does, ``random.choices`` from the
-    generator that shuffled (vLLM's global one, seeded once)."""
+    ``num_requests``. Too few valid conversations: oversample as vLLM's ``maybe_oversample_requests`` does,
+    ``random.seed(seed); random.choices(samples, k=missing)``."""
     assert tokenizer is not None
     samples: list[BenchRequest] = []
-    rng = random.Random(spec.seed)
-    for conversation in shuffled_conversations(spec, rng):
+    for conversation in shuffled_conversations(spec):
         if len(samples) >= spec.num_requests:
             break
         prompt_ids = tokenizer.encode(conversation[0]["value"])
@@ -254,7 +250,7 @@ def sample_sharegpt(
         if is_valid_sequence(len(prompt_ids), output_len):
             samples.append(BenchRequest(f"sharegpt-{len(samples)}", prompt_ids, output_len))
     if samples and len(samples) < spec.num_requests:
-        extra = rng.choices(list(samples), k=spec.num_requests - len(samples))
+        extra = random.Random(spec.seed).choices(list(samples), k=spec.num_requests - len(samples))
         for i, pick in enumerate(extra, start=len(samples)):
             samples.append(BenchRequest(f"sharegpt-{i}", list(pick.prompt_token_ids), pick.output_len))
     return samples

@@ -13,7 +13,7 @@ from typer.core import TyperCommand
 from mcp2026.canary.gate import BAD_INPUT_EXIT_CODE
 from mcp2026.cli_errors import err, user_errors
 
-out = Console(soft_wrap=True)  # markdown lines must not be wrapped
+out = Console(soft_wrap=True, emoji=False)  # markdown lines must not be wrapped
 
 
 class CanaryCommand(TyperCommand):

@@ -81,14 +81,18 @@ def scored_logprobs(model: nn.Module, window: Tensor) -> tuple[Tensor, Tensor]:
     device = next(model.parameters()).device
     ids = window.to(device)
     n = len(ids)
-    first = n // 2
     hidden = model(ids, torch.arange(n, device=device))  # (n, H)
-    logits = model.compute_logits(hidden[first : n - 1])  # (S, V)
+    logits = model.compute_logits(hidden[scored_positions(n)])  # (S, V)
     return torch.log_softmax(logits.float(), dim=-1).cpu(), scored_targets(window)
 
 
 def reference_logprobs(model: nn.Module, windows: Sequence[Tensor]) -> list[Tensor]:
     return [scored_logprobs(model, w)[0] for w in windows]
+
+
+def scored_positions(n: int) -> slice:
+    """The positions of an ``n``-token window whose next-token predictions are scored: its second half."""
+    return slice(n // 2, n - 1)
 
 
 def scored_targets(window: Tensor) -> Tensor:
