@@ -213,10 +213,12 @@ def test_activation_aware_scaling_reduces_output_error():
         linear, LayerQuantSpec("int4", group_size=32, act_scale="s"), torch.float32, scale
     )
     assert torch.allclose(module.dequantize(), fake_quantize(w, spec, scale), atol=1e-6)
-    xx = torch.cat(
-        [x, x]
-    )  # prefill-sized: float activations (dequantize + GEMM, or torch's int4 kernel), exact
-    assert torch.allclose(module(xx), xx @ module.dequantize().T, atol=1e-4)
+    xx = torch.cat([x, x])  # prefill-sized
+    expected = xx @ module.dequantize().T
+    if kernel_ops.int4_gemm_kernels(xx) is None:  # float activations (dequantize + GEMM, or torch's kernel)
+        assert torch.allclose(module(xx), expected, atol=1e-4)
+    else:  # our int4 GEMM: activations in int8 per 32 values, ~0.5% off
+        assert ((module(xx) - expected).norm() / expected.norm()).item() < 0.01
 
 
 class _Block(nn.Module):

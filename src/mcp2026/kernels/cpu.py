@@ -24,7 +24,9 @@ from mcp2026 import hardware
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")  # the module (its bindings) ...
+SOURCES = (SOURCE, SOURCE.with_name("int4_gemm.cpp"))  # ... and the other translation units
+HEADERS = (SOURCE.with_name("quantize_rows.h"),)
 _lock = threading.Lock()
 _module: Any = None
 _reason: str | None = None  # why the kernels are unavailable (None: not tried yet, or loaded)
@@ -49,7 +51,9 @@ def isa_flags(flags: frozenset[str]) -> list[str]:
 
 
 def build_key() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(" ".join(isa_flags(hardware.cpu_flags())).encode())
     return digest.hexdigest()[:16]
@@ -94,7 +98,7 @@ def _build(verbose: bool) -> Any:
         log.warning("mcp2026: building the fused CPU kernels once for this machine (about a minute)...")
     return cpp_extension.load(
         name=f"mcp2026_cpu_{key}",
-        sources=[str(SOURCE)],
+        sources=[str(path) for path in SOURCES],
         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),

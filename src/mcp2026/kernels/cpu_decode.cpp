@@ -21,6 +21,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "quantize_rows.h"
+
 namespace {
 
 template <typename T>
@@ -518,90 +520,7 @@ void with_row_count(int64_t M, F&& f) {
   }
 }
 
-// AVX-512 VNNI (dpbusd: 64 u8 x s8 products summed in fours into int32 lanes, one instruction) takes two
-// blocks per multiply-add where AVX2 needs three instructions per block. Measured on an AMX Xeon (2 threads,
-// the int4 serving config, whole decode steps at ~550 tokens of context, throwaway script, before / after):
-// 12.7 / 9.6 ms at one sequence, 30.5 / 22.5 ms at four.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define MCP_INT4_VNNI 1
-#endif
-
-struct QuantizedRows {
-  std::vector<int8_t> q;      // (M, K)
-  std::vector<float> scale;   // (M, K/32): dx
-  std::vector<float> sum;     // (M, K/32): dx * sum of the quantized x over the block
-  std::vector<float> scale8;  // (M, K/4): each block's dx 8 times, one per int32 lane of dpbusd (VNNI only)
-};
-
-// Rows r0.. of a QuantizedRows (one row tile).
-struct RowsView {
-  const int8_t* q;
-  const float* scale;
-  const float* sum;
-  const float* scale8;
-};
-
-inline RowsView rows_from(const QuantizedRows& r, int64_t r0, int64_t K) {
-  return {r.q.data() + r0 * K, r.scale.data() + r0 * (K / 32), r.sum.data() + r0 * (K / 32),
-          r.scale8.empty() ? nullptr : r.scale8.data() + r0 * (K / 4)};
-}
-
-#ifdef MCP_INT4_VNNI
-// One fp32 block as the scalar loop below quantizes it, bit for bit: the max of |x| is exact, x * inv is the same
-// IEEE product, and the conversion rounds to nearest even as nearbyint does in the default rounding mode.
-inline void quantize_block_avx512(const float* xb, int8_t* qb, float* dx_out, int32_t* qsum_out) {
-  const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  const float dx = amax / 127.f;
-  const __m512 inv = _mm512_set1_ps(dx > 0.f ? 1.f / dx : 0.f);
-  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb16 = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(qa));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(qb16));
-  *dx_out = dx;
-  *qsum_out = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb16));
-}
-#endif
-
-template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
-  const int64_t nblk = K / 32;
-  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nblk), std::vector<float>(M * nblk), {}};
-#ifdef MCP_INT4_VNNI
-  r.scale8.resize(M * nblk * 8);
-#endif
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t b = 0; b < nblk; ++b) {
-      const T* xb = x + i * K + b * 32;
-#ifdef MCP_INT4_VNNI
-      float* s8 = r.scale8.data() + (i * nblk + b) * 8;
-      if constexpr (std::is_same_v<T, float>) {
-        int32_t qsum;
-        quantize_block_avx512(xb, r.q.data() + i * K + b * 32, &r.scale[i * nblk + b], &qsum);
-        r.sum[i * nblk + b] = r.scale[i * nblk + b] * static_cast<float>(qsum);
-        std::fill(s8, s8 + 8, r.scale[i * nblk + b]);
-        continue;
-      }
-#endif
-      float amax = 0.f;
-      for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(static_cast<float>(xb[k])));
-      const float dx = amax / 127.f;
-      const float inv = dx > 0.f ? 1.f / dx : 0.f;
-      int8_t* qb = r.q.data() + i * K + b * 32;
-      int32_t qsum = 0;
-      for (int k = 0; k < 32; ++k) {
-        qb[k] = static_cast<int8_t>(std::nearbyint(static_cast<float>(xb[k]) * inv));
-        qsum += qb[k];
-      }
-      r.scale[i * nblk + b] = dx;
-      // The offset term uses the quantized x too: the activation error then enters as w * (xq - x), smaller
-      // than d * q * (xq - x) plus an exact offset * sum(x) (measured: 0.55% vs 0.9% relative output error).
-      r.sum[i * nblk + b] = dx * static_cast<float>(qsum);
-#ifdef MCP_INT4_VNNI
-      std::fill(s8, s8 + 8, dx);
-#endif
-    }
-  return r;
-}
+// QuantizedRows, quantize_rows and MCP_INT4_VNNI: quantize_rows.h (shared with int4_gemm.cpp).
 
 inline float bf16_bits_to_float(uint16_t h) {
   uint32_t bits = static_cast<uint32_t>(h) << 16;
@@ -1147,20 +1066,26 @@ void write_kv_rows(torch::Tensor& k_dst, torch::Tensor& v_dst, const torch::Tens
   });
 }
 
+// int4_gemm.cpp
+bool int4_gemm_available();
+std::vector<torch::Tensor> int4_gemm_pack(const torch::Tensor& qs, const torch::Tensor& sz);
+torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so);
+
 // ---- decode-sized decoder layers in two calls ------------------------------------------------------------
 // A layer's ops between the attention reads, composed here from the kernels above, so a decode step pays one
 // Python-to-C++ crossing per half-layer instead of ~25 dispatches (measured once with a throwaway script, fused on/off
 // alternating in one process: a batch-1 int4 decode step 9-17% shorter). Each linear does exactly what its Python module does
 // on a decode-sized input (same kernel, same casts, same order), so both paths give identical results.
 struct FusedLinear {
-  int64_t kind;  // 0: float weight through dense_linear; 1: int8 weight + fp32 scales; 2: int4 GEMV layout
-  torch::Tensor a, b;  // dense: (weight, unused); int8: (weight, scales); int4: (qs, sz)
+  int64_t kind;  // 0: float weight through dense_linear; 1: int8 weight + fp32 scales; 2: int4 GEMV layout;
+                 // 3: int4 GEMM layout (int4_gemm.cpp)
+  torch::Tensor a, b;  // dense: (weight, unused); int8: (weight, scales); int4: (qs, sz); int4 GEMM: (wp, so)
   c10::optional<torch::Tensor> bias, inv_scale;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (kind == 0) return dense_linear(x, a, bias);
     const auto xs = inv_scale.has_value() ? x * *inv_scale : x;
-    auto y = kind == 1 ? int8_gemv(xs, a, b) : int4_gemv(xs, a, b);
+    auto y = kind == 1 ? int8_gemv(xs, a, b) : kind == 2 ? int4_gemv(xs, a, b) : int4_gemm(xs, a, b);
     if (bias.has_value()) y = y + *bias;
     return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
   }
@@ -1434,6 +1359,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) * weight");
   m.def("rope_", &rope_, "rotate-half RoPE in place");
   m.def("int4_gemv", &int4_gemv, "int4 weights x int8-quantized activations, decode-sized batches");
+  m.def("int4_gemm", &int4_gemm, "int4 weights x int8-quantized activations, prefill-sized inputs (VNNI)");
+  m.def("int4_gemm_pack", &int4_gemm_pack, "the int4 GEMV layout -> the GEMM's (weights, scales, offsets)");
+  m.def("int4_gemm_available", &int4_gemm_available, "whether this build has the int4 GEMM");
   m.def("int8_gemv", &int8_gemv, "int8 weights x float activations, decode-sized batches");
   m.def("dense_linear", &dense_linear, "float weights: our GEMV for decode-sized inputs, else at::linear",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
@@ -1444,7 +1372,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<FusedLinear>(m, "FusedLinear")
       .def(py::init([](int64_t kind, torch::Tensor a, torch::Tensor b, c10::optional<torch::Tensor> bias,
                        c10::optional<torch::Tensor> inv_scale) {
-             TORCH_CHECK(kind >= 0 && kind <= 2, "kind must be 0 (dense), 1 (int8) or 2 (int4)");
+             TORCH_CHECK(kind >= 0 && kind <= 3, "kind must be 0 (dense), 1 (int8), 2 (int4) or 3 (int4 GEMM)");
              return FusedLinear{kind, std::move(a), std::move(b), std::move(bias), std::move(inv_scale)};
            }),
            py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("bias") = py::none(),

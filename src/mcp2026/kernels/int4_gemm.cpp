@@ -1,0 +1,183 @@
+// int4 weights x int8 activations for prefill-sized inputs (AVX-512 VNNI): the GEMM form of the int4 GEMV.
+//
+// The GEMV (cpu_decode.cpp) computes one output per (row, weight row) with a horizontal sum at the end and
+// streams every weight once per eight rows, which is right for decode but leaves a 512-token prefill far below
+// a bf16 GEMM. Here the weights are repacked once (int4_gemm_pack) so that one 64-byte vector holds 16 output
+// columns x 4 consecutive k in each nibble plane: a dpbusd then adds, for 16 columns at once, four products
+// of the weights with one broadcast dword of a row's int8 activations. Columns go 32 at a time and rows 4 at a
+// time (8 int32 and 8 fp32 accumulators); per 32-value block the int32 dots are converted and scaled by the
+// weight scale x the activation scale, and the weight offset (zero - 8 scale) x the block's dx x sum(xq) is
+// added, the GEMV's arithmetic. A thread takes a range of column tiles and runs every row through each tile,
+// so a tile's weights (K/2 bytes per column) stay in L1 while the activations come from L2.
+// Activations are quantized as the GEMV quantizes them (quantize_rows.h): prefill and decode round alike.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+#include "quantize_rows.h"
+
+namespace {
+
+constexpr int64_t kColTile = 16;   // output columns per 64-byte weight vector
+constexpr int64_t kGemmRows = 4;   // rows per micro-tile
+
+#ifdef MCP_INT4_VNNI
+inline __m512i broadcast_dword(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+// R rows x C column tiles of 16. wp: the first tile's packed weights (K/8 vectors of 64 bytes, the next tile
+// tile_bytes further); so: its 16 scales then 16 offsets per 32-block; xq: R rows of K int8; dx, dxs: their
+// (row, block) scales and dx * sum(xq). out: R rows of stride N at the tile's first column.
+template <int R, int C>
+void gemm_tile(const uint8_t* wp, const float* so, const int8_t* xq, const float* dx, const float* dxs,
+               int64_t K, float* out, int64_t N) {
+  const int64_t nblk = K / 32, tile_bytes = (K / 8) * 64, tile_scales = nblk * 2 * kColTile;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nblk; ++b) {
+    __m512i dot[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) dot[r][c] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {  // a block's 32 k: 4 vectors, each 8 k (low nibbles k..k+3, high k+4..k+7)
+      __m512i lo[C], hi[C];
+      for (int c = 0; c < C; ++c) {
+        const __m512i v = _mm512_loadu_si512(wp + c * tile_bytes + (b * 4 + j) * 64);
+        lo[c] = _mm512_and_si512(v, nibble);
+        hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = xq + r * K + b * 32 + j * 8;
+        const __m512i x_lo = broadcast_dword(x), x_hi = broadcast_dword(x + 4);
+        for (int c = 0; c < C; ++c) {
+          dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], lo[c], x_lo);
+          dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], hi[c], x_hi);
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512 s = _mm512_loadu_ps(so + c * tile_scales + b * 2 * kColTile);
+      const __m512 o = _mm512_loadu_ps(so + c * tile_scales + b * 2 * kColTile + kColTile);
+      for (int r = 0; r < R; ++r) {
+        const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(dx[r * nblk + b]));
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), scale, acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(o, _mm512_set1_ps(dxs[r * nblk + b]), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * N + c * kColTile, acc[r][c]);
+}
+
+template <int C>
+void gemm_rows(const uint8_t* wp, const float* so, const QuantizedRows& xr, int64_t M, int64_t K, float* out,
+               int64_t N) {
+  const int64_t nblk = K / 32;
+  for (int64_t r0 = 0; r0 < M; r0 += kGemmRows) {
+    const int8_t* xq = xr.q.data() + r0 * K;
+    const float* dx = xr.scale.data() + r0 * nblk;
+    const float* dxs = xr.sum.data() + r0 * nblk;
+    float* o = out + r0 * N;
+    switch (std::min(kGemmRows, M - r0)) {
+      case 1: gemm_tile<1, C>(wp, so, xq, dx, dxs, K, o, N); break;
+      case 2: gemm_tile<2, C>(wp, so, xq, dx, dxs, K, o, N); break;
+      case 3: gemm_tile<3, C>(wp, so, xq, dx, dxs, K, o, N); break;
+      default: gemm_tile<4, C>(wp, so, xq, dx, dxs, K, o, N); break;
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+bool int4_gemm_available() {
+#ifdef MCP_INT4_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The GEMV layout (qs (N, K/32, 16) bytes: w[32b + i] in the low nibble of byte i, w[32b + 16 + i] in the high;
+// sz (N, K/32, 2) bf16 scale and zero) -> the GEMM's: wp (N/16, K/8, 64) bytes, byte 4c + e of vector j of
+// tile t holding w[16t + c][8j + e] (low nibble) and w[16t + c][8j + 4 + e] (high); so (N/16, K/32, 2, 16)
+// fp32: per (tile, block) the 16 columns' scales, then their offsets (zero - 8 scale).
+std::vector<torch::Tensor> int4_gemm_pack(const torch::Tensor& qs, const torch::Tensor& sz) {
+  TORCH_CHECK(qs.scalar_type() == torch::kByte && qs.is_contiguous() && qs.dim() == 3 && qs.size(2) == 16,
+              "qs must be contiguous uint8 (N, K/32, 16)");
+  const int64_t N = qs.size(0), nblk = qs.size(1), K = nblk * 32;
+  TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.is_contiguous() && sz.numel() == N * nblk * 2,
+              "sz must be contiguous bfloat16 (N, K/32, 2)");
+  TORCH_CHECK(N % kColTile == 0, "N must be a multiple of 16");
+  auto wp = torch::empty({N / kColTile, K / 8, 64}, qs.options());
+  auto so = torch::empty({N / kColTile, nblk, 2, kColTile}, qs.options().dtype(torch::kFloat));
+  const uint8_t* q = qs.data_ptr<uint8_t>();
+  const at::BFloat16* s = sz.data_ptr<at::BFloat16>();
+  uint8_t* w = wp.data_ptr<uint8_t>();
+  float* sop = so.data_ptr<float>();
+  auto weight = [&](int64_t n, int64_t k) -> uint8_t {  // w[n][k] in 0..15 from the GEMV layout
+    const uint8_t byte = q[(n * nblk + k / 32) * 16 + (k % 32) % 16];
+    return (k % 32) < 16 ? (byte & 0x0F) : (byte >> 4);
+  };
+  at::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t c = 0; c < kColTile; ++c) {
+        const int64_t n = t * kColTile + c;
+        for (int64_t j = 0; j < K / 8; ++j)
+          for (int64_t e = 0; e < 4; ++e)
+            w[(t * (K / 8) + j) * 64 + 4 * c + e] =
+                static_cast<uint8_t>(weight(n, 8 * j + e) | (weight(n, 8 * j + 4 + e) << 4));
+        for (int64_t b = 0; b < nblk; ++b) {
+          const float scale = static_cast<float>(s[(n * nblk + b) * 2]);
+          const float zero = static_cast<float>(s[(n * nblk + b) * 2 + 1]);
+          sop[((t * nblk + b) * 2) * kColTile + c] = scale;
+          sop[((t * nblk + b) * 2 + 1) * kColTile + c] = zero - 8.f * scale;
+        }
+      }
+  });
+  return {wp, so};
+}
+
+torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x must be a CPU (M, K) tensor");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
+  const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * kColTile;
+  TORCH_CHECK(wp.scalar_type() == torch::kByte && wp.is_contiguous() && wp.size(1) * 8 == K && wp.size(2) == 64,
+              "wp must be int4_gemm_pack's (N/16, K/8, 64) uint8 for this K");
+  TORCH_CHECK(so.scalar_type() == torch::kFloat && so.is_contiguous() && so.numel() == N * (K / 32) * 2,
+              "so must be int4_gemm_pack's (N/16, K/32, 2, 16) fp32");
+#ifdef MCP_INT4_VNNI
+  const auto xc = x.contiguous();
+  QuantizedRows xr;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, xc.scalar_type(), "int4_gemm_q", [&] {
+    xr = quantize_rows<scalar_t>(xc.data_ptr<scalar_t>(), M, K);
+  });
+  auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  const uint8_t* w = wp.data_ptr<uint8_t>();
+  const float* s = so.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t tiles = N / kColTile, tile_bytes = (K / 8) * 64, tile_scales = (K / 32) * 2 * kColTile;
+  // Pairs of column tiles per task (a last single tile when the count is odd).
+  at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t t = 2 * p;
+      const auto* wt = w + t * tile_bytes;
+      const float* st = s + t * tile_scales;
+      if (t + 1 < tiles)
+        gemm_rows<2>(wt, st, xr, M, K, op + t * kColTile, N);
+      else
+        gemm_rows<1>(wt, st, xr, M, K, op + t * kColTile, N);
+    }
+  });
+  return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
+#else
+  TORCH_CHECK(false, "int4_gemm needs AVX-512 VNNI (see int4_gemm_available)");
+  return x;
+#endif
+}
