@@ -35,8 +35,9 @@ format: setup
 test: lint
 	$(BIN)/python -m pytest -q
 
-# Headline numbers into docs/benchmarks.md (run on a quiet machine; about 20 minutes on 2 cores).
-# The full quality table (`make bench-quality`, ~40 minutes) is separate: it does not depend on machine load.
+# Headline numbers into docs/benchmarks.md (run on a quiet machine; 19 minutes on the 2 cores of session 13).
+# The quality table (`make bench-quality`, ~16 minutes) and the serving rows (examples/bench_peers/run_serving.sh,
+# ~25 minutes, peers set up by hand) are separate; the headline keeps their rows until they are rerun.
 bench: setup
 	$(BIN)/mcp2026 bench latency --dtype fp32 --weights int8,int4 --new-tokens 64 --prefill-tokens 512 --repeats 3 --write-docs --no-progress
 	$(BIN)/mcp2026 bench offline --batched-decode 32 --input-len 128 --output-len 64 --dtype fp32 --weights int8,int4,bf16 --write-docs --no-progress
@@ -46,6 +47,7 @@ bench: setup
 
 bench-quality: setup
 	$(BIN)/mcp2026 bench quality --num-windows 20 --write-docs
+	$(BIN)/mcp2026 bench headline --write-docs
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -165,9 +165,7 @@ def kv_rows(run: BenchRun) -> list[list[str]]:
         if kv_type in peer and _number(peer[kv_type].get("delta_ppl")) is not None:
             p = peer[kv_type]
             theirs = f"ΔPPL {100 * p['delta_ppl']:+.2f}% vs its f16 KV ({kv_type}, {p['bytes_ratio']:.2f}x fewer bytes)"
-        what = (
-            f"{codec} KV cache{f' at {tokens} tokens' if tokens else ''}, ΔPPL vs each engine's 16/32-bit KV"
-        )
+        what = f"{codec} KV cache{f' at {tokens} tokens' if tokens else ''}"
         rows.append([what, ours, "—", theirs, "—", "—", _command(run.command)])
     return rows
 
