@@ -59,6 +59,15 @@ def test_chunked_prefill_and_small_budget_same_output(tiny):
     assert [o.token_ids for o in chunked.generate(ps, GREEDY)] == ref
 
 
+def test_prefill_steps_feed_the_schedulers_rate_and_the_chunks_follow_it(tiny):
+    engine = make_engine(tiny, max_num_batched_tokens=256, long_prefill_token_threshold=64)
+    assert engine.scheduler.prefill_tokens_per_s is None
+    engine.generate([list(range(5, 200))], SamplingParams(max_tokens=2))
+    rate = engine.scheduler.prefill_tokens_per_s
+    assert rate is not None and rate > 0
+    assert engine.scheduler.chunk_cap() == min(256, 64 * max(1, int(rate // 64)))  # 1000 ms of prefill
+
+
 def test_prefix_hit_skips_tokens_and_keeps_output(tiny):
     engine = make_engine(tiny)
     shared = list(range(10, 50))  # 40 tokens: two full 16-token blocks are cacheable

@@ -119,6 +119,41 @@ def test_long_prefill_threshold_keeps_decodes_first():
     assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("short", 1), ("long", 8)]
 
 
+def test_prefill_chunks_follow_the_measured_rate_within_the_step_budget():
+    sched = make(max_num_batched_tokens=32, long_prefill_token_threshold=8, long_prefill_ms=100.0)
+    assert sched.chunk_cap() == 8  # nothing measured yet: the token threshold
+    sched.observe_prefill(32, 0.001)  # fewer tokens than a rate needs: ignored
+    assert sched.prefill_tokens_per_s is None
+    sched.observe_prefill(100, 1.0)  # 100 tokens/s -> 10 tokens in 100 ms: one threshold's worth
+    assert sched.prefill_tokens_per_s == 100 and sched.chunk_cap() == 8
+    sched.observe_prefill(200, 0.5)  # 400 tokens/s: the average moves 30% of the way, to 19 tokens
+    assert sched.prefill_tokens_per_s == pytest.approx(190) and sched.chunk_cap() == 16  # whole multiples
+    sched.observe_prefill(1000, 0.1)
+    assert sched.chunk_cap() == 32  # never past the step budget
+    runner = FakeRunner()
+    sched.add_request(req("short", range(3), max_tokens=10))
+    step(sched, runner)
+    sched.add_request(req("long", range(100, 150)))
+    out = step(sched, runner)
+    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("short", 1), ("long", 31)]  # budget
+    slow = make(long_prefill_token_threshold=8, long_prefill_ms=100.0)
+    slow.observe_prefill(64, 2.0)  # 32 tokens/s: 3 tokens in 100 ms, but never below the threshold
+    assert slow.chunk_cap() == 8
+    fixed = make(long_prefill_token_threshold=8, long_prefill_ms=None)
+    fixed.observe_prefill(1000, 0.1)
+    assert fixed.chunk_cap() == 8
+    streaming = Scheduler(  # a peak-blocks rule (eviction during prefill) assumes the fixed chunk
+        SchedulerConfig(long_prefill_token_threshold=8),
+        KVCacheManager(BS, 64, 1),
+        256,
+        peak_blocks=lambda n: 4,
+    )
+    streaming.observe_prefill(1000, 0.1)
+    assert streaming.chunk_cap() == 8
+    with pytest.raises(ValueError, match="long_prefill_ms"):
+        SchedulerConfig(long_prefill_ms=0)
+
+
 def test_without_chunking_the_whole_prompt_is_one_chunk():
     sched = make(max_num_batched_tokens=32, enable_chunked_prefill=False)
     sched.add_request(req("a", range(20)))

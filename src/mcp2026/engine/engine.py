@@ -262,6 +262,8 @@ class LLMEngine:
         is_prefill = any(not (c.num_tokens == 1 and c.start_pos > 0) for c in out.chunks)
         if is_prefill:
             self.stats.prefill_ms += (t1 - t0) * 1e3
+            num_prefill = sum(c.num_tokens for c in out.chunks if not (c.num_tokens == 1 and c.start_pos > 0))
+            self.scheduler.observe_prefill(num_prefill, t1 - t0)
         else:
             self.stats.decode_ms += (t1 - t0) * 1e3
             self.stats.num_decode_steps += 1

@@ -67,6 +67,10 @@ class Scheduler:
         # Blocks a request of n tokens holds at most at once (less than all of them when KV eviction runs
         # during chunked prefill); by default every block.
         self.peak_blocks = peak_blocks or kv.num_blocks_for
+        # Prefill tokens per second of recent steps (``observe_prefill``); sizes chunks when
+        # ``long_prefill_ms`` is set. Not with a peak-blocks rule: its admission assumes the fixed chunk.
+        self.prefill_tokens_per_s: float | None = None
+        self._chunks_follow_rate = peak_blocks is None and config.long_prefill_ms is not None
         # The config may only lower the model's context length.
         self.max_model_len = min(max_model_len, config.max_model_len or max_model_len)
         self.policy = make_policy(config.policy, config.aging_tokens_per_s)
@@ -289,7 +293,28 @@ class Scheduler:
     def _cost(self, request: Request) -> int:
         """Tokens a request would take in one step (the fair-share tag it advances by)."""
         remaining = request.num_tokens - request.num_computed_tokens
-        return min(remaining, self.config.long_prefill_token_threshold, self.config.max_num_batched_tokens)
+        return min(remaining, self.chunk_cap(), self.config.max_num_batched_tokens)
+
+    # EMA weight of a step's rate; steps with fewer prefill tokens say little about the rate (fixed costs)
+    _RATE_WEIGHT, _RATE_MIN_TOKENS = 0.3, 64
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """The engine ran ``num_tokens`` prefill tokens in a step of ``seconds``."""
+        if num_tokens < self._RATE_MIN_TOKENS or seconds <= 0:
+            return
+        rate = num_tokens / seconds
+        old = self.prefill_tokens_per_s
+        self.prefill_tokens_per_s = rate if old is None else old + self._RATE_WEIGHT * (rate - old)
+
+    def chunk_cap(self) -> int:
+        """The longest prefill chunk of a step: ``long_prefill_token_threshold``, or the multiple of it that
+        the measured prefill rate runs in ``long_prefill_ms`` where that is more (never past the step budget).
+        Whole multiples: a rate that drifts a little does not move every chunk boundary."""
+        cap = threshold = self.config.long_prefill_token_threshold
+        if self._chunks_follow_rate and self.prefill_tokens_per_s:
+            affordable = self.prefill_tokens_per_s * self.config.long_prefill_ms / 1000
+            cap = threshold * max(1, int(affordable // threshold))
+        return min(cap, self.config.max_num_batched_tokens)
 
     def _tokens_by_tenant(self, step: _Step) -> dict[Tenant, int]:
         tokens: dict[Tenant, int] = {}
@@ -300,7 +325,7 @@ class Scheduler:
 
     def _num_new_tokens(self, num_remaining: int, budget: int) -> int:
         if self.config.enable_chunked_prefill:
-            return min(num_remaining, self.config.long_prefill_token_threshold, budget)
+            return min(num_remaining, self.chunk_cap(), budget)
         if num_remaining <= budget:
             return num_remaining
         # Without chunking, only a recompute longer than any step's budget is split (else it would never run).
