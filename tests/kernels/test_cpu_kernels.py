@@ -15,9 +15,10 @@ def _tol(dtype: torch.dtype) -> float:
 
 
 @pytest.fixture
-def no_int4_gemm(monkeypatch):
-    """As on a CPU without AVX-512 VNNI: int4 layers route by row count (GEMV, dequantize + GEMM, torch)."""
-    monkeypatch.setattr(ops, "int4_gemm_kernels", lambda x: None)
+def no_vnni_gemm(monkeypatch):
+    """As on a CPU without AVX-512 VNNI: int4 and int8 layers route by row count (GEMV, dequantize + GEMM,
+    torch)."""
+    monkeypatch.setattr(ops, "vnni_gemm_kernels", lambda x: None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -155,7 +156,7 @@ def test_int4_gemv_gives_a_row_the_same_bits_in_any_batch(kernels, k):
 
 
 @pytest.mark.parametrize("fast_bf16", [True, False])
-@pytest.mark.usefixtures("no_int4_gemm")
+@pytest.mark.usefixtures("no_vnni_gemm")
 def test_int4_linear_takes_the_gemv_for_decode_sized_batches_only(kernels, fast_bf16, monkeypatch):
     from mcp2026.quant import linear as qlinear
     from mcp2026.quant.plan import LayerQuantSpec
@@ -235,7 +236,7 @@ def test_int8_gemv_equals_the_dequantized_matmul(kernels, rows):
     torch.testing.assert_close(out, x @ q.dequantize().T + q.bias.float(), atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.usefixtures("no_int4_gemm")
+@pytest.mark.usefixtures("no_vnni_gemm")
 def test_activation_scaled_int4_layers_take_the_gemv_with_the_scale(kernels):
     from mcp2026.quant.linear import Int4Linear
     from mcp2026.quant.plan import LayerQuantSpec
@@ -253,7 +254,7 @@ def test_activation_scaled_int4_layers_take_the_gemv_with_the_scale(kernels):
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-@pytest.mark.usefixtures("no_int4_gemm")
+@pytest.mark.usefixtures("no_vnni_gemm")
 def test_prefill_sized_batches_dequantize_to_fp32_where_bf16_is_slow(kernels, fmt, monkeypatch):
     from mcp2026.quant import linear as qlinear
     from mcp2026.quant.plan import LayerQuantSpec
@@ -273,7 +274,7 @@ def test_prefill_sized_batches_dequantize_to_fp32_where_bf16_is_slow(kernels, fm
     assert not torch.allclose(y_bf16, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.usefixtures("no_int4_gemm")
+@pytest.mark.usefixtures("no_vnni_gemm")
 def test_int4_prefill_where_bf16_is_fast_is_a_bf16_gemm_on_the_dequantized_weights(kernels, monkeypatch):
     from mcp2026.quant import linear as qlinear
     from mcp2026.quant.plan import LayerQuantSpec

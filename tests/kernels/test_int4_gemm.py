@@ -68,7 +68,7 @@ def test_bf16_activations_and_bad_operands(gemm):
 
 def test_int4_layers_take_the_gemm_at_every_row_count(gemm, monkeypatch):
     calls = []
-    real = ops.int4_gemm_kernels
+    real = ops.vnni_gemm_kernels
 
     class Spy:
         def __init__(self, module):
@@ -78,7 +78,7 @@ def test_int4_layers_take_the_gemm_at_every_row_count(gemm, monkeypatch):
             fn = getattr(self.module, name)
             return lambda *a, **k: calls.append((name, a[0].shape[0])) or fn(*a, **k)
 
-    monkeypatch.setattr(ops, "int4_gemm_kernels", lambda x: None if real(x) is None else Spy(real(x)))
+    monkeypatch.setattr(ops, "vnni_gemm_kernels", lambda x: None if real(x) is None else Spy(real(x)))
     q = layer(128, 64, bias=True)
     with torch.inference_mode():
         for rows in (1, 9, 20, 300):

@@ -25,7 +25,11 @@ from mcp2026 import hardware
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")  # the module (its bindings) ...
-SOURCES = (SOURCE, SOURCE.with_name("int4_gemm.cpp"))  # ... and the other translation units
+SOURCES = (
+    SOURCE,
+    SOURCE.with_name("int4_gemm.cpp"),
+    SOURCE.with_name("int8_gemm.cpp"),
+)  # ... and the other translation units
 HEADERS = (SOURCE.with_name("quantize_rows.h"),)
 _lock = threading.Lock()
 _module: Any = None

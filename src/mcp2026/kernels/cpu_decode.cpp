@@ -1070,6 +1070,9 @@ void write_kv_rows(torch::Tensor& k_dst, torch::Tensor& v_dst, const torch::Tens
 bool int4_gemm_available();
 std::vector<torch::Tensor> int4_gemm_pack(const torch::Tensor& qs, const torch::Tensor& sz);
 torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so);
+// int8_gemm.cpp
+torch::Tensor int8_gemm_pack(const torch::Tensor& w);
+torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& scales);
 
 // ---- decode-sized decoder layers in two calls ------------------------------------------------------------
 // A layer's ops between the attention reads, composed here from the kernels above, so a decode step pays one
@@ -1078,14 +1081,18 @@ torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const t
 // on a decode-sized input (same kernel, same casts, same order), so both paths give identical results.
 struct FusedLinear {
   int64_t kind;  // 0: float weight through dense_linear; 1: int8 weight + fp32 scales; 2: int4 GEMV layout;
-                 // 3: int4 GEMM layout (int4_gemm.cpp)
-  torch::Tensor a, b;  // dense: (weight, unused); int8: (weight, scales); int4: (qs, sz); int4 GEMM: (wp, so)
+                 // 3: int4 GEMM layout (int4_gemm.cpp); 4: int8 GEMM layout (int8_gemm.cpp)
+  torch::Tensor a, b;  // dense: (weight, unused); int8: (weight, scales); int4: (qs, sz); int4 GEMM: (wp, so);
+                       // int8 GEMM: (wp, scales)
   c10::optional<torch::Tensor> bias, inv_scale;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (kind == 0) return dense_linear(x, a, bias);
     const auto xs = inv_scale.has_value() ? x * *inv_scale : x;
-    auto y = kind == 1 ? int8_gemv(xs, a, b) : kind == 2 ? int4_gemv(xs, a, b) : int4_gemm(xs, a, b);
+    auto y = kind == 1   ? int8_gemv(xs, a, b)
+             : kind == 2 ? int4_gemv(xs, a, b)
+             : kind == 3 ? int4_gemm(xs, a, b)
+                         : int8_gemm(xs, a, b);
     if (bias.has_value()) y = y + *bias;
     return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
   }
@@ -1363,6 +1370,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_gemm_pack", &int4_gemm_pack, "the int4 GEMV layout -> the GEMM's (weights, scales, offsets)");
   m.def("int4_gemm_available", &int4_gemm_available, "whether this build has the int4 GEMM");
   m.def("int8_gemv", &int8_gemv, "int8 weights x float activations, decode-sized batches");
+  m.def("int8_gemm", &int8_gemm, "int8 weights x int8-quantized activations, prefill-sized inputs (VNNI)");
+  m.def("int8_gemm_pack", &int8_gemm_pack, "int8 (N, K) weights -> the int8 GEMM's column tiles (+128)");
   m.def("dense_linear", &dense_linear, "float weights: our GEMV for decode-sized inputs, else at::linear",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.attr("DENSE_GEMV_MAX_ROWS") = kDenseGemvMaxRows;
@@ -1372,7 +1381,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<FusedLinear>(m, "FusedLinear")
       .def(py::init([](int64_t kind, torch::Tensor a, torch::Tensor b, c10::optional<torch::Tensor> bias,
                        c10::optional<torch::Tensor> inv_scale) {
-             TORCH_CHECK(kind >= 0 && kind <= 3, "kind must be 0 (dense), 1 (int8), 2 (int4) or 3 (int4 GEMM)");
+             TORCH_CHECK(kind >= 0 && kind <= 4,
+                         "kind must be 0 (dense), 1 (int8), 2 (int4), 3 (int4 GEMM) or 4 (int8 GEMM)");
              return FusedLinear{kind, std::move(a), std::move(b), std::move(bias), std::move(inv_scale)};
            }),
            py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("bias") = py::none(),

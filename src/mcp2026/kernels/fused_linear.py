@@ -2,8 +2,8 @@
 
 A decode-sized step runs each decoder layer as two compiled calls (norm + qkv + RoPE; o-proj + norm + MLP),
 which take the layer's linears as small C++ objects holding the same tensors and kernel choice the Python
-modules would use: float weights through ``dense_linear``, int8 and int4 through our GEMVs (int4 through our
-GEMM on AVX-512 VNNI CPUs). Built on first use
+modules would use: float weights through ``dense_linear``, int8 and int4 through our GEMVs (through our GEMMs
+on AVX-512 VNNI CPUs). Built on first use
 and cached on the module; the quantized modules drop the cache wherever they drop their GEMV layout (new
 weights), and every lookup checks the weight and bias are still the tensors it was built from.
 """
@@ -21,7 +21,7 @@ from mcp2026.quant.linear import DenseLinear, Int4Linear, Int8Linear
 # Off: every layer takes the per-op path (tests compare the two; benchmarks can A/B them).
 ENABLED = True
 
-DENSE, INT8, INT4, INT4_GEMM = 0, 1, 2, 3
+DENSE, INT8, INT4, INT4_GEMM, INT8_GEMM = 0, 1, 2, 3, 4
 
 
 def _build(kernels: Any, m: nn.Module) -> tuple[int, Any] | None:
@@ -30,6 +30,10 @@ def _build(kernels: Any, m: nn.Module) -> tuple[int, Any] | None:
     if type(m) is DenseLinear and m.inv_act_scale is None:
         return DENSE, kernels.FusedLinear(DENSE, m.weight, m.weight, m.bias)
     if type(m) is Int8Linear:
+        if kernels.int4_gemm_available() and m.gemm_shape_ok():  # what the module itself runs
+            return INT8_GEMM, kernels.FusedLinear(
+                INT8_GEMM, m.gemm_weights(), m.gemv_scales(), m.bias, m.inv_act_scale
+            )
         return INT8, kernels.FusedLinear(INT8, m.weight, m.gemv_scales(), m.bias, m.inv_act_scale)
     if type(m) is Int4Linear:
         if kernels.int4_gemm_available():  # what the module itself runs (Int4Linear.forward)

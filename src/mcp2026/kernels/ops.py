@@ -35,14 +35,15 @@ def kernels_for(*tensors: torch.Tensor) -> Any | None:
     return module
 
 
-def int4_gemm_kernels(x: torch.Tensor) -> Any | None:
-    """The compiled kernels when they have the int4 GEMM (AVX-512 VNNI builds) and suit ``x``; else None."""
+def vnni_gemm_kernels(x: torch.Tensor) -> Any | None:
+    """The compiled kernels when they have the int4 and int8 GEMMs (AVX-512 VNNI builds) and suit ``x``;
+    else None."""
     module = kernels_for(x)
-    return module if module is not None and _has_int4_gemm(module) else None
+    return module if module is not None and _has_vnni_gemm(module) else None
 
 
 @functools.cache
-def _has_int4_gemm(module: Any) -> bool:
+def _has_vnni_gemm(module: Any) -> bool:
     return bool(module.int4_gemm_available())
 
 
