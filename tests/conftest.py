@@ -93,3 +93,35 @@ def kernels():
     if module is None:
         pytest.skip(f"fused CPU kernels unavailable here: {cpu.unavailable_reason()}")
     return module
+
+
+@pytest.fixture(scope="module")
+def gemm(kernels):
+    """The compiled kernels where they were built with the int4 and int8 GEMMs (AVX-512 VNNI); else skip."""
+    from mcp2026.kernels import ops
+
+    if not ops.has_vnni_gemm(kernels):
+        pytest.skip("the int4 and int8 GEMMs need our kernels built with AVX-512 VNNI")
+    return kernels
+
+
+class _KernelSpy:
+    def __init__(self, module, calls: list) -> None:
+        self.module, self.calls = module, calls
+
+    def __getattr__(self, name):
+        fn = getattr(self.module, name)
+        return lambda *a, **k: self.calls.append((name, a[0].shape[0])) or fn(*a, **k)
+
+
+@pytest.fixture
+def gemm_calls(monkeypatch) -> list:
+    """(kernel, rows) of every call the quantized layers make through ``ops.vnni_gemm_kernels``."""
+    from mcp2026.kernels import ops
+
+    calls: list = []
+    real = ops.vnni_gemm_kernels
+    monkeypatch.setattr(
+        ops, "vnni_gemm_kernels", lambda x: None if real(x) is None else _KernelSpy(real(x), calls)
+    )
+    return calls

@@ -8,17 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcp2026.kernels import cpu, ops
 from mcp2026.quant.linear import Int8Linear
 from mcp2026.quant.plan import LayerQuantSpec
-
-
-@pytest.fixture(scope="module")
-def gemm():
-    module = cpu.load()
-    if module is None or not module.int4_gemm_available():
-        pytest.skip("the int8 GEMM needs our kernels built with AVX-512 VNNI")
-    return module
 
 
 def layer(k: int, n: int, bias: bool = False) -> Int8Linear:
@@ -82,33 +73,18 @@ def test_bf16_activations_and_bad_operands(gemm):
         gemm.int8_gemm_pack(torch.zeros(24, 64, dtype=torch.int8))
 
 
-class Spy:
-    def __init__(self, module, calls):
-        self.module, self.calls = module, calls
-
-    def __getattr__(self, name):
-        fn = getattr(self.module, name)
-        return lambda *a, **k: self.calls.append((name, a[0].shape[0])) or fn(*a, **k)
-
-
-def test_int8_layers_take_the_gemm_at_every_row_count(gemm, monkeypatch):
-    calls = []
-    real = ops.vnni_gemm_kernels
-    monkeypatch.setattr(ops, "vnni_gemm_kernels", lambda x: None if real(x) is None else Spy(real(x), calls))
+def test_int8_layers_take_the_gemm_at_every_row_count(gemm, gemm_calls):
     q = layer(128, 64, bias=True)
     with torch.inference_mode():
         for rows in (1, 9, 20, 300):
             x = torch.randn(rows, 128)
             torch.testing.assert_close(q(x), gemm.int8_gemm(x, q.gemm_weights(), q.gemv_scales()) + q.bias)
-    assert calls == [("int8_gemm", rows) for rows in (1, 9, 20, 300)]
+    assert gemm_calls == [("int8_gemm", rows) for rows in (1, 9, 20, 300)]
     q.load_state_dict(q.state_dict())
     assert "_gemm" not in q.__dict__  # new weights: the layout is rebuilt on next use
 
 
-def test_a_layer_the_tiles_do_not_fit_takes_the_other_kernels(gemm, monkeypatch):
-    calls = []
-    real = ops.vnni_gemm_kernels
-    monkeypatch.setattr(ops, "vnni_gemm_kernels", lambda x: None if real(x) is None else Spy(real(x), calls))
+def test_a_layer_the_tiles_do_not_fit_takes_the_other_kernels(gemm, gemm_calls):
     for k, n in ((48, 32), (64, 24)):  # K not in 32-blocks; N not in 16-column tiles
         q = layer(k, n)
         assert not q.gemm_shape_ok()
@@ -116,7 +92,7 @@ def test_a_layer_the_tiles_do_not_fit_takes_the_other_kernels(gemm, monkeypatch)
         with torch.inference_mode():
             y = q(x)
         torch.testing.assert_close(y, x @ q.dequantize().T, atol=1e-4, rtol=1e-4)  # float activations
-    assert calls == []
+    assert gemm_calls == []
 
 
 def test_the_fused_decode_layer_runs_the_gemm_as_the_module_does(gemm):

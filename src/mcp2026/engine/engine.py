@@ -259,11 +259,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         sample_ids, logits, failed = self._execute(out)
         t1 = time.perf_counter()
-        is_prefill = any(not (c.num_tokens == 1 and c.start_pos > 0) for c in out.chunks)
-        if is_prefill:
+        prefill = [c.num_tokens for c in out.chunks if not (c.num_tokens == 1 and c.start_pos > 0)]
+        if prefill:
             self.stats.prefill_ms += (t1 - t0) * 1e3
-            num_prefill = sum(c.num_tokens for c in out.chunks if not (c.num_tokens == 1 and c.start_pos > 0))
-            self.scheduler.observe_prefill(num_prefill, t1 - t0)
+            self.scheduler.observe_prefill(sum(prefill), t1 - t0)
         else:
             self.stats.decode_ms += (t1 - t0) * 1e3
             self.stats.num_decode_steps += 1

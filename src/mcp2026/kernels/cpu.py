@@ -30,7 +30,7 @@ SOURCES = (
     SOURCE.with_name("int4_gemm.cpp"),
     SOURCE.with_name("int8_gemm.cpp"),
 )  # ... and the other translation units
-HEADERS = (SOURCE.with_name("quantize_rows.h"),)
+HEADERS = (SOURCE.with_name("quantize_rows.h"), SOURCE.with_name("vnni_gemm.h"))
 _lock = threading.Lock()
 _module: Any = None
 _reason: str | None = None  # why the kernels are unavailable (None: not tried yet, or loaded)

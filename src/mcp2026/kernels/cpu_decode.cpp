@@ -1067,7 +1067,7 @@ void write_kv_rows(torch::Tensor& k_dst, torch::Tensor& v_dst, const torch::Tens
 }
 
 // int4_gemm.cpp
-bool int4_gemm_available();
+bool vnni_gemm_available();
 std::vector<torch::Tensor> int4_gemm_pack(const torch::Tensor& qs, const torch::Tensor& sz);
 torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so);
 // int8_gemm.cpp
@@ -1368,7 +1368,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_gemv", &int4_gemv, "int4 weights x int8-quantized activations, decode-sized batches");
   m.def("int4_gemm", &int4_gemm, "int4 weights x int8-quantized activations, prefill-sized inputs (VNNI)");
   m.def("int4_gemm_pack", &int4_gemm_pack, "the int4 GEMV layout -> the GEMM's (weights, scales, offsets)");
-  m.def("int4_gemm_available", &int4_gemm_available, "whether this build has the int4 GEMM");
+  m.def("vnni_gemm_available", &vnni_gemm_available, "whether this build has the int4 and int8 GEMMs (VNNI)");
   m.def("int8_gemv", &int8_gemv, "int8 weights x float activations, decode-sized batches");
   m.def("int8_gemm", &int8_gemm, "int8 weights x int8-quantized activations, prefill-sized inputs (VNNI)");
   m.def("int8_gemm_pack", &int8_gemm_pack, "int8 (N, K) weights -> the int8 GEMM's column tiles (+128)");

@@ -15,6 +15,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 
+from mcp2026.kernels.ops import has_vnni_gemm
 from mcp2026.models.layers import Linear
 from mcp2026.quant.linear import DenseLinear, Int4Linear, Int8Linear
 
@@ -30,13 +31,13 @@ def _build(kernels: Any, m: nn.Module) -> tuple[int, Any] | None:
     if type(m) is DenseLinear and m.inv_act_scale is None:
         return DENSE, kernels.FusedLinear(DENSE, m.weight, m.weight, m.bias)
     if type(m) is Int8Linear:
-        if kernels.int4_gemm_available() and m.gemm_shape_ok():  # what the module itself runs
+        if has_vnni_gemm(kernels) and m.gemm_shape_ok():  # what the module itself runs (Int8Linear.forward)
             return INT8_GEMM, kernels.FusedLinear(
                 INT8_GEMM, m.gemm_weights(), m.gemv_scales(), m.bias, m.inv_act_scale
             )
         return INT8, kernels.FusedLinear(INT8, m.weight, m.gemv_scales(), m.bias, m.inv_act_scale)
     if type(m) is Int4Linear:
-        if kernels.int4_gemm_available():  # what the module itself runs (Int4Linear.forward)
+        if has_vnni_gemm(kernels):  # what the module itself runs (Int4Linear.forward)
             wp, so = m.gemm_weights()
             return INT4_GEMM, kernels.FusedLinear(INT4_GEMM, wp, so, m.bias, m.inv_act_scale)
         qs, sz = m.gemv_weights()

@@ -12,24 +12,12 @@
 // Activations are quantized as the GEMV quantizes them (quantize_rows.h): prefill and decode round alike.
 
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
-#include <cstring>
-
-#include "quantize_rows.h"
+#include "vnni_gemm.h"
 
 namespace {
 
-constexpr int64_t kColTile = 16;   // output columns per 64-byte weight vector
-constexpr int64_t kGemmRows = 4;   // rows per micro-tile
-
 #ifdef MCP_INT4_VNNI
-inline __m512i broadcast_dword(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return _mm512_set1_epi32(v);
-}
-
 // R rows x C column tiles of 16. wp: the first tile's packed weights (K/8 vectors of 64 bytes, the next tile
 // tile_bytes further); so: its 16 scales then 16 offsets per 32-block; xq: R rows of K int8; dx, dxs: their
 // (row, block) scales and dx * sum(xq). out: R rows of stride N at the tile's first column.
@@ -96,7 +84,7 @@ void gemm_rows(const uint8_t* wp, const float* so, const QuantizedRows& xr, int6
 
 }  // namespace
 
-bool int4_gemm_available() {
+bool vnni_gemm_available() {
 #ifdef MCP_INT4_VNNI
   return true;
 #else
@@ -163,21 +151,17 @@ torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const t
   const float* s = so.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t tiles = N / kColTile, tile_bytes = (K / 8) * 64, tile_scales = (K / 32) * 2 * kColTile;
-  // Pairs of column tiles per task (a last single tile when the count is odd).
-  at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t t = 2 * p;
-      const auto* wt = w + t * tile_bytes;
-      const float* st = s + t * tile_scales;
-      if (t + 1 < tiles)
-        gemm_rows<2>(wt, st, xr, M, K, op + t * kColTile, N);
-      else
-        gemm_rows<1>(wt, st, xr, M, K, op + t * kColTile, N);
-    }
+  for_column_tile_pairs(tiles, [&](int64_t t, bool pair) {
+    const auto* wt = w + t * tile_bytes;
+    const float* st = s + t * tile_scales;
+    if (pair)
+      gemm_rows<2>(wt, st, xr, M, K, op + t * kColTile, N);
+    else
+      gemm_rows<1>(wt, st, xr, M, K, op + t * kColTile, N);
   });
   return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
 #else
-  TORCH_CHECK(false, "int4_gemm needs AVX-512 VNNI (see int4_gemm_available)");
+  TORCH_CHECK(false, "int4_gemm needs AVX-512 VNNI (see vnni_gemm_available)");
   return x;
 #endif
 }

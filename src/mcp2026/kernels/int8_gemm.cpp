@@ -15,17 +15,12 @@
 // takes a range of column tiles and runs every row through each tile, so its weights stay in L1/L2.
 
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
-#include <cstring>
 #include <type_traits>
 
-#include "quantize_rows.h"
+#include "vnni_gemm.h"
 
 namespace {
-
-constexpr int64_t kColTile = 16;  // output columns per 64-byte weight vector
-constexpr int64_t kGemmRows = 4;  // rows per micro-tile
 
 #ifdef MCP_INT4_VNNI
 // Rows in two int8 planes per 32-value block (see the top): q1, q2 (M, K); step = dx / 256 (M, K/32);
@@ -77,12 +72,6 @@ TwoPlaneRows quantize_two_planes(const T* x, int64_t M, int64_t K) {
     }
   });
   return r;
-}
-
-inline __m512i broadcast_dword(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return _mm512_set1_epi32(v);
 }
 
 // R rows x C column tiles of 16. wp: the first tile's packed weights (K/4 vectors of 64 bytes, the next tile
@@ -190,18 +179,15 @@ torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& wp, const t
   const float* s = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t tiles = N / kColTile, tile_bytes = K * kColTile;
-  at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t t = 2 * p;
-      if (t + 1 < tiles)
-        gemm_rows<2>(w + t * tile_bytes, s + t * kColTile, xr, M, K, op + t * kColTile, N);
-      else
-        gemm_rows<1>(w + t * tile_bytes, s + t * kColTile, xr, M, K, op + t * kColTile, N);
-    }
+  for_column_tile_pairs(tiles, [&](int64_t t, bool pair) {
+    if (pair)
+      gemm_rows<2>(w + t * tile_bytes, s + t * kColTile, xr, M, K, op + t * kColTile, N);
+    else
+      gemm_rows<1>(w + t * tile_bytes, s + t * kColTile, xr, M, K, op + t * kColTile, N);
   });
   return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
 #else
-  TORCH_CHECK(false, "int8_gemm needs AVX-512 VNNI (see int4_gemm_available)");
+  TORCH_CHECK(false, "int8_gemm needs AVX-512 VNNI (see vnni_gemm_available)");
   return x;
 #endif
 }

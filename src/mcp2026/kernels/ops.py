@@ -39,12 +39,13 @@ def vnni_gemm_kernels(x: torch.Tensor) -> Any | None:
     """The compiled kernels when they have the int4 and int8 GEMMs (AVX-512 VNNI builds) and suit ``x``;
     else None."""
     module = kernels_for(x)
-    return module if module is not None and _has_vnni_gemm(module) else None
+    return module if module is not None and has_vnni_gemm(module) else None
 
 
 @functools.cache
-def _has_vnni_gemm(module: Any) -> bool:
-    return bool(module.int4_gemm_available())
+def has_vnni_gemm(module: Any) -> bool:
+    """Whether the compiled kernels were built with the int4 and int8 GEMMs (AVX-512 VNNI)."""
+    return bool(module.vnni_gemm_available())
 
 
 _scratch = threading.local()

@@ -1,0 +1,34 @@
+// What the AVX-512 VNNI GEMMs (int4_gemm.cpp, int8_gemm.cpp) share: the tile shape, the activation broadcast
+// and how threads split the output columns. Each GEMM keeps its own weight layout and micro-tile.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+#include "quantize_rows.h"
+
+namespace {
+
+constexpr int64_t kColTile = 16;   // output columns per 64-byte weight vector
+constexpr int64_t kGemmRows = 4;   // rows per micro-tile
+
+#ifdef MCP_INT4_VNNI
+// One dword (4 consecutive int8 activations) in every lane: dpbusd's signed operand for 16 columns at once.
+inline __m512i broadcast_dword(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+#endif
+
+// Threads take the column tiles in pairs (a last single tile when the count is odd), each running every row
+// through its tiles so their weights stay in cache: fn(first tile, whether a second follows).
+template <typename F>
+void for_column_tile_pairs(int64_t tiles, const F& fn) {
+  at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) fn(2 * p, 2 * p + 1 < tiles);
+  });
+}
+
+}  // namespace
