@@ -163,3 +163,16 @@ def test_eviction_simulation_plugin_masks_what_each_variant_drops(tiny_dir):
     bad = PluginContext(model=tiny_dir, dtype="fp32", params={"variants": "block-random"})
     with pytest.raises(PluginError, match="variants must be among"):
         run_plugin(name, plugin, bad)
+
+
+def test_quant_gemm_plugin_times_every_path_it_names(tiny_dir):
+    name, plugin = load_plugin(f"{EXAMPLES / 'quant_gemm.py'}:QuantGemm")
+    ctx = PluginContext(model=tiny_dir, params={"rows": "1,5", "layers": "o", "repeats": "1"})
+    metrics = run_plugin(name, plugin, ctx).aggregates["metrics"]
+    paths = ("fallback", "dequant_fp32", "fp32") + (("gemm",) if plugin.has_gemm else ())
+    expected = {f"{fmt}_o_{rows}_ms_{p}" for fmt in ("int8", "int4") for rows in (1, 5) for p in paths}
+    assert expected <= set(metrics) and all(metrics[key] > 0 for key in expected)
+    if plugin.has_gemm:  # int8 in two activation planes: float-accurate; int4: one int8 plane per 32 values
+        assert metrics["int8_o_5_rel_err_gemm"] < 1e-4 and metrics["int4_o_5_rel_err_gemm"] < 0.02
+    with pytest.raises(ValueError, match="formats from"):
+        plugin.init(PluginContext(model=tiny_dir, params={"formats": "int3"}))

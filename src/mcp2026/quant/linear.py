@@ -120,19 +120,23 @@ INT4_DEQUANT_MIN_ROWS = INT4_GEMV_BATCH_MAX_ROWS + 1
 # 3.7 / 14.3; the crossover there was not re-measured.
 INT4_BF16_DEQUANT_MIN_ROWS = 20
 # INT4_GEMM: with AVX-512 VNNI, our int4 GEMM (kernels/int4_gemm.cpp) takes every row count: the activations
-# quantized to int8 per 32 values as the GEMV does, 16-column tiles of weights in L1. One layer's linears on a
-# 2-core Zen 4 EPYC (/tmp script, 2 threads, ms for qkv / o / gate_up / down): 1 row 0.005 / 0.006 / 0.016 /
-# 0.009 against the GEMV's 0.013 / 0.010 / 0.041 / 0.014; 16 rows 0.033 / 0.026 / 0.111 / 0.057 against torch's
-# int4 kernel 0.120 / 0.112 / 0.444 / 0.202; 512 rows 1.01 / 0.74 / 3.57 / 2.33 against dequantize + bf16 GEMM
-# 1.52 / 1.00 / 5.37 / 2.78. Every row's arithmetic is the same at any row count (batch-invariant), and prefill
-# rounds activations as decode does (int8 per 32 values: ~+0.3 points of ΔPPL on int4 asym g32 against
-# float activations, docs/benchmarks.md "Quality through the decode kernels").
+# quantized to int8 per 32 values as the GEMV does, 16-column tiles of weights in L1. Every row's arithmetic is
+# the same at any row count (batch-invariant), and prefill rounds activations as decode does (~+0.3 points of
+# ΔPPL on int4 asym g32 against float activations, docs/benchmarks.md "Quality through the decode kernels").
 # INT8_GEMM: likewise int8 layers (kernels/int8_gemm.cpp) at every row count whose shape fits its tiles (N in
-# 16s, K in 32s), with the activations in two int8 planes per 32 values (x to within 1/512 of the block's
-# int8 step: one plane, as the int4 kernels use, took int8 weights from +0.16% to +0.35% ΔPPL on 20 windows,
-# two give +0.13%). Same /tmp script, quiet machine, ms for qkv / gate_up / down: 1 row 0.018 / 0.019 / 0.016
-# against the int8 GEMV's 0.057 / 0.066 / 0.039; 32 rows 0.26 / 0.43 / 0.23 against 0.57 / 0.91 / 0.56;
-# 512 rows 3.78 / 6.73 / 3.59 against dequantize + fp32 GEMM 10.5 / 18.3 / 5.5 (fp32 weights 7.2 / 13.0 / 5.2).
+# 16s, K in 32s), with the activations in two int8 planes per 32 values (x to within 1/512 of the block's int8
+# step: one plane, as the int4 kernels use, took int8 weights from +0.16% to +0.35% ΔPPL on 20 windows, two
+# give +0.13%).
+# Per layer, `mcp2026 bench plugin examples/bench_plugins/quant_gemm.py:QuantGemm --param rows=1,32,512` (2-core
+# Zen 4 EPYC; the paths alternate, so each call finds the caches as another path left them), ms for qkv / o /
+# gate_up / down. int4: 32 rows 0.19 / 0.11 / 0.43 / 0.20 against the routing without the GEMM 0.63 / 0.33 /
+# 1.59 / 0.64; 512 rows 1.5 / 0.92 / 3.7 / 2.1 against 3.5 / 2.2 / 9.4 / 4.9. int8: 32 rows 0.31 / 0.19 / 0.81 /
+# 0.38 against dequantize + fp32 GEMM 2.3 / 0.63 / 3.4 / 1.4 (the routing without the GEMM takes torch's int8
+# kernel on this AVX512-BF16 CPU: 16 / 9.4 / 49 / 21); 512 rows 2.9 / 1.9 / 8.2 / 3.7 against 5.0 / 2.9 / 19 /
+# 6.1 (fp32 weights 4.5 / 2.5 / 17 / 5.6). At 1 row the GEMVs are as fast or faster there (gate_up int4 0.09 vs
+# 0.20 ms, int8 0.13 vs 0.21), where a warm-cache loop had the GEMMs ahead (0.016 vs 0.041 ms); whole decode
+# steps went faster with the GEMMs (bench latency: int8 80 -> 99 tok/s), but a step-level A/B of GEMV against
+# GEMM at 1-8 rows has not been run.
 
 
 # torch 2.13's AVX-512 `_weight_int8pack_mm` uses aligned 16-byte loads on every row of the activations and
