@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from mcp2026.bench.kv import run_kv
 from mcp2026.bench.kv_config import QUICK, KVBenchConfig, make_config
-from mcp2026.bench.kv_retrieval import build_prompt, score
+from mcp2026.bench.kv_retrieval import RetrievalPrompt, build_prompt, score
 from mcp2026.bench.report import read_run
 
 from conftest import save_tiny_hf
@@ -144,7 +144,27 @@ def test_score_counts_facts_kept_where_the_reference_was_right():
         right[3],
     ]  # 2: same fact, other ending; 3: only test right
     s = score(prompts, reference, got, None)
-    assert (s.num_agree, s.num_correct, s.num_ref_correct, s.num_kept) == (1, 3, 3, 2)
+    # prompt 2 gives the same fact with another ending: the same answer, not the same tokens
+    assert (s.num_agree, s.num_identical, s.num_correct, s.num_ref_correct, s.num_kept) == (2, 1, 3, 3, 2)
+
+
+class _CharTokenizer:
+    def decode(self, ids: list[int]) -> str:
+        return "".join(map(chr, ids))
+
+
+def test_text_answers_are_the_code_given_or_none():
+    """Agreement compares the code each reply gives (its first number of 3+ digits), not the whole reply:
+    two replies that find no code agree, a truncated code does not."""
+    tok, ids = _CharTokenizer(), lambda text: [ord(c) for c in text]
+    p = RetrievalPrompt(0, [], "61750")
+    assert p.answer(ids("The secret code for Elena is 61750."), tok) == "61750"
+    assert p.answer(ids("The secret code for Elena is 6175."), tok) == "6175"
+    assert p.answer(ids("1.2. Automated grading at 12:11"), tok) is None
+    reference = [ids("The secret code is 61750."), ids("1. Co-built products"), ids("12:11:17 PM")]
+    got = [ids("Code: 61750!"), ids("1.7. 1.2. 1.3."), ids("12:11 PM: 96440")]
+    s = score([p] * 3, reference, got, tok)
+    assert (s.num_agree, s.num_identical, s.num_correct, s.num_ref_correct, s.num_kept) == (2, 0, 1, 1, 1)
 
 
 def test_retrieval_prompts_in_token_mode():

@@ -63,7 +63,25 @@ def test_heavy_hitter_keeps_high_scores_and_protects_sink_and_recent():
     b = budget()
     score = [0.0, 5, 1, 9, 2, 0.5, 7, 3, 0, 0]
     chosen = make_policy("heavy_hitter", b).select(view(b, 40, score))
-    assert dropped(chosen) == [1, 2, 4, 5, 7]  # keeps sink 0, recent 8 and 9, the hottest 3 and 6
+    # keeps sink 0, recent 8 and 9, the hottest 3 and the block after it (what 3 holds may end in 4)
+    assert dropped(chosen) == [1, 2, 5, 6, 7]
+
+
+def test_a_heavy_blocks_successor_ranks_right_after_it():
+    """A block that follows a heavy one (consecutive positions, not after a sink) ranks just below it: a
+    fact cut by a block boundary is kept whole, and when only one of the two fits, the attended one stays."""
+    b = budget(sparsity_ratio=0.3)  # 40 tokens: keep 7 blocks = sink 0 + recent 8, 9 + 4 flexible
+    far = [9.0, 0, 4, 0, 0, 0.01, 0.02, 0.1, 1, 1]  # block 1 follows the sink: it inherits nothing
+    policy = make_policy("heavy_hitter", b)
+    assert policy.heavy_slots(view(b, 40, far)).tolist() == [3]
+    assert dropped(policy.select(view(b, 40, far))) == [1, 4, 5]  # keeps 7 (newest), 2, 3 (after 2), 6
+    # Block 3 already gone: slot 3 holds block 4, which does not follow block 2 and inherits nothing.
+    origin = [0, 1, 2, 4, 5, 6, 7, 8, 9]
+    score = [9.0, 0, 4, 0, 0.01, 0.02, 0.1, 1, 1]  # 9 slots, keep 7: drops blocks 1 and 4, not 5
+    assert dropped(policy.select(view(b, 40, score, origin))) == [1, 3]
+    # Only one of a heavy block and its successor fits: the heavy one stays.
+    snap = make_policy("snap", budget(sparsity_ratio=0.6))  # 40 tokens: keep sink 0, recent 8, 9 + 1
+    assert dropped(snap.select(view(snap.budget, 40, [0.0, 0, 0, 5, 0, 0, 0, 0, 0, 0]))) == [1, 2, 4, 5, 6, 7]
 
 
 def test_heavy_hitter_chooses_per_lane_over_compacted_slots():
@@ -198,14 +216,14 @@ def test_evictor_applies_policy_and_keeps_pool_integrity():
     mass = torch.tensor([[[0.0, 5, 1, 9, 2, 0.5, 7, 3, 0, 0]]])
     scores = [StepScores(["a"], [10], mass)]
     assert evictor.after_step([Chunk("a", 40)], scores, lambda rid: req) == 5
-    assert evictor.origins("a", 5).tolist() == [[0, 3, 6, 8, 9]] and len(kv.block_table("a")) == 5
+    assert evictor.origins("a", 5).tolist() == [[0, 3, 4, 8, 9]] and len(kv.block_table("a")) == 5
     kv.check_integrity()
     # Decoding on: the budget grows with the context, the scores keep accumulating.
     req.output = [1, 2, 3, 4]
     assert kv.allocate_slots(req, 4)
     req.num_computed_tokens = 44
     assert evictor.after_step([Chunk("a", 4)], [], lambda rid: req) == 0  # 6 live <= 6 kept
-    assert evictor.origins("a", 6).tolist() == [[0, 3, 6, 8, 9, 10]]  # the new slot holds block 10
+    assert evictor.origins("a", 6).tolist() == [[0, 3, 4, 8, 9, 10]]  # the new slot holds block 10
     evictor.forget(["a"])
     kv.free(req)
     kv.check_integrity()
@@ -248,7 +266,7 @@ def test_heavy_hitter_prefill_keeps_the_prompt_budget_and_ranks_by_the_prompt_en
     # Last chunk: its window attends to blocks 2 and 4 (a mean over both chunks would keep 3 and 5).
     mass = [0.3, 0.01, 0.2, 0.01, 0.2, 0.01, 0.01, 0.01, 0.01, 0.05, 0.1, 0.1]
     assert step(kv, evictor, req, 24, mass) == 6
-    assert live_blocks(kv, evictor, "a") == [0, 2, 4, 9, 10, 11]
+    assert live_blocks(kv, evictor, "a") == [0, 2, 4, 5, 10, 11]  # 5: 4's successor (3 ties, older: dropped)
     assert kv.block_table("a")[:1] == physical[:1]  # slots before the first dropped one are not moved
     kv.check_integrity()
 
@@ -297,8 +315,8 @@ def test_heavy_hitter_splits_each_lanes_budget_by_how_far_it_attends():
     far = [1.0, 0, 4, 0, 0, 0.01, 0.02, 0.1, 1, 1]  # 4 of its 6.13 non-sink mass on block 2: 65%
     policy = make_policy("heavy_hitter", b)
     assert policy.heavy_slots(view(b, 40, [local, far])).tolist() == [0, 3]  # floor(0.65 x 6 blocks)
-    # local: the window (4-7); far: the newest block 7, then its three hottest candidates (2, 5, 6)
-    assert dropped(policy.select(view(b, 40, [local, far]))) == [[1, 2, 3], [1, 3, 4]]
+    # local: the window (4-7); far: the newest block 7, then its hottest candidate 2, 2's successor 3, and 6
+    assert dropped(policy.select(view(b, 40, [local, far]))) == [[1, 2, 3], [1, 4, 5]]
     capped = make_policy("heavy_hitter", dataclasses.replace(b, max_heavy_share=0.0))
     assert dropped(capped.select(view(b, 40, [local, far]))) == [[1, 2, 3], [1, 2, 3]]  # sink_window's
 

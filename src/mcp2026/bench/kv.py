@@ -287,7 +287,9 @@ def _retrieval(ctx: _Context) -> dict[str, Any]:
                     "prompt_len": len(p.prompt_token_ids),
                     "answer_ids": got,
                     "answer_text": tokenizer.decode(got) if tokenizer is not None else None,
-                    "agrees": list(ref) == list(got),
+                    "answer": p.answer(got, tokenizer),
+                    "agrees": p.answer(ref, tokenizer) == p.answer(got, tokenizer),
+                    "identical": list(ref) == list(got),
                     "correct": p.is_correct(got, tokenizer),
                 }
             )

@@ -57,7 +57,7 @@ def kv(
         typer.Option(help="teacher-forced chunk after the prompt half; 1 = token by token (default 32)"),
     ] = None,
     retrieval_seeds: Annotated[
-        int | None, typer.Option(help="retrieval prompts; 0 skips (default 20)")
+        int | None, typer.Option(help="retrieval prompts; 0 skips (default 50)")
     ] = None,
     retrieval_tokens: Annotated[
         int | None, typer.Option(help="retrieval prompt length (default 1024)")

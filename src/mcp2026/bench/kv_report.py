@@ -97,6 +97,7 @@ def _quality_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
             ref["kv_bytes_per_token"],
             f"{ref['bytes_ratio']:.2f}x",
             "—",  # the reference itself
+            "—",
             count("uncompressed", "num_correct"),
             "—",
             "",
@@ -113,6 +114,7 @@ def _quality_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
                 q["kv_bytes_per_token"],
                 f"{q['bytes_ratio']:.2f}x",
                 count(name, "num_agree"),
+                count(name, "num_identical"),
                 count(name, "num_correct"),
                 count(name, "num_kept", "num_ref_correct"),
                 _verdicts(agg, name, QUALITY_TARGETS),
@@ -134,6 +136,7 @@ def _quality_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
         "KV bytes/token",
         "fewer bytes vs bf16",
         "same answer",
+        "same tokens",
         "answer correct",
         "fact kept",
         "target",
@@ -203,7 +206,9 @@ def notes(config: KVBenchConfig, loaded: Any, retrieval: dict | None, grid: list
     if retrieval:
         notes.append(
             f"Retrieval ({retrieval['mode']}): a fact early in the context, asked at the end; 'same answer' "
-            "= greedy answer token ids equal to the uncompressed engine's, 'answer correct' = the answer "
+            "= the same code as the uncompressed engine's greedy answer (its first number of 3+ digits; "
+            "or no code in both), 'same tokens' = identical answer token ids (stricter: where neither "
+            "engine retrieves the fact, the unrelated text that follows differs), 'answer correct' = the answer "
             "contains the fact (a 135M model may not retrieve well even uncompressed), 'fact kept' = correct "
             "where the uncompressed engine was correct."
         )

@@ -1,8 +1,11 @@
 """The retrieval check of ``mcp2026 bench kv``: a fact stated early in a long context and asked about at the
 end. Each seed picks a name, a 5-digit code, where the fact goes and which filler surrounds it; every engine
-greedy-decodes a short answer, and a compressed engine *agrees* when its answer's token ids equal the
-uncompressed engine's. Whether an answer is *correct* (contains the code) is counted separately: a small
-model may not retrieve well even uncompressed, and agreement is what compression can break.
+greedy-decodes a short answer, and a compressed engine *agrees* when it gives the same answer as the
+uncompressed engine: the same code (the first number of 3+ digits in its reply), or no code in both. Identical
+token ids, a stricter count, are reported next to it: where neither engine finds the fact, both go on with
+unrelated text that compression changes without changing the answer. Whether an answer is *correct*
+(contains the code) is counted separately: a small model may not retrieve well even uncompressed, and
+agreement is what compression can break.
 
 With a tokenizer the prompt is text (filler = held-out conversations, chat template when the model has one);
 without one (tiny test models) it is token ids: filler, then key ids + value ids, more filler, the key ids.
@@ -11,6 +14,7 @@ without one (tiny test models) it is token ids: filler, then key ids + value ids
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +23,7 @@ NAMES = (
     "Alice", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ines", "Jonas",
     "Kofi", "Lena", "Marek", "Nadia", "Oskar", "Priya", "Quentin", "Rosa", "Sven", "Tariq",
 )  # fmt: skip
+CODE = re.compile(r"\d{3,}")  # what a reply answers: its first number of 3+ digits
 ANSWER_TOKENS = 16  # greedy tokens per answer: "The secret code for Quentin is 12345." fits (digits: 1 each)
 EARLY = (0.05, 0.3)  # the fact starts within this fraction of the filler
 KEY_LEN, VALUE_LEN = 4, 5  # token mode: ids naming the fact and ids of its value
@@ -35,6 +40,14 @@ class RetrievalPrompt:
         if self.code is not None and tokenizer is not None:
             return self.code in tokenizer.decode(list(answer_ids))
         return tuple(answer_ids[: len(self.value_ids)]) == self.value_ids
+
+    def answer(self, answer_ids: Sequence[int], tokenizer: Any | None) -> str | tuple[int, ...] | None:
+        """What the reply answers: text mode, its first number of 3+ digits (None: it gives no code);
+        token mode, its first ids (as many as the fact's value)."""
+        if self.code is not None and tokenizer is not None:
+            found = CODE.search(tokenizer.decode(list(answer_ids)))
+            return found.group() if found else None
+        return tuple(answer_ids[: len(self.value_ids)])
 
 
 def _question(name: str) -> str:
@@ -91,10 +104,11 @@ def answers(engine: Any, prompts: Sequence[RetrievalPrompt]) -> list[list[int]]:
 @dataclass(frozen=True)
 class RetrievalScore:
     num_prompts: int
-    num_agree: int  # answers identical to the uncompressed engine's
+    num_agree: int  # the same answer as the uncompressed engine's (RetrievalPrompt.answer)
     num_correct: int  # answers containing the fact
     num_ref_correct: int = 0  # prompts the uncompressed engine answered correctly ...
     num_kept: int = 0  # ... and this engine too: the fact survived compression
+    num_identical: int = 0  # replies whose token ids equal the uncompressed engine's
 
     @property
     def agreement(self) -> float:
@@ -113,8 +127,9 @@ def score(
 ) -> RetrievalScore:
     if not len(prompts) == len(reference) == len(got) or not prompts:
         raise ValueError("need one reference and one answer per prompt, and at least one prompt")
-    agree = sum(list(a) == list(b) for a, b in zip(reference, got))
+    agree = sum(p.answer(a, tokenizer) == p.answer(b, tokenizer) for p, a, b in zip(prompts, reference, got))
+    identical = sum(list(a) == list(b) for a, b in zip(reference, got))
     correct = [p.is_correct(a, tokenizer) for p, a in zip(prompts, got)]
     ref_correct = [p.is_correct(a, tokenizer) for p, a in zip(prompts, reference)]
     kept = sum(r and c for r, c in zip(ref_correct, correct))
-    return RetrievalScore(len(prompts), agree, sum(correct), sum(ref_correct), kept)
+    return RetrievalScore(len(prompts), agree, sum(correct), sum(ref_correct), kept, identical)

@@ -126,6 +126,28 @@ def _lowest(view: BlockView, key: torch.Tensor, num: int) -> torch.Tensor:
     return chosen
 
 
+# Just below 1: a successor ranks right after the block it follows, so when only one of the two fits, the
+# block that was attended to stays (ties drop the older first).
+SUCCESSOR_CREDIT = 0.999
+
+
+def _with_successors(view: BlockView, score: torch.Tensor) -> torch.Tensor:
+    """Each slot's score raised to its predecessor's when the two hold consecutive blocks: what a block
+    boundary cuts in two stays together. A fact the question attends to ("the code for Elena is 61750.")
+    often ends in the next block, which the question itself does not attend to; without this, the
+    retrieval check's answers lost their last digits (SnapKV pools its scores over neighbouring tokens for
+    the same reason). Block-level and forward only (pooling both neighbours was no better on perplexity):
+    on the kv bench's 50 retrieval prompts at 70%, heavy_hitter kept the fact in 38 of the 44 answers the
+    uncompressed cache gets right without it, 44/44 with it; ΔPPL on the 2k text +8.15% -> +8.30%."""
+    score = score.float().nan_to_num(0.0)
+    follows = torch.zeros_like(view.candidates)
+    consecutive = view.origin[:, 1:] == view.origin[:, :-1] + 1
+    follows[:, 1:] = consecutive & ~view.is_sink[:, :-1]  # a sink's successor is no fact's end
+    previous = torch.zeros_like(score)
+    previous[:, 1:] = score[:, :-1]
+    return torch.where(follows, torch.maximum(score, SUCCESSOR_CREDIT * previous), score)
+
+
 class EvictionPolicy(ABC):
     """Decides which of one request's slots each lane drops: a (lanes, n) bool mask with the same number of
     candidates (only ``view.candidates``) in every lane."""
@@ -233,7 +255,8 @@ class HeavyHitter(EvictionPolicy):
         num_newest = num_flexible - self.heavy_slots(view)  # (lanes,) candidates kept for being new
         order = view.candidates.cumsum(1)  # 1-based rank among candidates, oldest first
         newest = view.candidates & (order > (view.num_candidates - num_newest).unsqueeze(1))
-        return _lowest(view, view.score.float().masked_fill(newest, float("inf")), view.num_over)
+        key = _with_successors(view, view.score).masked_fill(newest, float("inf"))
+        return _lowest(view, key, view.num_over)
 
 
 @register_policy
@@ -252,7 +275,7 @@ class Snap(EvictionPolicy):
         return event.is_prompt_done and event.num_live > event.num_keep
 
     def select(self, view: BlockView) -> torch.Tensor:
-        return _lowest(view, view.score, view.num_over)
+        return _lowest(view, _with_successors(view, view.score), view.num_over)
 
 
 @register_policy
