@@ -10,6 +10,8 @@ from torch import nn
 
 from mcp2026.quant.plan import LayerQuantSpec
 from mcp2026.quant.quality import (
+    BF16_PLAN,
+    bf16_row,
     evaluate,
     kld_of,
     nll_of,
@@ -88,6 +90,17 @@ def test_use_more_bits_is_llama_cpp_rule():
     more = [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
     assert [i for i in range(30) if use_more_bits(i, 30)] == more
     assert [i for i in range(8) if use_more_bits(i, 8)] == [0, 3, 6, 7]
+
+
+def test_bf16_row_runs_our_model_in_bf16_against_the_fp32_reference(tiny_llama_dir):
+    from mcp2026.loading.loader import load_model
+
+    model = load_model(tiny_llama_dir, dtype=torch.float32).model
+    gen = torch.Generator().manual_seed(0)
+    windows = [torch.randint(320, (64,), generator=gen) for _ in range(3)]
+    row = bf16_row(tiny_llama_dir, windows, reference_logprobs(model, windows))
+    assert row["plan"] == BF16_PLAN and row["family"] == "dtype" and row["num_tokens"] == 3 * 31
+    assert 0 < row["kld"] < 0.05  # bf16 rounding: not the fp32 model, not far from it
 
 
 def test_role_mixture_plan(tiny_llama_dir):

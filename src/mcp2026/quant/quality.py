@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -236,6 +237,19 @@ def as_decode_steps(model: nn.Module) -> int:
     return changed
 
 
+BF16_PLAN = "bf16 weights and activations"
+
+
+def bf16_row(model_path: str | Path | None, windows: Sequence[Tensor], reference: Sequence[Tensor]) -> dict:
+    """Our model loaded in bf16, weights and activations: what ``dtype="auto"`` runs on CPUs with fast bf16
+    (and CUDA), against the fp32 reference on the same windows."""
+    from mcp2026.loading.loader import load_model
+
+    model = load_model(model_path, torch.bfloat16).model
+    return {"plan": BF16_PLAN, "family": "dtype", "bits": 16.0, "mib": None,
+            **evaluate(model, windows, reference).to_dict()}  # fmt: skip
+
+
 def run_quality_bench(
     model_path=None,
     settings: QualityBenchSettings = QualityBenchSettings(),
@@ -292,6 +306,8 @@ def run_quality_bench(
     if peer_rows is not None:
         more, notes = peer_rows(windows, reference)
         rows += more
+    if wanted(BF16_PLAN):
+        rows.append(bf16_row(model_path, windows, reference))
     with _progress(progress) as bar:
         task = bar.add_task("evaluating plans", total=len(plans))
         for name, (plan, scales, family) in plans.items():
