@@ -82,6 +82,9 @@ def test_a_heavy_blocks_successor_ranks_right_after_it():
     # Only one of a heavy block and its successor fits: the heavy one stays.
     snap = make_policy("snap", budget(sparsity_ratio=0.6))  # 40 tokens: keep sink 0, recent 8, 9 + 1
     assert dropped(snap.select(view(snap.budget, 40, [0.0, 0, 0, 5, 0, 0, 0, 0, 0, 0]))) == [1, 2, 4, 5, 6, 7]
+    # snap follows the rule too: 2 flexible slots go to block 3 and its successor 4, not to block 6
+    snap = make_policy("snap", budget(sparsity_ratio=0.5))
+    assert dropped(snap.select(view(snap.budget, 40, [0.0, 0, 0, 5, 0, 0, 1, 0, 0, 0]))) == [1, 2, 5, 6, 7]
 
 
 def test_heavy_hitter_chooses_per_lane_over_compacted_slots():

@@ -34,7 +34,7 @@ QUALITY_TARGETS = (
     Target("int4", "delta_ppl", 0.02, False, "ΔPPL ≤ 2%"),
     Target("int4", "bytes_ratio", 3.5, True, "≥ 3.5x fewer bytes"),
     Target("heavy_hitter@0.7", "delta_ppl", 0.05, False, "ΔPPL ≤ 5%"),
-    Target("heavy_hitter@0.7", "retrieval_agreement", 0.9, True, "answer agreement ≥ 90%"),
+    Target("heavy_hitter@0.7", "retrieval_agreement", 0.9, True, "answer agreement ≥ 90% (same answer)"),
 )
 CONCURRENCY_TARGET = Target("int4", "seqs_ratio", 3.0, True, "≥ 3x bf16's sequences")
 DECODE_TARGET = Target("evict", "speedup", 1.5, True, "≥ 1.5x uncompressed")
@@ -206,9 +206,14 @@ def notes(config: KVBenchConfig, loaded: Any, retrieval: dict | None, grid: list
     if retrieval:
         notes.append(
             f"Retrieval ({retrieval['mode']}): a fact early in the context, asked at the end; 'same answer' "
-            "= the same code as the uncompressed engine's greedy answer (its first number of 3+ digits; "
-            "or no code in both), 'same tokens' = identical answer token ids (stricter: where neither "
-            "engine retrieves the fact, the unrelated text that follows differs), 'answer correct' = the answer "
+            + (
+                "= the same code as the uncompressed engine's greedy answer (its first number of 3+ digits; "
+                "no code in both counts as the same), "
+                if retrieval["mode"] == "text"
+                else "= the same first ids as the uncompressed engine's greedy answer (as many as the fact's), "
+            )
+            + "'same tokens' = identical answer token ids (stricter: it also counts what follows the answer, "
+            "a final period or, where neither engine retrieves the fact, unrelated text), 'answer correct' = the answer "
             "contains the fact (a 135M model may not retrieve well even uncompressed), 'fact kept' = correct "
             "where the uncompressed engine was correct."
         )

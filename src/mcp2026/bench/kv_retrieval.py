@@ -23,7 +23,7 @@ NAMES = (
     "Alice", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ines", "Jonas",
     "Kofi", "Lena", "Marek", "Nadia", "Oskar", "Priya", "Quentin", "Rosa", "Sven", "Tariq",
 )  # fmt: skip
-CODE = re.compile(r"\d{3,}")  # what a reply answers: its first number of 3+ digits
+NUMBER = re.compile(r"[0-9]+(?:[, ][0-9]{3})*")  # "61750", "61,750" and "61 750" are one number
 ANSWER_TOKENS = 16  # greedy tokens per answer: "The secret code for Quentin is 12345." fits (digits: 1 each)
 EARLY = (0.05, 0.3)  # the fact starts within this fraction of the filler
 KEY_LEN, VALUE_LEN = 4, 5  # token mode: ids naming the fact and ids of its value
@@ -42,11 +42,13 @@ class RetrievalPrompt:
         return tuple(answer_ids[: len(self.value_ids)]) == self.value_ids
 
     def answer(self, answer_ids: Sequence[int], tokenizer: Any | None) -> str | tuple[int, ...] | None:
-        """What the reply answers: text mode, its first number of 3+ digits (None: it gives no code);
-        token mode, its first ids (as many as the fact's value)."""
+        """What the reply answers: text mode, its first number of 3+ digits, separators dropped (None: it
+        gives no code); token mode, its first ids (as many as the fact's value)."""
         if self.code is not None and tokenizer is not None:
-            found = CODE.search(tokenizer.decode(list(answer_ids)))
-            return found.group() if found else None
+            numbers = (
+                re.sub("[, ]", "", m.group()) for m in NUMBER.finditer(tokenizer.decode(list(answer_ids)))
+            )
+            return next((n for n in numbers if len(n) >= 3), None)
         return tuple(answer_ids[: len(self.value_ids)])
 
 

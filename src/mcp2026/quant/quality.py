@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -240,7 +241,9 @@ def as_decode_steps(model: nn.Module) -> int:
 BF16_PLAN = "bf16 weights and activations"
 
 
-def bf16_row(model_path: str | Path | None, windows: Sequence[Tensor], reference: Sequence[Tensor]) -> dict:
+def bf16_row(
+    model_path: str | Path | None, windows: Sequence[Tensor], reference: Sequence[Tensor]
+) -> dict[str, Any]:
     """Our model loaded in bf16, weights and activations: what ``dtype="auto"`` runs on CPUs with fast bf16
     (and CUDA), against the fp32 reference on the same windows."""
     from mcp2026.loading.loader import load_model
