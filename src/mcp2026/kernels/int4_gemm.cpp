@@ -67,18 +67,10 @@ template <int C>
 void gemm_rows(const uint8_t* wp, const float* so, const QuantizedRows& xr, int64_t M, int64_t K, float* out,
                int64_t N) {
   const int64_t nblk = K / 32;
-  for (int64_t r0 = 0; r0 < M; r0 += kGemmRows) {
-    const int8_t* xq = xr.q.data() + r0 * K;
-    const float* dx = xr.scale.data() + r0 * nblk;
-    const float* dxs = xr.sum.data() + r0 * nblk;
-    float* o = out + r0 * N;
-    switch (std::min(kGemmRows, M - r0)) {
-      case 1: gemm_tile<1, C>(wp, so, xq, dx, dxs, K, o, N); break;
-      case 2: gemm_tile<2, C>(wp, so, xq, dx, dxs, K, o, N); break;
-      case 3: gemm_tile<3, C>(wp, so, xq, dx, dxs, K, o, N); break;
-      default: gemm_tile<4, C>(wp, so, xq, dx, dxs, K, o, N); break;
-    }
-  }
+  for_row_tiles(M, [&](int64_t r0, auto rows) {
+    gemm_tile<decltype(rows)::value, C>(wp, so, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
+                                        xr.sum.data() + r0 * nblk, K, out + r0 * N, N);
+  });
 }
 #endif
 

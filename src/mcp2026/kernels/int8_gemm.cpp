@@ -51,9 +51,8 @@ TwoPlaneRows quantize_two_planes(const T* x, int64_t M, int64_t K) {
       for (int64_t b = 0; b < nblk; ++b) {
         const T* xb = x + i * K + b * 32;
         const __m512 a = load16(xb), c = load16(xb + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-        const float dx = amax / 127.f;
-        const __m512 inv = _mm512_set1_ps(dx > 0.f ? 1.f / dx : 0.f);
+        __m512 inv;
+        const float dx = block_step(a, c, &inv);
         int32_t sum = 0;
         for (int h = 0; h < 2; ++h) {
           const __m512 t = _mm512_mul_ps(h ? c : a, inv);  // |t| <= 127
@@ -121,19 +120,10 @@ template <int C>
 void gemm_rows(const uint8_t* wp, const float* scales, const TwoPlaneRows& xr, int64_t M, int64_t K, float* out,
                int64_t N) {
   const int64_t nblk = K / 32;
-  for (int64_t r0 = 0; r0 < M; r0 += kGemmRows) {
-    const int8_t* q1 = xr.q1.data() + r0 * K;
-    const int8_t* q2 = xr.q2.data() + r0 * K;
-    const float* step = xr.step.data() + r0 * nblk;
-    const float* corr = xr.corr.data() + r0;
-    float* o = out + r0 * N;
-    switch (std::min(kGemmRows, M - r0)) {
-      case 1: gemm_tile<1, C>(wp, scales, q1, q2, step, corr, K, o, N); break;
-      case 2: gemm_tile<2, C>(wp, scales, q1, q2, step, corr, K, o, N); break;
-      case 3: gemm_tile<3, C>(wp, scales, q1, q2, step, corr, K, o, N); break;
-      default: gemm_tile<4, C>(wp, scales, q1, q2, step, corr, K, o, N); break;
-    }
-  }
+  for_row_tiles(M, [&](int64_t r0, auto rows) {
+    gemm_tile<decltype(rows)::value, C>(wp, scales, xr.q1.data() + r0 * K, xr.q2.data() + r0 * K,
+                                        xr.step.data() + r0 * nblk, xr.corr.data() + r0, K, out + r0 * N, N);
+  });
 }
 #endif
 

@@ -46,13 +46,21 @@ inline RowsView rows_from(const QuantizedRows& r, int64_t r0, int64_t K) {
 }
 
 #ifdef MCP_INT4_VNNI
+// A 32-value block's int8 step dx = max |x| / 127 (returned) and 1 / dx in every lane (0 for a zero block):
+// every VNNI path rounds a block's first int8 plane from these, as the scalar loop below does.
+inline float block_step(__m512 a, __m512 b, __m512* inv) {
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float dx = amax / 127.f;
+  *inv = _mm512_set1_ps(dx > 0.f ? 1.f / dx : 0.f);
+  return dx;
+}
+
 // One fp32 block as the scalar loop below quantizes it, bit for bit: the max of |x| is exact, x * inv is the same
 // IEEE product, and the conversion rounds to nearest even as nearbyint does in the default rounding mode.
 inline void quantize_block_avx512(const float* xb, int8_t* qb, float* dx_out, int32_t* qsum_out) {
   const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  const float dx = amax / 127.f;
-  const __m512 inv = _mm512_set1_ps(dx > 0.f ? 1.f / dx : 0.f);
+  __m512 inv;
+  const float dx = block_step(a, b, &inv);
   const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb16 = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(qb16));

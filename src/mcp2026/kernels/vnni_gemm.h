@@ -4,7 +4,9 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "quantize_rows.h"
 
@@ -21,6 +23,20 @@ inline __m512i broadcast_dword(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 #endif
+
+// Rows in micro-tiles of kGemmRows (a shorter last one): fn(first row, std::integral_constant<int, rows>), so a
+// GEMM's micro-tile gets its row count as a template argument.
+template <typename F>
+void for_row_tiles(int64_t M, const F& fn) {
+  for (int64_t r0 = 0; r0 < M; r0 += kGemmRows) {
+    switch (std::min(kGemmRows, M - r0)) {
+      case 1: fn(r0, std::integral_constant<int, 1>{}); break;
+      case 2: fn(r0, std::integral_constant<int, 2>{}); break;
+      case 3: fn(r0, std::integral_constant<int, 3>{}); break;
+      default: fn(r0, std::integral_constant<int, 4>{}); break;
+    }
+  }
+}
 
 // Threads take the column tiles in pairs (a last single tile when the count is odd), each running every row
 // through its tiles so their weights stay in cache: fn(first tile, whether a second follows).

@@ -136,8 +136,8 @@ def _with_successors(view: BlockView, score: torch.Tensor) -> torch.Tensor:
     boundary cuts in two stays together. A fact the question attends to ("the code for Elena is 61750.")
     often ends in the next block, which the question itself does not attend to; without this, the
     retrieval check's answers lost their last digits (SnapKV pools its scores over neighbouring tokens for
-    the same reason). Block-level and forward only (pooling both neighbours was no better on perplexity):
-    on the kv bench's 50 retrieval prompts at 70%, heavy_hitter kept the fact in 38 of the 44 answers the
+    the same reason). Block-level and forward only (docs/kv-cache.md, "Successors", has the variants): on
+    the kv bench's 50 retrieval prompts at 70%, heavy_hitter kept the fact in 38 of the 44 answers the
     uncompressed cache gets right without it, 44/44 with it; ΔPPL on the 2k text +8.15% -> +8.30%."""
     score = score.float().nan_to_num(0.0)
     follows = torch.zeros_like(view.candidates)
