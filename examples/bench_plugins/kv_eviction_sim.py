@@ -27,8 +27,11 @@ from mcp2026.bench.plugins import PluginContext
 
 VARIANTS = (
     "block-global", "block-lane", "token-lane", "token-window",
-    "oracle-token", "oracle-block", "future-block", "future-token",
+    "oracle-token", "oracle-block", "future-block", "future-token", "block-split", "token-split",
+    "token-ada-layer", "token-ada-all",
 )  # fmt: skip
+ADAS = ("token-ada-layer", "token-ada-all")  # unequal budgets per lane (Ada-KV), ranked across lanes
+SPLITS = ("block-split", "token-split")  # the engine's heavy_hitter: decayed scores, a split per lane
 ORACLES = ("oracle-token", "oracle-block")  # per-query selection: a bound for any policy
 FUTURES = ("future-block", "future-token")  # eviction ranked by the attention yet to come: clairvoyant
 BLOCK, SINK, MIN_RECENT, WINDOW = 16, 4, 64, 32
@@ -62,10 +65,12 @@ class _MaskedAttention:
         if not st:
             st.update(k=k.new_zeros(nkv, 0, hd), v=v.new_zeros(nkv, 0, hd))
             st.update(keep=torch.zeros(nkv, 0, dtype=torch.bool), score=torch.zeros(nkv, 0))
+            st.update(recent=torch.zeros(nkv, 0), last=torch.zeros(nkv, 0))
         st["k"] = torch.cat([st["k"], k.transpose(0, 1)], 1)
         st["v"] = torch.cat([st["v"], v.transpose(0, 1)], 1)
         st["keep"] = torch.cat([st["keep"], torch.ones(nkv, t, dtype=torch.bool)], 1)
         st["score"] = torch.cat([st["score"], torch.zeros(nkv, t)], 1)
+        old = torch.cat([st["recent"], torch.full((nkv, t), float("nan"))], 1)
         total = st["k"].shape[1]
         start = total - t
         causal = torch.arange(total)[None, :] <= (start + torch.arange(t))[:, None]  # (T, S)
@@ -76,6 +81,11 @@ class _MaskedAttention:
         if self.oracle is not None and self.budget is not None:
             probs = self._oracle_probs(scores, probs, start)
         st["score"] += probs[:, :, -min(WINDOW, t) :].sum((1, 2))
+        # the engine's "recent" score: each observation's mean relative to uniform, decayed by age
+        obs = probs[:, :, -min(WINDOW, t) :].sum(1).mean(1) * (st["keep"][0].sum() / BLOCK)
+        decay = 0.5 ** (t / WINDOW)
+        st["recent"] = torch.where(old.isnan(), obs, decay * old + (1 - decay) * obs)
+        st["last"] = obs
         if self.recorded is not None:
             if not self.recorded[layer].numel():
                 self.recorded[layer] = torch.zeros(nkv, self.record_len, self.record_len, dtype=torch.float16)
@@ -107,6 +117,18 @@ class _MaskedAttention:
         if variant in ORACLES:
             self.budget = (budget, n)
             return
+        if variant in ADAS:
+            groups = [[st] for st in self.layers] if variant == "token-ada-layer" else [self.layers]
+            for group in groups:
+                _keep_ranked_across(group, n, budget)
+            return
+        if variant in SPLITS:
+            unit = BLOCK if variant == "block-split" else 1
+            for st in self.layers:
+                keep = _keep_split(st["recent"], st["keep"], n, budget, unit)
+                if keep is not None:
+                    st["keep"][:, :n] = keep
+            return
         recent = max(MIN_RECENT, int(budget * 0.97)) if variant == "token-window" else MIN_RECENT
         shared = sum(st["score"].sum(0) for st in self.layers)[None] if variant == "block-global" else None
         for layer, st in enumerate(self.layers):
@@ -137,6 +159,59 @@ def _keep_blocks(
     drop = key.topk(nb - num_keep, largest=False).indices  # the dead ones (-inf) and the lowest live ones
     kept = torch.ones_like(block_live).scatter_(1, drop, False)
     return kept.repeat_interleave(BLOCK, 1)[:, :n].expand(nkv, n)
+
+
+def _keep_split(
+    score: torch.Tensor, live: torch.Tensor, n: int, budget: int, unit: int
+) -> torch.Tensor | None:
+    """heavy_hitter's per-lane split (kv/eviction.py) at ``unit``-token granularity."""
+    nu, nkv = -(-n // unit), live.shape[0]
+    pad = nu * unit - n
+    s = F.pad(score[:, :n].nan_to_num(0.0), (0, pad)).view(nkv, nu, unit).sum(-1)
+    alive = F.pad(live[:, :n].float(), (0, pad)).view(nkv, nu, unit).amax(-1).bool()
+    sink = torch.zeros_like(alive)
+    sink[:, : -(-SINK // unit)] = True
+    recent = torch.zeros_like(alive)
+    recent[:, max(0, n - MIN_RECENT) // unit :] = True
+    num_live, num_keep = int(alive[0].sum()), -(-budget // unit)
+    num_over = num_live - num_keep
+    if num_over <= 0:
+        return None
+    cand = alive & ~sink & ~recent
+    num_cand = int(cand[0].sum())
+    window_drops = cand & (cand.cumsum(1) <= num_over)
+    reach = (s * window_drops).sum(1) / (s * (alive & ~sink)).sum(1).clamp_min(1e-12)
+    num_sinks, num_recent = int((sink & alive)[0].sum()), int(recent[0].sum())
+    flexible = num_keep - num_sinks - num_recent
+    heavy = (reach.clamp(0, 0.9) * (num_keep - num_sinks)).floor().long().clamp(0, max(flexible, 0))
+    newest = cand & (cand.cumsum(1) > (num_cand - (flexible - heavy)).unsqueeze(1))
+    key = s.masked_fill(newest | ~cand, float("inf"))
+    key = key.masked_fill(~alive, float("-inf"))
+    num_drop = min(num_over, num_cand)
+    drop = key.topk(num_drop + int((~alive)[0].sum()), largest=False).indices
+    kept = torch.ones_like(alive).scatter_(1, drop, False)
+    return kept.repeat_interleave(unit, 1)[:, :n]
+
+
+def _keep_ranked_across(layers: list[dict[str, Any]], n: int, budget: int) -> None:
+    """Every lane keeps sinks and the recent window; the rest of the group's total budget goes to the
+    highest decayed scores over all its lanes (so lanes keep different numbers of tokens)."""
+    score = torch.cat([st["recent"][:, :n] for st in layers]).nan_to_num(0.0)
+    live = torch.cat([st["keep"][:, :n] for st in layers])
+    protected = torch.zeros_like(live)
+    protected[:, :SINK] = True
+    protected[:, n - MIN_RECENT :] = True
+    total = budget * live.shape[0]
+    if int(live.sum()) <= total:
+        return
+    key = score.masked_fill(protected, float("inf")).masked_fill(~live, float("-inf")).flatten()
+    drop = key.topk(live.numel() - total, largest=False).indices
+    keep = torch.ones(live.numel(), dtype=torch.bool).scatter_(0, drop, False).view_as(live)
+    start = 0
+    for st in layers:
+        nkv = st["keep"].shape[0]
+        st["keep"][:, :n] = keep[start : start + nkv]
+        start += nkv
 
 
 def _keep_tokens(
@@ -199,6 +274,9 @@ class EvictionSimulation:
                     target = torch.tensor(self.tokens[a + 1 : b + 1])
                     logprobs = torch.log_softmax(logits.float()[: len(target)], -1)
                     nll.append(-logprobs.gather(1, target[:, None]).squeeze(1))
+                    if b == prompt:  # the prompt's last queries replace the decayed scores (as the engine)
+                        for st in attention.layers:
+                            st["recent"] = st["last"].clone()
                     if variant is not None and (b >= prompt or not self.defer_prompt):
                         attention.evict(b, self.sparsity, variant)
         finally:

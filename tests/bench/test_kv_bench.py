@@ -26,6 +26,7 @@ SMALL = dict(
     codecs=("fp32", "int8", "int4"),
     policies=("heavy_hitter",),
     sparsities=(0.7,),
+    combined=("int4+heavy_hitter@0.7", "int8+sink_window@0.7"),
     block_size=8,
     chunk_size=16,
     retrieval_seeds=3,
@@ -50,7 +51,14 @@ def run(tiny_dir):
 
 def test_rows_and_exact_identity(run):
     quality = run.aggregates["quality"]
-    assert list(quality) == ["fp32", "int8", "int4", "heavy_hitter@0.7"]
+    assert list(quality) == [
+        "fp32",
+        "int8",
+        "int4",
+        "heavy_hitter@0.7",
+        "int4+heavy_hitter@0.7",
+        "int8+sink_window@0.7",
+    ]
     table = run.tables[0]
     assert [r[0] for r in table.rows] == ["uncompressed (fp32 KV)", *quality]
     # The identity codec through the same engine path is bit-exact with the reference.
@@ -60,13 +68,29 @@ def test_rows_and_exact_identity(run):
     assert quality["int8"]["kld"] < quality["int4"]["kld"]
     assert quality["fp32"]["num_tokens"] == 2 * 127  # every position with a next token, both sequences
     records = [r for r in run.records if r["kind"] == "quality"]
-    assert len(records) == 2 * 4
+    assert len(records) == 2 * 6
     evicted = [r["evicted_blocks"] for r in records if r["config"] == "heavy_hitter@0.7"]
     assert all(e > 0 for e in evicted) and quality["heavy_hitter@0.7"]["kld"] > 0
     assert all(r["evicted_blocks"] == 0 for r in records if "@" not in r["config"])
     # llama.cpp's KV types need a GGUF file: a tiny HF folder gets a note, not an error
     assert run.aggregates["llama_cpp_kv"] is None
     assert any(n.startswith("llama.cpp peer skipped") for n in run.notes)
+
+
+def test_combined_rows_quantize_and_evict(run):
+    quality, memory = run.aggregates["quality"], run.aggregates["memory"]
+    records = [r for r in run.records if r["kind"] == "quality"]
+    for name in ("int4+heavy_hitter@0.7", "int8+sink_window@0.7"):
+        assert all(r["evicted_blocks"] > 0 for r in records if r["config"] == name)
+    # both losses: more than the codec alone, fewer bytes per context token than eviction alone
+    assert quality["int4+heavy_hitter@0.7"]["kld"] > quality["int4"]["kld"]
+    assert (
+        quality["int4+heavy_hitter@0.7"]["kv_bytes_per_token"]
+        < quality["heavy_hitter@0.7"]["kv_bytes_per_token"]
+    )
+    # memory rows only where the policy bounds the peak (heavy_hitter holds a whole prompt first)
+    assert "int8 + sink_window@0.7" in memory and "int4 + heavy_hitter@0.7" not in memory
+    assert memory["int8 + sink_window@0.7"]["max_sequences"] > memory["int8"]["max_sequences"]
 
 
 def test_bytes(run):
@@ -221,10 +245,21 @@ def test_config_presets_and_validation():
         "int8",
         "snap@0.5",
     ]
+    combined = KVBenchConfig(codecs=(), policies=(), combined=("int4+heavy_hitter@0.7",))
+    ((name, kv),) = combined.grid()
+    assert (name, kv.dtype, kv.policy, kv.sparsity_ratio) == (
+        "int4+heavy_hitter@0.7",
+        "int4",
+        "heavy_hitter",
+        0.7,
+    )
+    assert "--combined int4+heavy_hitter@0.7" in combined.command()
     for kwargs, match in [
         ({"context_tokens": 9000}, "--context-tokens"),
         ({"codecs": ("int3",)}, "dtype must be one of"),
         ({"retrieval_configs": ("heavy_hitter@x",)}, "POLICY@SPARSITY"),
+        ({"combined": ("int4",)}, "CODEC\\+POLICY@SPARSITY"),
+        ({"combined": ("int3+snap@0.5",)}, "dtype must be one of"),
         ({"sparsities": (1.0,)}, "sparsity_ratio"),
         ({"codecs": (), "policies": ()}, "nothing to measure"),
         ({"block_size": 12}, "--block-size"),

@@ -22,7 +22,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mcp2026.bench.kv_config import DECODE_SPARSITY, PROMPT_CHUNK, KVBenchConfig, config_name, parse_config
+from mcp2026.bench.kv_config import (
+    DECODE_SPARSITY,
+    PROMPT_CHUNK,
+    KVBenchConfig,
+    codec_of,
+    config_name,
+    parse_config,
+)
 from mcp2026.bench.kv_report import notes, tables, targets
 from mcp2026.bench.report import BenchRun, machine_info
 from mcp2026.kv.manager import cdiv
@@ -260,7 +267,7 @@ def _retrieval(ctx: _Context) -> dict[str, Any]:
     configs = [("uncompressed", None)] + [
         (n, parse_config(n, config.identity, config.block_size))
         for n in config.retrieval_configs
-        if n not in ctx.skipped
+        if codec_of(n, config.identity) not in ctx.skipped
     ]
     task = ctx.progress.add_task("retrieval", total=len(configs)) if ctx.progress is not None else None
     answers: dict[str, list[list[int]]] = {}
@@ -313,11 +320,16 @@ def _memory(ctx: _Context) -> dict[str, dict[str, float]]:
     # 2048-token prompt is all of it)
     evicting = [p for p in config.policies if bounds_peak(p)]
     names += [f"bf16 + {config_name(evicting[0], s)}" for s in config.sparsities] if evicting else []
+    names += [  # combined rows whose peak is their budget
+        n.replace("+", " + ")
+        for n in config.combined
+        if codec_of(n, config.identity) not in ctx.skipped
+        and bounds_peak(parse_config(n, config.identity, config.block_size).policy)
+    ]
     budget = int(config.budget_gb * 1e9)
     rows = {}
     for name in names:
-        codec, _, evict = name.partition(" + ")
-        kv = parse_config(evict or codec, codec, config.block_size)
+        kv = parse_config(name, config.identity, config.block_size)
         seqs = max_concurrent_sequences(model, kv, budget, config.concurrent_len, dtype)
         rows[name] = {"kv_bytes_per_token": kv_bytes_per_token(model, kv, dtype), "max_sequences": seqs}
     base = rows["bf16"]["max_sequences"]
@@ -382,13 +394,15 @@ def run_kv(
     t_start = time.perf_counter()
     loaded = load_model(config.model, dtype=DTYPES[config.dtype])
     load_s = time.perf_counter() - t_start
-    codecs = [*config.codecs, *(n for n in config.retrieval_configs if "@" not in n)]
+    codecs = [
+        codec_of(n, config.identity) for n in (*config.codecs, *config.retrieval_configs, *config.combined)
+    ]
     skipped = unavailable_codecs(list(dict.fromkeys(codecs)), config.block_size)
     ctx = _Context(config, loaded, kv_bytes_per_token(loaded.config, None, torch.bfloat16), progress, skipped)
     for name, why in skipped.items():
         ctx.notes.append(f"{name} skipped: its encode/decode does not run on this device ({why})")
         say(ctx.notes[-1])
-    grid = [(n, kv) for n, kv in config.grid() if n not in skipped]
+    grid = [(n, kv) for n, kv in config.grid() if codec_of(n, config.identity) not in skipped]
     if not grid:
         raise ValueError("every config was skipped on this device; choose other --codecs or add --policies")
     if config.text == "sharegpt" and loaded.tokenizer is None:

@@ -51,6 +51,12 @@ def kv(
     sparsities: Annotated[
         str | None, typer.Option(help="comma list, fraction dropped (default 0.5,0.7,0.9)")
     ] = None,
+    combined: Annotated[
+        str | None,
+        typer.Option(
+            help="comma list of codec + eviction rows, e.g. int4+heavy_hitter@0.7, or none (default none)"
+        ),
+    ] = None,
     block_size: Annotated[int | None, typer.Option(help="KV block size in tokens (default 16)")] = None,
     chunk_size: Annotated[
         int | None,
@@ -121,6 +127,7 @@ def kv(
         codecs=_names(codecs),
         policies=_names(policies),
         sparsities=_floats("--sparsities", sparsities),
+        combined=_names(combined),
         block_size=block_size,
         chunk_size=chunk_size,
         retrieval_seeds=retrieval_seeds,

@@ -1,6 +1,7 @@
 """Settings of ``mcp2026 bench kv``: the grid of KV configs and how each is named. A config is a codec
-(``int8``: K/V stored with it, nothing evicted) or a policy at a sparsity (``heavy_hitter@0.7``: K/V stored
-as the model's dtype, 70% of the context dropped).
+(``int8``: K/V stored with it, nothing evicted), a policy at a sparsity (``heavy_hitter@0.7``: K/V stored
+as the model's dtype, 70% of the context dropped), or both (``int4+heavy_hitter@0.7``: what a deployment
+short of memory would run, and whether the two losses add up).
 """
 
 from __future__ import annotations
@@ -18,19 +19,34 @@ def config_name(policy: str, sparsity: float) -> str:
     return f"{policy}@{sparsity:g}"
 
 
+def codec_of(name: str, identity: str) -> str:
+    """The codec a config stores K/V with: ``int4`` for ``int4`` and ``int4+heavy_hitter@0.7``,
+    ``identity`` (the model's dtype) for ``heavy_hitter@0.7``."""
+    codec, plus, evict = (part.strip() for part in name.partition("+"))
+    if plus:
+        return codec
+    return identity if "@" in codec else codec
+
+
 def parse_config(name: str, identity: str, block_size: int) -> Any:
-    """``int8`` (a codec, no eviction) or ``heavy_hitter@0.7`` (a policy at a sparsity, K/V stored as
-    ``identity``, the model's dtype) -> KVCompressor."""
+    """``int8`` (a codec, no eviction), ``heavy_hitter@0.7`` (a policy at a sparsity, K/V stored as
+    ``identity``, the model's dtype) or ``int4+heavy_hitter@0.7`` (both) -> KVCompressor."""
     from mcp2026.kv.compressor import KVCompressor
 
-    if "@" not in name:
-        return KVCompressor(dtype=name, policy="none", block_size=block_size)
-    policy, _, sparsity = name.partition("@")
+    codec = codec_of(name, identity)
+    evict = name.partition("+")[2].strip() if "+" in name else name.strip()
+    if "@" not in evict:
+        if "+" in name:
+            raise ValueError(
+                f"KV config {name!r}: expected CODEC+POLICY@SPARSITY, e.g. int4+heavy_hitter@0.7"
+            )
+        return KVCompressor(dtype=codec, policy="none", block_size=block_size)
+    policy, _, sparsity = evict.partition("@")
     try:
         ratio = float(sparsity)
     except ValueError:
         raise ValueError(f"KV config {name!r}: expected POLICY@SPARSITY, e.g. heavy_hitter@0.7") from None
-    return KVCompressor(dtype=identity, policy=policy, sparsity_ratio=ratio, block_size=block_size)
+    return KVCompressor(dtype=codec, policy=policy, sparsity_ratio=ratio, block_size=block_size)
 
 
 @dataclass(frozen=True)
@@ -42,6 +58,7 @@ class KVBenchConfig:
     codecs: tuple[str, ...] = ("int8", "int4", "fp8")
     policies: tuple[str, ...] = ("sink_window", "heavy_hitter", "snap", "dynamic_window")
     sparsities: tuple[float, ...] = (0.5, 0.7, 0.9)
+    combined: tuple[str, ...] = ()  # codec + eviction rows, e.g. int4+heavy_hitter@0.7
     block_size: int = 16
     chunk_size: int = 32  # teacher-forced chunk after the prompt half (1 = token by token)
     retrieval_seeds: int = 50  # 20 gave 5-point steps around the 90% target
@@ -80,6 +97,11 @@ class KVBenchConfig:
             raise ValueError(f"--block-size must be one of {BLOCK_SIZES}, got {self.block_size}")
         if self.text not in TEXTS:
             raise ValueError(f"--text must be one of {', '.join(TEXTS)}, got {self.text!r}")
+        for name in self.combined:
+            if "+" not in name or "@" not in name:
+                raise ValueError(
+                    f"--combined takes CODEC+POLICY@SPARSITY rows, e.g. int4+heavy_hitter@0.7, got {name!r}"
+                )
         if not self.grid():
             raise ValueError("nothing to measure: give at least one codec or one policy with a sparsity")
         for name in self.retrieval_configs:
@@ -110,7 +132,11 @@ class KVBenchConfig:
 
     def grid(self) -> list[tuple[str, Any]]:
         """(name, KVCompressor) of every quality row: codecs, then policies x sparsities."""
-        names = [*self.codecs, *(config_name(p, s) for p in self.policies for s in self.sparsities)]
+        names = [
+            *self.codecs,
+            *(config_name(p, s) for p in self.policies for s in self.sparsities),
+            *self.combined,
+        ]
         return [(n, parse_config(n, self.identity, self.block_size)) for n in dict.fromkeys(names)]
 
     def command(self) -> str:
@@ -124,6 +150,7 @@ class KVBenchConfig:
             f"--codecs {','.join(self.codecs) or 'none'}",
             f"--policies {','.join(self.policies) or 'none'}",
             f"--sparsities {','.join(f'{s:g}' for s in self.sparsities)}",
+            *([f"--combined {','.join(self.combined)}"] if self.combined else []),
             f"--block-size {self.block_size}",
             f"--chunk-size {self.chunk_size}",
             f"--retrieval-seeds {self.retrieval_seeds}",
