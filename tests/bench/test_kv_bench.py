@@ -93,6 +93,16 @@ def test_combined_rows_quantize_and_evict(run):
     assert memory["int8 + sink_window@0.7"]["max_sequences"] > memory["int8"]["max_sequences"]
 
 
+def test_notes_follow_what_ran(run):
+    from mcp2026.bench.kv_report import notes
+
+    assert any("combined rows (CODEC+POLICY) with their codec" in n for n in run.notes)
+    assert any(n.startswith("Decode tok/s is one measurement") for n in run.notes)
+    quiet = KVBenchConfig(codecs=("int8",), policies=(), decode_context=0)
+    written = notes(quiet, None, None, quiet.grid())
+    assert not any("Decode" in n or "combined" in n for n in written)
+
+
 def test_bytes(run):
     memory, quality = run.aggregates["memory"], run.aggregates["quality"]
     bytes_ = {name: memory[name]["kv_bytes_per_token"] for name in ("int4", "int8", "bf16", "fp32")}

@@ -200,8 +200,9 @@ def notes(config: KVBenchConfig, loaded: Any, retrieval: dict | None, grid: list
         f"the rest teacher-forced in {config.chunk_size}-token chunks; eviction runs after every chunk "
         "(heavy_hitter keeps a prompt the pool could hold whole until its last chunk). 'ΔPPL after prompt' "
         "scores only the positions after the prompt (what generation sees). "
-        f"Eviction rows store K/V as {config.identity}; KV bytes/token of an eviction row = pool bytes still "
-        "held at the end / sequence tokens.",
+        f"Eviction rows store K/V as {config.identity}"
+        + (", combined rows (CODEC+POLICY) with their codec" if config.combined else "")
+        + "; KV bytes/token of an eviction row = pool bytes still held at the end / sequence tokens.",
     ]
     if retrieval:
         notes.append(
@@ -226,5 +227,6 @@ def notes(config: KVBenchConfig, loaded: Any, retrieval: dict | None, grid: list
 
         if not hardware.has_fast_bf16():
             notes.append("bf16 on a CPU without AVX512-BF16/AMX: emulated, several times slower than fp32")
-    notes.append("Decode tok/s is one measurement per config: compare it on a quiet machine only.")
+    if config.decode_context:
+        notes.append("Decode tok/s is one measurement per config: compare it on a quiet machine only.")
     return notes
