@@ -3,6 +3,8 @@ positions, pool integrity, the prefix-cache rule, and Pipeline / inject wiring."
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,12 +100,17 @@ def test_quantized_kv_stays_close(tiny, reference):
     assert max(report["k_error_max"] + report["v_error_max"]) < 0.02 and not report["layers_over_max_error"]
 
 
-def test_int4_staging_through_the_engine(tiny):
+def test_int4_staging_through_the_engine(tiny, caplog):
     engine = make_engine(tiny, KVCompressor(dtype="int4", policy="none"), max_num_batched_tokens=16)
-    out = run(engine, prompts(4, seed=1), check=True)
+    with caplog.at_level(logging.WARNING, logger="mcp2026.kv.debug"):
+        out = run(engine, prompts(4, seed=1), check=True)
     assert all(len(o) == PARAMS.max_tokens for o in out)
     report = engine.kv_debug_report()
     assert report["num_shape_checks"] > 0 and report["layers_over_max_error"]  # int4 > 2% is reported
+    # ... every layer and kind over it in the report, one line in the log
+    assert len(report["layers_over_max_error"]) > 1
+    (warning,) = [r for r in caplog.records if r.name == "mcp2026.kv.debug"]
+    assert "exceeds max_error 0.0200 (logged once" in warning.getMessage()
     engine.step()  # the next step releases the last finished requests' staging blocks
     assert engine.cache.num_staged == 0
     assert engine.kv_manager.num_free_blocks == 96
