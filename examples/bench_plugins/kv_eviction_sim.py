@@ -4,15 +4,23 @@ granularities the engine does not all implement. docs/kv-cache.md quotes its fig
 
     mcp2026 bench plugin examples/bench_plugins/kv_eviction_sim.py:EvictionSimulation --dtype fp32
 
-Parameters (``--param KEY=VALUE``): context_tokens (2048), sparsity (0.7), variants (comma list, default all):
+Parameters (``--param KEY=VALUE``): context_tokens (2048), sparsity (0.7), defer_prompt (0; 1 = evict from
+the prompt's end on, as ``heavy_hitter``), variants (comma list, default all):
 ``block-global`` one block ranking shared by every layer and KV head (the engine before session 9),
-``block-lane`` a block ranking per (layer, KV head) (the engine now), ``token-lane`` per lane and token,
-``token-window`` sinks + a recent window of 97% of the budget, per token (StreamingLLM). Rankings use the
-attention mass of each chunk's last 32 queries, summed over chunks (H2O); sinks are 4 tokens, the recent
-window at least 64. The prompt (first half) is prefilled in 256-token chunks, the rest in 32-token chunks,
-evicting after each chunk, as ``mcp2026 bench kv``. Slow (pure PyTorch attention): ~2 minutes at 2k.
+``block-lane`` an H2O block ranking per (layer, KV head), ``token-lane`` per lane and token,
+``token-window`` sinks + a recent window of 97% of the budget, per token (StreamingLLM);
+``block-split`` / ``token-split`` the engine's ``heavy_hitter`` rule (decayed scores relative to uniform, the
+prompt's last queries replacing them at its end, each lane's split between heavy hitters and its newest
+blocks; no successor rule) in blocks / per token: what token-granular eviction would add to the engine;
+``token-ada-layer`` / ``token-ada-all`` unequal budgets per lane (Ada-KV, arXiv:2407.11550): every lane keeps
+sinks and the window, and the rest of a layer's (of all layers') total goes to the highest decayed scores over
+its lanes; ``oracle-token`` / ``oracle-block`` per query, the keys it attends to most (a bound, no policy);
+``future-token`` / ``future-block`` a persistent cache ranked by the attention later queries pay (clairvoyant).
+H2O rankings use the attention mass of each chunk's last 32 queries, summed over chunks; sinks are 4 tokens,
+the recent window at least 64. The prompt (first half) is prefilled in 256-token chunks, the rest in 32-token
+chunks, evicting after each chunk, as ``mcp2026 bench kv``. Slow (pure PyTorch attention): ~2 minutes at 2k.
 
-Metrics: ppl_ref, and delta_ppl_pct_<variant> for each variant.
+Metrics: ppl_ref, and delta_ppl_pct_<variant> and delta_ppl_after_prompt_pct_<variant> for each variant.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ class _MaskedAttention:
         # a full-attention run records that mass for a ``record``-token text (fp16: 0.75 GB at 2k)
         self.recorded = [torch.zeros(0)] * num_layers if record else None
         self.record_len = record
+        self.value_norm = False
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Any
@@ -83,6 +92,8 @@ class _MaskedAttention:
         st["score"] += probs[:, :, -min(WINDOW, t) :].sum((1, 2))
         # the engine's "recent" score: each observation's mean relative to uniform, decayed by age
         obs = probs[:, :, -min(WINDOW, t) :].sum(1).mean(1) * (st["keep"][0].sum() / BLOCK)
+        if self.value_norm:  # VATP (arXiv:2406.12335): what a key contributes is its weight times |v|
+            obs = obs * st["v"].norm(dim=-1)
         decay = 0.5 ** (t / WINDOW)
         st["recent"] = torch.where(old.isnan(), obs, decay * old + (1 - decay) * obs)
         st["last"] = obs
@@ -239,6 +250,7 @@ class EvictionSimulation:
         self.context = int(ctx.param("context_tokens", "2048"))
         self.sparsity = float(ctx.param("sparsity", "0.7"))
         self.defer_prompt = ctx.param("defer_prompt", "0") == "1"  # evict from the prompt's end on
+        self.value_norm = ctx.param("value_norm", "0") == "1"  # split variants: scores x |v| (VATP)
         self.future: list[torch.Tensor] | None = None
         self.variants = [v for v in ctx.param("variants", ",".join(VARIANTS)).split(",") if v]
         unknown = sorted(set(self.variants) - set(VARIANTS))
@@ -262,6 +274,7 @@ class EvictionSimulation:
         oracle = variant if variant in ORACLES else None
         record = n if variant is None and any(v in FUTURES for v in self.variants) else 0
         attention = _MaskedAttention(self.num_layers, oracle, self.future, record)
+        attention.value_norm = self.value_norm
         original = llama.attention
         llama.attention = attention
         nll = []
