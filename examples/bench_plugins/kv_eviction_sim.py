@@ -5,7 +5,8 @@ granularities the engine does not all implement. docs/kv-cache.md quotes its fig
     mcp2026 bench plugin examples/bench_plugins/kv_eviction_sim.py:EvictionSimulation --dtype fp32
 
 Parameters (``--param KEY=VALUE``): context_tokens (2048), sparsity (0.7), defer_prompt (0; 1 = evict from
-the prompt's end on, as ``heavy_hitter``), variants (comma list, default all):
+the prompt's end on, as ``heavy_hitter``), sinks (4 tokens), recent (the least recent window, 64 tokens),
+value_norm (0; 1 = split variants' scores weighted by |v|), variants (comma list, default all):
 ``block-global`` one block ranking shared by every layer and KV head (the engine before session 9),
 ``block-lane`` an H2O block ranking per (layer, KV head), ``token-lane`` per lane and token,
 ``token-window`` sinks + a recent window of 97% of the budget, per token (StreamingLLM);
@@ -251,6 +252,8 @@ class EvictionSimulation:
         self.sparsity = float(ctx.param("sparsity", "0.7"))
         self.defer_prompt = ctx.param("defer_prompt", "0") == "1"  # evict from the prompt's end on
         self.value_norm = ctx.param("value_norm", "0") == "1"  # split variants: scores x |v| (VATP)
+        global SINK, MIN_RECENT  # module-level, read by every variant's helper
+        SINK, MIN_RECENT = int(ctx.param("sinks", str(SINK))), int(ctx.param("recent", str(MIN_RECENT)))
         self.future: list[torch.Tensor] | None = None
         self.variants = [v for v in ctx.param("variants", ",".join(VARIANTS)).split(",") if v]
         unknown = sorted(set(self.variants) - set(VARIANTS))

@@ -93,6 +93,24 @@ def test_combined_rows_quantize_and_evict(run):
     assert memory["int8 + sink_window@0.7"]["max_sequences"] > memory["int8"]["max_sequences"]
 
 
+def test_retrieval_only_configs_get_a_row():
+    from mcp2026.bench.kv_report import tables
+
+    config = KVBenchConfig(codecs=("int8",), policies=(), retrieval_configs=("snap@0.7",))
+    quality = {"int8": {"delta_ppl": 0.001, "kld": 0.0, "top1_agreement": 1.0, "kv_bytes_per_token": 1.0,
+                        "bytes_ratio": 2.0, "num_tokens": 9, "ppl_ref": 3.0}}  # fmt: skip
+    scores = {
+        name: {"num_agree": a, "num_identical": a, "num_correct": a, "num_kept": a, "num_ref_correct": 4,
+               "num_prompts": 5, "agreement": a / 5}
+        for name, a in (("uncompressed", 4), ("snap@0.7", 3))
+    }  # fmt: skip
+    agg = {"quality": quality, "retrieval": {"scores": scores, "mean_prompt_len": 90.0}, "text": "t",
+           "memory": {"fp32": {"kv_bytes_per_token": 2.0, "bytes_ratio": 0.5, "max_sequences": 1,
+                               "seqs_ratio": 1.0}}, "decode": None}  # fmt: skip
+    rows = {r[0]: r for r in tables(config, agg)[0].rows}
+    assert rows["snap@0.7"][1:7] == ["—"] * 6 and rows["snap@0.7"][7:11] == ["3/5", "3/5", "3/5", "3/4"]
+
+
 def test_notes_follow_what_ran(run):
     from mcp2026.bench.kv_report import notes
 

@@ -120,6 +120,13 @@ def _quality_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
                 _verdicts(agg, name, QUALITY_TARGETS),
             ]
         )
+    for name in scores:  # checked for retrieval only: no quality columns, but their answers count
+        if name != "uncompressed" and name not in quality:
+            rows.append(
+                [name, *["—"] * 6, count(name, "num_agree"), count(name, "num_identical"),
+                 count(name, "num_correct"), count(name, "num_kept", "num_ref_correct"),
+                 _verdicts(agg, name, [t for t in QUALITY_TARGETS if t.metric == "retrieval_agreement"])]
+            )  # fmt: skip
     first = next(iter(quality.values()))
     title = (
         f"KV compression quality: {config.num_sequences} x {config.context_tokens} tokens of {agg['text']} "
