@@ -137,6 +137,10 @@ class Req:
         return self.prompt + self.output
 
     @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.prompt
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
 
@@ -336,3 +340,51 @@ def test_recent_scores_decay_with_age_and_start_from_the_first_observation():
     evictor.absorb([StepScores(["a"], [3], second)], {"a": half_life})  # one half-life later: equal weights
     torch.testing.assert_close(evictor.recent[row, :, :3], (first[0] + second[0]) * 1.5)
     torch.testing.assert_close(evictor.last[row, :, :3], second[0] * 3)
+
+
+def test_lexical_anchors_find_the_passage_the_question_names():
+    from mcp2026.kv.eviction import lexical_anchors
+
+    filler = [1000 + i for i in range(48)]
+    ids = filler[:12] + [7, 8, 9, 10] + filler[16:40] + [5, 7, 6, 8, 5, 5, 5, 5]  # the question: last 8
+    assert lexical_anchors(ids, BS, 8, 1) == [3, 4]  # block 3 shares 7 and 8 with it; + the block after
+    assert lexical_anchors(ids, BS, 8, 1, first_block=4) == []  # before first_block: not a candidate
+    assert lexical_anchors(filler, BS, 8, 1) == []  # nothing shared
+    common = [t if i % 4 else 5 for i, t in enumerate(ids)]  # token 5 opens every block: weight log(1) = 0
+    common[12:16] = [5, 1, 2, 3]
+    assert lexical_anchors(common, BS, 8, 1) == []
+    two = ids[:24] + [6, 0, 0, 0] + ids[28:]
+    assert lexical_anchors(two, BS, 8, 2) == [3, 4, 6, 7]  # two passages, each with its successor
+
+
+@pytest.mark.parametrize("num_anchors", [1, 0])
+def test_heavy_hitter_keeps_the_questions_passage_in_every_lane(num_anchors):
+    """Both lanes ignore block 3 when the prompt completes (the copying lanes of a 135M model do), but the
+    question shares rare tokens with it: it and its successor stay in every lane, through later evictions."""
+    kv = KVCacheManager(BS, 32)
+    b = budget(sparsity_ratio=0.3, observation_window=8, num_anchors=num_anchors)
+    evictor = KVEvictor(make_policy("heavy_hitter", b), kv, max_model_len=128, num_lanes=2)
+    filler = [1000 + i for i in range(48)]
+    req = Req("a", filler[:12] + [7, 8, 9, 10] + filler[16:40] + [5, 7, 6, 8, 5, 5, 5, 5], output=[1] * 16)
+    mass = torch.full((1, 2, 12), 0.1)
+    mass[0, :, 3:5] = 0.0
+    assert kv.allocate_slots(req, 48)
+    req.num_computed_tokens = 48  # keep 34 tokens: 9 blocks = sink, recent 10-11, 6 flexible
+    assert evictor.after_step([Chunk("a", 48)], [StepScores(["a"], [12], mass)], lambda rid: req) == 3
+    kept = evictor.origins("a", 9)
+    anchored = [bool(((kept == a).any(1)).all()) for a in (3, 4)]
+    assert anchored == ([True, True] if num_anchors else [False, False])
+    for _ in range(
+        4
+    ):  # decoding: 4 more blocks; equal scores, so without the rule the oldest (3, 4) go first
+        assert kv.allocate_slots(req, 4)
+        req.num_computed_tokens += 4
+        n = len(kv.block_table("a"))
+        evictor.after_step(
+            [Chunk("a", 4)], [StepScores(["a"], [n], torch.full((1, 2, n), 0.1))], lambda r: req
+        )
+    kept = evictor.origins("a", len(kv.block_table("a")))
+    assert bool((kept == 3).any(1).all()) == bool(num_anchors) and bool((kept == 4).any(1).all()) == bool(
+        num_anchors
+    )
+    kv.check_integrity()

@@ -16,9 +16,11 @@ is >= ``heat_fraction`` x the recent mean).
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -60,6 +62,9 @@ class EvictionBudget:
     heat_fraction: float = 0.6
     observation_window: int = 32
     max_heavy_share: float = 0.9  # heavy_hitter: the most of a lane's budget that goes to heavy hitters
+    num_anchors: int = (
+        1  # heavy_hitter / snap: passages the question names, kept in every lane (lexical_anchors)
+    )
 
     def num_sink_blocks(self) -> int:
         return cdiv(self.num_sink_tokens, self.block_size)
@@ -92,10 +97,17 @@ class BlockView:
     score: torch.Tensor  # (lanes, n) float32: the policy's score (see EvictionPolicy.score_kind)
     num_keep: int
     is_prompt_end: bool = False  # the step that completed the prompt
+    is_anchor: torch.Tensor | None = None  # (lanes, n) bool: lexical anchors, kept in every lane
 
     @property
     def candidates(self) -> torch.Tensor:
-        return ~self.is_sink & ~self.is_recent
+        protected = self.is_sink | self.is_recent
+        return ~(protected if self.is_anchor is None else protected | self.is_anchor)
+
+    @property
+    def num_flexible(self) -> int:
+        """Slots of the budget past the protected ones (sinks, recent window, anchors): the same in every lane."""
+        return self.num_keep - (self.origin.shape[1] - self.num_candidates)
 
     @property
     def num_over(self) -> int:
@@ -148,6 +160,34 @@ def _with_successors(view: BlockView, score: torch.Tensor) -> torch.Tensor:
     return torch.where(follows, torch.maximum(score, SUCCESSOR_CREDIT * previous), score)
 
 
+def lexical_anchors(
+    prompt_ids: Sequence[int], block_size: int, window: int, num: int, first_block: int = 0
+) -> list[int]:
+    """Blocks of the ``num`` passages that share the most rare tokens with the prompt's last ``window`` tokens
+    (its question), each with the block after it (where a stated fact ends): BM25's idea, with token weights
+    log(blocks / blocks holding the token) over the prompt. Empty when nothing before the question shares a
+    token with it that is not in every block. Blocks before ``first_block`` (the sinks, kept anyway, and a
+    chat template's start, which shares its markers with the question's end) are not candidates.
+
+    Why: at 2k-token prompts the question's attention does not mark the passage the answer copies from in the
+    lanes that copy it (docs/kv-cache.md, "Retrieval at 2k"): the model finds "The secret code for Lena is
+    95463." while writing "... for Lena is", in lanes that gave that block 0.001x uniform attention while
+    reading the question. The words the question shares with it do mark it."""
+    n = len(prompt_ids)
+    num_blocks = cdiv(n, block_size)
+    first_question_block = max(0, n - window) // block_size
+    blocks = [set(prompt_ids[b * block_size : (b + 1) * block_size]) for b in range(num_blocks)]
+    blocks_holding = Counter(t for block in blocks for t in block)
+    question = set(prompt_ids[n - window :])
+    scored = []
+    for b in range(first_block, first_question_block):
+        weight = sum(math.log(num_blocks / blocks_holding[t]) for t in blocks[b] & question)
+        if weight > 0:
+            scored.append((-weight, b))
+    best = [b for _, b in sorted(scored)[:num]]
+    return sorted({a for b in best for a in (b, b + 1) if a < num_blocks})
+
+
 class EvictionPolicy(ABC):
     """Decides which of one request's slots each lane drops: a (lanes, n) bool mask with the same number of
     candidates (only ``view.candidates``) in every lane."""
@@ -167,6 +207,9 @@ class EvictionPolicy(ABC):
     score_kind: ClassVar[str] = "mean"
     # 32 (the observation window): at 2k tokens, 70% (bench kv, 1 sequence) ΔPPL +8.2% vs +9.7% at 256
     score_half_life: ClassVar[float] = 32.0
+    # Whether, when the prompt completes, the passages its question names (``lexical_anchors``) are kept in every
+    # lane from then on (``budget.num_anchors`` of them).
+    keeps_anchors: ClassVar[bool] = False
 
     def __init__(self, budget: EvictionBudget) -> None:
         self.budget = budget
@@ -225,6 +268,7 @@ class HeavyHitter(EvictionPolicy):
     name = "heavy_hitter"
     score_kind = "recent"
     defers_prompt = True
+    keeps_anchors = True
 
     def __init__(self, budget: EvictionBudget) -> None:
         super().__init__(budget)
@@ -244,12 +288,11 @@ class HeavyHitter(EvictionPolicy):
         reach = (score * window_drops).sum(1) / (score * ~view.is_sink).sum(1).clamp_min(1e-12)
         share = reach.clamp(0.0, self.budget.max_heavy_share)
         num_sinks = int(view.is_sink[0].sum())
-        num_flexible = view.num_keep - num_sinks - int(view.is_recent[0].sum())
         heavy = (share * (view.num_keep - num_sinks)).floor().long()
-        return heavy.clamp(0, max(num_flexible, 0))
+        return heavy.clamp(0, max(view.num_flexible, 0))
 
     def select(self, view: BlockView) -> torch.Tensor:
-        num_flexible = view.num_keep - int(view.is_sink[0].sum()) - int(view.is_recent[0].sum())
+        num_flexible = view.num_flexible
         if num_flexible <= 0 or view.num_over <= 0:
             return _lowest(view, view.origin, view.num_over)
         num_newest = num_flexible - self.heavy_slots(view)  # (lanes,) candidates kept for being new
@@ -264,6 +307,7 @@ class Snap(EvictionPolicy):
     """Once, when the prompt is complete: keep the blocks its last queries attend to most."""
 
     name = "snap"
+    keeps_anchors = True
 
     def __init__(self, budget: EvictionBudget) -> None:
         super().__init__(budget)
@@ -323,6 +367,9 @@ class Chunk(Protocol):
 class _RequestState:
     row: int  # row in the score tensors
     is_prompt_done: bool = False
+    anchors: tuple[
+        int, ...
+    ] = ()  # blocks kept in every lane (lexical_anchors), chosen when the prompt completes
 
 
 @dataclass
@@ -455,9 +502,13 @@ class KVEvictor:
             state.is_prompt_done = state.is_prompt_done or is_prompt_done
             if is_prompt_done and self.policy.score_kind == "recent":
                 self.recent[state.row] = self.last[state.row]
+            num_live = cdiv(n - self.manager.num_dropped_tokens(chunk.request_id), bs)
+            num_keep = self.policy.num_keep_blocks(n, request.num_prompt_tokens)
+            if is_prompt_done and self.policy.keeps_anchors and self.budget.num_anchors > 0:
+                state.anchors = self._anchors(request.prompt_token_ids, state.row, num_live, num_keep, n)
             event = StepEvent(
-                num_live=cdiv(n - self.manager.num_dropped_tokens(chunk.request_id), bs),
-                num_keep=self.policy.num_keep_blocks(n, request.num_prompt_tokens),
+                num_live=num_live,
+                num_keep=num_keep,
                 is_prompt_done=is_prompt_done,
                 is_block_boundary=(n // bs) != (n - chunk.num_tokens) // bs,
             )
@@ -469,6 +520,20 @@ class KVEvictor:
                 num_evicted += self._evict(chunk.request_id, state, n, event, is_prompt_done)
         self.counters.decide_ms += (time.perf_counter() - t0) * 1e3
         return num_evicted
+
+    def _anchors(
+        self, prompt_ids: Sequence[int], row: int, num_live: int, num_keep: int, num_tokens: int
+    ) -> tuple[int, ...]:
+        """The prompt's lexical anchors still held in every lane, if they fit in half the flexible budget
+        (a small budget stays the policy's own)."""
+        b = self.budget
+        anchors = lexical_anchors(
+            prompt_ids, b.block_size, b.observation_window, b.num_anchors, max(1, b.num_sink_blocks())
+        )
+        origin = self.origin[row, :, :num_live]
+        anchors = [a for a in anchors if bool((origin == a).any(1).all())]
+        flexible = num_keep - b.num_protected(num_tokens)
+        return tuple(anchors) if 2 * len(anchors) <= flexible else ()
 
     def score(self, row: int, num_slots: int, is_prompt_done: bool = False) -> torch.Tensor:
         """(lanes, num_slots) the policy's score of one request's slots (``EvictionPolicy.score_kind``)."""
@@ -490,6 +555,7 @@ class KVEvictor:
             score=self.score(state.row, n, is_prompt_done),
             num_keep=event.num_keep,
             is_prompt_end=is_prompt_done,
+            is_anchor=torch.isin(origin, torch.tensor(state.anchors)) if state.anchors else None,
         )
         chosen = self.policy.select(view)
         num_dropped = int(chosen[0].sum())
