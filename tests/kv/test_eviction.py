@@ -374,6 +374,7 @@ def test_heavy_hitter_keeps_the_questions_passage_in_every_lane(num_anchors):
     kept = evictor.origins("a", 9)
     anchored = [bool(((kept == a).any(1)).all()) for a in (3, 4)]
     assert anchored == ([True, True] if num_anchors else [False, False])
+    assert evictor.report()["num_anchor_blocks"] == 2 * num_anchors
     for _ in range(
         4
     ):  # decoding: 4 more blocks; equal scores, so without the rule the oldest (3, 4) go first

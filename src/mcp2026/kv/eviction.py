@@ -178,7 +178,7 @@ def lexical_anchors(
     first_question_block = max(0, n - window) // block_size
     blocks = [set(prompt_ids[b * block_size : (b + 1) * block_size]) for b in range(num_blocks)]
     blocks_holding = Counter(t for block in blocks for t in block)
-    question = set(prompt_ids[n - window :])
+    question = set(prompt_ids[max(0, n - window) :])
     scored = []
     for b in range(first_block, first_question_block):
         weight = sum(math.log(num_blocks / blocks_holding[t]) for t in blocks[b] & question)
@@ -379,6 +379,7 @@ class EvictionCounters:
     num_decisions: int = 0
     num_copied_chunks: int = 0  # (layer, block, head) chunks moved by compaction
     num_skipped: int = 0  # evictions put off: no free block to unshare a prefix-cache block into
+    num_anchor_blocks: int = 0  # blocks kept in every lane as a prompt's lexical anchors
     decide_ms: float = 0.0  # host time deciding, compacting and freeing
     score_ms: float = 0.0  # host time folding step scores into the per-request tensors
 
@@ -506,6 +507,7 @@ class KVEvictor:
             num_keep = self.policy.num_keep_blocks(n, request.num_prompt_tokens)
             if is_prompt_done and self.policy.keeps_anchors and self.budget.num_anchors > 0:
                 state.anchors = self._anchors(request.prompt_token_ids, state.row, num_live, num_keep, n)
+                self.counters.num_anchor_blocks += len(state.anchors)
             event = StepEvent(
                 num_live=num_live,
                 num_keep=num_keep,
@@ -596,6 +598,7 @@ class KVEvictor:
             "num_decisions": c.num_decisions,
             "num_copied_chunks": c.num_copied_chunks,
             "num_skipped": c.num_skipped,
+            "num_anchor_blocks": c.num_anchor_blocks,
             "decide_ms": c.decide_ms,
             "score_ms": c.score_ms,
             "num_tracked_requests": len(self._states),
