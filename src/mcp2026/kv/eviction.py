@@ -11,7 +11,8 @@ Policies: ``sink_window`` (StreamingLLM, arXiv:2309.17453), ``heavy_hitter`` (H2
 attention mass per block, relative to uniform, decayed by age; the prompt's blocks ranked by its last
 queries, as SnapKV), ``snap`` (SnapKV, arXiv:2404.14469: once, after the prompt, from its last queries'
 attention), ``dynamic_window`` (our notes' calcLeftBoundary: the left edge is the oldest block whose heat
-is >= ``heat_fraction`` x the recent mean).
+is >= ``heat_fraction`` x the recent mean). ``heavy_hitter`` and ``snap`` also keep, in every lane, the passage
+the prompt's question shares the most rare tokens with (``lexical_anchors``).
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ def lexical_anchors(
     chat template's start, which shares its markers with the question's end) are not candidates.
 
     Why: at 2k-token prompts the question's attention does not mark the passage the answer copies from in the
-    lanes that copy it (docs/kv-cache.md, "Retrieval at 2k"): the model finds "The secret code for Lena is
+    lanes that copy it (docs/kv-cache.md, "Retrieval at 2k, and lexical anchors"): the model finds "The secret code for Lena is
     95463." while writing "... for Lena is", in lanes that gave that block 0.001x uniform attention while
     reading the question. The words the question shares with it do mark it."""
     n = len(prompt_ids)
