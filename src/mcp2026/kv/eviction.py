@@ -63,9 +63,10 @@ class EvictionBudget:
     heat_fraction: float = 0.6
     observation_window: int = 32
     max_heavy_share: float = 0.9  # heavy_hitter: the most of a lane's budget that goes to heavy hitters
-    num_anchors: int = (
-        1  # heavy_hitter / snap: passages the question names, kept in every lane (lexical_anchors)
-    )
+    # heavy_hitter / snap: passages the question names, kept in every lane (lexical_anchors) for the first
+    # anchor_tokens tokens after the prompt; then the answer's own attention decides
+    num_anchors: int = 1
+    anchor_tokens: int = 32
 
     def num_sink_blocks(self) -> int:
         return cdiv(self.num_sink_tokens, self.block_size)
@@ -371,6 +372,7 @@ class _RequestState:
     anchors: tuple[
         int, ...
     ] = ()  # blocks kept in every lane (lexical_anchors), chosen when the prompt completes
+    anchors_until: int = 0  # ... while fewer tokens than this have been computed
 
 
 @dataclass
@@ -508,6 +510,7 @@ class KVEvictor:
             num_keep = self.policy.num_keep_blocks(n, request.num_prompt_tokens)
             if is_prompt_done and self.policy.keeps_anchors and self.budget.num_anchors > 0:
                 state.anchors = self._anchors(request.prompt_token_ids, state.row, num_live, num_keep, n)
+                state.anchors_until = n + self.budget.anchor_tokens
                 self.counters.num_anchor_blocks += len(state.anchors)
             event = StepEvent(
                 num_live=num_live,
@@ -558,7 +561,9 @@ class KVEvictor:
             score=self.score(state.row, n, is_prompt_done),
             num_keep=event.num_keep,
             is_prompt_end=is_prompt_done,
-            is_anchor=torch.isin(origin, torch.tensor(state.anchors)) if state.anchors else None,
+            is_anchor=torch.isin(origin, torch.tensor(state.anchors))
+            if state.anchors and num_tokens < state.anchors_until
+            else None,
         )
         chosen = self.policy.select(view)
         num_dropped = int(chosen[0].sum())
