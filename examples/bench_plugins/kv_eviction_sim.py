@@ -5,7 +5,7 @@ granularities the engine does not all implement. docs/kv-cache.md quotes its fig
     mcp2026 bench plugin examples/bench_plugins/kv_eviction_sim.py:EvictionSimulation --dtype fp32
 
 Parameters (``--param KEY=VALUE``): context_tokens (2048), sparsity (0.7), defer_prompt (0; 1 = evict from
-the prompt's end on, as ``heavy_hitter``), sinks (4 tokens), recent (the least recent window, 64 tokens),
+the prompt's end on, as ``heavy_hitter``), sinks (4 tokens), recent (the smallest recent window, 64 tokens),
 value_norm (0; 1 = split variants' scores weighted by |v|), variants (comma list, default all):
 ``block-global`` one block ranking shared by every layer and KV head (the engine before session 9),
 ``block-lane`` an H2O block ranking per (layer, KV head), ``token-lane`` per lane and token,
@@ -212,7 +212,7 @@ def _keep_ranked_across(layers: list[dict[str, Any]], n: int, budget: int) -> No
     live = torch.cat([st["keep"][:, :n] for st in layers])
     protected = torch.zeros_like(live)
     protected[:, :SINK] = True
-    protected[:, n - MIN_RECENT :] = True
+    protected[:, max(0, n - MIN_RECENT) :] = True
     total = budget * live.shape[0]
     if int(live.sum()) <= total:
         return

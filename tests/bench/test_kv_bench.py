@@ -282,6 +282,10 @@ def test_config_presets_and_validation():
         0.7,
     )
     assert "--combined int4+heavy_hitter@0.7" in combined.command()
+    spaced = KVBenchConfig(
+        combined=("int4 + heavy_hitter@0.7",), retrieval_configs=("int4 +heavy_hitter@0.7",)
+    )
+    assert spaced.combined == spaced.retrieval_configs == ("int4+heavy_hitter@0.7",)
     for kwargs, match in [
         ({"context_tokens": 9000}, "--context-tokens"),
         ({"codecs": ("int3",)}, "dtype must be one of"),

@@ -347,14 +347,14 @@ def test_lexical_anchors_find_the_passage_the_question_names():
 
     filler = [1000 + i for i in range(48)]
     ids = filler[:12] + [7, 8, 9, 10] + filler[16:40] + [5, 7, 6, 8, 5, 5, 5, 5]  # the question: last 8
-    assert lexical_anchors(ids, BS, 8, 1) == [3, 4]  # block 3 shares 7 and 8 with it; + the block after
+    assert lexical_anchors(ids, BS, 8, 1) == [(3, 4)]  # block 3 shares 7 and 8 with it; + the block after
     assert lexical_anchors(ids, BS, 8, 1, first_block=4) == []  # before first_block: not a candidate
     assert lexical_anchors(filler, BS, 8, 1) == []  # nothing shared
     common = [t if i % 4 else 5 for i, t in enumerate(ids)]  # token 5 opens every block: weight log(1) = 0
     common[12:16] = [5, 1, 2, 3]
     assert lexical_anchors(common, BS, 8, 1) == []
     two = ids[:24] + [6, 0, 0, 0] + ids[28:]
-    assert lexical_anchors(two, BS, 8, 2) == [3, 4, 6, 7]  # two passages, each with its successor
+    assert lexical_anchors(two, BS, 8, 2) == [(3, 4), (6, 7)]  # two passages, best first, with successors
 
 
 @pytest.mark.parametrize("num_anchors", [1, 0])
@@ -388,4 +388,28 @@ def test_heavy_hitter_keeps_the_questions_passage_in_every_lane(num_anchors):
         if num_tokens < 48 + 12:
             assert anchored() == [bool(num_anchors)] * 2, num_tokens
     assert anchored()[0] is False  # expired: the oldest candidate went at the next eviction (68)
+    kv.check_integrity()
+
+
+@pytest.mark.parametrize(("policy", "sparsity", "kept"), [("heavy_hitter", 0.3, [3, 4]), ("heavy_hitter", 0.55, []),
+                                                     ("snap", 0.3, [3, 4])])  # fmt: skip
+def test_anchors_fit_in_half_the_flexible_budget_best_passage_first(policy, sparsity, kept):
+    """Two passages named (blocks 3-4 share two tokens with the question, 6-7 one): at 30% dropped the 6
+    flexible slots leave room for one passage (3 slots), the best; at 55% (3 flexible, room 1) for none, and the
+    policy's own ranking drops them; snap protects them in its one eviction."""
+    kv = KVCacheManager(BS, 32)
+    b = budget(sparsity_ratio=sparsity, observation_window=8, num_anchors=2)
+    evictor = KVEvictor(make_policy(policy, b), kv, max_model_len=128, num_lanes=2)
+    filler = [1000 + i for i in range(48)]
+    ids = (
+        filler[:12] + [7, 8, 9, 10] + filler[16:24] + [6, 0, 0, 0] + filler[28:40] + [5, 7, 6, 8, 5, 5, 5, 5]
+    )
+    req = Req("a", ids)
+    mass = torch.full((1, 2, 12), 0.1)
+    mass[0, :, 3:8] = 0.0  # nothing attends to either passage
+    assert kv.allocate_slots(req, 48)
+    req.num_computed_tokens = 48
+    assert evictor.after_step([Chunk("a", 48)], [StepScores(["a"], [12], mass)], lambda rid: req) > 0
+    held = evictor.origins("a", len(kv.block_table("a")))
+    assert [a for a in range(3, 8) if bool((held == a).any(1).all())] == kept
     kv.check_integrity()

@@ -97,6 +97,11 @@ class KVBenchConfig:
             raise ValueError(f"--block-size must be one of {BLOCK_SIZES}, got {self.block_size}")
         if self.text not in TEXTS:
             raise ValueError(f"--text must be one of {', '.join(TEXTS)}, got {self.text!r}")
+        # "int4 + heavy_hitter@0.7" and "int4+heavy_hitter@0.7" are one config (one row, one name)
+        object.__setattr__(self, "combined", tuple(n.replace(" ", "") for n in self.combined))
+        object.__setattr__(
+            self, "retrieval_configs", tuple(n.replace(" ", "") for n in self.retrieval_configs)
+        )
         for name in self.combined:
             if "+" not in name or "@" not in name:
                 raise ValueError(

@@ -208,7 +208,11 @@ def notes(config: KVBenchConfig, loaded: Any, retrieval: dict | None, grid: list
         "(heavy_hitter keeps a prompt the pool could hold whole until its last chunk). 'ΔPPL after prompt' "
         "scores only the positions after the prompt (what generation sees). "
         f"Eviction rows store K/V as {config.identity}"
-        + (", combined rows (CODEC+POLICY) with their codec" if config.combined else "")
+        + (
+            ", combined rows (CODEC+POLICY) with their codec"
+            if any("+" in n for n in (*config.combined, *config.retrieval_configs))
+            else ""
+        )
         + "; KV bytes/token of an eviction row = pool bytes still held at the end / sequence tokens.",
     ]
     if retrieval:

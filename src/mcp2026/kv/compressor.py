@@ -38,8 +38,9 @@ class KVCompressor:
     policy: none | sink_window | heavy_hitter | snap | dynamic_window.
     Budget: ``sparsity_ratio`` (fraction of the context dropped; 0.7 when neither is given) or
     ``max_kv_tokens`` (tokens kept per request), never both. ``num_sink_tokens`` and ``recent_window`` are
-    always kept, and with heavy_hitter / snap the ``num_anchors`` passages the question names (lexical
-    anchors). ``max_error`` is the relative round-trip error above which a layer is reported.
+    always kept; with heavy_hitter / snap, so are the ``num_anchors`` passages the question names (lexical
+    anchors), for ``anchor_tokens`` tokens after the prompt. ``max_error`` is the relative round-trip error
+    above which a layer is reported.
     """
 
     dtype: str = "int8"
@@ -59,9 +60,10 @@ class KVCompressor:
     max_heavy_share: float = 0.9
     # heavy_hitter / snap: when a prompt completes, the passages sharing the most rare tokens with its question
     # (its last observation_window tokens), each with the block after it, are kept in every lane
-    # (kv.eviction.lexical_anchors; 0 = none) for anchor_tokens tokens; then the answer's attention decides
-    # (kept for good, ΔPPL on the 2k text +8.3% -> +10.8%; for 32 tokens +8.1%). Retrieval at 2044-token
-    # prompts, 70%: fact kept 27/34 -> 34/34.
+    # (kv.eviction.lexical_anchors; 0 = none) for anchor_tokens tokens, if they fit in half the budget past
+    # sinks and window; then heavy_hitter's scores decide (kept for good, its ΔPPL on the 2k text went +8.3% ->
+    # +10.8%; for 32 tokens +8.1%). snap evicts once, when they are protected. Retrieval at 2044-token prompts,
+    # 70%: fact kept 27/34 -> 34/34.
     num_anchors: int = 1
     anchor_tokens: int = 32
     error_check_interval: int = 16  # measure the round-trip error every this many steps

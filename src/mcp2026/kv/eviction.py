@@ -164,17 +164,18 @@ def _with_successors(view: BlockView, score: torch.Tensor) -> torch.Tensor:
 
 def lexical_anchors(
     prompt_ids: Sequence[int], block_size: int, window: int, num: int, first_block: int = 0
-) -> list[int]:
-    """Blocks of the ``num`` passages that share the most rare tokens with the prompt's last ``window`` tokens
-    (its question), each with the block after it (where a stated fact ends): BM25's idea, with token weights
+) -> list[tuple[int, ...]]:
+    """The ``num`` passages that share the most rare tokens with the prompt's last ``window`` tokens (its
+    question), best first, each a block and the block after it (where a stated fact ends; the last block
+    alone): BM25's idea, with token weights
     log(blocks / blocks holding the token) over the prompt. Empty when nothing before the question shares a
     token with it that is not in every block. Blocks before ``first_block`` (the sinks, kept anyway, and a
     chat template's start, which shares its markers with the question's end) are not candidates.
 
     Why: at 2k-token prompts the question's attention does not mark the passage the answer copies from in the
-    lanes that copy it (docs/kv-cache.md, "Retrieval at 2k, and lexical anchors"): the model finds "The secret code for Lena is
-    95463." while writing "... for Lena is", in lanes that gave that block 0.001x uniform attention while
-    reading the question. The words the question shares with it do mark it."""
+    lanes that copy it (docs/kv-cache.md, "Retrieval at 2k, and lexical anchors"): the model finds "The secret
+    code for Lena is 95463." while writing "... for Lena is", in lanes that gave that block 0.001x uniform
+    attention while reading the question. The words the question shares with it do mark it."""
     n = len(prompt_ids)
     num_blocks = cdiv(n, block_size)
     first_question_block = max(0, n - window) // block_size
@@ -186,8 +187,7 @@ def lexical_anchors(
         weight = sum(math.log(num_blocks / blocks_holding[t]) for t in blocks[b] & question)
         if weight > 0:
             scored.append((-weight, b))
-    best = [b for _, b in sorted(scored)[:num]]
-    return sorted({a for b in best for a in (b, b + 1) if a < num_blocks})
+    return [tuple(a for a in (b, b + 1) if a < num_blocks) for _, b in sorted(scored)[:num]]
 
 
 class EvictionPolicy(ABC):
@@ -210,7 +210,7 @@ class EvictionPolicy(ABC):
     # 32 (the observation window): at 2k tokens, 70% (bench kv, 1 sequence) ΔPPL +8.2% vs +9.7% at 256
     score_half_life: ClassVar[float] = 32.0
     # Whether, when the prompt completes, the passages its question names (``lexical_anchors``) are kept in every
-    # lane from then on (``budget.num_anchors`` of them).
+    # lane for ``budget.anchor_tokens`` tokens (``budget.num_anchors`` of them; snap evicts once, at that point).
     keeps_anchors: ClassVar[bool] = False
 
     def __init__(self, budget: EvictionBudget) -> None:
@@ -369,10 +369,10 @@ class Chunk(Protocol):
 class _RequestState:
     row: int  # row in the score tensors
     is_prompt_done: bool = False
-    anchors: tuple[
-        int, ...
-    ] = ()  # blocks kept in every lane (lexical_anchors), chosen when the prompt completes
-    anchors_until: int = 0  # ... while fewer tokens than this have been computed
+    # blocks kept in every lane (lexical_anchors), chosen when the prompt completes, while fewer than
+    # anchors_until tokens have been computed
+    anchors: tuple[int, ...] = ()
+    anchors_until: int = 0
 
 
 @dataclass
@@ -382,7 +382,7 @@ class EvictionCounters:
     num_decisions: int = 0
     num_copied_chunks: int = 0  # (layer, block, head) chunks moved by compaction
     num_skipped: int = 0  # evictions put off: no free block to unshare a prefix-cache block into
-    num_anchor_blocks: int = 0  # blocks kept in every lane as a prompt's lexical anchors
+    num_anchor_blocks: int = 0  # blocks chosen as prompts' lexical anchors (kept in every lane for a while)
     decide_ms: float = 0.0  # host time deciding, compacting and freeing
     score_ms: float = 0.0  # host time folding step scores into the per-request tensors
 
@@ -510,7 +510,8 @@ class KVEvictor:
             num_keep = self.policy.num_keep_blocks(n, request.num_prompt_tokens)
             if is_prompt_done and self.policy.keeps_anchors and self.budget.num_anchors > 0:
                 state.anchors = self._anchors(request.prompt_token_ids, state.row, num_live, num_keep, n)
-                state.anchors_until = n + self.budget.anchor_tokens
+                # from the prompt's end: a recompute after preemption passes it in one chunk
+                state.anchors_until = request.num_prompt_tokens + self.budget.anchor_tokens
                 self.counters.num_anchor_blocks += len(state.anchors)
             event = StepEvent(
                 num_live=num_live,
@@ -530,16 +531,22 @@ class KVEvictor:
     def _anchors(
         self, prompt_ids: Sequence[int], row: int, num_live: int, num_keep: int, num_tokens: int
     ) -> tuple[int, ...]:
-        """The prompt's lexical anchors still held in every lane, if they fit in half the flexible budget
-        (a small budget stays the policy's own)."""
+        """The prompt's lexical anchors, best passage first, as many passages as fit in half the flexible budget
+        (a small budget stays the policy's own); a passage counts only if every lane still holds its first
+        block (a prompt streamed through the pool may have lost it), and then keeps what every lane holds."""
         b = self.budget
-        anchors = lexical_anchors(
+        passages = lexical_anchors(
             prompt_ids, b.block_size, b.observation_window, b.num_anchors, max(1, b.num_sink_blocks())
         )
         origin = self.origin[row, :, :num_live]
-        anchors = [a for a in anchors if bool((origin == a).any(1).all())]
-        flexible = num_keep - b.num_protected(num_tokens)
-        return tuple(anchors) if 2 * len(anchors) <= flexible else ()
+        room = (num_keep - b.num_protected(num_tokens)) // 2
+        anchors: list[int] = []
+        for passage in passages:
+            held = [a for a in passage if bool((origin == a).any(1).all())]
+            if not held or held[0] != passage[0] or len(anchors) + len(held) > room:
+                continue
+            anchors += [a for a in held if a not in anchors]
+        return tuple(sorted(anchors))
 
     def score(self, row: int, num_slots: int, is_prompt_done: bool = False) -> torch.Tensor:
         """(lanes, num_slots) the policy's score of one request's slots (``EvictionPolicy.score_kind``)."""
