@@ -43,7 +43,9 @@ ADAS = ("token-ada-layer", "token-ada-all")  # unequal budgets per lane (Ada-KV)
 SPLITS = ("block-split", "token-split")  # the engine's heavy_hitter: decayed scores, a split per lane
 ORACLES = ("oracle-token", "oracle-block")  # per-query selection: a bound for any policy
 FUTURES = ("future-block", "future-token")  # eviction ranked by the attention yet to come: clairvoyant
-BLOCK, SINK, MIN_RECENT, WINDOW = 16, 4, 64, 32
+BLOCK, WINDOW = 16, 32
+DEFAULT_SINK, DEFAULT_RECENT = 4, 64
+SINK, MIN_RECENT = DEFAULT_SINK, DEFAULT_RECENT  # this run's (``--param sinks=``, ``recent=``)
 
 
 class _MaskedAttention:
@@ -253,7 +255,8 @@ class EvictionSimulation:
         self.defer_prompt = ctx.param("defer_prompt", "0") == "1"  # evict from the prompt's end on
         self.value_norm = ctx.param("value_norm", "0") == "1"  # split variants: scores x |v| (VATP)
         global SINK, MIN_RECENT  # module-level, read by every variant's helper
-        SINK, MIN_RECENT = int(ctx.param("sinks", str(SINK))), int(ctx.param("recent", str(MIN_RECENT)))
+        SINK = int(ctx.param("sinks", str(DEFAULT_SINK)))
+        MIN_RECENT = int(ctx.param("recent", str(DEFAULT_RECENT)))
         self.future: list[torch.Tensor] | None = None
         self.variants = [v for v in ctx.param("variants", ",".join(VARIANTS)).split(",") if v]
         unknown = sorted(set(self.variants) - set(VARIANTS))

@@ -145,7 +145,9 @@ def test_eviction_simulation_plugin_masks_what_each_variant_drops(tiny_dir):
     ctx = PluginContext(model=tiny_dir, dtype="fp32", params={"context_tokens": "192", "sparsity": "0.5"})
     metrics = run_plugin(name, plugin, ctx).aggregates["metrics"]
     variants = plugin.variants
-    assert len(variants) == 8 and {"oracle-token", "future-block"} <= set(variants)
+    assert len(variants) == 12 and {"oracle-token", "future-block", "token-split", "token-ada-all"} <= set(
+        variants
+    )
     keys = {f"delta_ppl_{part}pct_{v}" for v in variants for part in ("", "after_prompt_")}
     assert set(metrics) == {"ppl_ref", *keys} and metrics["ppl_ref"] > 1
     assert all(metrics[f"delta_ppl_pct_{v}"] != 0.0 for v in variants)  # every variant changed the attention
