@@ -413,3 +413,30 @@ def test_anchors_fit_in_half_the_flexible_budget_best_passage_first(policy, spar
     held = evictor.origins("a", len(kv.block_table("a")))
     assert [a for a in range(3, 8) if bool((held == a).any(1).all())] == kept
     kv.check_integrity()
+
+
+def test_a_streamed_prompt_anchors_only_what_every_lane_still_holds():
+    """A 96-token prompt streams through a 20-block pool: lane 0 drops block 3 (the question's passage) in the
+    second chunk, lane 1 keeps it. At the prompt's end the passage is no anchor (an anchor must sit in every
+    lane, or lanes would hold different numbers of protected slots), and the pool stays whole."""
+    kv = KVCacheManager(BS, 20)
+    b = budget(sparsity_ratio=0.5, observation_window=8, num_anchors=1)
+    evictor = KVEvictor(make_policy("heavy_hitter", b), kv, max_model_len=128, num_lanes=2)
+    filler = [1000 + i for i in range(96)]
+    req = Req("a", filler[:12] + [7, 8, 9, 10] + filler[16:88] + [5, 7, 6, 8, 5, 5, 5, 5])
+    assert evictor.peak_blocks(96, 32) < 24  # it streams
+
+    def chunk(num_slots: int, lane0_on_3: float) -> int:
+        assert kv.allocate_slots(req, 32)
+        req.num_computed_tokens += 32
+        mass = torch.full((1, 2, num_slots), 1.0 / num_slots)
+        mass[0, 0, 3], mass[0, 1, 3] = lane0_on_3, 1.0
+        return evictor.after_step([Chunk("a", 32)], [StepScores(["a"], [num_slots], mass)], lambda rid: req)
+
+    assert chunk(8, 0.0) == 0
+    assert chunk(16, 0.0) == 4
+    held = evictor.origins("a", 12)
+    assert not bool((held[0] == 3).any()) and bool((held[1] == 3).any())
+    assert chunk(20, 0.0) > 0  # the prompt's end: ranked, no anchors
+    assert evictor.report()["num_anchor_blocks"] == 0
+    kv.check_integrity()
