@@ -19,13 +19,18 @@ def config_name(policy: str, sparsity: float) -> str:
     return f"{policy}@{sparsity:g}"
 
 
+def _parts(name: str, identity: str) -> tuple[str, str | None]:
+    """(codec, "POLICY@SPARSITY" or None) of a config name; a policy alone stores K/V as ``identity``."""
+    codec, plus, evict = (part.strip() for part in name.partition("+"))
+    if plus:
+        return codec, evict
+    return (identity, codec) if "@" in codec else (codec, None)
+
+
 def codec_of(name: str, identity: str) -> str:
     """The codec a config stores K/V with: ``int4`` for ``int4`` and ``int4+heavy_hitter@0.7``,
     ``identity`` (the model's dtype) for ``heavy_hitter@0.7``."""
-    codec, plus, evict = (part.strip() for part in name.partition("+"))
-    if plus:
-        return codec
-    return identity if "@" in codec else codec
+    return _parts(name, identity)[0]
 
 
 def parse_config(name: str, identity: str, block_size: int) -> Any:
@@ -33,14 +38,11 @@ def parse_config(name: str, identity: str, block_size: int) -> Any:
     ``identity``, the model's dtype) or ``int4+heavy_hitter@0.7`` (both) -> KVCompressor."""
     from mcp2026.kv.compressor import KVCompressor
 
-    codec = codec_of(name, identity)
-    evict = name.partition("+")[2].strip() if "+" in name else name.strip()
-    if "@" not in evict:
-        if "+" in name:
-            raise ValueError(
-                f"KV config {name!r}: expected CODEC+POLICY@SPARSITY, e.g. int4+heavy_hitter@0.7"
-            )
+    codec, evict = _parts(name, identity)
+    if evict is None:
         return KVCompressor(dtype=codec, policy="none", block_size=block_size)
+    if "@" not in evict:
+        raise ValueError(f"KV config {name!r}: expected CODEC+POLICY@SPARSITY, e.g. int4+heavy_hitter@0.7")
     policy, _, sparsity = evict.partition("@")
     try:
         ratio = float(sparsity)

@@ -167,10 +167,10 @@ def lexical_anchors(
 ) -> list[tuple[int, ...]]:
     """The ``num`` passages that share the most rare tokens with the prompt's last ``window`` tokens (its
     question), best first, each a block and the block after it (where a stated fact ends; the last block
-    alone): BM25's idea, with token weights
-    log(blocks / blocks holding the token) over the prompt. Empty when nothing before the question shares a
-    token with it that is not in every block. Blocks before ``first_block`` (the sinks, kept anyway, and a
-    chat template's start, which shares its markers with the question's end) are not candidates.
+    alone): BM25's idea, with token weights log(blocks / blocks holding the token) over the prompt. Empty
+    when nothing before the question shares a token with it that is not in every block. Blocks before
+    ``first_block`` (the sinks, kept anyway, and a chat template's start, which shares its markers with the
+    question's end) are not candidates.
 
     Why: at 2k-token prompts the question's attention does not mark the passage the answer copies from in the
     lanes that copy it (docs/kv-cache.md, "Retrieval at 2k, and lexical anchors"): the model finds "The secret
