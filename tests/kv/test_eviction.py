@@ -440,3 +440,42 @@ def test_a_streamed_prompt_anchors_only_what_every_lane_still_holds():
     assert chunk(20, 0.0) > 0  # the prompt's end: ranked, no anchors
     assert evictor.report()["num_anchor_blocks"] == 0
     kv.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["heavy_hitter", "snap"])
+@pytest.mark.parametrize("looks", [True, False])
+def test_draft_attention_joins_the_prompts_ranking(policy, looks):
+    """The prompt's last queries ignore block 5 in both lanes; the draft's queries attend to it in lane 1
+    (the lane that copies from it). With lookahead, lane 1 keeps it and lane 0 does not; without, neither.
+    The hook runs once, when the prompt completes, for that request."""
+    kv = KVCacheManager(BS, 32)
+    b = budget(sparsity_ratio=0.5, observation_window=8, num_anchors=0, lookahead_tokens=4 if looks else 0)
+    evictor = KVEvictor(make_policy(policy, b), kv, max_model_len=128, num_lanes=2)
+    req = Req("a", [1000 + i for i in range(48)], output=[1] * 8)
+    calls = []
+
+    def lookahead(requests, num_tokens):
+        calls.append(([r.request_id for r in requests], num_tokens))
+        draft = torch.ones(2, 12)
+        draft[1, 5] = 40.0  # relative to uniform
+        return {"a": draft}
+
+    mass = torch.full((1, 2, 12), 0.1)
+    mass[0, :, 5] = 0.0
+    assert kv.allocate_slots(req, 48)
+    req.num_computed_tokens = 48
+    assert (
+        evictor.after_step([Chunk("a", 48)], [StepScores(["a"], [12], mass)], lambda rid: req, lookahead) > 0
+    )
+    held = evictor.origins("a", len(kv.block_table("a")))
+    assert [bool((held[lane] == 5).any()) for lane in (0, 1)] == [False, looks]
+    assert calls == ([(["a"], 4)] if looks else [])
+    assert evictor.report()["num_lookahead_drafts"] == int(looks)
+    assert kv.allocate_slots(req, 4)  # a decode step: no second draft
+    req.num_computed_tokens = 52
+    n = len(kv.block_table("a"))
+    evictor.after_step(
+        [Chunk("a", 4)], [StepScores(["a"], [n], torch.full((1, 2, n), 0.1))], lambda r: req, lookahead
+    )
+    assert len(calls) == int(looks)
+    kv.check_integrity()

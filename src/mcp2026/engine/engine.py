@@ -17,6 +17,7 @@ from torch import nn
 
 from mcp2026 import hardware
 from mcp2026.config import EngineConfig, KVConfig, ModelConfig
+from mcp2026.engine.lookahead import draft_attention
 from mcp2026.engine.output import ScheduledChunk, SchedulerOutput
 from mcp2026.engine.output_processor import OutputProcessor, RequestOutput, RequestState
 from mcp2026.engine.request import Request
@@ -278,7 +279,12 @@ class LLMEngine:
         ok_output = out if not failed else self._without(out, failed)
         self.scheduler.update(ok_output, tokens)
         if self.evictor is not None:
-            self.evictor.after_step(ok_output.chunks, self.runner.take_scores(), self.scheduler.get_request)
+            self.evictor.after_step(
+                ok_output.chunks,
+                self.runner.take_scores(),
+                self.scheduler.get_request,
+                self.lookahead_attention,
+            )
         self.stats.peak_kv_usage = max(self.stats.peak_kv_usage, self.kv_manager.usage)
         for request_id, error in failed.items():
             results.append(self._fail(request_id, error))
@@ -293,6 +299,13 @@ class LLMEngine:
                 results.append(self.outputs.make_output(state, 1, None))
         self.stats.detokenize_ms += (time.perf_counter() - t2) * 1e3
         return results
+
+    def lookahead_attention(self, requests: list[Request], num_tokens: int) -> dict[str, torch.Tensor]:
+        """Draft ``num_tokens`` greedy tokens after each request's known tokens and return their attention per
+        slot (``engine.lookahead``); rolled back. The evictor calls it when prompts complete."""
+        return draft_attention(
+            self.runner, self.kv_manager, requests, num_tokens, self.max_model_len, self.eos_token_ids
+        )
 
     def _forget_kv(self, request_ids: list[str]) -> None:
         """Finished or preempted requests: drop their staging blocks and eviction scores."""

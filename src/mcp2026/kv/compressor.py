@@ -66,6 +66,11 @@ class KVCompressor:
     # 70%: fact kept 27/34 -> 34/34.
     num_anchors: int = 1
     anchor_tokens: int = 32
+    # heavy_hitter / snap: when a prompt completes, the model drafts this many tokens greedily over the whole
+    # prompt (then they are rolled back), and their attention joins the question's, with lookahead_weight, in
+    # ranking the prompt's blocks: the answer's own queries say what it will copy (engine.lookahead; 0 = off)
+    lookahead_tokens: int = 0
+    lookahead_weight: float = 0.5
     error_check_interval: int = 16  # measure the round-trip error every this many steps
 
     def __post_init__(self) -> None:
@@ -130,6 +135,14 @@ class KVCompressor:
             self.anchor_tokens >= 1, f"KVCompressor.anchor_tokens must be >= 1, got {self.anchor_tokens}"
         )
         _require(
+            self.lookahead_tokens >= 0,
+            f"KVCompressor.lookahead_tokens must be >= 0, got {self.lookahead_tokens}",
+        )
+        _require(
+            0 <= self.lookahead_weight <= 1,
+            f"KVCompressor.lookahead_weight must be in [0, 1], got {self.lookahead_weight}",
+        )
+        _require(
             self.error_check_interval >= 1,
             f"KVCompressor.error_check_interval must be >= 1, got {self.error_check_interval}",
         )
@@ -192,6 +205,8 @@ class KVCompressor:
             max_heavy_share=self.max_heavy_share,
             num_anchors=self.num_anchors,
             anchor_tokens=self.anchor_tokens,
+            lookahead_tokens=self.lookahead_tokens,
+            lookahead_weight=self.lookahead_weight,
         )
 
     def make_evictor(

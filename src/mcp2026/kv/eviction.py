@@ -67,6 +67,10 @@ class EvictionBudget:
     # anchor_tokens tokens after the prompt; then the answer's own attention decides
     num_anchors: int = 1
     anchor_tokens: int = 32
+    # heavy_hitter / snap: greedy draft tokens whose attention, over the whole prompt, joins the question's in
+    # ranking the prompt's blocks (engine.lookahead; the drafts are rolled back), and that observation's weight
+    lookahead_tokens: int = 0
+    lookahead_weight: float = 0.5
 
     def num_sink_blocks(self) -> int:
         return cdiv(self.num_sink_tokens, self.block_size)
@@ -212,6 +216,8 @@ class EvictionPolicy(ABC):
     # Whether, when the prompt completes, the passages its question names (``lexical_anchors``) are kept in every
     # lane for ``budget.anchor_tokens`` tokens (``budget.num_anchors`` of them; snap evicts once, at that point).
     keeps_anchors: ClassVar[bool] = False
+    # Whether the prompt's ranking also takes the attention of ``budget.lookahead_tokens`` draft tokens.
+    looks_ahead: ClassVar[bool] = False
 
     def __init__(self, budget: EvictionBudget) -> None:
         self.budget = budget
@@ -271,6 +277,7 @@ class HeavyHitter(EvictionPolicy):
     score_kind = "recent"
     defers_prompt = True
     keeps_anchors = True
+    looks_ahead = True
 
     def __init__(self, budget: EvictionBudget) -> None:
         super().__init__(budget)
@@ -310,6 +317,7 @@ class Snap(EvictionPolicy):
 
     name = "snap"
     keeps_anchors = True
+    looks_ahead = True
 
     def __init__(self, budget: EvictionBudget) -> None:
         super().__init__(budget)
@@ -365,6 +373,10 @@ class Chunk(Protocol):
     num_tokens: int
 
 
+# (requests whose prompt just completed, draft tokens) -> request id -> (lanes, slots) draft attention
+Lookahead = Callable[[list[Any], int], dict[str, torch.Tensor]]
+
+
 @dataclass
 class _RequestState:
     row: int  # row in the score tensors
@@ -383,6 +395,8 @@ class EvictionCounters:
     num_copied_chunks: int = 0  # (layer, block, head) chunks moved by compaction
     num_skipped: int = 0  # evictions put off: no free block to unshare a prefix-cache block into
     num_anchor_blocks: int = 0  # blocks chosen as prompts' lexical anchors (kept in every lane for a while)
+    num_lookahead_drafts: int = 0  # prompts ranked with draft tokens' attention too
+    lookahead_ms: float = 0.0  # host time drafting and rolling back
     decide_ms: float = 0.0  # host time deciding, compacting and freeing
     score_ms: float = 0.0  # host time folding step scores into the per-request tensors
 
@@ -488,11 +502,17 @@ class KVEvictor:
         self.counters.score_ms += (time.perf_counter() - t0) * 1e3
 
     def after_step(
-        self, chunks: Iterable[Chunk], scores: Iterable[StepScores], get_request: Callable[[str], Any]
+        self,
+        chunks: Iterable[Chunk],
+        scores: Iterable[StepScores],
+        get_request: Callable[[str], Any],
+        lookahead: Lookahead | None = None,
     ) -> int:
-        """Fold the step's scores in, then evict for every request that ran. Returns slots dropped."""
+        """Fold the step's scores in, then evict for every request that ran. Returns slots dropped.
+        ``lookahead``: drafts for the requests whose prompt completes in this step (``engine.lookahead``)."""
         chunks = list(chunks)
         self.absorb(scores, {c.request_id: c.num_tokens for c in chunks})
+        drafts = self._lookahead(chunks, get_request, lookahead)
         t0 = time.perf_counter()
         num_evicted = 0
         bs = self.budget.block_size
@@ -504,9 +524,11 @@ class KVEvictor:
             n = request.num_computed_tokens
             is_prompt_done = not state.is_prompt_done and n >= request.num_prompt_tokens
             state.is_prompt_done = state.is_prompt_done or is_prompt_done
+            num_live = cdiv(n - self.manager.num_dropped_tokens(chunk.request_id), bs)
+            if is_prompt_done and chunk.request_id in drafts:
+                self._fold_draft(state.row, drafts[chunk.request_id][:, :num_live])
             if is_prompt_done and self.policy.score_kind == "recent":
                 self.recent[state.row] = self.last[state.row]
-            num_live = cdiv(n - self.manager.num_dropped_tokens(chunk.request_id), bs)
             num_keep = self.policy.num_keep_blocks(n, request.num_prompt_tokens)
             if is_prompt_done and self.policy.keeps_anchors and self.budget.num_anchors > 0:
                 state.anchors = self._anchors(request.prompt_token_ids, state.row, num_live, num_keep, n)
@@ -527,6 +549,39 @@ class KVEvictor:
                 num_evicted += self._evict(chunk.request_id, state, n, event, is_prompt_done)
         self.counters.decide_ms += (time.perf_counter() - t0) * 1e3
         return num_evicted
+
+    def _completes_prompt(self, request: Any) -> bool:
+        if request is None or request.is_finished or request.num_computed_tokens < request.num_prompt_tokens:
+            return False
+        state = self._states.get(request.request_id)
+        return state is None or not state.is_prompt_done
+
+    def _lookahead(
+        self, chunks: list[Chunk], get_request: Callable[[str], Any], lookahead: Lookahead | None
+    ) -> dict[str, torch.Tensor]:
+        """Draft attention of the requests whose prompt completes in this step (nothing without a hook)."""
+        num_tokens = self.budget.lookahead_tokens
+        if lookahead is None or num_tokens <= 0 or not self.policy.looks_ahead:
+            return {}
+        requests = [r for r in map(get_request, (c.request_id for c in chunks)) if self._completes_prompt(r)]
+        if not requests:
+            return {}
+        t0 = time.perf_counter()
+        drafts = lookahead(requests, num_tokens)
+        self.counters.lookahead_ms += (time.perf_counter() - t0) * 1e3
+        self.counters.num_lookahead_drafts += len(drafts)
+        return drafts
+
+    def _fold_draft(self, row: int, draft: torch.Tensor) -> None:
+        """Blend the drafts' attention (relative to uniform) into the prompt's observation, with weight
+        ``budget.lookahead_weight``."""
+        w, n = self.budget.lookahead_weight, draft.shape[1]
+        if self.policy.score_kind == "recent":
+            self.last[row, :, :n] = (1.0 - w) * self.last[row, :, :n] + w * draft
+        else:  # mean attention per observation: the draft's relative mass back to a share (/ n)
+            prompt = self.mass[row, :, :n] / self.count[row, :, :n].clamp_min(1.0)
+            self.mass[row, :, :n] = (1.0 - w) * prompt + w * draft / n
+            self.count[row, :, :n] = 1.0
 
     def _anchors(
         self, prompt_ids: Sequence[int], row: int, num_live: int, num_keep: int, num_tokens: int
@@ -612,6 +667,8 @@ class KVEvictor:
             "num_copied_chunks": c.num_copied_chunks,
             "num_skipped": c.num_skipped,
             "num_anchor_blocks": c.num_anchor_blocks,
+            "num_lookahead_drafts": c.num_lookahead_drafts,
+            "lookahead_ms": c.lookahead_ms,
             "decide_ms": c.decide_ms,
             "score_ms": c.score_ms,
             "num_tracked_requests": len(self._states),

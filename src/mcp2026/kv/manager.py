@@ -269,6 +269,19 @@ class KVCacheManager:
         self._release([before[i] for i in copied] + vacated)
         return before, list(table)
 
+    def truncate(self, request_id: str, num_blocks: int) -> None:
+        """Roll a table back to its first ``num_blocks`` blocks (a lookahead draft's KV is discarded); the rest go
+        back to the pool. Only blocks taken after the table had ``num_blocks`` may go: they were never shared."""
+        table = self._tables[request_id]
+        extra = table[num_blocks:]
+        if not extra:
+            return
+        assert all(self.pool.ref_count(b) == 1 for b in extra), (
+            f"request {request_id}: a draft block is shared"
+        )
+        del table[num_blocks:]
+        self._release(list(reversed(extra)))
+
     def mark_uncacheable(self, request_id: str) -> None:
         """The request's KV will be rewritten (compression): never offer its blocks as prefix hits, and
         stop offering any it already registered. Blocks shared with others (``pool.ref_count > 1``) must

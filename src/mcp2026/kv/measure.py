@@ -92,7 +92,9 @@ def iter_logits(
             _, logits = runner.execute(SchedulerOutput([chunk], end - start), all_logits=True)
             request.num_computed_tokens = end
             if evictor is not None:
-                evictor.after_step([chunk], runner.take_scores(), lambda _rid: request)
+                evictor.after_step(
+                    [chunk], runner.take_scores(), lambda _rid: request, engine.lookahead_attention
+                )
             yield start, logits
     finally:
         manager.free(request)

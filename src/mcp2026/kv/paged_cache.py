@@ -318,6 +318,29 @@ class PagedKVCache:
             if idx is not None:
                 self._free_stage.add(idx)
 
+    def save_staging(
+        self, request_ids: Iterable[str]
+    ) -> dict[str, tuple[int, torch.Tensor, torch.Tensor] | None]:
+        """The requests' staged tails (entry, K, V), for ``restore_staging`` after a lookahead draft."""
+        saved: dict[str, tuple[int, torch.Tensor, torch.Tensor] | None] = {}
+        for rid in request_ids:
+            idx = self._staged.get(rid)
+            saved[rid] = (
+                None if idx is None else (idx, self._stage_k[:, idx].clone(), self._stage_v[:, idx].clone())
+            )
+        return saved
+
+    def restore_staging(self, saved: dict[str, tuple[int, torch.Tensor, torch.Tensor] | None]) -> None:
+        """Put the saved staged tails back, in their own entries: release every saved request's entry first (a
+        draft that sealed a block may have taken another request's old entry), then restore."""
+        self.release_requests(saved)
+        for rid, entry in saved.items():
+            if entry is not None:
+                idx, k, v = entry
+                self._free_stage.discard(idx)
+                self._staged[rid] = idx
+                self._stage_k[:, idx], self._stage_v[:, idx] = k, v
+
     def stage_index(self, request_id: str) -> int | None:
         return self._staged.get(request_id)
 
