@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from mcp2026.bench.kv import run_kv
-from mcp2026.bench.kv_config import QUICK, KVBenchConfig, make_config
+from mcp2026.bench.kv_config import QUICK, KVBenchConfig, make_config, parse_config
 from mcp2026.bench.kv_retrieval import RetrievalPrompt, build_prompt, score
 from mcp2026.bench.report import read_run
 
@@ -286,6 +286,14 @@ def test_config_presets_and_validation():
         combined=("int4 + heavy_hitter@0.7",), retrieval_configs=("int4 +heavy_hitter@0.7",)
     )
     assert spaced.combined == spaced.retrieval_configs == ("int4+heavy_hitter@0.7",)
+    options = KVBenchConfig(retrieval_configs=("heavy_hitter@0.7:lookahead_tokens=16:lookahead_weight=0.25",))
+    kv = parse_config(options.retrieval_configs[0], "fp32", 16)
+    assert (kv.policy, kv.sparsity_ratio, kv.lookahead_tokens, kv.lookahead_weight) == (
+        "heavy_hitter",
+        0.7,
+        16,
+        0.25,
+    )
     for kwargs, match in [
         ({"context_tokens": 9000}, "--context-tokens"),
         ({"codecs": ("int3",)}, "dtype must be one of"),
@@ -297,6 +305,13 @@ def test_config_presets_and_validation():
         ({"block_size": 12}, "--block-size"),
         ({"text": "wiki"}, "--text"),
         ({"decode_weights": "int3"}, "weights must be a list of int8, int4, fp8 or dqg:BITS"),
+        ({"retrieval_configs": ("heavy_hitter@0.7:lookahead",)}, ":FIELD=NUMBER"),
+        (
+            {"retrieval_configs": ("heavy_hitter@0.7:lookahed_tokens=8",)},
+            "lookahed_tokens is no KVCompressor field",
+        ),
+        ({"combined": ("int4+heavy_hitter@0.7:dtype=1",)}, "in the name itself"),
+        ({"combined": ("int4+heavy_hitter@0.7:lookahead_tokens=-1",)}, "lookahead_tokens must be >= 0"),
     ]:
         with pytest.raises(ValueError, match=match):
             KVBenchConfig(**kwargs)

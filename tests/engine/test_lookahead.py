@@ -105,8 +105,9 @@ def test_drafts_leave_the_cached_kv_as_it_was(tiny, dtype):
     engine.kv_manager.check_integrity()
 
 
-def test_draft_attention_covers_the_requests_slots(tiny):
-    engine = make_engine(tiny, KVCompressor(dtype="fp32", policy="heavy_hitter", sparsity_ratio=0.0))
+@pytest.mark.parametrize("policy", ["heavy_hitter", "snap"])  # snap scores no decode step of its own
+def test_draft_attention_covers_the_requests_slots(tiny, policy):
+    engine = make_engine(tiny, KVCompressor(dtype="fp32", policy=policy, sparsity_ratio=0.0))
     prompt = prompts()[2]
     request = prefill(engine, "r", prompt)
     table = list(engine.kv_manager.block_table("r"))
@@ -115,6 +116,7 @@ def test_draft_attention_covers_the_requests_slots(tiny):
     assert drafts["r"].shape == (lanes, 4)  # the prompt's 4 blocks (the drafts' own slots are not returned)
     assert bool((drafts["r"] > 0).all())
     assert engine.kv_manager.block_table("r") == table
+    assert engine.runner.scoring == engine.evictor.scoring  # the drafts' scoring switch is put back
     finishing = Request("f", prompt, sampling_params=SamplingParams(max_tokens=1), output_token_ids=[7])
     finishing.num_computed_tokens = len(prompt)
     assert engine.lookahead_attention([finishing], 8) == {}  # it finishes with the token it has

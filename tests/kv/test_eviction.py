@@ -371,7 +371,10 @@ def test_heavy_hitter_keeps_the_questions_passage_in_every_lane(num_anchors):
     mass[0, :, 3:5] = 0.0
     assert kv.allocate_slots(req, 48)
     req.num_computed_tokens = 48  # keep 34 tokens: 9 blocks = sink, recent 10-11, 6 flexible
-    assert evictor.after_step([Chunk("a", 48)], [StepScores(["a"], [12], mass)], lambda rid: req) == 3
+    # heavy_hitter holds live anchors on top of its budget: 1 slot dropped with them, 3 without
+    assert evictor.after_step([Chunk("a", 48)], [StepScores(["a"], [12], mass)], lambda rid: req) == (
+        1 if num_anchors else 3
+    )
     assert evictor.report()["num_anchor_blocks"] == 2 * num_anchors
 
     def anchored() -> list[bool]:
@@ -411,7 +414,10 @@ def test_anchors_fit_in_half_the_flexible_budget_best_passage_first(policy, spar
     req.num_computed_tokens = 48
     assert evictor.after_step([Chunk("a", 48)], [StepScores(["a"], [12], mass)], lambda rid: req) > 0
     held = evictor.origins("a", len(kv.block_table("a")))
-    assert [a for a in range(3, 8) if bool((held == a).any(1).all())] == kept
+    assert evictor.report()["num_anchor_blocks"] == len(kept)  # the passages anchored ...
+    assert all(bool((held == a).any(1).all()) for a in kept)  # ... and held in every lane
+    if policy == "snap" or not kept:  # anchors out of the budget: the other passage's blocks went
+        assert [a for a in range(3, 8) if bool((held == a).any(1).all())] == kept
     kv.check_integrity()
 
 
@@ -479,3 +485,23 @@ def test_draft_attention_joins_the_prompts_ranking(policy, looks):
     )
     assert len(calls) == int(looks)
     kv.check_integrity()
+
+
+def test_anchors_over_the_budget_leave_each_lanes_split_as_it_was():
+    """A lane that attends to the anchored passage (blocks 2-3) and to blocks 5-6 far back keeps all of its
+    flexible budget for heavy hitters when the passage is anchored on top of it: its reach is judged as if
+    nothing were anchored. Judged with the anchors taken out of the candidates, it looked local (1 heavy slot)
+    and traded 5 and 6 for a window (8, 9)."""
+    b = budget(sparsity_ratio=None, max_kv_tokens=6 * BS, recent_window=2 * BS)  # 12 blocks, keep 6
+    score = [0.0, 0.1, 5.0, 5.0, 0.1, 2.0, 2.0, 0.1, 0.1, 0.1, 1.0, 1.0]
+    plain = view(b, 12 * BS, score)
+    policy = make_policy("heavy_hitter", b)
+    assert dropped(policy.select(plain)) == [1, 5, 6, 7, 8, 9]  # heavy: 2, 3 and 3's successor 4
+    anchored = dataclasses.replace(
+        plain,
+        is_anchor=torch.isin(plain.origin, torch.tensor([2, 3])),
+        num_keep=plain.num_keep + 2,
+        num_over_budget=2,
+    )
+    assert policy.heavy_slots(anchored).tolist() == [1]  # the reach with the anchors taken out
+    assert dropped(policy.select(anchored)) == [1, 7, 8, 9]  # anchors on top; heavy 4, 5, 6

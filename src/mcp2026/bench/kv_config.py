@@ -6,6 +6,7 @@ short of memory would run, and whether the two losses add up).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,9 +34,21 @@ def codec_of(name: str, identity: str) -> str:
     return _parts(name, identity)[0]
 
 
+def _option(name: str, text: str) -> tuple[str, int | float]:
+    key, eq, value = (part.strip() for part in text.partition("="))
+    try:
+        number = float(value) if "." in value or "e" in value.lower() else int(value)
+    except ValueError:
+        number = None
+    if not eq or not key or number is None:
+        raise ValueError(f"KV config {name!r}: expected :FIELD=NUMBER options, e.g. :lookahead_tokens=16")
+    return key, number
+
+
 def parse_config(name: str, identity: str, block_size: int) -> Any:
     """``int8`` (a codec, no eviction), ``heavy_hitter@0.7`` (a policy at a sparsity, K/V stored as
-    ``identity``, the model's dtype) or ``int4+heavy_hitter@0.7`` (both) -> KVCompressor."""
+    ``identity``, the model's dtype) or ``int4+heavy_hitter@0.7`` (both) -> KVCompressor. A policy may carry
+    KVCompressor fields: ``heavy_hitter@0.7:lookahead_tokens=16:num_anchors=0``."""
     from mcp2026.kv.compressor import KVCompressor
 
     codec, evict = _parts(name, identity)
@@ -43,12 +56,22 @@ def parse_config(name: str, identity: str, block_size: int) -> Any:
         return KVCompressor(dtype=codec, policy="none", block_size=block_size)
     if "@" not in evict:
         raise ValueError(f"KV config {name!r}: expected CODEC+POLICY@SPARSITY, e.g. int4+heavy_hitter@0.7")
-    policy, _, sparsity = evict.partition("@")
+    policy, _, rest = evict.partition("@")
+    sparsity, *options = rest.split(":")
     try:
         ratio = float(sparsity)
     except ValueError:
         raise ValueError(f"KV config {name!r}: expected POLICY@SPARSITY, e.g. heavy_hitter@0.7") from None
-    return KVCompressor(dtype=codec, policy=policy, sparsity_ratio=ratio, block_size=block_size)
+    fields = dict(_option(name, o) for o in options)
+    allowed = {f.name for f in dataclasses.fields(KVCompressor)}
+    if not set(fields) <= allowed:
+        unknown = ", ".join(sorted(set(fields) - allowed))
+        raise ValueError(
+            f"KV config {name!r}: {unknown} is no KVCompressor field; see `KVCompressor` for them"
+        )
+    if not set(fields).isdisjoint({"dtype", "policy", "sparsity_ratio", "block_size"}):
+        raise ValueError(f"KV config {name!r}: set codec, policy, sparsity and block size in the name itself")
+    return KVCompressor(dtype=codec, policy=policy, sparsity_ratio=ratio, block_size=block_size, **fields)
 
 
 @dataclass(frozen=True)
