@@ -54,7 +54,8 @@ def kv(
     combined: Annotated[
         str | None,
         typer.Option(
-            help="comma list of codec + eviction rows, e.g. int4+heavy_hitter@0.7, or none (default none)"
+            help="comma list of codec + eviction rows, e.g. int4+heavy_hitter@0.7 (KVCompressor fields as "
+            "options: int4+heavy_hitter@0.7:num_anchors=0), or none (default none)"
         ),
     ] = None,
     block_size: Annotated[int | None, typer.Option(help="KV block size in tokens (default 16)")] = None,
@@ -71,7 +72,8 @@ def kv(
     retrieval_configs: Annotated[
         str | None,
         typer.Option(
-            help="configs checked for retrieval, e.g. int4,heavy_hitter@0.7 (default heavy_hitter@0.7)"
+            help="configs checked for retrieval, e.g. int4,heavy_hitter@0.7,snap@0.7:lookahead_tokens=16 "
+            "(default heavy_hitter@0.7)"
         ),
     ] = None,
     budget_gb: Annotated[

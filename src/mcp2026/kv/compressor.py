@@ -39,8 +39,9 @@ class KVCompressor:
     Budget: ``sparsity_ratio`` (fraction of the context dropped; 0.7 when neither is given) or
     ``max_kv_tokens`` (tokens kept per request), never both. ``num_sink_tokens`` and ``recent_window`` are
     always kept; with heavy_hitter / snap, so are the ``num_anchors`` passages the question names (lexical
-    anchors), for ``anchor_tokens`` tokens after the prompt. ``max_error`` is the relative round-trip error
-    above which a layer is reported.
+    anchors), for ``anchor_tokens`` tokens after the prompt; ``lookahead_tokens`` greedy drafts may join the
+    question in ranking the prompt (off by default). ``max_error`` is the relative round-trip error above which
+    a layer is reported.
     """
 
     dtype: str = "int8"
@@ -61,14 +62,15 @@ class KVCompressor:
     # heavy_hitter / snap: when a prompt completes, the passages sharing the most rare tokens with its question
     # (its last observation_window tokens), each with the block after it, are kept in every lane
     # (kv.eviction.lexical_anchors; 0 = none) for anchor_tokens tokens, if they fit in half the budget past
-    # sinks and window; then heavy_hitter's scores decide (kept for good, its ΔPPL on the 2k text went +8.3% ->
-    # +10.8%; for 32 tokens +8.1%). snap evicts once, when they are protected. Retrieval at 2044-token prompts,
-    # 70%: fact kept 27/34 -> 34/34.
+    # sinks and window; then heavy_hitter's scores decide. heavy_hitter holds them on top of its budget when the
+    # prompt was held whole (kept for good, within the budget, its ΔPPL on the 2k text went +8.3% -> +10.8%);
+    # snap evicts once, when they are protected. Retrieval at 2044-token prompts, 70%: fact kept 27/34 -> 34/34.
     num_anchors: int = 1
     anchor_tokens: int = 32
     # heavy_hitter / snap: when a prompt completes, the model drafts this many tokens greedily over the whole
     # prompt (then they are rolled back), and their attention joins the question's, with lookahead_weight, in
-    # ranking the prompt's blocks: the answer's own queries say what it will copy (engine.lookahead; 0 = off)
+    # ranking the prompt's blocks (engine.lookahead; 0 = off). Off by default: on SmolLM2-135M it gained nothing
+    # (docs/kv-cache.md, "Lookahead drafts") and costs up to this many decode steps of TTFT.
     lookahead_tokens: int = 0
     lookahead_weight: float = 0.5
     error_check_interval: int = 16  # measure the round-trip error every this many steps
