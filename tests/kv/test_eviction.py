@@ -505,3 +505,21 @@ def test_anchors_over_the_budget_leave_each_lanes_split_as_it_was():
     )
     assert policy.heavy_slots(anchored).tolist() == [1]  # the reach with the anchors taken out
     assert dropped(policy.select(anchored)) == [1, 7, 8, 9]  # anchors on top; heavy 4, 5, 6
+
+
+def test_a_failed_draft_leaves_the_prompts_own_ranking(caplog):
+    """Drafts only refine the ranking: if they fail, the step still evicts, by the question's attention."""
+    kv = KVCacheManager(BS, 32)
+    b = budget(sparsity_ratio=0.5, observation_window=8, num_anchors=0, lookahead_tokens=4)
+    evictor = KVEvictor(make_policy("heavy_hitter", b), kv, max_model_len=128, num_lanes=2)
+    req = Req("a", [1000 + i for i in range(48)], output=[1] * 8)
+
+    def broken(requests, num_tokens):
+        raise RuntimeError("draft failed")
+
+    assert kv.allocate_slots(req, 48)
+    req.num_computed_tokens = 48
+    mass = torch.full((1, 2, 12), 0.1)
+    assert evictor.after_step([Chunk("a", 48)], [StepScores(["a"], [12], mass)], lambda rid: req, broken) > 0
+    assert "lookahead drafts failed" in caplog.text and evictor.report()["num_lookahead_drafts"] == 0
+    kv.check_integrity()

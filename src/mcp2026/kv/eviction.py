@@ -18,6 +18,7 @@ the prompt's question shares the most rare tokens with (``lexical_anchors``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from abc import ABC, abstractmethod
@@ -30,6 +31,8 @@ import torch
 
 from mcp2026.kv.manager import KVCacheManager, cdiv
 from mcp2026.kv.paged_cache import PagedKVCache
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -585,7 +588,11 @@ class KVEvictor:
         if not requests:
             return {}
         t0 = time.perf_counter()
-        drafts = lookahead(requests, num_tokens)
+        try:
+            drafts = lookahead(requests, num_tokens)
+        except Exception:  # noqa: BLE001 - drafts only refine a ranking: a failed one must not fail the step
+            log.exception("lookahead drafts failed; ranking the prompts by their own queries")
+            drafts = {}
         self.counters.lookahead_ms += (time.perf_counter() - t0) * 1e3
         self.counters.num_lookahead_drafts += len(drafts)
         return drafts
