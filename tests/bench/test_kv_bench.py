@@ -312,6 +312,9 @@ def test_config_presets_and_validation():
         ),
         ({"combined": ("int4+heavy_hitter@0.7:dtype=1",)}, "in the name itself"),
         ({"combined": ("int4+heavy_hitter@0.7:lookahead_tokens=-1",)}, "lookahead_tokens must be >= 0"),
+        ({"combined": ("int4+heavy_hitter@0.7:num_anchors=1.0",)}, "num_anchors takes a whole number"),
+        ({"combined": ("int4+heavy_hitter@0.7:lookahead_weight=x",)}, "lookahead_weight takes a number"),
+        ({"combined": ("int4+heavy_hitter@0.7:num_anchors=1:num_anchors=2",)}, "given twice"),
     ]:
         with pytest.raises(ValueError, match=match):
             KVBenchConfig(**kwargs)

@@ -120,3 +120,23 @@ def test_draft_attention_covers_the_requests_slots(tiny, policy):
     finishing = Request("f", prompt, sampling_params=SamplingParams(max_tokens=1), output_token_ids=[7])
     finishing.num_computed_tokens = len(prompt)
     assert engine.lookahead_attention([finishing], 8) == {}  # it finishes with the token it has
+
+
+def test_drafts_never_evict_cached_prefixes(tiny):
+    """A draft takes only free blocks: a prefix another request left in the cache stays a hit (a draft that
+    reclaimed it, then gave the block back to the free list, lost the prefix for good)."""
+    kv = KVCompressor(dtype="fp32", policy="heavy_hitter", sparsity_ratio=0.0, lookahead_tokens=24)
+    config = EngineConfig(
+        KVConfig(block_size=16, num_blocks=12, enable_prefix_caching=True),
+        SchedulerConfig(max_num_batched_tokens=128),
+        kv_compressor=kv,
+    )
+    engine = LLMEngine(tiny.model, tiny.config, None, config)
+    g = torch.Generator().manual_seed(3)
+    cached = torch.randint(3, 320, (64,), generator=g).tolist()
+    engine.generate([cached], SamplingParams(max_tokens=1))  # leaves 4 cached blocks nobody holds
+    engine.generate([torch.randint(3, 320, (110,), generator=g).tolist()], SamplingParams(max_tokens=2))
+    assert engine.kv_debug_report()["eviction"]["num_lookahead_drafts"] == 1
+    _, num_hit = engine.kv_manager.get_computed_blocks(Request("again", cached + [5]))
+    assert num_hit == 64
+    engine.kv_manager.check_integrity()

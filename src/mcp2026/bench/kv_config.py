@@ -34,15 +34,21 @@ def codec_of(name: str, identity: str) -> str:
     return _parts(name, identity)[0]
 
 
-def _option(name: str, text: str) -> tuple[str, int | float]:
+def _option(name: str, text: str, types: dict[str, str]) -> tuple[str, int | float]:
+    """``FIELD=NUMBER`` -> (field, value as the field's type: an int field takes whole numbers only)."""
     key, eq, value = (part.strip() for part in text.partition("="))
-    try:
-        number = float(value) if "." in value or "e" in value.lower() else int(value)
-    except ValueError:
-        number = None
-    if not eq or not key or number is None:
+    if not eq or not key:
         raise ValueError(f"KV config {name!r}: expected :FIELD=NUMBER options, e.g. :lookahead_tokens=16")
-    return key, number
+    if key in ("dtype", "policy", "sparsity_ratio", "block_size"):
+        raise ValueError(f"KV config {name!r}: set codec, policy, sparsity and block size in the name itself")
+    if key not in types:
+        raise ValueError(f"KV config {name!r}: {key} is no KVCompressor field; see `KVCompressor` for them")
+    is_int = "int" in types[key] and "float" not in types[key]
+    try:
+        return key, int(value) if is_int else float(value)
+    except ValueError:
+        kind = "a whole number" if is_int else "a number"
+        raise ValueError(f"KV config {name!r}: {key} takes {kind}, got {value!r}") from None
 
 
 def parse_config(name: str, identity: str, block_size: int) -> Any:
@@ -62,15 +68,11 @@ def parse_config(name: str, identity: str, block_size: int) -> Any:
         ratio = float(sparsity)
     except ValueError:
         raise ValueError(f"KV config {name!r}: expected POLICY@SPARSITY, e.g. heavy_hitter@0.7") from None
-    fields = dict(_option(name, o) for o in options)
-    allowed = {f.name for f in dataclasses.fields(KVCompressor)}
-    if not set(fields) <= allowed:
-        unknown = ", ".join(sorted(set(fields) - allowed))
-        raise ValueError(
-            f"KV config {name!r}: {unknown} is no KVCompressor field; see `KVCompressor` for them"
-        )
-    if not set(fields).isdisjoint({"dtype", "policy", "sparsity_ratio", "block_size"}):
-        raise ValueError(f"KV config {name!r}: set codec, policy, sparsity and block size in the name itself")
+    types = {f.name: str(f.type) for f in dataclasses.fields(KVCompressor)}
+    pairs = [_option(name, o, types) for o in options]
+    fields = dict(pairs)
+    if len(fields) < len(pairs):
+        raise ValueError(f"KV config {name!r}: a field is given twice")
     return KVCompressor(dtype=codec, policy=policy, sparsity_ratio=ratio, block_size=block_size, **fields)
 
 

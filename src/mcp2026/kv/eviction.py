@@ -320,7 +320,9 @@ class HeavyHitter(EvictionPolicy):
         plain = view
         if view.is_anchor is not None:
             plain = dataclasses.replace(view, is_anchor=None, num_keep=view.num_keep - view.num_over_budget)
-        num_newest = num_flexible - self.heavy_slots(plain)  # (lanes,) candidates kept for being new
+        num_newest = num_flexible - self.heavy_slots(plain).clamp(
+            max=num_flexible
+        )  # (lanes,) kept for being new
         order = view.candidates.cumsum(1)  # 1-based rank among candidates, oldest first
         newest = view.candidates & (order > (view.num_candidates - num_newest).unsqueeze(1))
         key = _with_successors(view, view.score).masked_fill(newest, float("inf"))
@@ -551,10 +553,13 @@ class KVEvictor:
                 # from the prompt's end: a recompute after preemption passes it in one chunk
                 state.anchors_until = request.num_prompt_tokens + self.budget.anchor_tokens
                 self.counters.num_anchor_blocks += len(state.anchors)
-            # on top of the budget only where that stays under the admitted peak (the whole prompt)
+            # on top of the budget only where that stays under the admitted peak (the whole prompt); anchors a sink
+            # or the recent window protects anyway count for nothing
             over_budget = 0
-            if self.policy.anchors_over_budget and state.anchors and n < state.anchors_until:
-                over_budget = len(state.anchors) if self._defers(request.num_tokens) else 0
+            live = state.anchors and n < state.anchors_until
+            if self.policy.anchors_over_budget and live and self._defers(request.num_tokens):
+                first_recent, sinks = self.budget.first_recent_block(n), self.budget.num_sink_blocks()
+                over_budget = sum(1 for a in state.anchors if sinks <= a < first_recent)
             event = StepEvent(
                 num_live=num_live,
                 num_keep=num_keep + over_budget,

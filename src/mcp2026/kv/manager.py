@@ -125,11 +125,17 @@ class KVCacheManager:
 
     # --- allocation ----------------------------------------------------------------------------------------
     def allocate_slots(
-        self, request: KVRequest, num_new_tokens: int, computed_block_ids: Sequence[int] = ()
+        self,
+        request: KVRequest,
+        num_new_tokens: int,
+        computed_block_ids: Sequence[int] = (),
+        *,
+        evict_cached: bool = True,
     ) -> bool:
         """Grow the request's table to cover ``num_computed_tokens`` minus ``num_dropped_tokens`` (plus the
         tokens of ``computed_block_ids``, prefix hits from ``get_computed_blocks`` for a request without blocks)
-        plus ``num_new_tokens``, evicting cached blocks if needed. False, with nothing changed, if it cannot."""
+        plus ``num_new_tokens``, evicting cached blocks if needed (not with ``evict_cached=False``: a lookahead draft
+        must not cost cached prefixes). False, with nothing changed, if it cannot."""
         rid = request.request_id
         table = self._tables.get(rid)
         if computed_block_ids and (table or request.num_computed_tokens):
@@ -147,7 +153,8 @@ class KVCacheManager:
         num_held = len(table or ()) + len(computed_block_ids)
         num_needed = max(0, self.num_blocks_for(num_covered) - num_held)
         num_revived = sum(1 for b in computed_block_ids if self.pool.ref_count(b) == 0)
-        if num_needed > self.num_free_blocks - num_revived:
+        free = self.num_free_blocks if evict_cached else self.pool.num_free_blocks
+        if num_needed > free - num_revived:
             return False
         if table is None:
             table = self._tables[rid] = []
