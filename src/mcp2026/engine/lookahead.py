@@ -84,7 +84,9 @@ def draft_attention(
         for _ in range(num_tokens):
             chunks = []
             for rid, draft in list(drafts.items()):
-                if draft.num_computed_tokens + 1 >= max_model_len or not manager.allocate_slots(draft, 1, evict_cached=False):
+                if draft.num_computed_tokens + 1 >= max_model_len or not manager.allocate_slots(
+                    draft, 1, evict_cached=False
+                ):
                     del drafts[rid]
                     continue
                 chunks.append(
