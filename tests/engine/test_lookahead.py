@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_kv_compression import run as run_checked
 
 from mcp2026.config import EngineConfig, KVConfig, SchedulerConfig
 from mcp2026.engine.engine import LLMEngine
@@ -46,15 +47,9 @@ def prompts() -> list[list[int]]:
 
 
 def run(engine: LLMEngine) -> list[list[int]]:
-    ids = [engine.add_request(p, PARAMS) for p in prompts()]
-    done = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o.output.token_ids
-        engine.kv_manager.check_integrity()
+    outputs = run_checked(engine, prompts(), PARAMS, check=True)  # pool integrity after every step
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.pool.num_online_blocks  # cached ones too
-    return [done[i] for i in ids]
+    return outputs
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "int8", "int4"])

@@ -320,9 +320,8 @@ class HeavyHitter(EvictionPolicy):
         plain = view
         if view.is_anchor is not None:
             plain = dataclasses.replace(view, is_anchor=None, num_keep=view.num_keep - view.num_over_budget)
-        num_newest = num_flexible - self.heavy_slots(plain).clamp(
-            max=num_flexible
-        )  # (lanes,) kept for being new
+        heavy = self.heavy_slots(plain).clamp(max=num_flexible)
+        num_newest = num_flexible - heavy  # (lanes,) candidates kept for being new
         order = view.candidates.cumsum(1)  # 1-based rank among candidates, oldest first
         newest = view.candidates & (order > (view.num_candidates - num_newest).unsqueeze(1))
         key = _with_successors(view, view.score).masked_fill(newest, float("inf"))
@@ -538,9 +537,9 @@ class KVEvictor:
             request = get_request(chunk.request_id)
             if request is None or request.is_finished or request.num_computed_tokens == 0:
                 continue
+            is_prompt_done = self._completes_prompt(request)
             state = self._state(chunk.request_id)
             n = request.num_computed_tokens
-            is_prompt_done = not state.is_prompt_done and n >= request.num_prompt_tokens
             state.is_prompt_done = state.is_prompt_done or is_prompt_done
             num_live = cdiv(n - self.manager.num_dropped_tokens(chunk.request_id), bs)
             if is_prompt_done and chunk.request_id in drafts:
@@ -577,6 +576,7 @@ class KVEvictor:
         return num_evicted
 
     def _completes_prompt(self, request: Any) -> bool:
+        """Whether this step computed the request's last prompt token (the first time it did)."""
         if request is None or request.is_finished or request.num_computed_tokens < request.num_prompt_tokens:
             return False
         state = self._states.get(request.request_id)
