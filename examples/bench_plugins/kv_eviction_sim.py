@@ -6,7 +6,10 @@ granularities the engine does not all implement. docs/kv-cache.md quotes its fig
 
 Parameters (``--param KEY=VALUE``): context_tokens (2048), sparsity (0.7), defer_prompt (0; 1 = evict from
 the prompt's end on, as ``heavy_hitter``), sinks (4 tokens), recent (the smallest recent window, 64 tokens),
-value_norm (0; 1 = split variants' scores weighted by |v|), variants (comma list, default all):
+value_norm (0; 1 = split variants' scores weighted by |v|), scorer (``attention``, the engine's rule, or
+``expected``: Expected Attention, arXiv:2510.00636, the split variants' observation is the softmax of the
+expected logits of a Gaussian fit to the last ``stats_window`` (32) pre-RoPE queries, moved ``horizon`` (512)
+positions ahead), variants (comma list, default all):
 ``block-global`` one block ranking shared by every layer and KV head (the engine before session 9),
 ``block-lane`` an H2O block ranking per (layer, KV head), ``token-lane`` per lane and token,
 ``token-window`` sinks + a recent window of 97% of the budget, per token (StreamingLLM);
@@ -67,6 +70,9 @@ class _MaskedAttention:
         self.recorded = [torch.zeros(0)] * num_layers if record else None
         self.record_len = record
         self.value_norm = False
+        self.inv_freq: torch.Tensor | None = None  # set for scorer=expected: RoPE frequencies (hd/2,)
+        self.horizon = 512  # expected attention: future positions averaged over
+        self.stats_window = WINDOW  # expected attention: the last queries its Gaussian is fit to
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Any
@@ -94,7 +100,11 @@ class _MaskedAttention:
             probs = self._oracle_probs(scores, probs, start)
         st["score"] += probs[:, :, -min(WINDOW, t) :].sum((1, 2))
         # the engine's "recent" score: each observation's mean relative to uniform, decayed by age
-        obs = probs[:, :, -min(WINDOW, t) :].sum(1).mean(1) * (st["keep"][0].sum() / BLOCK)
+        if self.inv_freq is not None:  # scorer=expected: the attention future queries are expected to pay
+            obs = self._expected(qg[:, :, -min(self.stats_window, t) :], st["k"], st["keep"], total)
+        else:
+            obs = probs[:, :, -min(WINDOW, t) :].sum(1).mean(1)
+        obs = obs * (st["keep"][0].sum() / BLOCK)
         if self.value_norm:  # VATP (arXiv:2406.12335): what a key contributes is its weight times |v|
             obs = obs * st["v"].norm(dim=-1)
         decay = 0.5 ** (t / WINDOW)
@@ -105,6 +115,32 @@ class _MaskedAttention:
                 self.recorded[layer] = torch.zeros(nkv, self.record_len, self.record_len, dtype=torch.float16)
             self.recorded[layer][:, start:total, :total] = probs.sum(1).half()
         return (probs @ st["v"][:, None]).permute(2, 0, 1, 3).reshape(t, nh, hd)
+
+    def _expected(self, qg: torch.Tensor, k: torch.Tensor, keep: torch.Tensor, total: int) -> torch.Tensor:
+        """Expected Attention (KVPress, arXiv:2510.00636): the last queries, un-rotated to pre-RoPE, as a
+        Gaussian (mean, covariance per query head), moved to the next ``horizon`` positions by the mean RoPE
+        rotation; a key's expected logit is mu.k + k'Sigma k / 2 (E[exp(q.k)] of a Gaussian q). Returns the
+        softmax over live keys, summed over the group: (nkv, S)."""
+        nkv, g, w, hd = qg.shape
+        pos = torch.arange(total - w, total, dtype=torch.float32)
+
+        def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+            return x * torch.cat((cos, cos), -1) + torch.cat((-x2, x1), -1) * torch.cat((sin, sin), -1)
+
+        angle = pos[:, None] * self.inv_freq  # (w, hd/2)
+        pre = rotate(qg.float(), angle.cos(), -angle.sin())  # R(-p) q: pre-RoPE queries
+        mu = pre.mean(2)  # (nkv, g, hd)
+        centred = pre - mu[:, :, None]
+        sigma = centred.transpose(-1, -2) @ centred / max(w - 1, 1)  # (nkv, g, hd, hd)
+        future = (total + torch.arange(self.horizon, dtype=torch.float32))[:, None] * self.inv_freq
+        rbar = rotate(torch.eye(hd), future.cos().mean(0), future.sin().mean(0)).T  # rbar @ x
+        mu_f = mu @ rbar.T
+        sigma_f = rbar @ sigma @ rbar.T
+        kf = k.float()  # (nkv, S, hd)
+        logit = mu_f @ kf.transpose(-1, -2) + 0.5 * ((kf[:, None] @ sigma_f) * kf[:, None]).sum(-1)
+        logit = logit.masked_fill(~keep[:, None], float("-inf"))
+        return torch.softmax(logit, -1).sum(1)
 
     def _oracle_probs(self, scores: torch.Tensor, probs: torch.Tensor, start: int) -> torch.Tensor:
         """Each query keeps, per KV head, the keys its own group attends to most: as many as the engine's
@@ -258,6 +294,11 @@ class EvictionSimulation:
         SINK = int(ctx.param("sinks", str(DEFAULT_SINK)))
         MIN_RECENT = int(ctx.param("recent", str(DEFAULT_RECENT)))
         self.future: list[torch.Tensor] | None = None
+        self.scorer = ctx.param("scorer", "attention")  # or "expected" (Expected Attention)
+        self.horizon = int(ctx.param("horizon", "512"))
+        self.ctx_stats = int(ctx.param("stats_window", str(WINDOW)))
+        if self.scorer not in ("attention", "expected"):
+            raise ValueError(f"scorer must be attention or expected, got {self.scorer!r}")
         self.variants = [v for v in ctx.param("variants", ",".join(VARIANTS)).split(",") if v]
         unknown = sorted(set(self.variants) - set(VARIANTS))
         if unknown or not 0.0 < self.sparsity < 1.0:
@@ -267,6 +308,7 @@ class EvictionSimulation:
         loaded = ctx.pipeline.loaded
         self.model = loaded.model
         self.num_layers = loaded.config.num_layers
+        self.config = loaded.config
         self.tokens = token_sequences(
             "sharegpt", loaded.tokenizer, loaded.config.vocab_size, 1, self.context, 0
         )[0]
@@ -281,6 +323,13 @@ class EvictionSimulation:
         record = n if variant is None and any(v in FUTURES for v in self.variants) else 0
         attention = _MaskedAttention(self.num_layers, oracle, self.future, record)
         attention.value_norm = self.value_norm
+        if self.scorer == "expected" and variant is not None:
+            from mcp2026.models.layers import rope_inv_freq
+
+            cfg = self.config
+            attention.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+            attention.horizon = self.horizon
+            attention.stats_window = int(self.ctx_stats)
         original = llama.attention
         llama.attention = attention
         nll = []

@@ -11,6 +11,10 @@ head (64 channels: what reaches 3.56x at any block size); ``rot-tok64`` / ``rot-
 orthonormal Hadamard rotation (QuaRot, arXiv:2404.00456: rotating spreads outlier channels over the head;
 queries would be rotated alike, so scores are unchanged) with values per token in groups of 64 / 32;
 ``rot-kv64`` keys and values both rotated, groups of 64. Affine int4 with fp16 scale and zero, as kv/codecs.py.
+``kivi16-v64`` kivi16 with value groups of 64; ``-k8`` keys' per-channel scales and zeros stored as uint8 codes
+over fp16 per-(block, head) parameters (two levels, as llama.cpp's k-quants); ``-v8`` the same for values'
+per-(token, group) scales and zeros over the block; combinations ``kivi16-k8-v64``, ``kivi16-k8-v8``,
+``kivi16-k8-v8-v64``.
 
 Metrics: ppl_ref, and delta_ppl_pct_<variant> and kld_<variant> for each variant. ~1 minute.
 """
@@ -25,7 +29,10 @@ import torch.nn.functional as F
 
 from mcp2026.bench.plugins import PluginContext
 
-VARIANTS = ("kivi16", "kivi64", "tok64", "rot-tok64", "rot-tok32", "rot-kv64")
+VARIANTS = (
+    "kivi16", "kivi64", "tok64", "rot-tok64", "rot-tok32", "rot-kv64", "kivi16-v64", "kivi16-k8", "kivi16-k8-v64",
+    "kivi16-k8-v8", "kivi16-k8-v8-v64",
+)  # fmt: skip
 
 
 def hadamard(n: int) -> torch.Tensor:
@@ -42,6 +49,49 @@ def _affine4(x: torch.Tensor, dim: int) -> torch.Tensor:
     zero = lo.half().float()
     scale = ((hi - zero) / 15).clamp_min(2.0**-14).half().float()
     return ((x - zero) / scale).round().clamp(0, 15) * scale + zero
+
+
+def _up(x: torch.Tensor) -> torch.Tensor:
+    h = x.half()
+    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, float("inf"))), h).float()
+
+
+def _down(x: torch.Tensor) -> torch.Tensor:
+    h = x.half()
+    return torch.where(h.float() > x, torch.nextafter(h, torch.full_like(h, float("-inf"))), h).float()
+
+
+def _affine4_codes(x: torch.Tensor, dim: int, over: int | tuple[int, ...]) -> torch.Tensor:
+    """4-bit affine codes over ``dim`` whose scales and zeros are themselves 8-bit codes over ``over`` (two
+    levels, as llama.cpp's k-quants): zero = zmin + zc * dz (<= the channel's min), scale = sc * ds (covers
+    its max); zmin, dz, ds fp16 per group of ``over``. Every value stays inside the 4-bit range."""
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    zmin = _down(lo.amin(over, keepdim=True))
+    dz = _up(((lo.amax(over, keepdim=True) - zmin) / 255).clamp_min(2.0**-14))
+    zero = zmin + ((lo - zmin) / dz).floor().clamp(0, 255) * dz
+    zero = torch.minimum(zero, lo)  # fp32 rounding of the product: a code one step lower stays exact enough
+    need = (hi - zero) / 15
+    ds = _up((need.amax(over, keepdim=True) / 255).clamp_min(2.0**-14))
+    scale = (need / ds).ceil().clamp(1, 255) * ds
+    return ((x - zero) / scale).round().clamp(0, 15) * scale + zero
+
+
+def per_channel_codes(x: torch.Tensor, tokens: int) -> torch.Tensor:
+    t, n, hd = x.shape
+    full = t - t % tokens
+    out = x.clone()
+    out[:full] = _affine4_codes(x[:full].reshape(-1, tokens, n, hd), 1, 3).reshape(full, n, hd)
+    return out
+
+
+def per_token_codes(x: torch.Tensor, group: int, tokens: int = 16) -> torch.Tensor:
+    """Values per token and group, their scales and zeros 8-bit codes over a block's tokens and groups."""
+    t, n, hd = x.shape
+    full = t - t % tokens
+    out = x.clone()
+    xg = x[:full].reshape(-1, tokens, n, hd // group, group)
+    out[:full] = _affine4_codes(xg, -1, (1, 3)).reshape(full, n, hd)
+    return out
 
 
 def per_token(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -64,6 +114,11 @@ def _layout(variant: str, head_dim: int) -> tuple[Callable, Callable]:
     def rotated(group: int) -> Callable:
         return lambda x: per_token(x @ h, group) @ h.T
 
+    if variant.startswith("kivi16-"):
+        group = 64 if variant.endswith("v64") else 32
+        keys = per_channel_codes if "-k8" in variant else per_channel
+        values = per_token_codes if "-v8" in variant else per_token
+        return (lambda k: keys(k, 16)), (lambda v: values(v, group))
     if variant.startswith("kivi"):
         tokens = int(variant[4:])
         group = 32 if tokens == 16 else 64
