@@ -36,6 +36,7 @@ SMALL = dict(
     concurrent_len=128,
     decode_context=64,
     decode_tokens=2,
+    decode_configs=("int4", "heavy_hitter@0.7"),  # the second is the decode policy's row already
 )
 
 
@@ -142,6 +143,11 @@ def test_retrieval_decode_and_targets(run):
     assert len([r for r in run.records if r["kind"] == "retrieval"]) == 3 * 3
     decode = run.aggregates["decode"]
     assert decode["tok_per_s"]["uncompressed"] > 0 and decode["speedup"] > 0
+    assert list(decode["tok_per_s"]) == ["uncompressed", "heavy_hitter@0.7", "int4"]  # one engine each
+    assert (
+        decode["vs_uncompressed"]["int4"] == decode["tok_per_s"]["int4"] / decode["tok_per_s"]["uncompressed"]
+    )
+    assert [r[0] for r in run.tables[2].rows] == ["uncompressed", "heavy_hitter@0.7", "int4"]
     verdicts = {(t["config"], t["target"]): t["verdict"] for t in run.aggregates["targets"]}
     assert verdicts[("int8", "ΔPPL ≤ 0.1%")].endswith("PASS")
     assert verdicts[("int4", "≥ 3.5x fewer bytes")].endswith(
@@ -269,6 +275,12 @@ def test_config_presets_and_validation():
     assert make_config(False) == KVBenchConfig()
     assert "--decode-weights" not in KVBenchConfig().command()
     assert "--decode-weights dqg:5" in KVBenchConfig(decode_weights="dqg:5").command()
+    assert (
+        "--decode-configs int4,int8+snap@0.5"
+        in KVBenchConfig(decode_configs=("int4", "int8 + snap@0.5")).command()
+    )
+    with pytest.raises(ValueError, match="int3"):
+        KVBenchConfig(decode_configs=("int3",))
     assert [n for n, _ in KVBenchConfig(codecs=("int8",), policies=("snap",), sparsities=(0.5,)).grid()] == [
         "int8",
         "snap@0.5",

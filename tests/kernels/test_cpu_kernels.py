@@ -108,6 +108,79 @@ def test_paged_decode_attention_matches_a_gather_and_softmax(kernels, dtype, kv_
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
+def _quantized_pool(codec_name: str, num_blocks: int, nkv: int, bs: int, hd: int):
+    """A pool of random blocks through a KV codec: (K planes, V planes, decoded K, decoded V) in the
+    (num_blocks, nkv, ...) layout of kv.paged_cache."""
+    from mcp2026.kv.codecs import make_codec
+
+    codec = make_codec(codec_name)
+    out = []
+    for tc, spread in ((codec.key, 4.0), (codec.value, 1.0)):
+        x = torch.randn(num_blocks * nkv, bs, hd) * spread
+        x[:, :, 1] += 6.0  # an offset channel, as keys have
+        planes = tc.encode(x)
+        shaped = [p.reshape(num_blocks, nkv, *p.shape[1:]).contiguous() for p in planes.values()]
+        out.append((shaped, tc.decode(planes, torch.float32).view(num_blocks, nkv, bs, hd)))
+    (kp, k), (vp, v) = out
+    return kp, vp, k, v
+
+
+@pytest.mark.parametrize(
+    ("codec", "kind", "hd", "dtype"),
+    [
+        ("int8", 1, 64, torch.float32),
+        ("int8", 1, 12, torch.float32),  # hd not a multiple of 8: the portable loops
+        ("int4", 2, 64, torch.float32),
+        ("int4", 2, 64, torch.bfloat16),
+        ("int4-g64", 2, 64, torch.float32),
+        ("int4", 2, 96, torch.float32),  # 96 channels: one 32-wide AVX2 step short of a 64-multiple
+    ],
+)
+def test_quantized_decode_attention_matches_the_decoded_pool(kernels, codec, kind, hd, dtype):
+    """The kernel decodes blocks as it reads them: same result as attention over the codec's own decode,
+    staged (bf16) tails read from staging, block mass as the plain kernel's."""
+    torch.manual_seed(3)
+    num_blocks, nkv, bs, nh = 24, 2, 16, 6
+    kp, vp, k, v = _quantized_pool(codec, num_blocks, nkv, bs, hd)
+    stage_k = torch.randn(3, nkv, bs, hd).bfloat16()  # staging entries 0..2 = ids num_blocks + i
+    stage_v = torch.randn(3, nkv, bs, hd).bfloat16()
+    k_all = torch.cat([k, stage_k.float()]) if kind == 2 else k
+    v_all = torch.cat([v, stage_v.float()]) if kind == 2 else v
+    q = (torch.randn(3, nh, hd) / hd**0.5).to(dtype)
+    tables = torch.randperm(num_blocks)[:12].view(3, 4)
+    lengths = torch.tensor([5, 40, 64])
+    if kind == 2:
+        tables[1, 2] = num_blocks + 2  # the staged tail of a 40-token sequence
+        tables[0, 0] = num_blocks  # a sequence still in its first block
+    args = (stage_k, stage_v) if kind == 2 else (torch.empty(0), torch.empty(0))
+    mass = torch.zeros(3, nkv, 4)
+    out = ops.paged_decode_attention_quantized(q, kind, kp, vp, *args, tables, lengths, mass)
+    assert out.dtype == dtype
+    expected = _reference_attention(q, k_all, v_all, tables, lengths)
+    torch.testing.assert_close(out.float(), expected, atol=_tol(dtype), rtol=_tol(dtype))
+    plain_mass = torch.zeros(3, nkv, 4)
+    ops.paged_decode_attention(q.float(), k_all, v_all, tables, lengths, plain_mass)
+    torch.testing.assert_close(mass, plain_mass, atol=_tol(dtype), rtol=_tol(dtype))
+
+
+def test_quantized_decode_attention_rejects_bad_input(kernels):
+    kp, vp, _, _ = _quantized_pool("int4", 4, 1, 16, 32)
+    q = torch.zeros(1, 1, 32)
+    empty = torch.empty(0)
+    with pytest.raises(RuntimeError, match="block id out of range"):  # a staged id with no staging
+        ops.paged_decode_attention_quantized(
+            q, 2, kp, vp, empty, empty, torch.tensor([[4]]), torch.tensor([3])
+        )
+    with pytest.raises(RuntimeError, match="takes 4 planes"):
+        ops.paged_decode_attention_quantized(
+            q, 2, kp[:3], vp, empty, empty, torch.tensor([[0]]), torch.tensor([3])
+        )
+    with pytest.raises(RuntimeError, match="kind must be"):
+        ops.paged_decode_attention_quantized(
+            q, 3, kp, vp, empty, empty, torch.tensor([[0]]), torch.tensor([3])
+        )
+
+
 def test_paged_decode_attention_rejects_bad_tables(kernels):
     k_cache = torch.zeros(4, 1, 16, 8)
     q = torch.zeros(1, 1, 8)

@@ -162,6 +162,46 @@ def test_a_16_bit_cache_is_read_in_place_under_fp32_activations(tiny_qkv_bias, k
             assert abs(x.logprob - y.logprob) < 1e-4
 
 
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_a_quantized_cache_is_decoded_by_the_kernel_as_it_reads(tiny_qkv_bias, kv_dtype):
+    """int8 / int4 K/V: the decode kernel reads the quantized blocks (and int4's staged bf16 tails) in place;
+    same tokens as gathering and decoding the blocks with the codec, then attending."""
+    from mcp2026.kernels import ops
+    from mcp2026.kv.compressor import KVCompressor
+
+    calls = []
+    real = ops.paged_decode_attention_quantized
+
+    def counted(*args, **kwargs):
+        calls.append(args[1])
+        return real(*args, **kwargs)
+
+    def run(in_place: bool):
+        config = EngineConfig(
+            KVConfig(num_blocks=64, block_size=8),
+            kv_compressor=KVCompressor(dtype=kv_dtype, policy="none", block_size=8),
+        )
+        engine = LLMEngine(tiny_qkv_bias.model, tiny_qkv_bias.config, None, config)
+        assert engine.runner.fused_decode  # the storage allows it
+        engine.runner.fused_decode = in_place
+        return engine.generate(PROMPTS, SAMPLING)
+
+    ops.paged_decode_attention_quantized = counted
+    try:
+        kernel = run(True)
+        assert calls and set(calls) == {1 if kv_dtype == "int8" else 2}
+        n = len(calls)
+        gathered = run(False)
+        assert len(calls) == n  # the gather path never calls it
+    finally:
+        ops.paged_decode_attention_quantized = real
+    assert [o.token_ids for o in kernel] == [o.token_ids for o in gathered]
+    for a, b in zip(kernel, gathered):
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert abs(x.logprob - y.logprob) < 1e-4
+
+
 def test_fused_steps_are_under_every_formats_gemv_row_limit():
     # The model decides "quantized linears take their GEMVs" once per fused step, with the int8 limit; that
     # answer holds for int4 too only while fused steps are smaller than both limits.

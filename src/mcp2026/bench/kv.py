@@ -124,7 +124,8 @@ def estimate_seconds(
         * (1 + len(config.retrieval_configs))
         * (config.retrieval_tokens * speed.per_token + ANSWER_TOKENS * speed.per_step)
     )
-    decode = 2 * (config.decode_context * speed.per_token + config.decode_tokens * speed.per_step)
+    engines = 2 + len(set(config.decode_configs) - {config_name(config.decode_policy, DECODE_SPARSITY)})
+    decode = engines * (config.decode_context * speed.per_token + config.decode_tokens * speed.per_step)
     return {
         "quality": config.num_sequences * (num_tests + num_groups) * one_pass,
         "retrieval": retrieval if config.retrieval_configs else 0.0,
@@ -344,7 +345,11 @@ def _decode(ctx: _Context) -> dict[str, Any]:
 
     config = ctx.config
     evict = config_name(config.decode_policy, DECODE_SPARSITY)
-    configs = [("uncompressed", None), (evict, parse_config(evict, config.identity, config.block_size))]
+    names = dict.fromkeys((evict, *config.decode_configs))
+    configs = [
+        ("uncompressed", None),
+        *((n, parse_config(n, config.identity, config.block_size)) for n in names),
+    ]
     task = ctx.progress.add_task("decode", total=len(configs)) if ctx.progress is not None else None
     loaded = ctx.loaded
     if config.decode_weights:  # a second copy of the model, quantized (the first stays the quality reference)
@@ -375,7 +380,12 @@ def _decode(ctx: _Context) -> dict[str, Any]:
         )
         if ctx.progress is not None:
             ctx.progress.advance(task)
-    return {"tok_per_s": speeds, "evict_config": evict, "speedup": speeds[evict] / speeds["uncompressed"]}
+    return {
+        "tok_per_s": speeds,
+        "evict_config": evict,
+        "speedup": speeds[evict] / speeds["uncompressed"],
+        "vs_uncompressed": {n: speeds[n] / speeds["uncompressed"] for n in speeds},
+    }
 
 
 # ---- the run ------------------------------------------------------------------------------------------

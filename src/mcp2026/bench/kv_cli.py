@@ -95,6 +95,13 @@ def kv(
             help="weights for decode tok/s: int8 | int4 | fp8 | dqg:BITS (default: as loaded, --dtype)"
         ),
     ] = None,
+    decode_configs: Annotated[
+        str | None,
+        typer.Option(
+            help="more configs timed for decode tok/s, each vs uncompressed, e.g. int8,int4,"
+            "int4+heavy_hitter@0.7 (default none)"
+        ),
+    ] = None,
     text: Annotated[str | None, typer.Option(help="sharegpt (default) | random token ids")] = None,
     seed: Annotated[int | None, typer.Option(help="text and retrieval seed (default 0)")] = None,
     llama_cpp_kv: Annotated[
@@ -141,6 +148,7 @@ def kv(
         decode_tokens=decode_tokens,
         decode_policy=decode_policy,
         decode_weights=decode_weights,
+        decode_configs=_names(decode_configs),
         text=text,
         seed=seed,
         llama_cpp_kv=_names(llama_cpp_kv),

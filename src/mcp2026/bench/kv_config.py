@@ -99,6 +99,9 @@ class KVBenchConfig:
     # weights of the decode-speed engines: "" = as loaded in --dtype; int8 | int4 | fp8 | dqg:BITS quantized (what
     # a long-context deployment would serve; the less time the weights take, the more the KV reads count)
     decode_weights: str = ""
+    # more configs timed in the decode comparison, each vs uncompressed: codecs (what a quantized cache's
+    # decode-on-read costs or saves), codec + policy rows (int4+heavy_hitter@0.7)
+    decode_configs: tuple[str, ...] = ()
     text: str = "sharegpt"  # sharegpt | random (models without a tokenizer always use random ids)
     seed: int = 0
     # llama.cpp's own KV cache types scored on the same sequences (bench.kv_peer); () skips the peer
@@ -139,6 +142,9 @@ class KVBenchConfig:
         for name in self.retrieval_configs:
             parse_config(name, self.identity, self.block_size)
         parse_config(config_name(self.decode_policy, DECODE_SPARSITY), self.identity, self.block_size)
+        object.__setattr__(self, "decode_configs", tuple(n.replace(" ", "") for n in self.decode_configs))
+        for name in self.decode_configs:
+            parse_config(name, self.identity, self.block_size)
         from mcp2026.bench.kv_peer import LLAMA_KV_TYPES
 
         # f16 is the peer's reference, not a type to compare
@@ -194,6 +200,7 @@ class KVBenchConfig:
             f"--decode-tokens {self.decode_tokens}",
             f"--decode-policy {self.decode_policy}",
             *([f"--decode-weights {self.decode_weights}"] if self.decode_weights else []),
+            *([f"--decode-configs {','.join(self.decode_configs)}"] if self.decode_configs else []),
             f"--text {self.text}",
             f"--seed {self.seed}",
             f"--llama-cpp-kv {','.join(self.llama_cpp_kv) or 'none'}",

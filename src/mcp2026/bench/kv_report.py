@@ -194,6 +194,11 @@ def _decode_table(config: KVBenchConfig, decode: dict[str, Any]) -> Table:
         ["uncompressed", speeds["uncompressed"], "1.00x", ""],
         [evict, speeds[evict], f"{decode['speedup']:.2f}x", DECODE_TARGET.verdict(decode["speedup"])],
     ]
+    rows += [  # --decode-configs: timed alike, no target
+        [name, speed, f"{speed / speeds['uncompressed']:.2f}x", ""]
+        for name, speed in speeds.items()
+        if name not in ("uncompressed", evict)
+    ]
     title = (
         f"Decode at {config.decode_context} tokens of context ({config.decode_tokens} tokens, one sequence, "
         f"{config.dtype}, {config.decode_weights or config.dtype} weights)"

@@ -171,10 +171,17 @@ def attention(
     if meta.num_decodes:
         b = meta.num_decodes
         mass = None if meta.decode_mass is None else meta.decode_mass[layer]
-        if meta.decode_tables is not None:
+        if meta.decode_tables is not None and cache.reads_in_place:
             kb, vb = cache.layer_blocks(layer)
             parts.append(
                 ops.paged_decode_attention(q[:b], kb, vb, meta.decode_tables, meta.decode_lengths, mass)
+            )
+        elif meta.decode_tables is not None:  # int8 / int4 blocks, decoded as the kernel reads them
+            kp, vp, sk, sv = cache.layer_planes(layer)
+            kind = cache.quantized_kernel_kind
+            tables, lengths = meta.decode_tables, meta.decode_lengths
+            parts.append(
+                ops.paged_decode_attention_quantized(q[:b], kind, kp, vp, sk, sv, tables, lengths, mass)
             )
         else:
             kc, vc = cache.gather(layer, meta.decode_read)  # (B, nkv, L, hd)

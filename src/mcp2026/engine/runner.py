@@ -33,8 +33,12 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.num_layers, self.num_kv_heads = cache.num_layers, cache.num_kv_heads
         self.scoring = scoring or ScoringSpec()
-        # decode attention by the fused kernel (blocks read in place) where the storage and device allow
-        self.fused_decode = cache.reads_in_place and ops.decode_kernel_available(cache.device, cache.dtype)
+        # decode attention by the fused kernel (blocks read in place, quantized ones decoded as they are read,
+        # int4's staged tails included) where the storage and device allow
+        self.fused_decode = (cache.reads_in_place or cache.quantized_kernel_kind > 0) and (
+            ops.decode_kernel_available(cache.device, cache.dtype)
+        )
+        self._kernel_reads_staging = cache.quantized_kernel_kind > 0
         self._scores: list[StepScores] = []
 
     def take_scores(self) -> list[StepScores]:
@@ -62,8 +66,9 @@ class ModelRunner:
         lengths = starts + 1
         if self.scoring.decode:
             meta.decode_mass = torch.zeros(self.num_layers, len(decodes), self.num_kv_heads, width)
-        if self.fused_decode and not any(
-            self._staged_id(c.request_id, stage_after) is not None for c in decodes
+        if self.fused_decode and (
+            self._kernel_reads_staging
+            or not any(self._staged_id(c.request_id, stage_after) is not None for c in decodes)
         ):
             meta.decode_tables, meta.decode_lengths = tables, lengths
             return num_slots

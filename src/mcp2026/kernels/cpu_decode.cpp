@@ -103,28 +103,193 @@ inline const float* attn_rows(const KV* src, int64_t count, float* buf) {
     return buf;
   }
 }
+#endif
 
-// One (sequence, KV head): its g query heads over len tokens. hd % 8 == 0.
+// ---- block sources: where the attention loops get one (block, KV head)'s rows as floats --------------------
+// rows(block, n, buf) returns n rows of hd floats (in place or decoded into buf, bs * hd floats);
+// prefetch(block, n, near) asks for the block's bytes ahead (near: into L1, else L2).
+inline void prefetch_bytes(const void* p, int64_t bytes, bool near) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) {
+    if (near)
+      __builtin_prefetch(c + off, 0, 3);
+    else
+      __builtin_prefetch(c + off, 0, 2);
+  }
+}
+
+// K or V stored as they are (fp32, bf16, fp16): (num_blocks, nkv, bs, hd).
 template <typename KV>
-void attend_avx2(const float* qf, const KV* k, const KV* v, const int64_t* table, int64_t len, int64_t g,
-                 int64_t hd, int64_t bs, int64_t head_stride, int64_t block_stride, float* scores, float* acc,
-                 float* buf, float* mass_row) {
-  // scores = q . k, block by block (a 16-bit block is widened once and read by all g heads). Blocks lie
+struct RawSource {
+  const KV* base;
+  int64_t head_off, block_stride, hd;
+  const KV* at(int64_t block) const { return base + block * block_stride + head_off; }
+  const float* rows(int64_t block, int64_t n, float* buf) const {
+#ifdef MCP_ATTN_AVX2
+    return attn_rows(at(block), n * hd, buf);
+#else
+    if constexpr (std::is_same_v<KV, float>) return at(block);
+    const KV* src = at(block);
+    for (int64_t i = 0; i < n * hd; ++i) buf[i] = static_cast<float>(src[i]);
+    return buf;
+#endif
+  }
+  void prefetch(int64_t block, int64_t n, bool near) const {
+    prefetch_bytes(at(block), n * hd * static_cast<int64_t>(sizeof(KV)), near);
+  }
+};
+
+// out[d] = code[d] * s + z (uint8 codes, one affine per row): the int8 codec's rows.
+inline void dequant_u8_row(const uint8_t* code, int64_t hd, float s, float z, float* out) {
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
+  for (; d + 8 <= hd; d += 8) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(code + d)));
+    _mm256_storeu_ps(out + d, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), sv, zv));
+  }
+#endif
+  for (; d < hd; ++d) out[d] = static_cast<float>(code[d]) * s + z;
+}
+
+// out[d] = nibble[d] * s[d] + z[d]: channel 2i in byte i's low nibble, 2i + 1 in its high nibble (the int4
+// codecs' packing), per-channel affines.
+inline void dequant_u4_row(const uint8_t* packed, int64_t hd, const float* s, const float* z, float* out) {
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (; d + 32 <= hd; d += 32) {
+    const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + d / 2));
+    const __m128i lo = _mm_and_si128(p, low4), hi = _mm_and_si128(_mm_srli_epi16(p, 4), low4);
+    const __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi);  // channels in order
+    const __m128i parts[4] = {c0, _mm_srli_si128(c0, 8), c1, _mm_srli_si128(c1, 8)};
+    for (int j = 0; j < 4; ++j) {
+      const int64_t e = d + 8 * j;
+      const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
+      _mm256_storeu_ps(out + e, _mm256_fmadd_ps(c, _mm256_loadu_ps(s + e), _mm256_loadu_ps(z + e)));
+    }
+  }
+#endif
+  for (; d < hd; d += 2) {
+    const uint8_t b = packed[d / 2];
+    out[d] = static_cast<float>(b & 15) * s[d] + z[d];
+    out[d + 1] = static_cast<float>(b >> 4) * s[d + 1] + z[d + 1];
+  }
+}
+
+// The same with one affine per group of `group` channels (a power of two >= 8 on the vector path): int4 values.
+inline void dequant_u4_row_groups(const uint8_t* packed, int64_t hd, int64_t group, const float* gs, const float* gz,
+                                  float* out) {
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (group % 8 == 0 && (group & (group - 1)) == 0) {  // a power of two: the group index is a shift
+    const int shift = __builtin_ctzll(static_cast<unsigned long long>(group));
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (; d + 32 <= hd; d += 32) {
+      const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + d / 2));
+      const __m128i lo = _mm_and_si128(p, low4), hi = _mm_and_si128(_mm_srli_epi16(p, 4), low4);
+      const __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi);
+      const __m128i parts[4] = {c0, _mm_srli_si128(c0, 8), c1, _mm_srli_si128(c1, 8)};
+      for (int j = 0; j < 4; ++j) {
+        const int64_t e = d + 8 * j, gi = e >> shift;
+        const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
+        _mm256_storeu_ps(out + e, _mm256_fmadd_ps(c, _mm256_set1_ps(gs[gi]), _mm256_set1_ps(gz[gi])));
+      }
+    }
+  }
+#endif
+  for (; d < hd; d += 2) {
+    const uint8_t b = packed[d / 2];
+    out[d] = static_cast<float>(b & 15) * gs[d / group] + gz[d / group];
+    out[d + 1] = static_cast<float>(b >> 4) * gs[(d + 1) / group] + gz[(d + 1) / group];
+  }
+}
+
+// The uint8-coded affines of kv/codecs.py (coded_affine_params): meta (zmin, dz, ds) fp16 per chunk.
+inline void coded_affines(const uint8_t* scale_code, const uint8_t* zero_code, const at::Half* meta, int64_t count,
+                          float* s, float* z) {
+  const float zmin = static_cast<float>(meta[0]), dz = static_cast<float>(meta[1]), ds = static_cast<float>(meta[2]);
+  for (int64_t i = 0; i < count; ++i) {
+    s[i] = static_cast<float>(scale_code[i]) * ds;
+    z[i] = zmin + static_cast<float>(zero_code[i]) * dz;
+  }
+}
+
+// A staged codec's blocks: ids >= num_blocks are staging entries (bf16 rows, (entries, nkv, bs, hd)).
+struct StagedRows {
+  RawSource<at::BFloat16> stage;
+  int64_t num_blocks;
+  bool has(int64_t block) const { return block >= num_blocks; }
+};
+
+// int8 per (token, head): q (num_blocks, nkv, bs, hd) uint8, scale and zero (num_blocks, nkv, bs) fp16.
+struct Int8Source {
+  const uint8_t* q;
+  const at::Half* scale;
+  const at::Half* zero;
+  int64_t nkv, h, bs, hd;
+  StagedRows staged;
+  const float* rows(int64_t block, int64_t n, float* buf) const {
+    if (staged.has(block)) return staged.stage.rows(block - staged.num_blocks, n, buf);
+    const int64_t chunk = block * nkv + h;
+    for (int64_t t = 0; t < n; ++t)
+      dequant_u8_row(q + (chunk * bs + t) * hd, hd, static_cast<float>(scale[chunk * bs + t]),
+                     static_cast<float>(zero[chunk * bs + t]), buf + t * hd);
+    return buf;
+  }
+  void prefetch(int64_t block, int64_t n, bool near) const {
+    if (!staged.has(block)) prefetch_bytes(q + (block * nkv + h) * bs * hd, n * hd, near);
+  }
+};
+
+// int4 KIVI keys: q (num_blocks, nkv, bs, hd / 2) packed, per-channel codes (num_blocks, nkv, hd) uint8, meta
+// (num_blocks, nkv, 3) fp16. Values: the same q, codes per (token, group) (num_blocks, nkv, bs, ng).
+struct Int4Source {
+  const uint8_t* q;
+  const uint8_t* scale_code;
+  const uint8_t* zero_code;
+  const at::Half* meta;
+  int64_t nkv, h, bs, hd, ng;  // ng = 0: per channel (keys); else groups per token (values)
+  StagedRows staged;
+  mutable std::vector<float> affine;  // per-channel scale and zero of the block being decoded
+  const float* rows(int64_t block, int64_t n, float* buf) const {
+    if (staged.has(block)) return staged.stage.rows(block - staged.num_blocks, n, buf);
+    const int64_t chunk = block * nkv + h;
+    affine.resize(2 * hd);
+    float *s = affine.data(), *z = s + hd;
+    const uint8_t* qb = q + chunk * bs * (hd / 2);
+    if (ng == 0) {
+      coded_affines(scale_code + chunk * hd, zero_code + chunk * hd, meta + chunk * 3, hd, s, z);
+      for (int64_t t = 0; t < n; ++t) dequant_u4_row(qb + t * (hd / 2), hd, s, z, buf + t * hd);
+      return buf;
+    }
+    const int64_t group = hd / ng;
+    float gs[64], gz[64];  // at most 64 groups, checked by the binding
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t row = chunk * bs + t;
+      coded_affines(scale_code + row * ng, zero_code + row * ng, meta + chunk * 3, ng, gs, gz);
+      dequant_u4_row_groups(qb + t * (hd / 2), hd, group, gs, gz, buf + t * hd);
+    }
+    return buf;
+  }
+  void prefetch(int64_t block, int64_t n, bool near) const {
+    if (!staged.has(block)) prefetch_bytes(q + (block * nkv + h) * bs * (hd / 2), n * hd / 2, near);
+  }
+};
+
+#ifdef MCP_ATTN_AVX2
+// One (sequence, KV head): its g query heads over len tokens. hd % 8 == 0.
+template <typename KS, typename VS>
+void attend_avx2(const float* qf, const KS& ks, const VS& vs, const int64_t* table, int64_t len, int64_t g,
+                 int64_t hd, int64_t bs, float* scores, float* acc, float* buf, float* mass_row) {
+  // scores = q . k, block by block (a block is widened or decoded once and read by all g heads). Blocks lie
   // anywhere in the pool, beyond the hardware prefetcher's reach: the next block's keys are fetched ahead, and
   // this block's values into L2 for the second pass.
-  const int64_t row_bytes = hd * static_cast<int64_t>(sizeof(KV));
   for (int64_t t0 = 0; t0 < len; t0 += bs) {
     const int64_t n = std::min(bs, len - t0);
-    if (t0 + bs < len) {
-      const char* next = reinterpret_cast<const char*>(k + table[t0 / bs + 1] * block_stride + head_stride);
-      const int64_t bytes = std::min(bs, len - t0 - bs) * row_bytes;
-      for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
-    }
-    {
-      const char* vb = reinterpret_cast<const char*>(v + table[t0 / bs] * block_stride + head_stride);
-      for (int64_t off = 0; off < n * row_bytes; off += 64) _mm_prefetch(vb + off, _MM_HINT_T1);
-    }
-    const float* kb = attn_rows(k + table[t0 / bs] * block_stride + head_stride, n * hd, buf);
+    if (t0 + bs < len) ks.prefetch(table[t0 / bs + 1], std::min(bs, len - t0 - bs), true);
+    vs.prefetch(table[t0 / bs], n, false);
+    const float* kb = ks.rows(table[t0 / bs], n, buf);
     for (int64_t j = 0; j < g; ++j) {
       const float* qj = qf + j * hd;
       float* sj = scores + j * len + t0;
@@ -172,7 +337,7 @@ void attend_avx2(const float* qf, const KV* k, const KV* v, const int64_t* table
   std::fill(acc, acc + g * hd, 0.f);
   for (int64_t t0 = 0; t0 < len; t0 += bs) {
     const int64_t n = std::min(bs, len - t0);
-    const float* vb = attn_rows(v + table[t0 / bs] * block_stride + head_stride, n * hd, buf);
+    const float* vb = vs.rows(table[t0 / bs], n, buf);
     for (int64_t j = 0; j < g; ++j) {
       const float* pj = scores + j * len + t0;
       float* aj = acc + j * hd;
@@ -204,19 +369,18 @@ void attend_avx2(const float* qf, const KV* k, const KV* v, const int64_t* table
 #endif
 
 // Portable version of the same: one (sequence, KV head).
-template <typename KV>
-void attend_scalar(const float* qf, const KV* k, const KV* v, const int64_t* table, int64_t len, int64_t g,
-                   int64_t hd, int64_t bs, int64_t head_stride, int64_t block_stride, float* scores, float* acc,
-                   float* mass_row) {
+template <typename KS, typename VS>
+void attend_scalar(const float* qf, const KS& ks, const VS& vs, const int64_t* table, int64_t len, int64_t g,
+                   int64_t hd, int64_t bs, float* scores, float* acc, float* buf, float* mass_row) {
   for (int64_t t0 = 0; t0 < len; t0 += bs) {
-    const KV* kb = k + table[t0 / bs] * block_stride + head_stride;
     const int64_t n = std::min(bs, len - t0);
+    const float* kb = ks.rows(table[t0 / bs], n, buf);
     for (int64_t t = 0; t < n; ++t) {
-      const KV* kr = kb + t * hd;
+      const float* kr = kb + t * hd;
       for (int64_t j = 0; j < g; ++j) {
         const float* qj = qf + j * hd;
         float s = 0.f;
-        for (int64_t d = 0; d < hd; ++d) s += qj[d] * load(kr, d);
+        for (int64_t d = 0; d < hd; ++d) s += qj[d] * kr[d];
         scores[j * len + t0 + t] = s;
       }
     }
@@ -237,25 +401,25 @@ void attend_scalar(const float* qf, const KV* k, const KV* v, const int64_t* tab
   }
   std::fill(acc, acc + g * hd, 0.f);
   for (int64_t t0 = 0; t0 < len; t0 += bs) {
-    const KV* vb = v + table[t0 / bs] * block_stride + head_stride;
     const int64_t n = std::min(bs, len - t0);
+    const float* vb = vs.rows(table[t0 / bs], n, buf);
     for (int64_t t = 0; t < n; ++t) {
-      const KV* vr = vb + t * hd;
+      const float* vr = vb + t * hd;
       for (int64_t j = 0; j < g; ++j) {
         const float p = scores[j * len + t0 + t];
         float* aj = acc + j * hd;
-        for (int64_t d = 0; d < hd; ++d) aj[d] += p * load(vr, d);
+        for (int64_t d = 0; d < hd; ++d) aj[d] += p * vr[d];
       }
     }
   }
 }
 
-template <typename T, typename KV>
-void decode_attention_impl(const T* q, const KV* k, const KV* v, const int64_t* tables, const int64_t* lengths,
-                           T* out, float* mass, int64_t B, int64_t nh, int64_t nkv, int64_t hd, int64_t bs,
-                           int64_t nb, int64_t max_len) {
+// Every (sequence, KV head) of a decode batch; sources(h) gives that KV head's (key, value) sources.
+template <typename T, typename Sources>
+void decode_attention_run(const T* q, const int64_t* tables, const int64_t* lengths, T* out, float* mass,
+                          int64_t B, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, int64_t nb, int64_t max_len,
+                          const Sources& sources) {
   const int64_t g = nh / nkv;
-  const int64_t head_stride = bs * hd, block_stride = nkv * bs * hd;
   // Small problems run inline: waking the thread pool costs more than the work.
   const int64_t work = std::max<int64_t>(1, max_len * hd * g);
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / work);
@@ -267,19 +431,45 @@ void decode_attention_impl(const T* q, const KV* k, const KV* v, const int64_t* 
       for (int64_t j = 0; j < g; ++j)
         for (int64_t d = 0; d < hd; ++d) qf[j * hd + d] = load(q, (b * nh + h * g + j) * hd + d);
       float* mass_row = mass == nullptr ? nullptr : mass + (b * nkv + h) * nb;
+      const auto src = sources(h);
 #ifdef MCP_ATTN_AVX2
       if (hd % 8 == 0)
-        attend_avx2<KV>(qf.data(), k, v, tables + b * nb, len, g, hd, bs, h * head_stride, block_stride,
-                        scores.data(), acc.data(), buf.data(), mass_row);
+        attend_avx2(qf.data(), src.first, src.second, tables + b * nb, len, g, hd, bs, scores.data(), acc.data(),
+                    buf.data(), mass_row);
       else
 #endif
-        attend_scalar<KV>(qf.data(), k, v, tables + b * nb, len, g, hd, bs, h * head_stride, block_stride,
-                          scores.data(), acc.data(), mass_row);
+        attend_scalar(qf.data(), src.first, src.second, tables + b * nb, len, g, hd, bs, scores.data(),
+                      acc.data(), buf.data(), mass_row);
       for (int64_t j = 0; j < g; ++j)
         for (int64_t d = 0; d < hd; ++d)
           out[(b * nh + h * g + j) * hd + d] = static_cast<T>(acc[j * hd + d]);
     }
   });
+}
+
+// Checks shared by both bindings; returns max_len. num_ids: the ids a table may name.
+int64_t check_decode_batch(const torch::Tensor& tc, const torch::Tensor& lc, int64_t B, int64_t bs, int64_t num_ids) {
+  TORCH_CHECK(tc.scalar_type() == torch::kLong && lc.scalar_type() == torch::kLong, "tables and lengths must be int64");
+  TORCH_CHECK(tc.dim() == 2 && tc.size(0) == B && lc.size(0) == B, "tables/lengths need one row per sequence");
+  const int64_t nb = tc.size(1);
+  const int64_t* lp = lc.data_ptr<int64_t>();
+  const int64_t* tp = tc.data_ptr<int64_t>();
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= nb * bs, "length out of range for the block table");
+    for (int64_t i = 0; i < (lp[b] + bs - 1) / bs; ++i)
+      TORCH_CHECK(tp[b * nb + i] >= 0 && tp[b * nb + i] < num_ids, "block id out of range");
+    max_len = std::max(max_len, lp[b]);
+  }
+  return max_len;
+}
+
+float* check_mass(const c10::optional<torch::Tensor>& mass, int64_t B, int64_t nkv, int64_t nb) {
+  if (!mass.has_value()) return nullptr;
+  TORCH_CHECK(mass->scalar_type() == torch::kFloat && mass->is_contiguous() && mass->dim() == 3 &&
+                  mass->size(0) == B && mass->size(1) == nkv && mass->size(2) == nb,
+              "mass must be a contiguous float32 (B, nkv, nb) tensor");
+  return mass->data_ptr<float>();
 }
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
@@ -295,40 +485,112 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
               "the caches must be q's dtype, bfloat16 or float16");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "k_cache and v_cache must be contiguous and of one shape");
-  TORCH_CHECK(tables.scalar_type() == torch::kLong && lengths.scalar_type() == torch::kLong,
-              "tables and lengths must be int64");
   const auto qc = q.contiguous();
   const auto tc = tables.contiguous();
   const auto lc = lengths.contiguous();
   const int64_t B = qc.size(0), nh = qc.size(1), hd = qc.size(2);
   const int64_t nkv = k_cache.size(1), bs = k_cache.size(2), nb = tc.size(1);
   TORCH_CHECK(k_cache.size(3) == hd && nh % nkv == 0, "head sizes do not match");
-  TORCH_CHECK(tc.size(0) == B && lc.size(0) == B, "tables/lengths need one row per sequence");
-  const int64_t* lp = lc.data_ptr<int64_t>();
-  const int64_t* tp = tc.data_ptr<int64_t>();
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= nb * bs, "length out of range for the block table");
-    for (int64_t i = 0; i < (lp[b] + bs - 1) / bs; ++i)
-      TORCH_CHECK(tp[b * nb + i] >= 0 && tp[b * nb + i] < k_cache.size(0), "block id out of range");
-    max_len = std::max(max_len, lp[b]);
-  }
-  float* mp = nullptr;
-  if (mass.has_value()) {
-    TORCH_CHECK(mass->scalar_type() == torch::kFloat && mass->is_contiguous() && mass->dim() == 3 &&
-                    mass->size(0) == B && mass->size(1) == nkv && mass->size(2) == nb,
-                "mass must be a contiguous float32 (B, nkv, nb) tensor");
-    mp = mass->data_ptr<float>();
-  }
+  const int64_t max_len = check_decode_batch(tc, lc, B, bs, k_cache.size(0));
+  float* mp = check_mass(mass, B, nkv, nb);
   auto out = torch::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, qc.scalar_type(), "paged_decode_attention", [&] {
     using T = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k_cache.scalar_type(),
                                     "paged_decode_attention_kv", [&] {
-      decode_attention_impl<T, scalar_t>(qc.data_ptr<T>(), k_cache.data_ptr<scalar_t>(),
-                                         v_cache.data_ptr<scalar_t>(), tp, lp, out.data_ptr<T>(), mp, B, nh, nkv,
-                                         hd, bs, nb, max_len);
+      using KV = scalar_t;
+      const KV* kp = k_cache.data_ptr<KV>();
+      const KV* vp = v_cache.data_ptr<KV>();
+      const int64_t block_stride = nkv * bs * hd;
+      auto sources = [&](int64_t h) {
+        return std::make_pair(RawSource<KV>{kp, h * bs * hd, block_stride, hd},
+                              RawSource<KV>{vp, h * bs * hd, block_stride, hd});
+      };
+      decode_attention_run<T>(qc.data_ptr<T>(), tc.data_ptr<int64_t>(), lc.data_ptr<int64_t>(), out.data_ptr<T>(),
+                              mp, B, nh, nkv, hd, bs, nb, max_len, sources);
     });
+  });
+  return out;
+}
+
+// Decode attention straight from a quantized pool: kind 1 = int8 per (token, head) K and V (planes q, scale,
+// zero), kind 2 = int4 KIVI (keys q, per-channel scale and zero codes, meta; values q, per-(token, group)
+// codes, meta). Staged blocks (ids >= num_blocks) come from stage_k / stage_v, bf16 (entries, nkv, bs, hd).
+// Decoding a block costs about what widening a bf16 one does, and reads 2-4x fewer bytes.
+torch::Tensor paged_decode_attention_quantized(const torch::Tensor& q, int64_t kind, const std::vector<torch::Tensor>& kp,
+                                               const std::vector<torch::Tensor>& vp, const torch::Tensor& stage_k,
+                                               const torch::Tensor& stage_v, const torch::Tensor& tables,
+                                               const torch::Tensor& lengths, const c10::optional<torch::Tensor>& mass) {
+  check_cpu_float(q, "q");
+  TORCH_CHECK(q.dim() == 3, "q must be (B, nh, hd)");
+  TORCH_CHECK(kind == 1 || kind == 2, "kind must be 1 (int8) or 2 (int4)");
+  const size_t num_planes = kind == 1 ? 3 : 4;
+  TORCH_CHECK(kp.size() == num_planes && vp.size() == num_planes, "kind ", kind, " takes ", num_planes,
+              " planes for K and for V");
+  for (const auto* planes : {&kp, &vp})
+    for (const auto& p : *planes) TORCH_CHECK(p.device().is_cpu() && p.is_contiguous(), "planes must be contiguous CPU tensors");
+  const auto qc = q.contiguous();
+  const auto tc = tables.contiguous();
+  const auto lc = lengths.contiguous();
+  const int64_t B = qc.size(0), nh = qc.size(1), hd = qc.size(2);
+  TORCH_CHECK(kp[0].dim() == 4 && kp[0].sizes() == vp[0].sizes(), "K and V data planes must be (num_blocks, nkv, bs, *)");
+  const int64_t num_blocks = kp[0].size(0), nkv = kp[0].size(1), bs = kp[0].size(2), nb = tc.size(1);
+  TORCH_CHECK(nh % nkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(kp[0].scalar_type() == torch::kByte && vp[0].scalar_type() == torch::kByte, "data planes must be uint8");
+  TORCH_CHECK(kp[0].size(3) == (kind == 1 ? hd : hd / 2) && (kind == 1 || hd % 2 == 0), "head sizes do not match");
+  int64_t num_stage = 0;
+  if (stage_k.numel() > 0) {
+    TORCH_CHECK(stage_k.scalar_type() == torch::kBFloat16 && stage_v.scalar_type() == torch::kBFloat16 &&
+                    stage_k.is_contiguous() && stage_v.is_contiguous() && stage_k.sizes() == stage_v.sizes() &&
+                    stage_k.dim() == 4 && stage_k.size(1) == nkv && stage_k.size(2) == bs && stage_k.size(3) == hd,
+                "stage_k / stage_v must be contiguous bf16 (entries, nkv, bs, hd)");
+    num_stage = stage_k.size(0);
+  }
+  const int64_t max_len = check_decode_batch(tc, lc, B, bs, num_blocks + num_stage);
+  float* mp = check_mass(mass, B, nkv, nb);
+  const at::BFloat16* skp = num_stage ? stage_k.data_ptr<at::BFloat16>() : nullptr;
+  const at::BFloat16* svp = num_stage ? stage_v.data_ptr<at::BFloat16>() : nullptr;
+  auto staged = [&](const at::BFloat16* base, int64_t h) {
+    return StagedRows{RawSource<at::BFloat16>{base, h * bs * hd, nkv * bs * hd, hd}, num_blocks};
+  };
+  auto out = torch::empty_like(qc);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, qc.scalar_type(), "paged_decode_attention_quantized", [&] {
+    using T = scalar_t;
+    if (kind == 1) {
+      for (const auto* planes : {&kp, &vp})
+        TORCH_CHECK((*planes)[1].scalar_type() == torch::kHalf && (*planes)[2].scalar_type() == torch::kHalf &&
+                        (*planes)[1].numel() == num_blocks * nkv * bs && (*planes)[2].numel() == num_blocks * nkv * bs,
+                    "int8 scale and zero planes must be fp16 (num_blocks, nkv, bs)");
+      auto sources = [&](int64_t h) {
+        return std::make_pair(
+            Int8Source{kp[0].data_ptr<uint8_t>(), kp[1].data_ptr<at::Half>(), kp[2].data_ptr<at::Half>(), nkv, h, bs,
+                       hd, staged(skp, h)},
+            Int8Source{vp[0].data_ptr<uint8_t>(), vp[1].data_ptr<at::Half>(), vp[2].data_ptr<at::Half>(), nkv, h, bs,
+                       hd, staged(svp, h)});
+      };
+      decode_attention_run<T>(qc.data_ptr<T>(), tc.data_ptr<int64_t>(), lc.data_ptr<int64_t>(), out.data_ptr<T>(),
+                              mp, B, nh, nkv, hd, bs, nb, max_len, sources);
+    } else {
+      const int64_t ng = vp[1].numel() / std::max<int64_t>(1, num_blocks * nkv * bs);
+      TORCH_CHECK(kp[1].numel() == num_blocks * nkv * hd && kp[2].numel() == kp[1].numel(),
+                  "int4 key codes must be (num_blocks, nkv, hd)");
+      TORCH_CHECK(ng >= 1 && ng <= 64 && hd % ng == 0 && vp[1].numel() == num_blocks * nkv * bs * ng &&
+                      vp[2].numel() == vp[1].numel(),
+                  "int4 value codes must be (num_blocks, nkv, bs, groups), at most 64 groups");
+      for (const auto* planes : {&kp, &vp})
+        TORCH_CHECK((*planes)[1].scalar_type() == torch::kByte && (*planes)[2].scalar_type() == torch::kByte &&
+                        (*planes)[3].scalar_type() == torch::kHalf && (*planes)[3].numel() == num_blocks * nkv * 3,
+                    "int4 codes must be uint8 and meta fp16 (num_blocks, nkv, 3)");
+      auto sources = [&](int64_t h) {
+        return std::make_pair(
+            Int4Source{kp[0].data_ptr<uint8_t>(), kp[1].data_ptr<uint8_t>(), kp[2].data_ptr<uint8_t>(),
+                       kp[3].data_ptr<at::Half>(), nkv, h, bs, hd, 0, staged(skp, h), {}},
+            Int4Source{vp[0].data_ptr<uint8_t>(), vp[1].data_ptr<uint8_t>(), vp[2].data_ptr<uint8_t>(),
+                       vp[3].data_ptr<at::Half>(), nkv, h, bs, hd, ng, staged(svp, h), {}});
+      };
+      decode_attention_run<T>(qc.data_ptr<T>(), tc.data_ptr<int64_t>(), lc.data_ptr<int64_t>(), out.data_ptr<T>(),
+                              mp, B, nh, nkv, hd, bs, nb, max_len, sources);
+    }
   });
   return out;
 }
@@ -1363,6 +1625,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged K/V blocks",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("lengths"),
         py::arg("mass") = py::none());
+  m.def("paged_decode_attention_quantized", &paged_decode_attention_quantized,
+        "decode attention over int8 / int4 paged K/V blocks (and a staged codec's bf16 tails)", py::arg("q"),
+        py::arg("kind"), py::arg("k_planes"), py::arg("v_planes"), py::arg("stage_k"), py::arg("stage_v"),
+        py::arg("tables"), py::arg("lengths"), py::arg("mass") = py::none());
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) * weight");
   m.def("rope_", &rope_, "rotate-half RoPE in place");
   m.def("int4_gemv", &int4_gemv, "int4 weights x int8-quantized activations, decode-sized batches");

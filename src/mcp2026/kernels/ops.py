@@ -177,6 +177,25 @@ def paged_decode_attention(
     return cpu.load().paged_decode_attention(q, k_cache, v_cache, tables, lengths, mass)
 
 
+def paged_decode_attention_quantized(
+    q: torch.Tensor,
+    kind: int,
+    k_planes: list[torch.Tensor],
+    v_planes: list[torch.Tensor],
+    stage_k: torch.Tensor,
+    stage_v: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    mass: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``paged_decode_attention`` over a quantized pool, blocks decoded as they are read: ``kind`` 1 = int8
+    (planes q, scale, zero), 2 = int4 (q, scale and zero codes, meta); block ids >= the pool's blocks name
+    staging entries of ``stage_k`` / ``stage_v`` (bf16 (entries, nkv, bs, hd), or empty)."""
+    return cpu.load().paged_decode_attention_quantized(
+        q, kind, k_planes, v_planes, stage_k, stage_v, tables, lengths, mass
+    )
+
+
 def decode_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in _KERNEL_DTYPES and cpu.load() is not None
 

@@ -28,7 +28,16 @@ from dataclasses import dataclass, field
 import torch
 
 from mcp2026.kernels import ops as kernel_ops
-from mcp2026.kv.codecs import Identity, KVCodec, Planes, TensorCodec, identity_codec
+from mcp2026.kv.codecs import (
+    Identity,
+    Int4PerChannel,
+    Int4PerTokenGroup,
+    Int8PerToken,
+    KVCodec,
+    Planes,
+    TensorCodec,
+    identity_codec,
+)
 from mcp2026.kv.debug import ErrorMonitor
 
 
@@ -397,6 +406,34 @@ class PagedKVCache:
         """K/V are stored as they are in fp32, bf16 or fp16 (maybe narrower than the compute dtype): the decode
         kernel may read the blocks in place, widening on load."""
         return self._raw
+
+    @property
+    def quantized_kernel_kind(self) -> int:
+        """Which quantized layout the decode kernel can read in place: 1 int8, 2 int4 (KIVI, staged tails
+        included), 0 none (``reads_in_place`` storage, or a layout it does not know)."""
+        key, value = self.codec.key, self.codec.value
+        if isinstance(key, Int8PerToken) and isinstance(value, Int8PerToken):
+            return 1
+        if (
+            isinstance(key, Int4PerChannel)
+            and isinstance(value, Int4PerTokenGroup)
+            and self.stage_dtype == torch.bfloat16
+        ):
+            return 2
+        return 0
+
+    def layer_planes(
+        self, layer: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """One layer's K and V planes in the codec's order (data, scale, zero[, meta]), (num_blocks, nkv, ...)
+        each, and its staging stores (entries, nkv, bs, hd), empty when nothing was ever staged."""
+        planes = ([p[layer] for p in self.k_planes.values()], [p[layer] for p in self.v_planes.values()])
+        staged = self._stage_k.dim() > 1
+        return (
+            *planes,
+            self._stage_k[layer] if staged else self._stage_k,
+            self._stage_v[layer] if staged else self._stage_v,
+        )
 
     def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V blocks, (num_blocks, nkv, bs, hd) each (``reads_in_place`` storage only)."""
