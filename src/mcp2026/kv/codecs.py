@@ -8,7 +8,11 @@ block, and a request's last, not yet full block lives in a full-precision stagin
 (``KVCodec.is_staged``; see ``kv.paged_cache``). Per-token codecs keep fp16 scales and zero points, rounded so
 that every value maps inside the integer range (error <= scale / 2). The int4 block codecs store theirs as
 uint8 codes over three fp16 numbers per chunk (two levels, as llama.cpp's k-quants): at 16-token blocks fp16
-scales and zeros cost as much as a quarter of the 4-bit data, codes half that, at the same error bound.
+scales and zeros cost as much as a quarter of the 4-bit data, codes half that. The bound is still half a step,
+but the code grids are shared by the chunk: a group's step is rounded up by at most 1/254 of the chunk's
+largest step and its zero lowered by at most 1/255 of the spread of the chunk's minima, so an outlier coarsens
+the rest of its chunk a little (measured on SmolLM2: docs/kv-cache.md), and one non-finite value spoils the
+whole chunk rather than one group.
 """
 
 from __future__ import annotations
