@@ -134,6 +134,8 @@ def _quantized_pool(codec_name: str, num_blocks: int, nkv: int, bs: int, hd: int
         ("int4", 2, 64, torch.bfloat16),
         ("int4-g64", 2, 64, torch.float32),
         ("int4", 2, 96, torch.float32),  # 96 channels: one 32-wide AVX2 step short of a 64-multiple
+        ("fp8", 3, 64, torch.float32),
+        ("fp8", 3, 20, torch.bfloat16),  # the 8-wide gather and a scalar tail
     ],
 )
 def test_quantized_decode_attention_matches_the_decoded_pool(kernels, codec, kind, hd, dtype):
@@ -177,8 +179,24 @@ def test_quantized_decode_attention_rejects_bad_input(kernels):
         )
     with pytest.raises(RuntimeError, match="kind must be"):
         ops.paged_decode_attention_quantized(
-            q, 3, kp, vp, empty, empty, torch.tensor([[0]]), torch.tensor([3])
+            q, 4, kp, vp, empty, empty, torch.tensor([[0]]), torch.tensor([3])
         )
+
+
+def test_fp8_table_decodes_every_code_as_torch(kernels):
+    """All finite e4m3 codes through the kernel's table: one token of one head, so the output is that token's
+    decoded values, compared exactly with torch's conversion."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    values = codes[torch.isfinite(codes.float())]  # 254 finite codes as the channels of one row
+    hd = values.numel()
+    k = torch.zeros(1, 1, 1, hd, dtype=torch.float8_e4m3fn)
+    v = values.reshape(1, 1, 1, hd).contiguous()
+    scale = torch.ones(1, 1, 1, dtype=torch.float16)
+    q = torch.zeros(1, 1, hd)
+    empty = torch.empty(0)
+    tables, lengths = torch.tensor([[0]]), torch.tensor([1])
+    out = ops.paged_decode_attention_quantized(q, 3, [k, scale], [v, scale], empty, empty, tables, lengths)
+    torch.testing.assert_close(out.view(-1), values.float(), atol=0, rtol=0)
 
 
 def test_paged_decode_attention_rejects_bad_tables(kernels):

@@ -163,9 +163,9 @@ def test_a_16_bit_cache_is_read_in_place_under_fp32_activations(tiny_qkv_bias, k
 
 
 @pytest.mark.usefixtures("kernels")
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "fp8"])
 def test_a_quantized_cache_is_decoded_by_the_kernel_as_it_reads(tiny_qkv_bias, kv_dtype):
-    """int8 / int4 K/V: the decode kernel reads the quantized blocks (and int4's staged bf16 tails) in place;
+    """int8 / int4 / fp8 K/V: the decode kernel reads the quantized blocks (and int4's staged bf16 tails) in place;
     same tokens as gathering and decoding the blocks with the codec, then attending."""
     from mcp2026.kernels import ops
     from mcp2026.kv.compressor import KVCompressor
@@ -190,7 +190,7 @@ def test_a_quantized_cache_is_decoded_by_the_kernel_as_it_reads(tiny_qkv_bias, k
     ops.paged_decode_attention_quantized = counted
     try:
         kernel = run(True)
-        assert calls and set(calls) == {1 if kv_dtype == "int8" else 2}
+        assert calls and set(calls) == {{"int8": 1, "int4": 2, "fp8": 3}[kv_dtype]}
         n = len(calls)
         gathered = run(False)
         assert len(calls) == n  # the gather path never calls it

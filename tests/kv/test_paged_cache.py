@@ -118,7 +118,7 @@ def test_which_layouts_the_decode_kernel_reads_in_place():
     def kind(codec: str, dtype: torch.dtype = torch.float32, hd: int = 64) -> int:
         return PagedKVCache(2, 4, 16, 2, hd, dtype, codec=make_codec(codec)).quantized_kernel_kind
 
-    assert [kind(c) for c in ("fp32", "bf16", "fp8", "int8", "int4", "int4-g64")] == [0, 0, 0, 1, 2, 2]
+    assert [kind(c) for c in ("fp32", "bf16", "fp8", "int8", "int4", "int4-g64")] == [0, 0, 3, 1, 2, 2]
     assert kind("int4", torch.bfloat16) == 2  # staged in bf16 either way
     assert kind("int4", torch.float16) == 0  # staged in fp16: the kernel reads bf16 staging only
     assert kind("int4", hd=4096) == 0  # 128 value groups of 32: past the kernel's 64

@@ -242,6 +242,50 @@ struct Int8Source {
   }
 };
 
+// float8 e4m3 (fn: no infinities, 0x7F / 0xFF NaN) -> float, all 256 codes: exact, as torch's conversion.
+inline const float* fp8_e4m3_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; ++b) {
+      const int exp = (b >> 3) & 15, mant = b & 7;
+      float v = exp == 0 ? std::ldexp(static_cast<float>(mant), -9) : std::ldexp(static_cast<float>(8 + mant), exp - 10);
+      if (exp == 15 && mant == 7) v = std::numeric_limits<float>::quiet_NaN();
+      t[b] = (b & 128) ? -v : v;
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// fp8 per (token, head): q (num_blocks, nkv, bs, hd) e4m3, scale (num_blocks, nkv, bs) fp16.
+struct Fp8Source {
+  const uint8_t* q;
+  const at::Half* scale;
+  int64_t nkv, h, bs, hd;
+  const float* table;
+  const float* rows(int64_t block, int64_t n, float* buf) const {
+    const int64_t chunk = block * nkv + h;
+    for (int64_t t = 0; t < n; ++t) {
+      const uint8_t* code = q + (chunk * bs + t) * hd;
+      const float s = static_cast<float>(scale[chunk * bs + t]);
+      float* out = buf + t * hd;
+      int64_t d = 0;
+#if defined(__AVX2__)
+      const __m256 sv = _mm256_set1_ps(s);
+      for (; d + 8 <= hd; d += 8) {
+        const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(code + d)));
+        _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_i32gather_ps(table, idx, 4), sv));
+      }
+#endif
+      for (; d < hd; ++d) out[d] = table[code[d]] * s;
+    }
+    return buf;
+  }
+  void prefetch(int64_t block, int64_t n, bool near) const {
+    prefetch_bytes(q + (block * nkv + h) * bs * hd, n * hd, near);
+  }
+};
+
 // int4 KIVI keys: q (num_blocks, nkv, bs, hd / 2) packed, per-channel codes (num_blocks, nkv, hd) uint8, meta
 // (num_blocks, nkv, 3) fp16. Values: the same q, codes per (token, group) (num_blocks, nkv, bs, ng).
 struct Int4Source {
@@ -515,7 +559,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 
 // Decode attention straight from a quantized pool: kind 1 = int8 per (token, head) K and V (planes q, scale,
 // zero), kind 2 = int4 KIVI (keys q, per-channel scale and zero codes, meta; values q, per-(token, group)
-// codes, meta). Staged blocks (ids >= num_blocks) come from stage_k / stage_v, bf16 (entries, nkv, bs, hd).
+// codes, meta), kind 3 = fp8 e4m3 per (token, head) (planes q, scale). Staged blocks (ids >= num_blocks) come from stage_k / stage_v, bf16 (entries, nkv, bs, hd).
 // Decoding a block costs about what widening a bf16 one does, and reads 2-4x fewer bytes.
 torch::Tensor paged_decode_attention_quantized(const torch::Tensor& q, int64_t kind, const std::vector<torch::Tensor>& kp,
                                                const std::vector<torch::Tensor>& vp, const torch::Tensor& stage_k,
@@ -523,8 +567,8 @@ torch::Tensor paged_decode_attention_quantized(const torch::Tensor& q, int64_t k
                                                const torch::Tensor& lengths, const c10::optional<torch::Tensor>& mass) {
   check_cpu_float(q, "q");
   TORCH_CHECK(q.dim() == 3, "q must be (B, nh, hd)");
-  TORCH_CHECK(kind == 1 || kind == 2, "kind must be 1 (int8) or 2 (int4)");
-  const size_t num_planes = kind == 1 ? 3 : 4;
+  TORCH_CHECK(kind >= 1 && kind <= 3, "kind must be 1 (int8), 2 (int4) or 3 (fp8)");
+  const size_t num_planes = kind == 1 ? 3 : kind == 2 ? 4 : 2;
   TORCH_CHECK(kp.size() == num_planes && vp.size() == num_planes, "kind ", kind, " takes ", num_planes,
               " planes for K and for V");
   for (const auto* planes : {&kp, &vp})
@@ -536,8 +580,10 @@ torch::Tensor paged_decode_attention_quantized(const torch::Tensor& q, int64_t k
   TORCH_CHECK(kp[0].dim() == 4 && kp[0].sizes() == vp[0].sizes(), "K and V data planes must be (num_blocks, nkv, bs, *)");
   const int64_t num_blocks = kp[0].size(0), nkv = kp[0].size(1), bs = kp[0].size(2), nb = tc.size(1);
   TORCH_CHECK(nh % nkv == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(kp[0].scalar_type() == torch::kByte && vp[0].scalar_type() == torch::kByte, "data planes must be uint8");
-  TORCH_CHECK(kp[0].size(3) == (kind == 1 ? hd : hd / 2) && (kind == 1 || hd % 2 == 0), "head sizes do not match");
+  const auto data_type = kind == 3 ? at::ScalarType::Float8_e4m3fn : torch::kByte;
+  TORCH_CHECK(kp[0].scalar_type() == data_type && vp[0].scalar_type() == data_type,
+              "data planes must be uint8 (int8, int4) or float8_e4m3fn (fp8)");
+  TORCH_CHECK(kp[0].size(3) == (kind == 2 ? hd / 2 : hd) && (kind != 2 || hd % 2 == 0), "head sizes do not match");
   int64_t num_stage = 0;
   if (stage_k.numel() > 0) {
     TORCH_CHECK(stage_k.scalar_type() == torch::kBFloat16 && stage_v.scalar_type() == torch::kBFloat16 &&
@@ -567,6 +613,19 @@ torch::Tensor paged_decode_attention_quantized(const torch::Tensor& q, int64_t k
                        hd, staged(skp, h)},
             Int8Source{vp[0].data_ptr<uint8_t>(), vp[1].data_ptr<at::Half>(), vp[2].data_ptr<at::Half>(), nkv, h, bs,
                        hd, staged(svp, h)});
+      };
+      decode_attention_run<T>(qc.data_ptr<T>(), tc.data_ptr<int64_t>(), lc.data_ptr<int64_t>(), out.data_ptr<T>(),
+                              mp, B, nh, nkv, hd, bs, nb, max_len, sources);
+    } else if (kind == 3) {
+      for (const auto* planes : {&kp, &vp})
+        TORCH_CHECK((*planes)[1].scalar_type() == torch::kHalf && (*planes)[1].numel() == num_blocks * nkv * bs,
+                    "fp8 scale planes must be fp16 (num_blocks, nkv, bs)");
+      TORCH_CHECK(num_stage == 0, "fp8 is not a staged codec");
+      const float* table = fp8_e4m3_table();
+      auto sources = [&](int64_t h) {
+        return std::make_pair(
+            Fp8Source{static_cast<const uint8_t*>(kp[0].data_ptr()), kp[1].data_ptr<at::Half>(), nkv, h, bs, hd, table},
+            Fp8Source{static_cast<const uint8_t*>(vp[0].data_ptr()), vp[1].data_ptr<at::Half>(), nkv, h, bs, hd, table});
       };
       decode_attention_run<T>(qc.data_ptr<T>(), tc.data_ptr<int64_t>(), lc.data_ptr<int64_t>(), out.data_ptr<T>(),
                               mp, B, nh, nkv, hd, bs, nb, max_len, sources);
@@ -1626,7 +1685,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("lengths"),
         py::arg("mass") = py::none());
   m.def("paged_decode_attention_quantized", &paged_decode_attention_quantized,
-        "decode attention over int8 / int4 paged K/V blocks (and a staged codec's bf16 tails)", py::arg("q"),
+        "decode attention over int8 / int4 / fp8 paged K/V blocks (and int4's staged bf16 tails)", py::arg("q"),
         py::arg("kind"), py::arg("k_planes"), py::arg("v_planes"), py::arg("stage_k"), py::arg("stage_v"),
         py::arg("tables"), py::arg("lengths"), py::arg("mass") = py::none());
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) * weight");

@@ -189,7 +189,7 @@ def paged_decode_attention_quantized(
     mass: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_decode_attention`` over a quantized pool, blocks decoded as they are read: ``kind`` 1 = int8
-    (planes q, scale, zero), 2 = int4 (q, scale and zero codes, meta); block ids >= the pool's blocks name
+    (planes q, scale, zero), 2 = int4 (q, scale and zero codes, meta), 3 = fp8 (q, scale); block ids >= the pool's blocks name
     staging entries of ``stage_k`` / ``stage_v`` (bf16 (entries, nkv, bs, hd), or empty)."""
     return cpu.load().paged_decode_attention_quantized(
         q, kind, k_planes, v_planes, stage_k, stage_v, tables, lengths, mass

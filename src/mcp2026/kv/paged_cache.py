@@ -29,6 +29,7 @@ import torch
 
 from mcp2026.kernels import ops as kernel_ops
 from mcp2026.kv.codecs import (
+    Fp8PerToken,
     Identity,
     Int4PerChannel,
     Int4PerTokenGroup,
@@ -410,10 +411,12 @@ class PagedKVCache:
     @property
     def quantized_kernel_kind(self) -> int:
         """Which quantized layout the decode kernel can read in place: 1 int8, 2 int4 (KIVI, staged tails
-        included), 0 none (``reads_in_place`` storage, or a layout it does not know)."""
+        included), 3 fp8, 0 none (``reads_in_place`` storage, or a layout it does not know)."""
         key, value = type(self.codec.key), type(self.codec.value)  # these classes exactly: their planes
         if key is Int8PerToken and value is Int8PerToken:
             return 1
+        if key is Fp8PerToken and value is Fp8PerToken:
+            return 3
         groups = self.v_planes["scale"].shape[-1] if value is Int4PerTokenGroup else 0
         if key is Int4PerChannel and 1 <= groups <= 64 and self.stage_dtype == torch.bfloat16:
             return 2  # the kernel decodes at most 64 value groups per token
