@@ -42,7 +42,7 @@ bench: setup
 	$(BIN)/mcp2026 bench latency --dtype fp32 --weights int8,int4 --new-tokens 64 --prefill-tokens 512 --repeats 3 --write-docs --no-progress
 	$(BIN)/mcp2026 bench offline --batched-decode 32 --input-len 128 --output-len 64 --dtype fp32 --weights int8,int4,bf16 --write-docs --no-progress
 	$(BIN)/mcp2026 bench offline --workload sharegpt --num-prompts 200 --max-requests 16 --batch-size 16 --dtype fp32 --weights int8,int4 --write-docs --no-progress
-	$(BIN)/mcp2026 bench kv --combined int8+heavy_hitter@0.7,int4+heavy_hitter@0.7 --retrieval-configs heavy_hitter@0.7,snap@0.7,sink_window@0.7,int4+heavy_hitter@0.7 --decode-weights int4 --decode-configs bf16,int8,int4,int4+heavy_hitter@0.7 --write-docs --no-progress
+	$(BIN)/mcp2026 bench kv --combined int8+heavy_hitter@0.7,int4+heavy_hitter@0.7 --retrieval-configs heavy_hitter@0.7,snap@0.7,sink_window@0.7,int4+heavy_hitter@0.7 --decode-weights int4 --decode-configs bf16,int8,fp8,int4,int4+heavy_hitter@0.7 --write-docs --no-progress
 	$(BIN)/mcp2026 bench headline --write-docs
 
 bench-quality: setup
