@@ -195,7 +195,7 @@ def _decode_table(config: KVBenchConfig, decode: dict[str, Any]) -> Table:
         [evict, speeds[evict], f"{decode['speedup']:.2f}x", DECODE_TARGET.verdict(decode["speedup"])],
     ]
     rows += [  # --decode-configs: timed alike, no target
-        [name, speed, f"{speed / speeds['uncompressed']:.2f}x", ""]
+        [name, speed, f"{decode['vs_uncompressed'][name]:.2f}x", ""]
         for name, speed in speeds.items()
         if name not in ("uncompressed", evict)
     ]

@@ -38,7 +38,6 @@ class ModelRunner:
         self.fused_decode = (cache.reads_in_place or cache.quantized_kernel_kind > 0) and (
             ops.decode_kernel_available(cache.device, cache.dtype)
         )
-        self._kernel_reads_staging = cache.quantized_kernel_kind > 0
         self._scores: list[StepScores] = []
 
     def take_scores(self) -> list[StepScores]:
@@ -67,7 +66,7 @@ class ModelRunner:
         if self.scoring.decode:
             meta.decode_mass = torch.zeros(self.num_layers, len(decodes), self.num_kv_heads, width)
         if self.fused_decode and (
-            self._kernel_reads_staging
+            self.cache.quantized_kernel_kind  # the quantized kernel reads staged tails too
             or not any(self._staged_id(c.request_id, stage_after) is not None for c in decodes)
         ):
             meta.decode_tables, meta.decode_lengths = tables, lengths

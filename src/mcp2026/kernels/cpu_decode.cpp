@@ -152,21 +152,29 @@ inline void dequant_u8_row(const uint8_t* code, int64_t hd, float s, float z, fl
   for (; d < hd; ++d) out[d] = static_cast<float>(code[d]) * s + z;
 }
 
-// out[d] = nibble[d] * s[d] + z[d]: channel 2i in byte i's low nibble, 2i + 1 in its high nibble (the int4
-// codecs' packing), per-channel affines.
+#if defined(__AVX2__) && defined(__FMA__)
+// 32 packed nibbles (16 bytes; channel 2i in byte i's low nibble, 2i + 1 in its high one: the int4 codecs'
+// packing) as four vectors of 8 floats, channels in order.
+inline void unpack_u4x32(const uint8_t* packed, __m256 out[4]) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));
+  const __m128i lo = _mm_and_si128(p, low4), hi = _mm_and_si128(_mm_srli_epi16(p, 4), low4);
+  const __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi);
+  const __m128i parts[4] = {c0, _mm_srli_si128(c0, 8), c1, _mm_srli_si128(c1, 8)};
+  for (int j = 0; j < 4; ++j) out[j] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
+}
+#endif
+
+// out[d] = nibble[d] * s[d] + z[d], per-channel affines (int4 keys).
 inline void dequant_u4_row(const uint8_t* packed, int64_t hd, const float* s, const float* z, float* out) {
   int64_t d = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  const __m128i low4 = _mm_set1_epi8(0x0F);
   for (; d + 32 <= hd; d += 32) {
-    const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + d / 2));
-    const __m128i lo = _mm_and_si128(p, low4), hi = _mm_and_si128(_mm_srli_epi16(p, 4), low4);
-    const __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi);  // channels in order
-    const __m128i parts[4] = {c0, _mm_srli_si128(c0, 8), c1, _mm_srli_si128(c1, 8)};
+    __m256 c[4];
+    unpack_u4x32(packed + d / 2, c);
     for (int j = 0; j < 4; ++j) {
       const int64_t e = d + 8 * j;
-      const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
-      _mm256_storeu_ps(out + e, _mm256_fmadd_ps(c, _mm256_loadu_ps(s + e), _mm256_loadu_ps(z + e)));
+      _mm256_storeu_ps(out + e, _mm256_fmadd_ps(c[j], _mm256_loadu_ps(s + e), _mm256_loadu_ps(z + e)));
     }
   }
 #endif
@@ -177,23 +185,20 @@ inline void dequant_u4_row(const uint8_t* packed, int64_t hd, const float* s, co
   }
 }
 
-// The same with one affine per group of `group` channels (a power of two >= 8 on the vector path): int4 values.
+// The same with one affine per group of `group` channels (int4 values; a power of two >= 8 on the vector path,
+// so the group index is a shift).
 inline void dequant_u4_row_groups(const uint8_t* packed, int64_t hd, int64_t group, const float* gs, const float* gz,
                                   float* out) {
   int64_t d = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  if (group % 8 == 0 && (group & (group - 1)) == 0) {  // a power of two: the group index is a shift
+  if (group % 8 == 0 && (group & (group - 1)) == 0) {
     const int shift = __builtin_ctzll(static_cast<unsigned long long>(group));
-    const __m128i low4 = _mm_set1_epi8(0x0F);
     for (; d + 32 <= hd; d += 32) {
-      const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + d / 2));
-      const __m128i lo = _mm_and_si128(p, low4), hi = _mm_and_si128(_mm_srli_epi16(p, 4), low4);
-      const __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi);
-      const __m128i parts[4] = {c0, _mm_srli_si128(c0, 8), c1, _mm_srli_si128(c1, 8)};
+      __m256 c[4];
+      unpack_u4x32(packed + d / 2, c);
       for (int j = 0; j < 4; ++j) {
         const int64_t e = d + 8 * j, gi = e >> shift;
-        const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
-        _mm256_storeu_ps(out + e, _mm256_fmadd_ps(c, _mm256_set1_ps(gs[gi]), _mm256_set1_ps(gz[gi])));
+        _mm256_storeu_ps(out + e, _mm256_fmadd_ps(c[j], _mm256_set1_ps(gs[gi]), _mm256_set1_ps(gz[gi])));
       }
     }
   }
@@ -228,9 +233,7 @@ struct Int8Source {
   const at::Half* scale;
   const at::Half* zero;
   int64_t nkv, h, bs, hd;
-  StagedRows staged;
   const float* rows(int64_t block, int64_t n, float* buf) const {
-    if (staged.has(block)) return staged.stage.rows(block - staged.num_blocks, n, buf);
     const int64_t chunk = block * nkv + h;
     for (int64_t t = 0; t < n; ++t)
       dequant_u8_row(q + (chunk * bs + t) * hd, hd, static_cast<float>(scale[chunk * bs + t]),
@@ -238,23 +241,15 @@ struct Int8Source {
     return buf;
   }
   void prefetch(int64_t block, int64_t n, bool near) const {
-    if (!staged.has(block)) prefetch_bytes(q + (block * nkv + h) * bs * hd, n * hd, near);
+    prefetch_bytes(q + (block * nkv + h) * bs * hd, n * hd, near);
   }
 };
 
-// float8 e4m3 (fn: no infinities, 0x7F / 0xFF NaN) -> float, all 256 codes: exact, as torch's conversion.
-inline const float* fp8_e4m3_table() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(256);
-    for (int b = 0; b < 256; ++b) {
-      const int exp = (b >> 3) & 15, mant = b & 7;
-      float v = exp == 0 ? std::ldexp(static_cast<float>(mant), -9) : std::ldexp(static_cast<float>(8 + mant), exp - 10);
-      if (exp == 15 && mant == 7) v = std::numeric_limits<float>::quiet_NaN();
-      t[b] = (b & 128) ? -v : v;
-    }
-    return t;
-  }();
-  return table.data();
+// e4m3 -> float via fp16 bits: sign up 8, exponent and mantissa up 7 (subnormals land on fp16 subnormals),
+// then x 2^8 for the exponent biases (15 - 7). Exact for every finite code; NaN codes, which encode never writes
+// for finite K/V, would read as 480.
+inline uint16_t e4m3_as_fp16_bits(uint8_t b) {
+  return static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7F) << 7));
 }
 
 // fp8 per (token, head): q (num_blocks, nkv, bs, hd) e4m3, scale (num_blocks, nkv, bs) fp16.
@@ -262,7 +257,6 @@ struct Fp8Source {
   const uint8_t* q;
   const at::Half* scale;
   int64_t nkv, h, bs, hd;
-  const float* table;
   const float* rows(int64_t block, int64_t n, float* buf) const {
     const int64_t chunk = block * nkv + h;
     for (int64_t t = 0; t < n; ++t) {
@@ -271,9 +265,7 @@ struct Fp8Source {
       float* out = buf + t * hd;
       int64_t d = 0;
 #if defined(__AVX2__) && defined(__F16C__)
-      // e4m3 as fp16 bits: sign to bit 15, exponent and mantissa shifted up 7 (subnormals land on fp16
-      // subnormals), then x 2^8 for the exponent biases (15 - 7): exact for every finite code, far cheaper than a
-      // table gather (NaN codes, which encode never writes for finite K/V, would read as 480).
+      // e4m3_as_fp16_bits, 8 at a time (F16C widens; 2.2x faster than a 256-entry table gather)
       const __m256 sv = _mm256_set1_ps(s * 256.f);
       const __m128i sign = _mm_set1_epi16(0x80), rest = _mm_set1_epi16(0x7F);
       for (; d + 8 <= hd; d += 8) {
@@ -283,7 +275,8 @@ struct Fp8Source {
         _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtph_ps(h), sv));
       }
 #endif
-      for (; d < hd; ++d) out[d] = table[code[d]] * s;
+      for (; d < hd; ++d)
+        out[d] = static_cast<float>(c10::Half(e4m3_as_fp16_bits(code[d]), c10::Half::from_bits())) * (s * 256.f);
     }
     return buf;
   }
@@ -301,14 +294,14 @@ struct Int4Source {
   const at::Half* meta;
   int64_t nkv, h, bs, hd, ng;  // ng = 0: per channel (keys); else groups per token (values)
   StagedRows staged;
-  mutable std::vector<float> affine;  // per-channel scale and zero of the block being decoded
+  mutable std::vector<float> affine;  // keys: per-channel scale and zero of the block being decoded
   const float* rows(int64_t block, int64_t n, float* buf) const {
     if (staged.has(block)) return staged.stage.rows(block - staged.num_blocks, n, buf);
     const int64_t chunk = block * nkv + h;
-    affine.resize(2 * hd);
-    float *s = affine.data(), *z = s + hd;
     const uint8_t* qb = q + chunk * bs * (hd / 2);
     if (ng == 0) {
+      affine.resize(2 * hd);
+      float *s = affine.data(), *z = s + hd;
       coded_affines(scale_code + chunk * hd, zero_code + chunk * hd, meta + chunk * 3, hd, s, z);
       for (int64_t t = 0; t < n; ++t) dequant_u4_row(qb + t * (hd / 2), hd, s, z, buf + t * hd);
       return buf;
@@ -565,7 +558,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 
 // Decode attention straight from a quantized pool: kind 1 = int8 per (token, head) K and V (planes q, scale,
 // zero), kind 2 = int4 KIVI (keys q, per-channel scale and zero codes, meta; values q, per-(token, group)
-// codes, meta), kind 3 = fp8 e4m3 per (token, head) (planes q, scale). Staged blocks (ids >= num_blocks) come from stage_k / stage_v, bf16 (entries, nkv, bs, hd).
+// codes, meta), kind 3 = fp8 e4m3 per (token, head) (planes q, scale). int4's staged blocks (ids >= num_blocks)
+// come from stage_k / stage_v, bf16 (entries, nkv, bs, hd).
 // Decoding a block costs about what widening a bf16 one does, and reads 2-4x fewer bytes.
 torch::Tensor paged_decode_attention_quantized(const torch::Tensor& q, int64_t kind, const std::vector<torch::Tensor>& kp,
                                                const std::vector<torch::Tensor>& vp, const torch::Tensor& stage_k,
@@ -608,6 +602,7 @@ torch::Tensor paged_decode_attention_quantized(const torch::Tensor& q, int64_t k
   auto out = torch::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, qc.scalar_type(), "paged_decode_attention_quantized", [&] {
     using T = scalar_t;
+    TORCH_CHECK(kind == 2 || num_stage == 0, "only int4 is a staged codec");
     if (kind == 1) {
       for (const auto* planes : {&kp, &vp})
         TORCH_CHECK((*planes)[1].scalar_type() == torch::kHalf && (*planes)[2].scalar_type() == torch::kHalf &&
@@ -616,9 +611,9 @@ torch::Tensor paged_decode_attention_quantized(const torch::Tensor& q, int64_t k
       auto sources = [&](int64_t h) {
         return std::make_pair(
             Int8Source{kp[0].data_ptr<uint8_t>(), kp[1].data_ptr<at::Half>(), kp[2].data_ptr<at::Half>(), nkv, h, bs,
-                       hd, staged(skp, h)},
+                       hd},
             Int8Source{vp[0].data_ptr<uint8_t>(), vp[1].data_ptr<at::Half>(), vp[2].data_ptr<at::Half>(), nkv, h, bs,
-                       hd, staged(svp, h)});
+                       hd});
       };
       decode_attention_run<T>(qc.data_ptr<T>(), tc.data_ptr<int64_t>(), lc.data_ptr<int64_t>(), out.data_ptr<T>(),
                               mp, B, nh, nkv, hd, bs, nb, max_len, sources);
@@ -626,12 +621,10 @@ torch::Tensor paged_decode_attention_quantized(const torch::Tensor& q, int64_t k
       for (const auto* planes : {&kp, &vp})
         TORCH_CHECK((*planes)[1].scalar_type() == torch::kHalf && (*planes)[1].numel() == num_blocks * nkv * bs,
                     "fp8 scale planes must be fp16 (num_blocks, nkv, bs)");
-      TORCH_CHECK(num_stage == 0, "fp8 is not a staged codec");
-      const float* table = fp8_e4m3_table();
       auto sources = [&](int64_t h) {
         return std::make_pair(
-            Fp8Source{static_cast<const uint8_t*>(kp[0].data_ptr()), kp[1].data_ptr<at::Half>(), nkv, h, bs, hd, table},
-            Fp8Source{static_cast<const uint8_t*>(vp[0].data_ptr()), vp[1].data_ptr<at::Half>(), nkv, h, bs, hd, table});
+            Fp8Source{static_cast<const uint8_t*>(kp[0].data_ptr()), kp[1].data_ptr<at::Half>(), nkv, h, bs, hd},
+            Fp8Source{static_cast<const uint8_t*>(vp[0].data_ptr()), vp[1].data_ptr<at::Half>(), nkv, h, bs, hd});
       };
       decode_attention_run<T>(qc.data_ptr<T>(), tc.data_ptr<int64_t>(), lc.data_ptr<int64_t>(), out.data_ptr<T>(),
                               mp, B, nh, nkv, hd, bs, nb, max_len, sources);

@@ -174,6 +174,17 @@ class PagedKVCache:
         self._staged: dict[str, int] = {}
         self._free_stage: set[int] = set()
         self.monitor = ErrorMonitor(num_layers, self.codec.name, max_error, error_check_interval)
+        # decided once, read by every decode step's attention (see _quantized_kernel_kind), with the per-layer
+        # plane lists it passes
+        self.quantized_kernel_kind = self._quantized_kernel_kind()
+        self._layer_planes = (
+            [
+                ([p[layer] for p in self.k_planes.values()], [p[layer] for p in self.v_planes.values()])
+                for layer in range(num_layers)
+            ]
+            if self.quantized_kernel_kind
+            else []
+        )
 
     def _allocate_planes(self, codec: TensorCodec) -> Planes:
         planes = {}
@@ -408,8 +419,7 @@ class PagedKVCache:
         kernel may read the blocks in place, widening on load."""
         return self._raw
 
-    @property
-    def quantized_kernel_kind(self) -> int:
+    def _quantized_kernel_kind(self) -> int:
         """Which quantized layout the decode kernel can read in place: 1 int8, 2 int4 (KIVI, staged tails
         included), 3 fp8, 0 none (``reads_in_place`` storage, or a layout it does not know)."""
         key, value = type(self.codec.key), type(self.codec.value)  # these classes exactly: their planes
@@ -427,10 +437,9 @@ class PagedKVCache:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """One layer's K and V planes in the codec's order (data, scale, zero[, meta]), (num_blocks, nkv, ...)
         each, and its staging stores (entries, nkv, bs, hd), empty when nothing was ever staged."""
-        planes = ([p[layer] for p in self.k_planes.values()], [p[layer] for p in self.v_planes.values()])
         staged = self._stage_k.dim() > 1
         return (
-            *planes,
+            *self._layer_planes[layer],
             self._stage_k[layer] if staged else self._stage_k,
             self._stage_v[layer] if staged else self._stage_v,
         )
