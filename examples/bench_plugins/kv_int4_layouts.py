@@ -6,14 +6,14 @@ text, against the same model with full-precision K/V. docs/kv-cache.md quotes it
 
 Variants (``--param variants=a,b``; default all): ``kivi16`` / ``kivi64`` keys per channel over 16 / 64-token
 groups (a partial last group stays full precision, as the engine's staging), values per token in groups of 32
-/ 64 channels (the engine's ``int4`` / ``int4-g64`` layouts); ``tok64`` keys and values per token, one group per
+/ 64 channels (the engine's ``int4`` / ``int4-g64`` layouts before session 18); ``tok64`` keys and values per token, one group per
 head (64 channels: what reaches 3.56x at any block size); ``rot-tok64`` / ``rot-tok32`` the same keys after an
 orthonormal Hadamard rotation (QuaRot, arXiv:2404.00456: rotating spreads outlier channels over the head;
 queries would be rotated alike, so scores are unchanged) with values per token in groups of 64 / 32;
-``rot-kv64`` keys and values both rotated, groups of 64. Affine int4 with fp16 scale and zero, as kv/codecs.py.
-``kivi16-v64`` kivi16 with value groups of 64; ``-k8`` keys' per-channel scales and zeros stored as uint8 codes
-over fp16 per-(block, head) parameters (two levels, as llama.cpp's k-quants); ``-v8`` the same for values'
-per-(token, group) scales and zeros over the block; combinations ``kivi16-k8-v64``, ``kivi16-k8-v8``,
+``rot-kv64`` keys and values both rotated, groups of 64. These: affine int4 with fp16 scale and zero.
+``kivi16-v64`` kivi16 with value groups of 64; ``-k8`` keys through the engine's ``int4`` key codec (since session
+18: per-channel scales and zeros as uint8 codes over fp16 per-(block, head) parameters); ``-v8`` values through
+its value codec (per-(token, group) codes over the block); combinations ``kivi16-k8-v64``, ``kivi16-k8-v8``,
 ``kivi16-k8-v8-v64``.
 
 Metrics: ppl_ref, and delta_ppl_pct_<variant> and kld_<variant> for each variant. ~1 minute.
@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from mcp2026.bench.plugins import PluginContext
+from mcp2026.kv.codecs import Int4PerChannel, Int4PerTokenGroup, TensorCodec
 
 VARIANTS = (
     "kivi16", "kivi64", "tok64", "rot-tok64", "rot-tok32", "rot-kv64", "kivi16-v64", "kivi16-k8", "kivi16-k8-v64",
@@ -51,47 +52,25 @@ def _affine4(x: torch.Tensor, dim: int) -> torch.Tensor:
     return ((x - zero) / scale).round().clamp(0, 15) * scale + zero
 
 
-def _up(x: torch.Tensor) -> torch.Tensor:
-    h = x.half()
-    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, float("inf"))), h).float()
-
-
-def _down(x: torch.Tensor) -> torch.Tensor:
-    h = x.half()
-    return torch.where(h.float() > x, torch.nextafter(h, torch.full_like(h, float("-inf"))), h).float()
-
-
-def _affine4_codes(x: torch.Tensor, dim: int, over: int | tuple[int, ...]) -> torch.Tensor:
-    """4-bit affine codes over ``dim`` whose scales and zeros are themselves 8-bit codes over ``over`` (two
-    levels, as llama.cpp's k-quants): zero = zmin + zc * dz (<= the channel's min), scale = sc * ds (covers
-    its max); zmin, dz, ds fp16 per group of ``over``. Every value stays inside the 4-bit range."""
-    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
-    zmin = _down(lo.amin(over, keepdim=True))
-    dz = _up(((lo.amax(over, keepdim=True) - zmin) / 255).clamp_min(2.0**-14))
-    zero = zmin + ((lo - zmin) / dz).floor().clamp(0, 255) * dz
-    zero = torch.minimum(zero, lo)  # fp32 rounding of the product: a code one step lower stays exact enough
-    need = (hi - zero) / 15
-    ds = _up((need.amax(over, keepdim=True) / 255).clamp_min(2.0**-14))
-    scale = (need / ds).ceil().clamp(1, 255) * ds
-    return ((x - zero) / scale).round().clamp(0, 15) * scale + zero
-
-
-def per_channel_codes(x: torch.Tensor, tokens: int) -> torch.Tensor:
+def _engine_round_trip(codec: TensorCodec, x: torch.Tensor, tokens: int = 16) -> torch.Tensor:
+    """x (T, heads, hd) through one of the engine's int4 block codecs (8-bit-coded scales and zeros), in
+    ``tokens``-token blocks per head; a partial last block stays full precision, as the engine's staging."""
     t, n, hd = x.shape
     full = t - t % tokens
     out = x.clone()
-    out[:full] = _affine4_codes(x[:full].reshape(-1, tokens, n, hd), 1, 3).reshape(full, n, hd)
+    chunks = x[:full].reshape(-1, tokens, n, hd).transpose(1, 2).reshape(-1, tokens, hd)
+    y = codec.decode(codec.encode(chunks), torch.float32)
+    out[:full] = y.reshape(-1, n, tokens, hd).transpose(1, 2).reshape(full, n, hd)
     return out
+
+
+def per_channel_codes(x: torch.Tensor, tokens: int) -> torch.Tensor:
+    return _engine_round_trip(Int4PerChannel(), x, tokens)
 
 
 def per_token_codes(x: torch.Tensor, group: int, tokens: int = 16) -> torch.Tensor:
     """Values per token and group, their scales and zeros 8-bit codes over a block's tokens and groups."""
-    t, n, hd = x.shape
-    full = t - t % tokens
-    out = x.clone()
-    xg = x[:full].reshape(-1, tokens, n, hd // group, group)
-    out[:full] = _affine4_codes(xg, -1, (1, 3)).reshape(full, n, hd)
-    return out
+    return _engine_round_trip(Int4PerTokenGroup(group), x, tokens)
 
 
 def per_token(x: torch.Tensor, group: int) -> torch.Tensor:
