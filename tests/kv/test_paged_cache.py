@@ -122,3 +122,38 @@ def test_which_layouts_the_decode_kernel_reads_in_place():
     assert kind("int4", torch.bfloat16) == 2  # staged in bf16 either way
     assert kind("int4", torch.float16) == 0  # staged in fp16: the kernel reads bf16 staging only
     assert kind("int4", hd=4096) == 0  # 128 value groups of 32: past the kernel's 64
+
+
+def test_per_token_codecs_encode_on_write_in_one_kernel_call(kernels, monkeypatch):
+    """int8 / fp8 steps the error monitor skips are encoded by kernels/kv_write.cpp, which stores exactly the
+    bytes of the torch encoders (the monitored steps and any machine without the kernels use those)."""
+    from mcp2026.kv import paged_cache
+
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            if name == "write_kv_rows_quantized":
+                calls.append(name)
+            return getattr(kernels, name)
+
+    x = torch.randn(40, NKV, HD) * torch.logspace(-3, 2, 40).view(-1, 1, 1)
+    steps = [("a", 0, 13), ("a", 13, 1), ("a", 14, 1), ("a", 15, 9), ("a", 24, 1)]
+    for name in ("int8", "fp8"):
+        caches = []
+        for use_kernel in (True, False):
+            real = paged_cache.kernel_ops.kernels_for
+            monkeypatch.setattr(
+                paged_cache.kernel_ops, "kernels_for", (lambda *t: Counting()) if use_kernel else (lambda *t: None)
+            )
+            cache = PagedKVCache(2, 8, BS, NKV, HD, codec=make_codec(name), error_check_interval=3)
+            for rid, start, n in steps:
+                write(cache, [(rid, start, n, [5, 2, 7, 1])], {"a": x})
+            monkeypatch.setattr(paged_cache.kernel_ops, "kernels_for", real)
+            caches.append(cache)
+        assert len(calls) == 2 * 3  # 2 layers x the 3 of 5 steps the monitor skips
+        calls.clear()
+        for planes in ("k_planes", "v_planes"):
+            for plane, a in getattr(caches[0], planes).items():
+                b = getattr(caches[1], planes)[plane]
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (name, planes, plane)

@@ -1386,6 +1386,9 @@ void write_kv_rows(torch::Tensor& k_dst, torch::Tensor& v_dst, const torch::Tens
   });
 }
 
+// kv_write.cpp
+void write_kv_rows_quantized(int64_t kind, const std::vector<torch::Tensor>& kp, const std::vector<torch::Tensor>& vp,
+                             const torch::Tensor& rows, const torch::Tensor& k, const torch::Tensor& v);
 // int4_gemm.cpp
 bool vnni_gemm_available();
 std::vector<torch::Tensor> int4_gemm_pack(const torch::Tensor& qs, const torch::Tensor& sz);
@@ -1713,6 +1716,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("inv_scale") = py::none())
       .def("__call__", &FusedLinear::operator());
   m.def("write_kv_rows", &write_kv_rows, "K and V rows into one layer's cache planes");
+  m.def("write_kv_rows_quantized", &write_kv_rows_quantized,
+        "K and V rows encoded with the int8 (kind 1) or fp8 (kind 3) KV codec into one layer's planes");
   m.def("layer_attn_in", &layer_attn_in, "residual add + RMSNorm + qkv projection + RoPE; returns q, k, v");
   m.def("layer_attn_out_mlp", &layer_attn_out_mlp, "o projection + residual add + RMSNorm + gated MLP");
 }

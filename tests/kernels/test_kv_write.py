@@ -1,0 +1,71 @@
+"""Quantize-on-write for the per-token KV codecs (kernels/kv_write.cpp): the bytes kv/codecs.py's encoders
+store, bit for bit, written into the pool rows a plan names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcp2026.kv.codecs import make_codec
+
+KINDS = {"int8": 1, "fp8": 3}
+
+
+def _planes(codec: str, rows: int, hd: int) -> list[torch.Tensor]:
+    data = torch.full((rows, hd), 7, dtype=torch.uint8)  # not zero: untouched rows must stay as they were
+    if codec == "fp8":
+        data = data.view(torch.float8_e4m3fn)
+    return [data] + [torch.full((rows,), 0.5, dtype=torch.half) for _ in range(2 if codec == "int8" else 1)]
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """(rows, bytes per row), whatever the plane's dtype."""
+    return t.contiguous().view(torch.uint8).view(t.shape[0], -1)
+
+
+def _rows(T: int, nkv: int, hd: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    magnitude = 10.0 ** torch.empty(T, nkv, 1).uniform_(-6, 4, generator=g)  # subnormal fp16 scales to large
+    x = torch.randn(T, nkv, hd, generator=g) * magnitude + torch.randn(T, nkv, 1, generator=g) * magnitude * 3
+    x[0, 0] = 0.0  # a row of zeros: the smallest scale
+    x[1, -1] = x[1, -1].abs()  # all positive / all negative rows: zero points on either side of 0
+    x[2, 0] = -x[2, 0].abs()
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hd", [64, 12, 7])  # the 8-wide path, its scalar tail, scalar only
+def test_written_rows_are_the_codecs_bytes(kernels, codec, dtype, hd):
+    T, nkv, R = 40, 3, 300
+    k, v = _rows(T, nkv, hd, dtype, seed=hd), _rows(T, nkv, hd, dtype, seed=hd + 1)
+    rows = torch.randperm(R, generator=torch.Generator().manual_seed(0))[: T * nkv]
+    kp, vp = _planes(codec, R, hd), _planes(codec, R, hd)
+    before = [_as_bytes(p).clone() for p in kp]
+    kernels.write_kv_rows_quantized(KINDS[codec], kp, vp, rows, k, v)
+    tc = make_codec(codec).key
+    for x, planes in ((k, kp), (v, vp)):
+        for got, want in zip(planes, tc.encode(x).values(), strict=True):
+            assert torch.equal(_as_bytes(got)[rows], _as_bytes(want.flatten(0, 1)))
+    untouched = torch.ones(R, dtype=torch.bool)
+    untouched[rows] = False
+    for got, was in zip(kp, before, strict=True):
+        assert torch.equal(_as_bytes(got)[untouched], was[untouched])
+
+
+def test_bad_input_is_rejected(kernels):
+    k = v = torch.randn(2, 1, 8)
+    kp, vp = _planes("int8", 4, 8), _planes("int8", 4, 8)
+    rows = torch.tensor([0, 1])
+    with pytest.raises(RuntimeError, match="kind"):
+        kernels.write_kv_rows_quantized(2, kp, vp, rows, k, v)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernels.write_kv_rows_quantized(1, kp, vp, torch.tensor([0, 4]), k, v)
+    with pytest.raises(RuntimeError, match="one entry per|T \\* nkv"):
+        kernels.write_kv_rows_quantized(1, kp, vp, torch.tensor([0]), k, v)
+    with pytest.raises(RuntimeError, match="takes 3 planes"):
+        kernels.write_kv_rows_quantized(1, kp[:2], vp, rows, k, v)
+    with pytest.raises(RuntimeError, match="codes must be"):
+        kernels.write_kv_rows_quantized(3, _planes("int8", 4, 8)[:2], vp[:2], rows, k, v)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.write_kv_rows_quantized(1, kp, vp, rows, k.half(), v.half())
