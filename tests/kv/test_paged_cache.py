@@ -144,7 +144,9 @@ def test_per_token_codecs_encode_on_write_in_one_kernel_call(kernels, monkeypatc
         for use_kernel in (True, False):
             real = paged_cache.kernel_ops.kernels_for
             monkeypatch.setattr(
-                paged_cache.kernel_ops, "kernels_for", (lambda *t: Counting()) if use_kernel else (lambda *t: None)
+                paged_cache.kernel_ops,
+                "kernels_for",
+                (lambda *t: Counting()) if use_kernel else (lambda *t: None),
             )
             cache = PagedKVCache(2, 8, BS, NKV, HD, codec=make_codec(name), error_check_interval=3)
             for rid, start, n in steps:
