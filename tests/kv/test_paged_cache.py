@@ -159,3 +159,40 @@ def test_per_token_codecs_encode_on_write_in_one_kernel_call(kernels, monkeypatc
             for plane, a in getattr(caches[0], planes).items():
                 b = getattr(caches[1], planes)[plane]
                 assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (name, planes, plane)
+
+
+def test_int4_tail_only_steps_write_staging_in_one_kernel_call(kernels, monkeypatch):
+    """A step whose tokens all go to staging (no block seals) writes them with one kernel call per layer:
+    the same staged bf16 rows and sealed blocks as the torch path, step after step."""
+    from mcp2026.kv import paged_cache
+
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            if name == "write_kv_rows":
+                calls.append(name)
+            return getattr(kernels, name)
+
+    x = torch.randn(40, NKV, HD)
+    steps = [("a", 0, 13), ("a", 13, 1), ("a", 14, 1), ("a", 15, 1), ("a", 16, 9), ("a", 25, 1)]
+    caches = []
+    for use_kernel in (True, False):
+        real = paged_cache.kernel_ops.kernels_for
+        monkeypatch.setattr(
+            paged_cache.kernel_ops,
+            "kernels_for",
+            (lambda *t: Counting()) if use_kernel else (lambda *t: None),
+        )
+        cache = make("int4")
+        for rid, start, n in steps:
+            write(cache, [(rid, start, n, [5, 2, 7, 1])], {"a": x})
+        monkeypatch.setattr(paged_cache.kernel_ops, "kernels_for", real)
+        caches.append(cache)
+    assert len(calls) == 2 * 3  # 2 layers x the steps 13, 14 and 25 (15 and 16 seal a block)
+    for name in ("_stage_k", "_stage_v"):
+        assert torch.equal(getattr(caches[0], name), getattr(caches[1], name))
+    for planes in ("k_planes", "v_planes"):
+        for plane, a in getattr(caches[0], planes).items():
+            assert torch.equal(a, getattr(caches[1], planes)[plane]), (planes, plane)
+    assert torch.equal(read(caches[0], "a", [5, 2, 7, 1], 26), read(caches[1], "a", [5, 2, 7, 1], 26))

@@ -115,6 +115,7 @@ class WritePlan:
     seal_stage_src: torch.Tensor | None = None
     tail_dst: torch.Tensor | None = None
     tail_src: torch.Tensor | None = None
+    tail_is_whole_step: bool = False  # every new token goes to staging (no seal): tail_src is all T, in order
     stage_after: dict[str, int | None] = field(default_factory=dict)  # request -> staging index after it
     is_monitored: bool = False  # measure the round-trip error of this step's writes
 
@@ -310,6 +311,7 @@ class PagedKVCache:
             plan.seal_stage_dst, plan.seal_stage_src = tensor(stage_dst), self._rows(stage_base, stage_off)
         if tail_src:
             plan.tail_dst, plan.tail_src = self._rows(tail_base, tail_off), tensor(tail_src)
+            plan.tail_is_whole_step = not seal_ids and len(tail_src) == tok0
         return plan
 
     def _take_stage(self, taken: set[int]) -> int:
@@ -387,6 +389,15 @@ class PagedKVCache:
             if self._plain:
                 kd.index_copy_(0, plan.rows, k.reshape(-1, hd))
                 vd.index_copy_(0, plan.rows, v.reshape(-1, hd))
+                return
+        if (
+            plan.tail_is_whole_step and k.stride(-1) == 1 and v.stride(-1) == 1
+        ):  # a staged codec's decode step
+            kernels = kernel_ops.kernels_for(k, v)
+            if kernels is not None:  # the rows into staging, narrowed to 16 bits on the way (as .to() rounds)
+                hd = self.head_dim
+                stage_k, stage_v = self._stage_k[layer].view(-1, hd), self._stage_v[layer].view(-1, hd)
+                kernels.write_kv_rows(stage_k, stage_v, plan.tail_dst, k, v)
                 return
         if self._row_write_kind and plan.rows is not None and not plan.is_monitored:
             kernels = kernel_ops.kernels_for(k, v)
