@@ -266,6 +266,29 @@ def test_batched_equals_alone_under_eviction(tiny):
     assert batched == alone
 
 
+@pytest.mark.parametrize("codec", ["int8", "fp8", "int4"])
+def test_lossy_caches_do_not_depend_on_prefill_chunking(tiny, codec):
+    """Every prefill chunk, the first too, attends to the K/V the cache stores (and a staged codec's chunks end
+    on blocks): prompts chunked three ways, and batched vs one at a time, give the same logprobs."""
+    kv = KVCompressor(dtype=codec, policy="none")
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
+    ps = [p * 3 for p in prompts(3, seed=1)]  # 60-270 tokens: several blocks and chunks
+    runs = [
+        make_engine(
+            tiny, kv, num_blocks=128, long_prefill_token_threshold=chunk, long_prefill_ms=None
+        ).generate(ps, params)
+        for chunk in (16, 40, 2048)  # 40: not a block multiple
+    ]
+    alone = [
+        make_engine(tiny, kv, num_blocks=128, long_prefill_token_threshold=40).generate([p], params)[0]
+        for p in ps
+    ]
+    for other in (*runs[1:], alone):
+        for a, b in zip(runs[0], other, strict=True):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
 def test_snap_compresses_once_after_the_prompt(tiny):
     kv = KVCompressor(dtype="fp32", policy="snap", sparsity_ratio=0.5, recent_window=16, block_size=8)
     engine = make_engine(tiny, kv)

@@ -123,7 +123,11 @@ class LLMEngine:
             compressor.make_evictor(self.kv_manager, self.max_model_len, self.cache) if compressor else None
         )
         self.scheduler = Scheduler(
-            self.config.scheduler, self.kv_manager, self.max_model_len, self._peak_blocks_rule()
+            self.config.scheduler,
+            self.kv_manager,
+            self.max_model_len,
+            self._peak_blocks_rule(),
+            chunk_multiple=self.cache.block_size if self.cache.codec.is_staged else 1,
         )
         self.runner = ModelRunner(model, self.cache, self.evictor.scoring if self.evictor else None)
         self.sampler = Sampler()

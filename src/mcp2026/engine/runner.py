@@ -88,7 +88,10 @@ class ModelRunner:
         num_observed = 0
         if spec.observe_window and (spec.observe_every_chunk or c.samples):
             num_observed = min(spec.observe_window, c.num_tokens)
-        if start == 0:
+        if start == 0 and self.cache.codec.is_lossless:
+            # a lossy cache's first chunk reads back what it stored, like every later chunk and every decode:
+            # a token's K/V then depend on the stored K/V before it, not on where a chunk started (batched runs
+            # equal one-at-a-time ones; a prefix hit holds what a fresh prefill stores)
             p = PrefillSlice(q_start, c.num_tokens, None, None)
         else:
             ids = list(c.block_table[: cdiv(end, bs)])
@@ -102,7 +105,7 @@ class ModelRunner:
         if not num_observed:
             return p, None
         num_slots = cdiv(end, bs)
-        key_pos = torch.arange(end if start == 0 else num_slots * bs)
+        key_pos = torch.arange(end if p.context is None else num_slots * bs)
         p.num_observed = num_observed
         p.observe_mask = key_pos.unsqueeze(0) <= torch.arange(end - num_observed, end).unsqueeze(1)
         p.mass = torch.zeros(self.num_layers, self.num_kv_heads, num_slots)

@@ -61,9 +61,13 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         peak_blocks: Callable[[int], int] | None = None,
+        chunk_multiple: int = 1,
     ) -> None:
         self.config = config
         self.kv = kv
+        # A prefill chunk that does not finish its tokens ends at a multiple of this (a staged KV codec's block
+        # size: a block then fills within one chunk, so results do not depend on where chunks start)
+        self.chunk_multiple = chunk_multiple
         # Blocks a request of n tokens holds at most at once (less than all of them when KV eviction runs
         # during chunked prefill); by default every block.
         self.peak_blocks = peak_blocks or kv.num_blocks_for
@@ -228,7 +232,9 @@ class Scheduler:
                 break
             if not self._check_fits(request):
                 continue
-            num_new = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, step.budget)
+            num_new = self._num_new_tokens(
+                request.num_tokens - request.num_computed_tokens, step.budget, request.num_computed_tokens
+            )
             if num_new == 0:
                 continue
             while not self.kv.allocate_slots(request, num_new):
@@ -264,7 +270,7 @@ class Scheduler:
             if not self._check_fits(request):
                 continue
             hit_ids, num_hit = self.kv.get_computed_blocks(request)
-            num_new = self._num_new_tokens(request.num_tokens - num_hit, step.budget)
+            num_new = self._num_new_tokens(request.num_tokens - num_hit, step.budget, num_hit)
             if num_new == 0 or not self._allocate_for_waiting(request, num_new, hit_ids, step):
                 break
             self._waiting.remove(request)
@@ -323,13 +329,20 @@ class Scheduler:
             tokens[tenant] = tokens.get(tenant, 0) + num
         return tokens
 
-    def _num_new_tokens(self, num_remaining: int, budget: int) -> int:
+    def _num_new_tokens(self, num_remaining: int, budget: int, start: int) -> int:
         if self.config.enable_chunked_prefill:
-            return min(num_remaining, self.chunk_cap(), budget)
-        if num_remaining <= budget:
+            num_new = min(num_remaining, self.chunk_cap(), budget)
+        elif num_remaining <= budget:
             return num_remaining
-        # Without chunking, only a recompute longer than any step's budget is split (else it would never run).
-        return budget if num_remaining > self.config.max_num_batched_tokens else 0
+        else:
+            # Without chunking, only a recompute longer than any step's budget is split (else it would never run).
+            num_new = budget if num_remaining > self.config.max_num_batched_tokens else 0
+        if 0 < num_new < num_remaining:
+            aligned = (start + num_new) // self.chunk_multiple * self.chunk_multiple - start
+            num_new = (
+                aligned if aligned > 0 else num_new
+            )  # a budget short of one block: unaligned, not starved
+        return num_new
 
     def _check_fits(self, request: Request) -> bool:
         """Finish (error) a request that needs more blocks than the whole online pool: it could only wait
