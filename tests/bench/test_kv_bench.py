@@ -116,7 +116,7 @@ def test_notes_follow_what_ran(run):
     from mcp2026.bench.kv_report import notes
 
     assert any("combined rows (CODEC+POLICY) with their codec" in n for n in run.notes)
-    assert any(n.startswith("Decode tok/s is one measurement") for n in run.notes)
+    assert any(n.startswith("Decode tok/s: the configs' engines take turns") for n in run.notes)
     quiet = KVBenchConfig(codecs=("int8",), policies=(), decode_context=0)
     written = notes(quiet, None, None, quiet.grid())
     assert not any("Decode" in n or "combined" in n for n in written)

@@ -289,6 +289,52 @@ def test_lossy_caches_do_not_depend_on_prefill_chunking(tiny, codec):
             assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
 
 
+def test_int4_batched_equals_alone_when_decodes_share_a_tight_budget(tiny):
+    """Five prompts behind a 64-token budget that decodes share: a prompt waits for a step with a block's room
+    rather than take an unaligned chunk, so int4 results equal one-at-a-time runs."""
+    kv = KVCompressor(dtype="int4", policy="none")
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
+    ps = prompts(5, seed=3)
+    sched = dict(
+        num_blocks=128, max_num_batched_tokens=64, long_prefill_token_threshold=64, long_prefill_ms=None
+    )
+    batched = make_engine(tiny, kv, **sched).generate(ps, params)
+    alone = [make_engine(tiny, kv, **sched).generate([p], params)[0] for p in ps]
+    for a, b in zip(batched, alone, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
+def test_an_fp32_cache_under_a_bf16_model(tiny_dir):
+    """K/V stored wider than the activations: decode reads them in place like any float cache."""
+    model = load_model(tiny_dir, dtype=torch.bfloat16)
+    engine = make_engine(model, KVCompressor(dtype="fp32", policy="none"))
+    assert not engine.cache.stores_exactly  # written as fp32 from bf16: exact, but not the activation dtype
+    outs = run(engine, prompts(2))
+    assert all(len(o) == PARAMS.max_tokens for o in outs)
+
+
+def test_decode_speeds_take_turns(tiny):
+    """The decode-speed columns: engines decode side by side, one step each in rotating order, after the same
+    prompt; one speed per engine from its median step."""
+    from mcp2026.kv.measure import decode_speeds
+
+    engines = {"a": make_engine(tiny), "b": make_engine(tiny, KVCompressor(dtype="int8", policy="none"))}
+    order = []
+    for name, engine in engines.items():
+        step = engine.step
+
+        def logged(step=step, name=name):
+            order.append(name)
+            return step()
+
+        engine.step = logged
+    speeds = decode_speeds(engines, context_len=40, num_tokens=4)
+    assert set(speeds) == {"a", "b"} and all(s > 0 for s in speeds.values())
+    assert order[-8:] == ["a", "b", "b", "a", "a", "b", "b", "a"]  # after each engine's prefill steps
+    assert all(not e.has_unfinished() for e in engines.values())
+
+
 def test_snap_compresses_once_after_the_prompt(tiny):
     kv = KVCompressor(dtype="fp32", policy="snap", sparsity_ratio=0.5, recent_window=16, block_size=8)
     engine = make_engine(tiny, kv)

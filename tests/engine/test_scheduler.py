@@ -128,6 +128,21 @@ def test_chunks_end_on_block_multiples_when_asked():
             if c.request_id == "long" and not c.samples:
                 ends.append(c.start_pos + len(c.token_ids))
     assert ends == [8, 16, 24]  # chunks of up to 12 tokens: 8 each time
+    # what the decodes leave is short of a multiple: the prompt waits for a step with room, then stays aligned
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=16, long_prefill_token_threshold=16),
+        KVCacheManager(BS, 64),
+        256,
+        chunk_multiple=16,
+    )
+    sched.add_request(req("short", range(3), max_tokens=3))
+    step(sched, runner)
+    sched.add_request(req("long", range(100, 140)))
+    chunks = [
+        [(c.request_id, c.start_pos, len(c.token_ids)) for c in step(sched, runner).chunks] for _ in range(5)
+    ]
+    assert chunks[0] == [("short", 3, 1)]  # 15 tokens left: "long" waits
+    assert ("long", 0, 16) in chunks[2] and ("long", 16, 16) in chunks[3]
     sched = Scheduler(
         SchedulerConfig(max_num_batched_tokens=16, long_prefill_token_threshold=16),
         KVCacheManager(BS, 64),

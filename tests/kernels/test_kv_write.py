@@ -53,6 +53,28 @@ def test_written_rows_are_the_codecs_bytes(kernels, codec, dtype, hd):
         assert torch.equal(_as_bytes(got)[untouched], was[untouched])
 
 
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_a_nan_spoils_its_row_as_in_the_torch_encoder(kernels, codec):
+    """A NaN anywhere in a row (not only first) makes the row's scale NaN, as torch's aminmax / amax do: the
+    corruption stays visible instead of being clamped into the row's range."""
+    k = torch.randn(4, 1, 16)
+    k[0, 0, 5] = float("nan")
+    k[1, 0, 0] = float("nan")
+    k[2, 0, 3] = float("inf")
+    v = -k
+    rows = torch.arange(4)
+    kp, vp = _planes(codec, 4, 16), _planes(codec, 4, 16)
+    kernels.write_kv_rows_quantized(KINDS[codec], kp, vp, rows, k, v)
+    for x, planes in ((k, kp), (v, vp)):
+        encoded = make_codec(codec).key.encode(x)
+        assert torch.equal(_as_bytes(planes[0]), _as_bytes(encoded["q"].flatten(0, 1)))
+        for got, want in zip(planes[1:], list(encoded.values())[1:], strict=True):
+            want = want.flatten()
+            assert torch.equal(got.isnan(), want.isnan())  # NaN bit patterns are the conversion's business
+            assert torch.equal(got[~want.isnan()], want[~want.isnan()])
+    assert kp[1][:2].isnan().all()
+
+
 def test_bad_input_is_rejected(kernels):
     k = v = torch.randn(2, 1, 8)
     kp, vp = _planes("int8", 4, 8), _planes("int8", 4, 8)

@@ -196,3 +196,15 @@ def test_int4_tail_only_steps_write_staging_in_one_kernel_call(kernels, monkeypa
         for plane, a in getattr(caches[0], planes).items():
             assert torch.equal(a, getattr(caches[1], planes)[plane]), (planes, plane)
     assert torch.equal(read(caches[0], "a", [5, 2, 7, 1], 26), read(caches[1], "a", [5, 2, 7, 1], 26))
+
+
+def test_stores_exactly_only_as_is_in_the_activation_dtype():
+    """What a prompt's first prefill chunk may attend to without reading the cache back (engine/runner.py)."""
+    cases = {("fp32", torch.float32): True, ("bf16", torch.bfloat16): True, ("bf16", torch.float32): False}
+    cases |= {
+        ("fp32", torch.bfloat16): False,
+        ("int8", torch.float32): False,
+        ("int4", torch.bfloat16): False,
+    }
+    for (codec, dtype), exact in cases.items():
+        assert PagedKVCache(2, 4, BS, NKV, HD, dtype, codec=make_codec(codec)).stores_exactly is exact, codec

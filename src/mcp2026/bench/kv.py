@@ -341,7 +341,7 @@ def _memory(ctx: _Context) -> dict[str, dict[str, float]]:
 
 
 def _decode(ctx: _Context) -> dict[str, Any]:
-    from mcp2026.kv.measure import decode_tokens_per_s
+    from mcp2026.kv.measure import decode_speeds
 
     config = ctx.config
     evict = config_name(config.decode_policy, DECODE_SPARSITY)
@@ -360,7 +360,7 @@ def _decode(ctx: _Context) -> dict[str, Any]:
 
         loaded = load_model(config.model, dtype=DTYPES[config.dtype])
         quantize_loaded(loaded, quant_config(config.decode_weights), progress=False)
-    speeds = {}
+    engines = {}
     for name, kv in configs:
         engine = _engine(loaded, kv, config.decode_context + config.decode_tokens + 2, config.block_size)
         if config.decode_context + config.decode_tokens + 1 > engine.max_model_len:
@@ -368,7 +368,10 @@ def _decode(ctx: _Context) -> dict[str, Any]:
                 f"--decode-context {config.decode_context} + {config.decode_tokens} tokens exceed this "
                 f"model's context of {engine.max_model_len}; lower --decode-context"
             )
-        speeds[name] = decode_tokens_per_s(engine, config.decode_context, config.decode_tokens, config.seed)
+        engines[name] = engine
+    # side by side: the engines take turns step by step, so machine noise hits every config alike
+    speeds = decode_speeds(engines, config.decode_context, config.decode_tokens, config.seed)
+    for name, engine in engines.items():
         ctx.records.append(
             {
                 "kind": "decode",

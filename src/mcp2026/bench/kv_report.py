@@ -244,5 +244,9 @@ def notes(config: KVBenchConfig, loaded: Any, retrieval: dict | None, grid: list
         if not hardware.has_fast_bf16():
             notes.append("bf16 on a CPU without AVX512-BF16/AMX: emulated, several times slower than fp32")
     if config.decode_context:
-        notes.append("Decode tok/s is one measurement per config: compare it on a quiet machine only.")
+        notes.append(
+            "Decode tok/s: the configs' engines take turns, one decode step each (order rotating), after the "
+            "same prompt; each figure is 1 / its median step time, so the ratios hold on a noisy machine better "
+            "than the absolute figures do."
+        )
     return notes

@@ -66,7 +66,8 @@ class Scheduler:
         self.config = config
         self.kv = kv
         # A prefill chunk that does not finish its tokens ends at a multiple of this (a staged KV codec's block
-        # size: a block then fills within one chunk, so results do not depend on where chunks start)
+        # size: a block then fills within one chunk, so results do not depend on where chunks start), unless
+        # the longest chunk a step allows is shorter than one multiple
         self.chunk_multiple = chunk_multiple
         # Blocks a request of n tokens holds at most at once (less than all of them when KV eviction runs
         # during chunked prefill); by default every block.
@@ -337,11 +338,16 @@ class Scheduler:
         else:
             # Without chunking, only a recompute longer than any step's budget is split (else it would never run).
             num_new = budget if num_remaining > self.config.max_num_batched_tokens else 0
-        if 0 < num_new < num_remaining:
+        if 0 < num_new < num_remaining and self.chunk_multiple > 1:
             aligned = (start + num_new) // self.chunk_multiple * self.chunk_multiple - start
-            num_new = (
-                aligned if aligned > 0 else num_new
-            )  # a budget short of one block: unaligned, not starved
+            if aligned > 0:
+                return aligned
+            # What this step has left is short of one multiple: wait for a step with room (decodes finish, and
+            # no new request is admitted meanwhile, for the same reason), unless no step could ever hold one.
+            cap = (
+                self.chunk_cap() if self.config.enable_chunked_prefill else self.config.max_num_batched_tokens
+            )
+            return num_new if cap < self.chunk_multiple else 0
         return num_new
 
     def _check_fits(self, request: Request) -> bool:

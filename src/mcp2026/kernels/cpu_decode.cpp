@@ -139,23 +139,14 @@ struct RawSource {
   }
 };
 
-// fp16 -> float. c10::Half's conversion is a portable bit routine in code built outside ATen's per-ISA units;
-// F16C does it in one instruction, 8 at a time.
-inline float half_to_float(at::Half h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h.x);
-#else
-  return static_cast<float>(h);
-#endif
-}
-
+// n fp16 -> float, 8 at a time with F16C.
 inline void halves_to_floats(const at::Half* src, int64_t n, float* dst) {
   int64_t i = 0;
 #if defined(__AVX2__) && defined(__F16C__)
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
 #endif
-  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
 // out[d] = code[d] * s + z (uint8 codes, one affine per row): the int8 codec's rows.
@@ -233,7 +224,7 @@ inline void dequant_u4_row_groups(const uint8_t* packed, int64_t hd, int64_t gro
 struct ChunkMeta {
   float zmin, dz, ds;
   explicit ChunkMeta(const at::Half* meta)
-      : zmin(half_to_float(meta[0])), dz(half_to_float(meta[1])), ds(half_to_float(meta[2])) {}
+      : zmin(static_cast<float>(meta[0])), dz(static_cast<float>(meta[1])), ds(static_cast<float>(meta[2])) {}
 };
 
 inline void coded_affines(const uint8_t* scale_code, const uint8_t* zero_code, const ChunkMeta& m, int64_t count,
@@ -289,7 +280,7 @@ struct Fp8Source {
     const int64_t chunk = block * nkv + h;
     for (int64_t t = 0; t < n; ++t) {
       const uint8_t* code = q + (chunk * bs + t) * hd;
-      const float s = half_to_float(scale[chunk * bs + t]);
+      const float s = static_cast<float>(scale[chunk * bs + t]);
       float* out = buf + t * hd;
       int64_t d = 0;
 #if defined(__AVX2__) && defined(__F16C__)
@@ -550,11 +541,12 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   check_cpu_float(q, "q");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q must be (B, nh, hd), caches 4-D");
   // The caches may be narrower than q (bf16 / fp16 K/V with fp32 activations: half the bytes to read, the
-  // decode step's dominant traffic at long contexts); values are widened to float on load.
+  // decode step's dominant traffic at long contexts) or wider (fp32 K/V with bf16 activations); values are
+  // read as float either way.
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must share a dtype");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() || k_cache.scalar_type() == torch::kBFloat16 ||
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat || k_cache.scalar_type() == torch::kBFloat16 ||
                   k_cache.scalar_type() == torch::kHalf,
-              "the caches must be q's dtype, bfloat16 or float16");
+              "the caches must be float32, bfloat16 or float16");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "k_cache and v_cache must be contiguous and of one shape");
   const auto qc = q.contiguous();

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -44,7 +45,8 @@ float round_fp16(float x, bool up) {
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
 
-uint16_t fp16_bits(float exact) { return c10::Half(exact).x; }  // exact: already an fp16 value
+// exact: already an fp16 value; NaN as the torch encoders store it (torch 2.13 on x86: 0x7FFF)
+uint16_t fp16_bits(float exact) { return std::isnan(exact) ? 0x7FFF : c10::Half(exact).x; }
 
 template <typename S>
 void widen(const S* src, int64_t hd, float* dst) {
@@ -52,12 +54,20 @@ void widen(const S* src, int64_t hd, float* dst) {
 }
 
 // Int8PerToken.encode for one row: (scale, zero) from its min and max, codes round((x - zero) / scale).
+// A NaN anywhere makes the row's statistics NaN, as torch's aminmax / amax (std::min / max would skip it).
+bool has_nan(const float* x, int64_t hd) {
+  bool nan = false;
+  for (int64_t d = 0; d < hd; ++d) nan |= std::isnan(x[d]);
+  return nan;
+}
+
 void encode_int8_row(const float* x, int64_t hd, uint8_t* q, uint16_t* scale_out, uint16_t* zero_out) {
   float lo = x[0], hi = x[0];
   for (int64_t d = 1; d < hd; ++d) {
     lo = std::min(lo, x[d]);
     hi = std::max(hi, x[d]);
   }
+  if (has_nan(x, hd)) lo = hi = std::numeric_limits<float>::quiet_NaN();
   const float zero = round_fp16(lo, false);
   const float scale = round_fp16(std::max((hi - zero) / 255.f, kFp16Tiny), true);
   int64_t d = 0;
@@ -85,6 +95,7 @@ void encode_int8_row(const float* x, int64_t hd, uint8_t* q, uint16_t* scale_out
 void encode_fp8_row(const float* x, int64_t hd, uint8_t* q, uint16_t* scale_out) {
   float amax = 0.f;
   for (int64_t d = 0; d < hd; ++d) amax = std::max(amax, std::fabs(x[d]));
+  if (has_nan(x, hd)) amax = std::numeric_limits<float>::quiet_NaN();
   const float scale = round_fp16(std::max(amax / 448.f, kFp16Tiny), true);
   for (int64_t d = 0; d < hd; ++d) q[d] = c10::detail::fp8e4m3fn_from_fp32_value(x[d] / scale);
   *scale_out = fp16_bits(scale);

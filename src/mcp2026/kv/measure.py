@@ -10,6 +10,7 @@ chunks (1 = token by token, like decoding; larger chunks evict only between chun
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -232,19 +233,26 @@ def max_concurrent_sequences(
     return int(budget_bytes // per_seq)
 
 
-def decode_tokens_per_s(engine: LLMEngine, context_len: int, num_tokens: int = 32, seed: int = 0) -> float:
-    """Decode speed of one sequence after a ``context_len``-token random prompt (prefill not timed)."""
+def decode_speeds(
+    engines: dict[str, LLMEngine], context_len: int, num_tokens: int = 32, seed: int = 0
+) -> dict[str, float]:
+    """Decode tok/s of one sequence per engine after the same ``context_len``-token random prompt (prefill
+    not timed), side by side: the engines take turns, one decode step each (the order rotating every round),
+    so a noisy machine slows them alike, and each speed is 1 / its median step time."""
     from mcp2026.types import SamplingParams
 
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, engine.model_config.vocab_size, (context_len,), generator=g).tolist()
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=num_tokens + 1, ignore_eos=True))
-    request = engine.request_state(rid).request
-    while request.num_output_tokens == 0:
-        engine.step()
-    t0 = time.perf_counter()
-    steps = 0
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    return steps / (time.perf_counter() - t0)
+    names = list(engines)
+    for engine in engines.values():
+        g = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(0, engine.model_config.vocab_size, (context_len,), generator=g).tolist()
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=num_tokens + 1, ignore_eos=True))
+        request = engine.request_state(rid).request
+        while request.num_output_tokens == 0:
+            engine.step()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(num_tokens):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            t0 = time.perf_counter()
+            engines[name].step()
+            times[name].append(time.perf_counter() - t0)
+    return {name: 1.0 / statistics.median(t) for name, t in times.items()}

@@ -442,6 +442,11 @@ class PagedKVCache:
 
     # --- reads -----------------------------------------------------------------------------------------
     @property
+    def stores_exactly(self) -> bool:
+        """K/V are stored as they are, in the activation dtype: reading them back gives what was written."""
+        return self._plain
+
+    @property
     def reads_in_place(self) -> bool:
         """K/V are stored as they are in fp32, bf16 or fp16 (maybe narrower than the compute dtype): the decode
         kernel may read the blocks in place, widening on load."""
