@@ -124,78 +124,70 @@ def test_which_layouts_the_decode_kernel_reads_in_place():
     assert kind("int4", hd=4096) == 0  # 128 value groups of 32: past the kernel's 64
 
 
-def test_per_token_codecs_encode_on_write_in_one_kernel_call(kernels, monkeypatch):
-    """int8 / fp8 steps the error monitor skips are encoded by kernels/kv_write.cpp, which stores exactly the
-    bytes of the torch encoders (the monitored steps and any machine without the kernels use those)."""
+def _with_and_without_kernels(kernels, monkeypatch, new_cache, steps, x, counted: str):
+    """The same writes into a cache built with the kernels (counting calls to ``counted``) and into one built
+    without them: (both caches, the number of calls)."""
     from mcp2026.kv import paged_cache
 
     calls = []
 
     class Counting:
         def __getattr__(self, name):
-            if name == "write_kv_rows_quantized":
-                calls.append(name)
+            calls.append(name)
             return getattr(kernels, name)
 
+    caches = []
+    for module in (Counting(), None):
+        monkeypatch.setattr(paged_cache.kernel_ops, "kernels_for", lambda *t, m=module: m)
+        cache = new_cache()
+        for rid, start, n in steps:
+            write(cache, [(rid, start, n, [5, 2, 7, 1])], {"a": x})
+        caches.append(cache)
+    monkeypatch.undo()
+    return caches, calls.count(counted)
+
+
+def _assert_same_planes(a: PagedKVCache, b: PagedKVCache) -> None:
+    for planes in ("k_planes", "v_planes"):
+        for plane, x in getattr(a, planes).items():
+            assert torch.equal(x.view(torch.uint8), getattr(b, planes)[plane].view(torch.uint8)), (
+                planes,
+                plane,
+            )
+
+
+def test_per_token_codecs_encode_on_write_in_one_kernel_call(kernels, monkeypatch):
+    """int8 / fp8 steps the error monitor skips are encoded by kernels/kv_write.cpp, which stores exactly the
+    bytes of the torch encoders (the monitored steps and any machine without the kernels use those)."""
     x = torch.randn(40, NKV, HD) * torch.logspace(-3, 2, 40).view(-1, 1, 1)
     steps = [("a", 0, 13), ("a", 13, 1), ("a", 14, 1), ("a", 15, 9), ("a", 24, 1)]
     for name in ("int8", "fp8"):
-        caches = []
-        for use_kernel in (True, False):
-            real = paged_cache.kernel_ops.kernels_for
-            monkeypatch.setattr(
-                paged_cache.kernel_ops,
-                "kernels_for",
-                (lambda *t: Counting()) if use_kernel else (lambda *t: None),
-            )
-            cache = PagedKVCache(2, 8, BS, NKV, HD, codec=make_codec(name), error_check_interval=3)
-            for rid, start, n in steps:
-                write(cache, [(rid, start, n, [5, 2, 7, 1])], {"a": x})
-            monkeypatch.setattr(paged_cache.kernel_ops, "kernels_for", real)
-            caches.append(cache)
-        assert len(calls) == 2 * 3  # 2 layers x the 3 of 5 steps the monitor skips
-        calls.clear()
-        for planes in ("k_planes", "v_planes"):
-            for plane, a in getattr(caches[0], planes).items():
-                b = getattr(caches[1], planes)[plane]
-                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (name, planes, plane)
+        (with_kernels, without), calls = _with_and_without_kernels(
+            kernels,
+            monkeypatch,
+            lambda name=name: PagedKVCache(2, 8, BS, NKV, HD, codec=make_codec(name), error_check_interval=3),
+            steps,
+            x,
+            "write_kv_rows_quantized",
+        )
+        assert calls == 2 * 3  # 2 layers x the 3 of 5 steps the monitor skips
+        _assert_same_planes(with_kernels, without)
 
 
 def test_int4_tail_only_steps_write_staging_in_one_kernel_call(kernels, monkeypatch):
     """A step whose tokens all go to staging (no block seals) writes them with one kernel call per layer:
     the same staged bf16 rows and sealed blocks as the torch path, step after step."""
-    from mcp2026.kv import paged_cache
-
-    calls = []
-
-    class Counting:
-        def __getattr__(self, name):
-            if name == "write_kv_rows":
-                calls.append(name)
-            return getattr(kernels, name)
-
     x = torch.randn(40, NKV, HD)
     steps = [("a", 0, 13), ("a", 13, 1), ("a", 14, 1), ("a", 15, 1), ("a", 16, 9), ("a", 25, 1)]
-    caches = []
-    for use_kernel in (True, False):
-        real = paged_cache.kernel_ops.kernels_for
-        monkeypatch.setattr(
-            paged_cache.kernel_ops,
-            "kernels_for",
-            (lambda *t: Counting()) if use_kernel else (lambda *t: None),
-        )
-        cache = make("int4")
-        for rid, start, n in steps:
-            write(cache, [(rid, start, n, [5, 2, 7, 1])], {"a": x})
-        monkeypatch.setattr(paged_cache.kernel_ops, "kernels_for", real)
-        caches.append(cache)
-    assert len(calls) == 2 * 3  # 2 layers x the steps 13, 14 and 25 (15 and 16 seal a block)
+    (with_kernels, without), calls = _with_and_without_kernels(
+        kernels, monkeypatch, lambda: make("int4"), steps, x, "write_kv_rows"
+    )
+    assert calls == 2 * 3  # 2 layers x the steps 13, 14 and 25 (15 and 16 seal a block)
     for name in ("_stage_k", "_stage_v"):
-        assert torch.equal(getattr(caches[0], name), getattr(caches[1], name))
-    for planes in ("k_planes", "v_planes"):
-        for plane, a in getattr(caches[0], planes).items():
-            assert torch.equal(a, getattr(caches[1], planes)[plane]), (planes, plane)
-    assert torch.equal(read(caches[0], "a", [5, 2, 7, 1], 26), read(caches[1], "a", [5, 2, 7, 1], 26))
+        assert torch.equal(getattr(with_kernels, name), getattr(without, name))
+    _assert_same_planes(with_kernels, without)
+    table = [5, 2, 7, 1]
+    assert torch.equal(read(with_kernels, "a", table, 26), read(without, "a", table, 26))
 
 
 def test_stores_exactly_only_as_is_in_the_activation_dtype():

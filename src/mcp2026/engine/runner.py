@@ -89,9 +89,10 @@ class ModelRunner:
         if spec.observe_window and (spec.observe_every_chunk or c.samples):
             num_observed = min(spec.observe_window, c.num_tokens)
         if start == 0 and self.cache.stores_exactly:
-            # a lossy cache's first chunk reads back what it stored, like every later chunk and every decode:
-            # a token's K/V then depend on the stored K/V before it, not on where a chunk started (batched runs
-            # equal one-at-a-time ones; a prefix hit holds what a fresh prefill stores)
+            # the chunk's fresh K/V are what the cache holds; any other cache's first chunk reads back what it
+            # stored, like every later chunk and every decode: a token's K/V then depend on the stored K/V before
+            # it, not on where a chunk started (batched runs equal one-at-a-time ones; a prefix hit holds what a
+            # fresh prefill stores)
             p = PrefillSlice(q_start, c.num_tokens, None, None)
         else:
             ids = list(c.block_table[: cdiv(end, bs)])

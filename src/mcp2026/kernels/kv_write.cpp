@@ -54,20 +54,18 @@ void widen(const S* src, int64_t hd, float* dst) {
 }
 
 // Int8PerToken.encode for one row: (scale, zero) from its min and max, codes round((x - zero) / scale).
-// A NaN anywhere makes the row's statistics NaN, as torch's aminmax / amax (std::min / max would skip it).
-bool has_nan(const float* x, int64_t hd) {
-  bool nan = false;
-  for (int64_t d = 0; d < hd; ++d) nan |= std::isnan(x[d]);
-  return nan;
-}
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
+// A NaN anywhere makes a row's statistics NaN, as torch's aminmax / amax do (std::min / max would skip it).
 void encode_int8_row(const float* x, int64_t hd, uint8_t* q, uint16_t* scale_out, uint16_t* zero_out) {
   float lo = x[0], hi = x[0];
-  for (int64_t d = 1; d < hd; ++d) {
+  bool nan = false;
+  for (int64_t d = 0; d < hd; ++d) {
     lo = std::min(lo, x[d]);
     hi = std::max(hi, x[d]);
+    nan |= std::isnan(x[d]);
   }
-  if (has_nan(x, hd)) lo = hi = std::numeric_limits<float>::quiet_NaN();
+  if (nan) lo = hi = kNaN;
   const float zero = round_fp16(lo, false);
   const float scale = round_fp16(std::max((hi - zero) / 255.f, kFp16Tiny), true);
   int64_t d = 0;
@@ -94,14 +92,18 @@ void encode_int8_row(const float* x, int64_t hd, uint8_t* q, uint16_t* scale_out
 // Fp8PerToken.encode for one row: scale maps max |x| to 448 (rounded up to fp16), codes e4m3(x / scale).
 void encode_fp8_row(const float* x, int64_t hd, uint8_t* q, uint16_t* scale_out) {
   float amax = 0.f;
-  for (int64_t d = 0; d < hd; ++d) amax = std::max(amax, std::fabs(x[d]));
-  if (has_nan(x, hd)) amax = std::numeric_limits<float>::quiet_NaN();
+  bool nan = false;
+  for (int64_t d = 0; d < hd; ++d) {
+    amax = std::max(amax, std::fabs(x[d]));
+    nan |= std::isnan(x[d]);
+  }
+  if (nan) amax = kNaN;
   const float scale = round_fp16(std::max(amax / 448.f, kFp16Tiny), true);
   for (int64_t d = 0; d < hd; ++d) q[d] = c10::detail::fp8e4m3fn_from_fp32_value(x[d] / scale);
   *scale_out = fp16_bits(scale);
 }
 
-struct RowPlanes {  // one tensor's destination planes for a layer, rows (R, hd) / (R,)
+struct RowPlanes {  // one tensor's destination planes for a layer, as R rows of hd codes / R scales
   uint8_t* q;
   uint16_t* scale;
   uint16_t* zero;  // int8 only
@@ -113,8 +115,8 @@ RowPlanes row_planes(int64_t kind, const std::vector<torch::Tensor>& planes, int
   for (const auto& p : planes) TORCH_CHECK(p.device().is_cpu() && p.is_contiguous(), name, " planes must be contiguous CPU tensors");
   const auto data_type = kind == 3 ? at::ScalarType::Float8_e4m3fn : torch::kByte;
   TORCH_CHECK(planes[0].scalar_type() == data_type, name, " codes must be ", data_type, ", got ", planes[0].scalar_type());
-  TORCH_CHECK(planes[0].dim() == 2 && planes[0].size(1) == hd, name, " codes must be (rows, ", hd, ")");
-  const int64_t R = planes[0].size(0);
+  TORCH_CHECK(planes[0].dim() >= 2 && planes[0].size(-1) == hd, name, " codes must be (..., ", hd, ")");
+  const int64_t R = planes[0].numel() / hd;
   for (size_t i = 1; i < planes.size(); ++i)
     TORCH_CHECK(planes[i].scalar_type() == torch::kHalf && planes[i].numel() == R, name,
                 " scales and zero points must be fp16, one per row");
@@ -147,8 +149,9 @@ void encode_rows(int64_t kind, const S* const src[2], const RowPlanes dst[2], co
 
 }  // namespace
 
-// k, v: (T, nkv, hd) float32 or bf16; rows: (T * nkv,) destination row of each (token, head), token-major. kind 1:
-// planes (q uint8 (R, hd), scale fp16 (R,), zero fp16 (R,)); kind 3: (q float8_e4m3fn (R, hd), scale fp16 (R,)).
+// k, v: (T, nkv, hd) float32 or bf16; rows: (T * nkv,) destination row of each (token, head), token-major, in
+// planes of R rows: kind 1 (q uint8 (..., hd), scale fp16, zero fp16, R each), kind 3 (q float8_e4m3fn (..., hd),
+// scale fp16): one layer's pool planes as kv/paged_cache.py holds them, (num_blocks, nkv, bs[, hd]).
 void write_kv_rows_quantized(int64_t kind, const std::vector<torch::Tensor>& kp, const std::vector<torch::Tensor>& vp,
                              const torch::Tensor& rows, const torch::Tensor& k, const torch::Tensor& v) {
   TORCH_CHECK(kind == 1 || kind == 3, "kind must be 1 (int8) or 3 (fp8)");
@@ -159,8 +162,8 @@ void write_kv_rows_quantized(int64_t kind, const std::vector<torch::Tensor>& kp,
   const int64_t T = k.size(0), nkv = k.size(1), hd = k.size(2);
   TORCH_CHECK(hd >= 1, "head_dim must be >= 1");
   const RowPlanes kd = row_planes(kind, kp, hd, "K"), vd = row_planes(kind, vp, hd, "V");
-  const int64_t R = kp[0].size(0);
-  TORCH_CHECK(vp[0].size(0) == R, "K and V planes must hold the same rows");
+  const int64_t R = kp[0].numel() / hd;
+  TORCH_CHECK(vp[0].numel() / hd == R, "K and V planes must hold the same rows");
   TORCH_CHECK(rows.scalar_type() == torch::kLong && rows.dim() == 1 && rows.size(0) == T * nkv,
               "rows must be int64 (T * nkv,)");
   const auto rc = rows.contiguous();

@@ -186,16 +186,6 @@ class PagedKVCache:
             if self.quantized_kernel_kind
             else []
         )
-        # Per-token codecs the kernels can encode on write (int8, fp8), bit for bit as codec.encode: one call
-        # per layer instead of ~20 torch ops per plane. Per layer, K and V planes as rows (R, hd) / (R,).
-        self._row_write_kind = self.quantized_kernel_kind if self.quantized_kernel_kind in (1, 3) else 0
-        self._row_write_planes = [
-            tuple(
-                [p[layer].view(-1, *p.shape[4:]) for p in planes.values()]
-                for planes in (self.k_planes, self.v_planes)
-            )
-            for layer in range(num_layers if self._row_write_kind else 0)
-        ]
 
     def _allocate_planes(self, codec: TensorCodec) -> Planes:
         planes = {}
@@ -379,33 +369,13 @@ class PagedKVCache:
 
     def write(self, layer: int, plan: WritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: (T, nkv, hd), the step's new tokens in plan order
-        if self._raw and plan.rows is not None and not plan.is_monitored:  # no codec: one copy each
+        if self._write_in_one_call(layer, plan, k, v):
+            return
+        if self._plain and plan.rows is not None and not plan.is_monitored:  # no codec, no kernels
             hd = self.head_dim
-            kd, vd = self.k_planes["x"][layer].view(-1, hd), self.v_planes["x"][layer].view(-1, hd)
-            kernels = kernel_ops.kernels_for(k, v) if k.stride(-1) == 1 and v.stride(-1) == 1 else None
-            if kernels is not None:  # one call, narrowing to the storage dtype on the way
-                kernels.write_kv_rows(kd, vd, plan.rows, k, v)
-                return
-            if self._plain:
-                kd.index_copy_(0, plan.rows, k.reshape(-1, hd))
-                vd.index_copy_(0, plan.rows, v.reshape(-1, hd))
-                return
-        if (
-            plan.tail_is_whole_step and k.stride(-1) == 1 and v.stride(-1) == 1
-        ):  # a staged codec's decode step
-            kernels = kernel_ops.kernels_for(k, v)
-            if kernels is not None:  # the rows into staging, narrowed to 16 bits on the way (as .to() rounds)
-                hd = self.head_dim
-                stage_k, stage_v = self._stage_k[layer].view(-1, hd), self._stage_v[layer].view(-1, hd)
-                kernels.write_kv_rows(stage_k, stage_v, plan.tail_dst, k, v)
-                return
-        if self._row_write_kind and plan.rows is not None and not plan.is_monitored:
-            kernels = kernel_ops.kernels_for(k, v)
-            if kernels is not None:
-                kernels.write_kv_rows_quantized(
-                    self._row_write_kind, *self._row_write_planes[layer], plan.rows, k, v
-                )
-                return
+            self.k_planes["x"][layer].view(-1, hd).index_copy_(0, plan.rows, k.reshape(-1, hd))
+            self.v_planes["x"][layer].view(-1, hd).index_copy_(0, plan.rows, v.reshape(-1, hd))
+            return
         for planes, codec, x, kind in (
             (self.k_planes, self.codec.key, k, 0),
             (self.v_planes, self.codec.value, v, 1),
@@ -418,6 +388,36 @@ class PagedKVCache:
                 encoded, x = self._write_staged(layer, plan, planes, codec, x, kind)
             if plan.is_monitored and encoded is not None:
                 self.monitor.record(layer, kind, codec, encoded, x)
+
+    def _write_in_one_call(self, layer: int, plan: WritePlan, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """One kernel call for the layer where the kernels store exactly what the torch path would: rows of a
+        raw cache (narrowed as ``.to()`` rounds), int8 / fp8 rows (encoded as ``codec.encode``, bit for bit;
+        ~20 torch ops per plane otherwise), a staged codec's step that only extends tails (into staging).
+        Not on steps the error monitor measures: it needs the encoded planes (a staged tail is never measured)."""
+        if k.stride(-1) != 1 or v.stride(-1) != 1:
+            return False
+        kernels = kernel_ops.kernels_for(k, v)
+        if kernels is None:
+            return False
+        hd = self.head_dim
+        if plan.rows is not None and not plan.is_monitored:
+            if self._raw:
+                k_rows, v_rows = (
+                    self.k_planes["x"][layer].view(-1, hd),
+                    self.v_planes["x"][layer].view(-1, hd),
+                )
+                kernels.write_kv_rows(k_rows, v_rows, plan.rows, k, v)
+                return True
+            if self.quantized_kernel_kind in (1, 3):
+                kernels.write_kv_rows_quantized(
+                    self.quantized_kernel_kind, *self._layer_planes[layer], plan.rows, k, v
+                )
+                return True
+        if plan.tail_is_whole_step:
+            stage_k, stage_v = self._stage_k[layer].view(-1, hd), self._stage_v[layer].view(-1, hd)
+            kernels.write_kv_rows(stage_k, stage_v, plan.tail_dst, k, v)
+            return True
+        return False
 
     def _write_staged(
         self, layer: int, plan: WritePlan, planes: Planes, codec: TensorCodec, x: torch.Tensor, kind: int
