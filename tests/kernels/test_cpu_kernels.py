@@ -159,39 +159,45 @@ def test_quantized_decode_attention_matches_the_decoded_pool(kernels, codec, kin
     out = ops.paged_decode_attention_quantized(q, kind, kp, vp, *args, tables, lengths, mass)
     assert out.dtype == dtype
     expected = _reference_attention(q, k_all, v_all, tables, lengths)
-    tol = _int4_tol(dtype) if kind == 2 and hd % 64 == 0 else _tol(dtype)
+    tol = _int_dot_tol(dtype) if kind in (1, 2) and hd % 64 == 0 else _tol(dtype)
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
     plain_mass = torch.zeros(3, nkv, 4)
     ops.paged_decode_attention(q.float(), k_all, v_all, tables, lengths, plain_mass)
     torch.testing.assert_close(mass, plain_mass, atol=tol, rtol=tol)
 
 
-def _int4_tol(dtype: torch.dtype) -> float:
-    # int4 keys are scored with integer dot products against the query rounded to int16 per block and head
-    # (relative error <= 2^-16 of its largest entry): scores move by ~1e-4 here, ~1000x below the codes' own error
+def _int_dot_tol(dtype: torch.dtype) -> float:
+    # int8 and int4 keys (64 or 128 channels) are scored with integer dot products against the query rounded to
+    # int16 (per head; for int4 folded with each block's channel scales), relative error <= 2^-16 of its largest
+    # entry: outputs move by up to ~2e-4 here, far below the codes' own error
     return 1e-3 if dtype == torch.float32 else _tol(dtype)
 
 
+@pytest.mark.parametrize("codec", ["int8", "int4"])
 @pytest.mark.parametrize(
     ("nh", "nkv", "bs", "hd"), [(4, 4, 8, 64), (8, 2, 32, 64), (10, 2, 16, 128), (8, 1, 16, 64)]
 )
-def test_int4_decode_attention_over_head_groups_and_block_sizes(kernels, nh, nkv, bs, hd):
-    """The int4 kernel's integer key path and register-blocked value path for 1, 4, 5 and 8 query heads per KV
-    head, 8- and 32-token blocks (rows in groups of 8, a partial last block) and two 64-channel chunks, against
-    attention over the codec's own decode; a staged block between coded ones."""
+def test_integer_key_paths_over_head_groups_and_block_sizes(kernels, codec, nh, nkv, bs, hd):
+    """The int8 and int4 kernels' integer key scoring (and int4's register-blocked values) for 1, 4, 5 and 8
+    query heads per KV head, 8- and 32-token blocks (rows in groups of 8, a partial last block) and two
+    64-channel chunks, against attention over the codec's own decode; for int4 a staged block among coded ones."""
     torch.manual_seed(5)
     num_blocks = 12
-    kp, vp, k, v = _quantized_pool("int4", num_blocks, nkv, bs, hd)
-    stage_k = torch.randn(2, nkv, bs, hd).bfloat16()
-    stage_v = torch.randn(2, nkv, bs, hd).bfloat16()
-    k_all, v_all = torch.cat([k, stage_k.float()]), torch.cat([v, stage_v.float()])
+    kp, vp, k, v = _quantized_pool(codec, num_blocks, nkv, bs, hd)
     q = torch.randn(2, nh, hd) / hd**0.5
     tables = torch.randperm(num_blocks)[:8].view(2, 4)
-    tables[1, 3] = num_blocks + 1
     lengths = torch.tensor([3 * bs + 5, 4 * bs - 3])
-    out = ops.paged_decode_attention_quantized(q, 2, kp, vp, stage_k, stage_v, tables, lengths, None)
-    expected = _reference_attention(q, k_all, v_all, tables, lengths)
-    torch.testing.assert_close(out, expected, atol=_int4_tol(torch.float32), rtol=_int4_tol(torch.float32))
+    kind, stage_k, stage_v = 1, torch.empty(0), torch.empty(0)
+    if codec == "int4":
+        kind = 2
+        stage_k = torch.randn(2, nkv, bs, hd).bfloat16()
+        stage_v = torch.randn(2, nkv, bs, hd).bfloat16()
+        k, v = torch.cat([k, stage_k.float()]), torch.cat([v, stage_v.float()])
+        tables[1, 3] = num_blocks + 1
+    out = ops.paged_decode_attention_quantized(q, kind, kp, vp, stage_k, stage_v, tables, lengths, None)
+    expected = _reference_attention(q, k, v, tables, lengths)
+    tol = _int_dot_tol(torch.float32)
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
 
 
 def test_quantized_decode_attention_rejects_bad_input(kernels):

@@ -472,6 +472,17 @@ inline __m256i hsum8_epi32(const __m256i* v) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+// The first m (<= 8) lanes of v to out.
+inline void store_scores(__m256 v, int64_t m, float* out) {
+  if (m == 8) {
+    _mm256_storeu_ps(out, v);
+  } else {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, v);
+    std::copy(lanes, lanes + m, out);
+  }
+}
+
 // coded_affines, 8 at a time (float32 products and sums as kv/codecs.py's decode_affine_params).
 inline void coded_affines_avx2(const uint8_t* scale_code, const uint8_t* zero_code, const ChunkMeta& m,
                                int64_t count, float* s, float* z) {
@@ -558,14 +569,7 @@ inline void score_int4_keys(const float* qf, const Int4Source& ks, int64_t block
     }
     for (int64_t j = 0; j < g; ++j) {
       const __m256 d = _mm256_cvtepi32_ps(hsum8_epi32(dots + j * 8));
-      const __m256 sc = _mm256_fmadd_ps(d, _mm256_set1_ps(sq[j]), _mm256_set1_ps(cj[j]));
-      if (m == 8) {
-        _mm256_storeu_ps(scores + j * len + r0, sc);
-      } else {
-        alignas(32) float out[8];
-        _mm256_store_ps(out, sc);
-        std::copy(out, out + m, scores + j * len + r0);
-      }
+      store_scores(_mm256_fmadd_ps(d, _mm256_set1_ps(sq[j]), _mm256_set1_ps(cj[j])), m, scores + j * len + r0);
     }
   }
 }
@@ -657,6 +661,114 @@ void attend_avx2(const float* qf, const Int4Source& ks, const Int4Source& vs, co
       accumulate_rows_avx2(scores + t0, len, vs.rows(block, n, buf), n, g, hd, acc);
     else
       accumulate_int4_values(scores + t0, len, vs, block, n, g, hd, acc, w);
+  }
+}
+
+// ---- int8 keys scored by integer dot products -----------------------------------------------------------
+// k_tc = s_t n_tc + z_t per row, so q . k_t = s_t (q . n_t) + z_t sum_c q_c. The query is rounded to int16 once
+// per (sequence, KV head), one scale per query head (error <= 2^-16 of its largest entry), and multiplied with
+// the widened codes by madd (exact int32 sums while hd <= 128). Values keep the row buffer: widening 8 codes
+// and one FMA per 8 values is all the buffer costs there. Measured with the int4 path's micro-benchmark: see
+// docs/kv-cache.md.
+
+// 64 uint8 codes as four vectors of 16 int16, channels in order.
+inline void widen_u8x64_i16(const uint8_t* codes, __m256i out[4]) {
+  for (int i = 0; i < 4; ++i)
+    out[i] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * i)));
+}
+
+struct Int8Work {
+  float *q_scale, *q_sum, *s, *z;  // per head the query's int16 scale and its sum; a block's row affines
+  int16_t* q16;                    // per head the query in int16
+  __m256i* dots;                   // per head, 8 rows' int32 sums
+};
+
+inline void score_int8_keys(const Int8Source& ks, int64_t block, int64_t n, int64_t g, int64_t hd, int64_t len,
+                            float* scores, const Int8Work& w) {
+  const int64_t chunk = block * ks.nkv + ks.h;
+  float *s = w.s, *z = w.z;
+  const int16_t* q16 = w.q16;
+  __m256i* dots = w.dots;
+  halves_to_floats(ks.scale + chunk * ks.bs, n, s);
+  halves_to_floats(ks.zero + chunk * ks.bs, n, z);
+  const uint8_t* qb = ks.q + chunk * ks.bs * hd;
+  for (int64_t r0 = 0; r0 < n; r0 += 8) {
+    const int64_t m = std::min<int64_t>(8, n - r0);
+    for (int64_t r = 0; r < 8; ++r) {
+      for (int64_t j = 0; j < g; ++j) dots[j * 8 + r] = _mm256_setzero_si256();
+      if (r >= m) continue;
+      const uint8_t* row = qb + (r0 + r) * hd;
+      for (int64_t c = 0; c < hd; c += 64) {
+        __m256i codes[4];
+        widen_u8x64_i16(row + c, codes);
+        for (int64_t j = 0; j < g; ++j) {
+          const __m256i* qv = reinterpret_cast<const __m256i*>(q16 + j * hd + c);
+          const __m256i d01 = _mm256_add_epi32(_mm256_madd_epi16(codes[0], _mm256_loadu_si256(qv)),
+                                               _mm256_madd_epi16(codes[1], _mm256_loadu_si256(qv + 1)));
+          const __m256i d23 = _mm256_add_epi32(_mm256_madd_epi16(codes[2], _mm256_loadu_si256(qv + 2)),
+                                               _mm256_madd_epi16(codes[3], _mm256_loadu_si256(qv + 3)));
+          dots[j * 8 + r] = _mm256_add_epi32(dots[j * 8 + r], _mm256_add_epi32(d01, d23));
+        }
+      }
+    }
+    alignas(32) float sr[8] = {}, zr[8] = {};
+    std::copy(s + r0, s + r0 + m, sr);
+    std::copy(z + r0, z + r0 + m, zr);
+    for (int64_t j = 0; j < g; ++j) {
+      const __m256 d = _mm256_cvtepi32_ps(hsum8_epi32(dots + j * 8));
+      const __m256 sc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(w.q_scale[j])), _mm256_load_ps(sr),
+                                        _mm256_mul_ps(_mm256_load_ps(zr), _mm256_set1_ps(w.q_sum[j])));
+      store_scores(sc, m, scores + j * len + r0);
+    }
+  }
+}
+
+// int8 K and V: keys as above (head sizes 64 and 128; others take the generic loop), values through the buffer.
+void attend_avx2(const float* qf, const Int8Source& ks, const Int8Source& vs, const int64_t* table, int64_t len,
+                 int64_t g, int64_t hd, int64_t bs, float* scores, float* acc, float* buf, float* mass_row) {
+  if (hd % 64 != 0 || hd > 128) {
+    attend_avx2<Int8Source, Int8Source>(qf, ks, vs, table, len, g, hd, bs, scores, acc, buf, mass_row);
+    return;
+  }
+  thread_local std::vector<float> floats;
+  thread_local std::vector<int16_t> q16;
+  thread_local std::vector<__m256i> dots;
+  floats.resize(2 * g + 2 * bs);
+  q16.resize(g * hd);
+  dots.resize(g * 8);
+  float* f = floats.data();
+  const Int8Work w{f, f + g, f + 2 * g, f + 2 * g + bs, q16.data(), dots.data()};
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t j = 0; j < g; ++j) {
+    const float* qj = qf + j * hd;
+    __m256 amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+    for (int64_t c = 0; c < hd; c += 8) {
+      const __m256 q = _mm256_loadu_ps(qj + c);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, q));
+      sum = _mm256_add_ps(sum, q);
+    }
+    const float mx = attn_hmax(amax);
+    w.q_scale[j] = mx / 32767.f;
+    w.q_sum[j] = attn_hsum(sum);
+    const __m256 inv = _mm256_set1_ps(mx > 0.f ? 32767.f / mx : 0.f);
+    for (int64_t c = 0; c < hd; c += 16) {
+      const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qj + c), inv));
+      const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qj + c + 8), inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.q16 + j * hd + c),
+                          _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+    }
+  }
+  for (int64_t t0 = 0; t0 < len; t0 += bs) {
+    const int64_t n = std::min(bs, len - t0);
+    if (t0 + bs < len) ks.prefetch(table[t0 / bs + 1], std::min(bs, len - t0 - bs), true);
+    vs.prefetch(table[t0 / bs], n, false);
+    score_int8_keys(ks, table[t0 / bs], n, g, hd, len, scores + t0, w);
+  }
+  softmax_heads_avx2(scores, g, len, bs, mass_row);
+  std::fill(acc, acc + g * hd, 0.f);
+  for (int64_t t0 = 0; t0 < len; t0 += bs) {
+    const int64_t n = std::min(bs, len - t0);
+    accumulate_rows_avx2(scores + t0, len, vs.rows(table[t0 / bs], n, buf), n, g, hd, acc);
   }
 }
 #endif
