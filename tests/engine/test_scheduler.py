@@ -109,50 +109,6 @@ def test_chunked_prefill_splits_with_positions_and_a_single_sampling_chunk():
     assert chunks[3].token_ids == sched.get_request("a").output_token_ids[:1]
 
 
-def test_chunks_end_on_block_multiples_when_asked():
-    """chunk_multiple (a staged KV codec's block size): a chunk that does not finish the prompt ends on a
-    multiple of it, whatever budget the decodes left; a budget short of one multiple still makes progress."""
-    sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=20, long_prefill_token_threshold=12),
-        KVCacheManager(BS, 64),
-        256,
-        chunk_multiple=8,
-    )
-    runner = FakeRunner()
-    sched.add_request(req("short", range(3), max_tokens=20))
-    step(sched, runner)
-    sched.add_request(req("long", range(100, 130)))
-    ends = []
-    for _ in range(6):
-        for c in step(sched, runner).chunks:
-            if c.request_id == "long" and not c.samples:
-                ends.append(c.start_pos + len(c.token_ids))
-    assert ends == [8, 16, 24]  # chunks of up to 12 tokens: 8 each time
-    # what the decodes leave is short of a multiple: the prompt waits for a step with room, then stays aligned
-    sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=16, long_prefill_token_threshold=16),
-        KVCacheManager(BS, 64),
-        256,
-        chunk_multiple=16,
-    )
-    sched.add_request(req("short", range(3), max_tokens=3))
-    step(sched, runner)
-    sched.add_request(req("long", range(100, 140)))
-    chunks = [
-        [(c.request_id, c.start_pos, len(c.token_ids)) for c in step(sched, runner).chunks] for _ in range(5)
-    ]
-    assert chunks[0] == [("short", 3, 1)]  # 15 tokens left: "long" waits
-    assert ("long", 0, 16) in chunks[2] and ("long", 16, 16) in chunks[3]
-    sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=16, long_prefill_token_threshold=16),
-        KVCacheManager(BS, 64),
-        256,
-        chunk_multiple=32,
-    )
-    sched.add_request(req("a", range(40)))
-    assert [len(c.token_ids) for c in step(sched, runner).chunks] == [16]  # no multiple fits: unaligned
-
-
 def test_long_prefill_threshold_keeps_decodes_first():
     sched = make(max_num_batched_tokens=32, long_prefill_token_threshold=8)
     runner = FakeRunner()

@@ -33,6 +33,12 @@ class PrefillSlice:
     observe_mask: torch.Tensor | None = None  # (num_observed, ctx) bool
     mass: torch.Tensor | None = None  # (L, nkv, num context blocks) float32
     kv_start: int = 0  # the chunk's first slot: query i sees slots 0 .. kv_start + i (what mask says)
+    # Staged codecs (int4): each query sees its own block as decode does, staged (rounded to the staging
+    # dtype), not sealed: the keys past the context are the chunk's first block's earlier tokens, taken from
+    # staging entry ``stage_entry`` (``num_prior`` of them), then the chunk's own tokens; mask covers both.
+    staged_view: bool = False
+    stage_entry: int = 0
+    num_prior: int = 0
 
     def to(self, device: torch.device) -> PrefillSlice:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -48,6 +54,9 @@ class PrefillSlice:
             move(self.observe_mask),
             move(self.mass),
             self.kv_start,
+            self.staged_view,
+            self.stage_entry,
+            self.num_prior,
         )
 
 
@@ -126,11 +135,12 @@ def _decode_attention(
 
 
 def _prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, offset: int = 0
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, offset: int | None = 0
 ) -> torch.Tensor:
     # q: (T, nh, hd) pre-scaled; k, v: (nkv, S, hd); causal when mask is None (S == T). ``mask`` is the causal
-    # mask at ``offset`` (query i sees keys 0 .. offset + i), which our kernel applies without it.
-    out = ops.prefill_attention(q, k, v, offset)
+    # mask at ``offset`` (query i sees keys 0 .. offset + i), which our kernel applies without it; offset None:
+    # any other mask (SDPA applies it).
+    out = None if offset is None else ops.prefill_attention(q, k, v, offset)
     if out is not None:
         return out
     # 4-D inputs on purpose: with 3-D ones PyTorch's CPU dispatcher falls back to the math kernel
@@ -157,6 +167,29 @@ def _observe(
     scores = torch.matmul(qg, k.transpose(-1, -2).unsqueeze(1))  # (nkv, g, W, S)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     mass += _block_sums(probs.sum(dim=(1, 2)), mass.shape[-1], block_size)
+
+
+def _with_staged_view(
+    cache: PagedKVCache,
+    layer: int,
+    p: PrefillSlice,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The context's keys and values (nkv, ctx, hd) followed by the chunk's first block as staging holds it:
+    its earlier tokens from the request's staging entry, then the chunk's new tokens (T, nkv, hd) rounded to
+    the staging dtype. A decode step reads a block that is still filling from staging, so a prefill query
+    reading its own block the same way computes what decode would, however the prompt was chunked."""
+    parts_k, parts_v = [kc], [vc]
+    if p.num_prior:
+        ks, vs = cache.staged_rows(layer, p.stage_entry, p.num_prior)
+        parts_k.append(ks.to(kc.dtype))
+        parts_v.append(vs.to(vc.dtype))
+    parts_k.append(k_new.transpose(0, 1).to(cache.stage_dtype).to(kc.dtype))
+    parts_v.append(v_new.transpose(0, 1).to(cache.stage_dtype).to(vc.dtype))
+    return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
 
 
 def attention(
@@ -194,7 +227,12 @@ def attention(
         else:
             kc, vc = cache.gather(layer, p.context)
             kc, vc = kc[0], vc[0]  # (nkv, ctx, hd)
-        parts.append(_prefill_attention(qs, kc, vc, p.mask, p.kv_start))
         if p.num_observed:
             _observe(qs[-p.num_observed :], kc, p.observe_mask, p.mass[layer], meta.block_size)
+        if p.staged_view:
+            new = slice(p.q_start, p.q_start + p.q_len)
+            kc, vc = _with_staged_view(cache, layer, p, kc, vc, k[new], v[new])
+            parts.append(_prefill_attention(qs, kc, vc, p.mask, None))
+        else:
+            parts.append(_prefill_attention(qs, kc, vc, p.mask, p.kv_start))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

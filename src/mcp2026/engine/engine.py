@@ -127,7 +127,6 @@ class LLMEngine:
             self.kv_manager,
             self.max_model_len,
             self._peak_blocks_rule(),
-            chunk_multiple=self.cache.block_size if self.cache.codec.is_staged else 1,
         )
         self.runner = ModelRunner(model, self.cache, self.evictor.scoring if self.evictor else None)
         self.sampler = Sampler()

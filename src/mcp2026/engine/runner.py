@@ -17,7 +17,7 @@ from mcp2026.engine.output import ScheduledChunk, SchedulerOutput
 from mcp2026.kernels import ops
 from mcp2026.kv.eviction import ScoringSpec, StepScores
 from mcp2026.kv.manager import cdiv
-from mcp2026.kv.paged_cache import PagedKVCache
+from mcp2026.kv.paged_cache import BlockRead, PagedKVCache
 
 
 def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
@@ -100,9 +100,13 @@ class ModelRunner:
             if staged is not None:
                 ids[-1] = staged
             key_pos = torch.arange(len(ids) * bs)
-            mask = key_pos.unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)  # (q_len, ctx)
+            query_pos = torch.arange(start, end).unsqueeze(1)
             read = self.cache.block_read(torch.tensor([ids], dtype=torch.long))
-            p = PrefillSlice(q_start, c.num_tokens, read, mask, kv_start=start)
+            if self.cache.codec.is_staged:
+                p = self._staged_view_slice(c, q_start, read, key_pos, query_pos)
+            else:
+                mask = key_pos.unsqueeze(0) <= query_pos  # (q_len, ctx)
+                p = PrefillSlice(q_start, c.num_tokens, read, mask, kv_start=start)
         if not num_observed:
             return p, None
         num_slots = cdiv(end, bs)
@@ -111,6 +115,43 @@ class ModelRunner:
         p.observe_mask = key_pos.unsqueeze(0) <= torch.arange(end - num_observed, end).unsqueeze(1)
         p.mass = torch.zeros(self.num_layers, self.num_kv_heads, num_slots)
         return p, num_slots
+
+    def _staged_view_slice(
+        self,
+        c: ScheduledChunk,
+        q_start: int,
+        read: BlockRead,
+        key_pos: torch.Tensor,
+        query_pos: torch.Tensor,
+    ) -> PrefillSlice:
+        """A staged codec's prefill slice: each query reads the blocks before its own as stored (sealed) and
+        its own block as staged, as a decode step would (``attention._with_staged_view``); so a token's K/V do
+        not depend on where a chunk started, and a block of generated tokens holds what a prefill stores."""
+        bs, start = self.block_size, c.kv_start
+        first = start // bs * bs  # the chunk's first block starts here; its tokens before start are staged
+        num_prior = start - first
+        entry = self.cache.stage_index(c.request_id) if num_prior else None
+        if num_prior and entry is None:
+            raise RuntimeError(f"request {c.request_id}: {num_prior} staged tokens expected, none staged")
+        own_block = query_pos // bs * bs  # (q_len, 1)
+        staged_pos = torch.arange(first, start + c.num_tokens)
+        mask = torch.cat(
+            (
+                key_pos.unsqueeze(0) < own_block,  # blocks before the query's own, sealed
+                (staged_pos.unsqueeze(0) >= own_block) & (staged_pos.unsqueeze(0) <= query_pos),
+            ),
+            dim=1,
+        )
+        return PrefillSlice(
+            q_start,
+            c.num_tokens,
+            read,
+            mask,
+            kv_start=start,
+            staged_view=True,
+            stage_entry=entry or 0,
+            num_prior=num_prior,
+        )
 
     def _metadata(
         self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]

@@ -61,14 +61,9 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         peak_blocks: Callable[[int], int] | None = None,
-        chunk_multiple: int = 1,
     ) -> None:
         self.config = config
         self.kv = kv
-        # A prefill chunk that does not finish its tokens ends at a multiple of this (a staged KV codec's block
-        # size: a block then fills within one chunk, so results do not depend on where chunks start), unless
-        # the longest chunk a step allows is shorter than one multiple
-        self.chunk_multiple = chunk_multiple
         # Blocks a request of n tokens holds at most at once (less than all of them when KV eviction runs
         # during chunked prefill); by default every block.
         self.peak_blocks = peak_blocks or kv.num_blocks_for
@@ -233,9 +228,7 @@ class Scheduler:
                 break
             if not self._check_fits(request):
                 continue
-            num_new = self._num_new_tokens(
-                request.num_tokens - request.num_computed_tokens, step.budget, request.num_computed_tokens
-            )
+            num_new = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, step.budget)
             if num_new == 0:
                 continue
             while not self.kv.allocate_slots(request, num_new):
@@ -271,7 +264,7 @@ class Scheduler:
             if not self._check_fits(request):
                 continue
             hit_ids, num_hit = self.kv.get_computed_blocks(request)
-            num_new = self._num_new_tokens(request.num_tokens - num_hit, step.budget, num_hit)
+            num_new = self._num_new_tokens(request.num_tokens - num_hit, step.budget)
             if num_new == 0 or not self._allocate_for_waiting(request, num_new, hit_ids, step):
                 break
             self._waiting.remove(request)
@@ -330,7 +323,7 @@ class Scheduler:
             tokens[tenant] = tokens.get(tenant, 0) + num
         return tokens
 
-    def _num_new_tokens(self, num_remaining: int, budget: int, start: int) -> int:
+    def _num_new_tokens(self, num_remaining: int, budget: int) -> int:
         if self.config.enable_chunked_prefill:
             num_new = min(num_remaining, self.chunk_cap(), budget)
         elif num_remaining <= budget:
@@ -338,16 +331,6 @@ class Scheduler:
         else:
             # Without chunking, only a recompute longer than any step's budget is split (else it would never run).
             num_new = budget if num_remaining > self.config.max_num_batched_tokens else 0
-        if 0 < num_new < num_remaining and self.chunk_multiple > 1:
-            aligned = (start + num_new) // self.chunk_multiple * self.chunk_multiple - start
-            if aligned > 0:
-                return aligned
-            # What this step has left is short of one multiple: wait for a step with room (decodes finish, and
-            # no new request is admitted meanwhile, for the same reason), unless no step could ever hold one.
-            cap = (
-                self.chunk_cap() if self.config.enable_chunked_prefill else self.config.max_num_batched_tokens
-            )
-            return num_new if cap < self.chunk_multiple else 0
         return num_new
 
     def _check_fits(self, request: Request) -> bool:

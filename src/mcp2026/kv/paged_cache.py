@@ -367,6 +367,12 @@ class PagedKVCache:
     def stage_index(self, request_id: str) -> int | None:
         return self._staged.get(request_id)
 
+    def staged_rows(self, layer: int, entry: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``count`` staged tokens of staging ``entry``: K and V (nkv, count, hd), staging dtype.
+        During a step, a request's entry from before the step keeps its rows (a sealing step stages the new
+        tail elsewhere; one that does not seal appends after them)."""
+        return self._stage_k[layer, entry, :, :count], self._stage_v[layer, entry, :, :count]
+
     def write(self, layer: int, plan: WritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: (T, nkv, hd), the step's new tokens in plan order
         if self._write_in_one_call(layer, plan, k, v):
@@ -427,7 +433,9 @@ class PagedKVCache:
         nkv, hd = x.shape[1:]
         encoded, full = None, x
         if plan.seal_chunk_ids is not None:
-            full = x.index_select(0, plan.seal_src).to(self.dtype)  # (NS*bs, nkv, hd)
+            # the new tokens rounded as staging rounds them: a block sealed by a decode step holds staged
+            # tokens, so one sealed by a prefill chunk encodes the same numbers
+            full = x.index_select(0, plan.seal_src).to(self.stage_dtype).to(self.dtype)  # (NS*bs, nkv, hd)
             if plan.seal_stage_dst is not None:
                 staged = stage.index_select(0, plan.seal_stage_src).view(-1, nkv, hd).to(self.dtype)
                 full.index_copy_(0, plan.seal_stage_dst, staged)
