@@ -175,10 +175,11 @@ def _int_dot_tol(dtype: torch.dtype) -> float:
 
 @pytest.mark.parametrize("codec", ["int8", "int4"])
 @pytest.mark.parametrize(
-    ("nh", "nkv", "bs", "hd"), [(4, 4, 8, 64), (8, 2, 32, 64), (10, 2, 16, 128), (8, 1, 16, 64)]
+    ("nh", "nkv", "bs", "hd"),
+    [(4, 4, 8, 64), (4, 2, 16, 64), (8, 2, 32, 64), (10, 2, 16, 128), (8, 1, 16, 64)],
 )
 def test_integer_key_paths_over_head_groups_and_block_sizes(kernels, codec, nh, nkv, bs, hd):
-    """The int8 and int4 kernels' integer key scoring (and int4's register-blocked values) for 1, 4, 5 and 8
+    """The int8 and int4 kernels' integer key scoring (and int4's register-blocked values) for 1, 2, 4, 5 and 8
     query heads per KV head, 8- and 32-token blocks (rows in groups of 8, a partial last block) and two
     64-channel chunks, against attention over the codec's own decode; for int4 a staged block among coded ones."""
     torch.manual_seed(5)

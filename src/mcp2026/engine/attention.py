@@ -28,14 +28,15 @@ class PrefillSlice:
     q_start: int
     q_len: int
     context: BlockRead | None  # the live blocks incl. the new tokens; None when the chunk starts at 0
-    mask: torch.Tensor | None  # (q_len, ctx) bool, True = attend; None with context None (causal)
+    mask: torch.Tensor | None  # (q_len, ctx) bool, True = attend (additive with staged_view); None: causal
     num_observed: int = 0  # last queries whose attention is summed per block (eviction scores)
     observe_mask: torch.Tensor | None = None  # (num_observed, ctx) bool
     mass: torch.Tensor | None = None  # (L, nkv, num context blocks) float32
     kv_start: int = 0  # the chunk's first slot: query i sees slots 0 .. kv_start + i (what mask says)
     # Staged codecs (int4): each query sees its own block as decode does, staged (rounded to the staging
     # dtype), not sealed: the keys past the context are the chunk's first block's earlier tokens, taken from
-    # staging entry ``stage_entry`` (``num_prior`` of them), then the chunk's own tokens; mask covers both.
+    # staging entry ``stage_entry`` (``num_prior`` of them), then the chunk's own tokens; mask (additive,
+    # 0 / -inf) covers both.
     staged_view: bool = False
     stage_entry: int = 0
     num_prior: int = 0

@@ -125,23 +125,28 @@ class ModelRunner:
         query_pos: torch.Tensor,
     ) -> PrefillSlice:
         """A staged codec's prefill slice: each query reads the blocks before its own as stored (sealed) and
-        its own block as staged, as a decode step would (``attention._with_staged_view``); so a token's K/V do
-        not depend on where a chunk started, and a block of generated tokens holds what a prefill stores."""
+        its own block as staged, as a decode step would (``attention._with_staged_view``; the token that fills
+        a block reads it sealed, as its decode step would); so a token's K/V do not depend on where a chunk
+        started, and a block of generated tokens holds what a prefill stores."""
         bs, start = self.block_size, c.kv_start
         first = start // bs * bs  # the chunk's first block starts here; its tokens before start are staged
         num_prior = start - first
         entry = self.cache.stage_index(c.request_id) if num_prior else None
         if num_prior and entry is None:
             raise RuntimeError(f"request {c.request_id}: {num_prior} staged tokens expected, none staged")
-        own_block = query_pos // bs * bs  # (q_len, 1)
+        # where the query's staged block starts: its own block's, except for the token that fills a block,
+        # which decode reads sealed (its step seals the block before attending)
+        staged_from = (query_pos + 1) // bs * bs  # (q_len, 1)
         staged_pos = torch.arange(first, start + c.num_tokens)
-        mask = torch.cat(
+        attend = torch.cat(
             (
-                key_pos.unsqueeze(0) < own_block,  # blocks before the query's own, sealed
-                (staged_pos.unsqueeze(0) >= own_block) & (staged_pos.unsqueeze(0) <= query_pos),
+                key_pos.unsqueeze(0) < staged_from,  # sealed blocks
+                (staged_pos.unsqueeze(0) >= staged_from) & (staged_pos.unsqueeze(0) <= query_pos),
             ),
             dim=1,
         )
+        # additive, built once per step (SDPA would convert a bool mask in every layer)
+        mask = torch.zeros(attend.shape, dtype=self.cache.dtype).masked_fill_(~attend, float("-inf"))
         return PrefillSlice(
             q_start,
             c.num_tokens,
