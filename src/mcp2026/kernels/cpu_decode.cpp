@@ -483,6 +483,46 @@ inline void store_scores(__m256 v, int64_t m, float* out) {
   }
 }
 
+// x (n floats, a multiple of 16) rounded to int16 with one scale, returned: amax / 32767 (0 for all zeros).
+inline float round_to_int16(const float* x, int64_t n, int16_t* out) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t c = 0; c < n; c += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + c)));
+  const float mx = attn_hmax(amax);
+  const __m256 inv = _mm256_set1_ps(mx > 0.f ? 32767.f / mx : 0.f);
+  for (int64_t c = 0; c < n; c += 16) {  // round to nearest, pack (lane-wise) and put the lanes back in order
+    const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + c), inv));
+    const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + c + 8), inv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+  }
+  return mx / 32767.f;
+}
+
+// dots[j * 8 + r]: the int32 partial sums of row r (< m <= 8; later rows zero) times head j's int16 query
+// (g heads, hd channels each), 64 channels a pass; widen(row, c, out) gives a row's 64 codes from channel c as
+// four vectors of 16 int16.
+template <typename Widen>
+inline void int16_dots_8rows(const uint8_t* first_row, int64_t row_bytes, int64_t m, int64_t hd, int64_t g,
+                             const int16_t* q16, __m256i* dots, Widen widen) {
+  for (int64_t r = 0; r < 8; ++r) {
+    for (int64_t j = 0; j < g; ++j) dots[j * 8 + r] = _mm256_setzero_si256();
+    if (r >= m) continue;
+    const uint8_t* row = first_row + r * row_bytes;
+    for (int64_t c = 0; c < hd; c += 64) {
+      __m256i codes[4];
+      widen(row, c, codes);
+      for (int64_t j = 0; j < g; ++j) {
+        const __m256i* qv = reinterpret_cast<const __m256i*>(q16 + j * hd + c);
+        const __m256i d01 = _mm256_add_epi32(_mm256_madd_epi16(codes[0], _mm256_loadu_si256(qv)),
+                                             _mm256_madd_epi16(codes[1], _mm256_loadu_si256(qv + 1)));
+        const __m256i d23 = _mm256_add_epi32(_mm256_madd_epi16(codes[2], _mm256_loadu_si256(qv + 2)),
+                                             _mm256_madd_epi16(codes[3], _mm256_loadu_si256(qv + 3)));
+        dots[j * 8 + r] = _mm256_add_epi32(dots[j * 8 + r], _mm256_add_epi32(d01, d23));
+      }
+    }
+  }
+}
+
 // coded_affines, 8 at a time (float32 products and sums as kv/codecs.py's decode_affine_params).
 inline void coded_affines_avx2(const uint8_t* scale_code, const uint8_t* zero_code, const ChunkMeta& m,
                                int64_t count, float* s, float* z) {
@@ -521,52 +561,23 @@ inline void score_int4_keys(const float* qf, const Int4Source& ks, int64_t block
   int16_t* q16 = w.q16;
   __m256i* dots = w.dots;
   coded_affines_avx2(ks.scale_code + chunk * hd, ks.zero_code + chunk * hd, ChunkMeta(ks.meta + chunk * 3), hd, s, z);
-  const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t j = 0; j < g; ++j) {
     const float* qj = qf + j * hd;
     float* fj = fold + j * hd;
-    __m256 amax = _mm256_setzero_ps(), qz = _mm256_setzero_ps();
+    __m256 qz = _mm256_setzero_ps();
     for (int64_t c = 0; c < hd; c += 8) {
       const __m256 q = _mm256_loadu_ps(qj + c);
-      const __m256 f = _mm256_mul_ps(q, _mm256_loadu_ps(s + c));
-      _mm256_storeu_ps(fj + c, f);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, f));
+      _mm256_storeu_ps(fj + c, _mm256_mul_ps(q, _mm256_loadu_ps(s + c)));
       qz = _mm256_fmadd_ps(q, _mm256_loadu_ps(z + c), qz);
     }
-    const float mx = attn_hmax(amax);
-    sq[j] = mx / 32767.f;
     cj[j] = attn_hsum(qz);
-    const __m256 inv = _mm256_set1_ps(mx > 0.f ? 32767.f / mx : 0.f);
-    for (int64_t c = 0; c < hd; c += 16) {  // round to nearest, pack (lane-wise) and put the lanes back in order
-      const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(fj + c), inv));
-      const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(fj + c + 8), inv));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + j * hd + c),
-                          _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
-    }
+    sq[j] = round_to_int16(fj, hd, q16 + j * hd);
   }
   const uint8_t* qb = ks.q + chunk * ks.bs * (hd / 2);
+  const auto widen = [](const uint8_t* row, int64_t c, __m256i out[4]) { unpack_u4x64_i16(row + c / 2, out); };
   for (int64_t r0 = 0; r0 < n; r0 += 8) {
     const int64_t m = std::min<int64_t>(8, n - r0);
-    for (int64_t r = 0; r < 8; ++r) {
-      if (r >= m) {
-        for (int64_t j = 0; j < g; ++j) dots[j * 8 + r] = _mm256_setzero_si256();
-        continue;
-      }
-      const uint8_t* row = qb + (r0 + r) * (hd / 2);
-      for (int64_t j = 0; j < g; ++j) dots[j * 8 + r] = _mm256_setzero_si256();
-      for (int64_t c = 0; c < hd; c += 64) {
-        __m256i codes[4];
-        unpack_u4x64_i16(row + c / 2, codes);
-        for (int64_t j = 0; j < g; ++j) {
-          const __m256i* qv = reinterpret_cast<const __m256i*>(q16 + j * hd + c);
-          const __m256i d01 = _mm256_add_epi32(_mm256_madd_epi16(codes[0], _mm256_loadu_si256(qv)),
-                                               _mm256_madd_epi16(codes[1], _mm256_loadu_si256(qv + 1)));
-          const __m256i d23 = _mm256_add_epi32(_mm256_madd_epi16(codes[2], _mm256_loadu_si256(qv + 2)),
-                                               _mm256_madd_epi16(codes[3], _mm256_loadu_si256(qv + 3)));
-          dots[j * 8 + r] = _mm256_add_epi32(dots[j * 8 + r], _mm256_add_epi32(d01, d23));
-        }
-      }
-    }
+    int16_dots_8rows(qb + r0 * (hd / 2), hd / 2, m, hd, g, q16, dots, widen);
     for (int64_t j = 0; j < g; ++j) {
       const __m256 d = _mm256_cvtepi32_ps(hsum8_epi32(dots + j * 8));
       store_scores(_mm256_fmadd_ps(d, _mm256_set1_ps(sq[j]), _mm256_set1_ps(cj[j])), m, scores + j * len + r0);
@@ -692,25 +703,10 @@ inline void score_int8_keys(const Int8Source& ks, int64_t block, int64_t n, int6
   halves_to_floats(ks.scale + chunk * ks.bs, n, s);
   halves_to_floats(ks.zero + chunk * ks.bs, n, z);
   const uint8_t* qb = ks.q + chunk * ks.bs * hd;
+  const auto widen = [](const uint8_t* row, int64_t c, __m256i out[4]) { widen_u8x64_i16(row + c, out); };
   for (int64_t r0 = 0; r0 < n; r0 += 8) {
     const int64_t m = std::min<int64_t>(8, n - r0);
-    for (int64_t r = 0; r < 8; ++r) {
-      for (int64_t j = 0; j < g; ++j) dots[j * 8 + r] = _mm256_setzero_si256();
-      if (r >= m) continue;
-      const uint8_t* row = qb + (r0 + r) * hd;
-      for (int64_t c = 0; c < hd; c += 64) {
-        __m256i codes[4];
-        widen_u8x64_i16(row + c, codes);
-        for (int64_t j = 0; j < g; ++j) {
-          const __m256i* qv = reinterpret_cast<const __m256i*>(q16 + j * hd + c);
-          const __m256i d01 = _mm256_add_epi32(_mm256_madd_epi16(codes[0], _mm256_loadu_si256(qv)),
-                                               _mm256_madd_epi16(codes[1], _mm256_loadu_si256(qv + 1)));
-          const __m256i d23 = _mm256_add_epi32(_mm256_madd_epi16(codes[2], _mm256_loadu_si256(qv + 2)),
-                                               _mm256_madd_epi16(codes[3], _mm256_loadu_si256(qv + 3)));
-          dots[j * 8 + r] = _mm256_add_epi32(dots[j * 8 + r], _mm256_add_epi32(d01, d23));
-        }
-      }
-    }
+    int16_dots_8rows(qb + r0 * hd, hd, m, hd, g, q16, dots, widen);
     alignas(32) float sr[8] = {}, zr[8] = {};
     std::copy(s + r0, s + r0 + m, sr);
     std::copy(z + r0, z + r0 + m, zr);
@@ -738,25 +734,12 @@ void attend_avx2(const float* qf, const Int8Source& ks, const Int8Source& vs, co
   dots.resize(g * 8);
   float* f = floats.data();
   const Int8Work w{f, f + g, f + 2 * g, f + 2 * g + bs, q16.data(), dots.data()};
-  const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t j = 0; j < g; ++j) {
     const float* qj = qf + j * hd;
-    __m256 amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
-    for (int64_t c = 0; c < hd; c += 8) {
-      const __m256 q = _mm256_loadu_ps(qj + c);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, q));
-      sum = _mm256_add_ps(sum, q);
-    }
-    const float mx = attn_hmax(amax);
-    w.q_scale[j] = mx / 32767.f;
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t c = 0; c < hd; c += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(qj + c));
     w.q_sum[j] = attn_hsum(sum);
-    const __m256 inv = _mm256_set1_ps(mx > 0.f ? 32767.f / mx : 0.f);
-    for (int64_t c = 0; c < hd; c += 16) {
-      const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qj + c), inv));
-      const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qj + c + 8), inv));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.q16 + j * hd + c),
-                          _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
-    }
+    w.q_scale[j] = round_to_int16(qj, hd, w.q16 + j * hd);
   }
   for (int64_t t0 = 0; t0 < len; t0 += bs) {
     const int64_t n = std::min(bs, len - t0);
