@@ -28,16 +28,16 @@ class PrefillSlice:
     q_start: int
     q_len: int
     context: BlockRead | None  # the live blocks incl. the new tokens; None when the chunk starts at 0
-    mask: torch.Tensor | None  # (q_len, ctx) bool, True = attend (additive with staged_view); None: causal
+    # (q_len, ctx) additive (0 = attend, -inf = not), built once per step (SDPA would convert a bool mask in
+    # every layer); None with context None (causal)
+    mask: torch.Tensor | None
     num_observed: int = 0  # last queries whose attention is summed per block (eviction scores)
     observe_mask: torch.Tensor | None = None  # (num_observed, ctx) bool
     mass: torch.Tensor | None = None  # (L, nkv, num context blocks) float32
     kv_start: int = 0  # the chunk's first slot: query i sees slots 0 .. kv_start + i (what mask says)
     # Staged codecs (int4): each query sees its own block as decode does, staged (rounded to the staging
     # dtype), not sealed: the keys past the context are the chunk's first block's earlier tokens, taken from
-    # staging entry ``stage_entry`` (``num_prior`` of them), then the chunk's own tokens; mask (additive,
-    # 0 / -inf) covers both.
-    staged_view: bool = False
+    # staging entry ``stage_entry`` (``num_prior`` of them), then the chunk's own tokens; mask covers both.
     stage_entry: int = 0
     num_prior: int = 0
 
@@ -55,7 +55,6 @@ class PrefillSlice:
             move(self.observe_mask),
             move(self.mass),
             self.kv_start,
-            self.staged_view,
             self.stage_entry,
             self.num_prior,
         )
@@ -230,7 +229,7 @@ def attention(
             kc, vc = kc[0], vc[0]  # (nkv, ctx, hd)
         if p.num_observed:
             _observe(qs[-p.num_observed :], kc, p.observe_mask, p.mass[layer], meta.block_size)
-        if p.staged_view:
+        if cache.codec.is_staged:
             new = slice(p.q_start, p.q_start + p.q_len)
             kc, vc = _with_staged_view(cache, layer, p, kc, vc, k[new], v[new])
             parts.append(_prefill_attention(qs, kc, vc, p.mask, None))

@@ -105,7 +105,7 @@ class ModelRunner:
             if self.cache.codec.is_staged:
                 p = self._staged_view_slice(c, q_start, read, key_pos, query_pos)
             else:
-                mask = key_pos.unsqueeze(0) <= query_pos  # (q_len, ctx)
+                mask = self._additive(key_pos.unsqueeze(0) <= query_pos)  # (q_len, ctx)
                 p = PrefillSlice(q_start, c.num_tokens, read, mask, kv_start=start)
         if not num_observed:
             return p, None
@@ -145,18 +145,19 @@ class ModelRunner:
             ),
             dim=1,
         )
-        # additive, built once per step (SDPA would convert a bool mask in every layer)
-        mask = torch.zeros(attend.shape, dtype=self.cache.dtype).masked_fill_(~attend, float("-inf"))
         return PrefillSlice(
             q_start,
             c.num_tokens,
             read,
-            mask,
+            self._additive(attend),
             kv_start=start,
-            staged_view=True,
             stage_entry=entry or 0,
             num_prior=num_prior,
         )
+
+    def _additive(self, attend: torch.Tensor) -> torch.Tensor:
+        """A bool attention mask (True = attend) as SDPA adds it: 0 / -inf in the cache's compute dtype."""
+        return torch.zeros(attend.shape, dtype=self.cache.dtype).masked_fill_(~attend, float("-inf"))
 
     def _metadata(
         self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]

@@ -538,11 +538,23 @@ inline void coded_affines_avx2(const uint8_t* scale_code, const uint8_t* zero_co
   if (i < count) coded_affines(scale_code + i, zero_code + i, m, count - i, s + i, z + i);
 }
 
-struct Int4Scratch {  // per thread, reused: the vectors grow to the largest shapes seen
+// Scratch of the integer key paths (int8 and int4), per thread and reused: the vectors grow to the largest
+// shapes seen. take() sizes them and returns their data.
+struct IntKeyScratch {
   std::vector<float> floats;
   std::vector<int16_t> q16;
   std::vector<__m256i> dots;
+  void take(int64_t num_floats, int64_t g, int64_t hd, float** f, int16_t** q, __m256i** d) {
+    floats.resize(num_floats);
+    q16.resize(g * hd);
+    dots.resize(g * 8);
+    *f = floats.data();
+    *q = q16.data();
+    *d = dots.data();
+  }
 };
+
+thread_local IntKeyScratch int_key_scratch;
 
 // Views of the scratch for one call (plain pointers: __m256i stores may alias anything, so the loops must not
 // reach the buffers through a struct they could be reloaded from).
@@ -644,17 +656,17 @@ void attend_avx2(const float* qf, const Int4Source& ks, const Int4Source& vs, co
     attend_avx2<Int4Source, Int4Source>(qf, ks, vs, table, len, g, hd, bs, scores, acc, buf, mass_row);
     return;
   }
-  thread_local Int4Scratch scratch;
   const int64_t ng = vs.ng;
   const int64_t sizes[] = {hd, hd, g * hd, g, g, bs * ng, bs * ng};
   int64_t total = 0;
   for (int64_t size : sizes) total += size;
-  scratch.floats.resize(total);
-  scratch.q16.resize(g * hd);
-  scratch.dots.resize(g * 8);
+  float* base;
+  int16_t* q16;
+  __m256i* dots;
+  int_key_scratch.take(total, g, hd, &base, &q16, &dots);
   float* f[7];
-  for (int i = 0, off = 0; i < 7; off += sizes[i++]) f[i] = scratch.floats.data() + off;
-  const Int4Work w{f[0], f[1], f[2], f[3], f[4], scratch.q16.data(), scratch.dots.data(), f[5], f[6]};
+  for (int i = 0, off = 0; i < 7; off += sizes[i++]) f[i] = base + off;
+  const Int4Work w{f[0], f[1], f[2], f[3], f[4], q16, dots, f[5], f[6]};
   for (int64_t t0 = 0; t0 < len; t0 += bs) {
     const int64_t n = std::min(bs, len - t0), block = table[t0 / bs];
     if (t0 + bs < len) ks.prefetch(table[t0 / bs + 1], std::min(bs, len - t0 - bs), true);
@@ -726,14 +738,11 @@ void attend_avx2(const float* qf, const Int8Source& ks, const Int8Source& vs, co
     attend_avx2<Int8Source, Int8Source>(qf, ks, vs, table, len, g, hd, bs, scores, acc, buf, mass_row);
     return;
   }
-  thread_local std::vector<float> floats;
-  thread_local std::vector<int16_t> q16;
-  thread_local std::vector<__m256i> dots;
-  floats.resize(2 * g + 2 * bs);
-  q16.resize(g * hd);
-  dots.resize(g * 8);
-  float* f = floats.data();
-  const Int8Work w{f, f + g, f + 2 * g, f + 2 * g + bs, q16.data(), dots.data()};
+  float* f;
+  int16_t* q16;
+  __m256i* dots;
+  int_key_scratch.take(2 * g + 2 * bs, g, hd, &f, &q16, &dots);
+  const Int8Work w{f, f + g, f + 2 * g, f + 2 * g + bs, q16, dots};
   for (int64_t j = 0; j < g; ++j) {
     const float* qj = qf + j * hd;
     __m256 sum = _mm256_setzero_ps();
