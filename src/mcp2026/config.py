@@ -6,7 +6,7 @@ fails where it is written, with a message that names the field and the allowed r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -152,15 +152,19 @@ class QuantConfig:
         return self.enable_dqg or self.target_precision in ("int8", "int4", "fp8")
 
 
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block without a compressor that says otherwise
+
+
 @dataclass(frozen=True)
 class KVConfig:
     """Paged KV cache: block size and the memory budget that sizes the preallocated pool.
 
     Exactly one of ``memory_gb`` / ``memory_fraction`` sizes the pool; ``memory_fraction`` is a share of the
     memory available now (cgroup limits counted). ``num_blocks`` overrides both (tests, tiny pools).
+    ``block_size`` None: the KV compressor's (its codec's default), else 16; ``EngineConfig`` resolves it.
     """
 
-    block_size: int = 16
+    block_size: int | None = None
     memory_gb: float | None = None
     memory_fraction: float = 0.2
     num_blocks: int | None = None
@@ -174,7 +178,7 @@ class KVConfig:
 
     def __post_init__(self) -> None:
         _require(
-            self.block_size in (8, 16, 32, 64, 128),
+            self.block_size is None or self.block_size in (8, 16, 32, 64, 128),
             f"KVConfig.block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}",
         )
         _require(
@@ -265,8 +269,14 @@ class EngineConfig:
     kv_compressor: KVCompressor | None = None
 
     def __post_init__(self) -> None:
+        compressor = self.kv_compressor
+        if self.kv.block_size is None:  # the compressor's blocks, else the default
+            block = compressor.block_size if compressor is not None else DEFAULT_BLOCK_SIZE
+            object.__setattr__(self, "kv", replace(self.kv, block_size=block))
         _require(
-            self.kv_compressor is None or self.kv_compressor.block_size == self.kv.block_size,
-            f"KVCompressor.block_size ({getattr(self.kv_compressor, 'block_size', None)}) must equal "
-            f"KVConfig.block_size ({self.kv.block_size}): the compressor works on the cache's blocks",
+            compressor is None or compressor.block_size == self.kv.block_size,
+            f"KVCompressor.block_size ({getattr(compressor, 'block_size', None)}) must equal "
+            f"KVConfig.block_size ({self.kv.block_size}): the compressor works on the cache's blocks. "
+            "Give the same block_size to both, or leave KVConfig.block_size unset to take the compressor's "
+            "(a KVCompressor without block_size takes its codec's: 16; int4 32, int4-g64 64)",
         )

@@ -142,8 +142,7 @@ class Pipeline:
             self.quant_result = quantize_loaded(
                 self.loaded, config, self.device, settings=spec.dqg, calibration=spec.calibration
             )
-        kv_config = kv_config or KVConfig(
-            block_size=kv.block_size if kv is not None else 16,
+        kv_config = kv_config or KVConfig(  # block size: the compressor's (EngineConfig resolves it)
             max_kv_cache_shards=config.max_kv_cache_shards if config else 1,
             enable_dtss=config.enable_dtss if config else False,
         )

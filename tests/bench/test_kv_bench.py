@@ -370,3 +370,11 @@ def test_cli_bad_options_are_one_line_errors(tiny_dir):
         result = CliRunner().invoke(app, ["bench", "kv", "--model", tiny_dir, "--no-progress", *extra])
         assert result.exit_code == 2, result.output
         assert message in result.output and "Traceback" not in result.output
+
+
+def test_block_size_is_each_codecs_unless_given():
+    config = KVBenchConfig(codecs=("int8", "int4"), policies=("heavy_hitter",), sparsities=(0.7,))
+    assert {n: kv.block_size for n, kv in config.grid()} == {"int8": 16, "int4": 32, "heavy_hitter@0.7": 16}
+    assert "--block-size" not in config.command()
+    pinned = KVBenchConfig(codecs=("int4",), policies=(), block_size=16)
+    assert [kv.block_size for _, kv in pinned.grid()] == [16] and "--block-size 16" in pinned.command()

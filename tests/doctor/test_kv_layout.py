@@ -20,7 +20,8 @@ def test_engine_cache_for_the_model_passes(tiny_llama_dir, dtype):
     compressor = KVCompressor(dtype=dtype, policy="none") if dtype else None
     ctx = DoctorContext(model=tiny_llama_dir, engine=EngineConfig(kv_compressor=compressor))
     block, layout = check_kv_layout(ctx)
-    assert block.status is Status.PASS and block.details["blocks_per_sequence"] == 512 // 16
+    tokens = 32 if dtype == "int4" else 16  # int4's default block is its 32-token key group
+    assert block.status is Status.PASS and block.details["blocks_per_sequence"] == 512 // tokens
     assert layout.status is Status.PASS, layout.reason
     plain = str(resolve_dtype("auto", None)).removeprefix("torch.")  # the model's dtype on this CPU
     assert layout.details["codec"] == (dtype or plain)

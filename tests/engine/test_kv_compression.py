@@ -85,7 +85,7 @@ def test_quantized_kv_stays_close(tiny, reference):
     ref = make_engine(tiny)
     results = {
         dtype: compare_quality(
-            ref, make_engine(tiny, KVCompressor(dtype=dtype, policy="none")), tokens, 64, 32, 8
+            ref, make_engine(tiny, KVCompressor(dtype=dtype, policy="none", block_size=16)), tokens, 64, 32, 8
         )
         for dtype in ("int8", "fp8", "int4")
     }
@@ -101,7 +101,8 @@ def test_quantized_kv_stays_close(tiny, reference):
 
 
 def test_int4_staging_through_the_engine(tiny, caplog):
-    engine = make_engine(tiny, KVCompressor(dtype="int4", policy="none"), max_num_batched_tokens=16)
+    kv = KVCompressor(dtype="int4", policy="none", block_size=16)
+    engine = make_engine(tiny, kv, max_num_batched_tokens=16)
     with caplog.at_level(logging.WARNING, logger="mcp2026.kv.debug"):
         out = run(engine, prompts(4, seed=1), check=True)
     assert all(len(o) == PARAMS.max_tokens for o in out)
@@ -123,7 +124,7 @@ def test_eviction_keeps_positions(tiny, monkeypatch, dtype, atol):
     (layer, head) dropped (within the codec's error; int4 keeps its unfilled block in staging)."""
     from mcp2026.models import llama
 
-    kv = None if dtype == "fp32" else KVCompressor(dtype=dtype, policy="none")
+    kv = None if dtype == "fp32" else KVCompressor(dtype=dtype, policy="none", block_size=16)
     engine = make_engine(tiny, kv)
     prompt = torch.randint(3, 320, (60,), generator=torch.Generator().manual_seed(4)).tolist()
     rid = engine.add_request(prompt, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0))
@@ -290,13 +291,14 @@ def test_lossy_caches_do_not_depend_on_prefill_chunking(tiny, codec):
             assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
 
 
-@pytest.mark.parametrize("threshold", [15, 31, 47])
-def test_int4_chunks_ending_anywhere_in_a_block(tiny, threshold):
+@pytest.mark.parametrize(("block_size", "threshold"), [(16, 15), (16, 31), (16, 47), (32, 31), (32, 63)])
+def test_int4_chunks_ending_anywhere_in_a_block(tiny, block_size, threshold):
     """Chunk boundaries next to a block's end: a 1-token chunk that fills a block runs as a decode step, which
     seals the block before attending, so a prefill query that fills a block must read it sealed too."""
-    kv = KVCompressor(dtype="int4", policy="none")
+    kv = KVCompressor(dtype="int4", policy="none", block_size=block_size)
     params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1)
-    ps = [list(range(10, 42)), list(range(50, 98))]  # 32 and 48 tokens: whole blocks
+    two, three = 2 * block_size, 3 * block_size
+    ps = [list(range(10, 10 + two)), list(range(50, 50 + three))]  # whole blocks
     sched = dict(num_blocks=64, long_prefill_ms=None)
     whole = make_engine(tiny, kv, long_prefill_token_threshold=2048, **sched).generate(ps, params)
     chunked = make_engine(tiny, kv, long_prefill_token_threshold=threshold, **sched).generate(ps, params)
@@ -321,7 +323,8 @@ def test_int4_batched_equals_alone_when_decodes_share_a_tight_budget(tiny):
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
 
 
-def test_generated_int4_blocks_hold_what_a_prefill_stores(tiny):
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_generated_int4_blocks_hold_what_a_prefill_stores(tiny, block_size):
     """The prefix rule for int4 (blocks of generated tokens are offered to a later turn): a decode step reads its
     still-filling block from staging, so a prefill query reads its own block staged too (the token that fills a
     block reads it sealed, as its decode step does), and a sealed block encodes the staged (rounded) numbers
@@ -329,19 +332,20 @@ def test_generated_int4_blocks_hold_what_a_prefill_stores(tiny):
     fills hold the same bytes (all of them here; the bound leaves room for float summation order moving a value
     across a rounding boundary on another CPU). Without the seal rounding 9.3% of the bytes differ, without the
     staged view 5.6%, with the block-filling token reading its block staged 0.8%."""
-    kv = KVCompressor(dtype="int4", policy="none")
+    kv = KVCompressor(dtype="int4", policy="none", block_size=block_size)
     prompt = torch.randint(3, 320, (37,), generator=torch.Generator().manual_seed(6)).tolist()
+    end = 80 if block_size == 16 else 96  # blocks from position 32 to end: the prompt's last 5 tokens, then
+    blocks = slice(32 // block_size, end // block_size)  # generated ones (sealed by decode steps)
     gen_engine, fresh_engine = make_engine(tiny, kv, num_blocks=64), make_engine(tiny, kv, num_blocks=64)
-    rid = gen_engine.add_request(prompt, SamplingParams(max_tokens=60, ignore_eos=True))
+    rid = gen_engine.add_request(prompt, SamplingParams(max_tokens=end - 37 + 12, ignore_eos=True))
     state = gen_engine.request_state(rid)
-    while state.request.num_output_tokens < 59:
+    while state.request.num_output_tokens < end - 37 + 11:
         gen_engine.step()
     fresh = fresh_engine.add_request(
-        prompt + state.request.output_token_ids[:48], SamplingParams(max_tokens=4, ignore_eos=True)
+        prompt + state.request.output_token_ids[: end - 37], SamplingParams(max_tokens=4, ignore_eos=True)
     )
     while fresh_engine.request_state(fresh).request.num_output_tokens == 0:
         fresh_engine.step()
-    blocks = slice(2, 5)  # 32..79: the prompt's last 5 tokens, then generated ones (sealed by decode steps)
     gen_ids = gen_engine.kv_manager.block_table(rid)[blocks]
     fresh_ids = fresh_engine.kv_manager.block_table(fresh)[blocks]
     differ, total = 0, 0
@@ -492,6 +496,12 @@ def test_pipeline_kv_and_inject(tiny_dir, tiny):
     assert len(plain.engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0].token_ids) == 4
     with pytest.raises(ValueError, match="block_size"):
         EngineConfig(KVConfig(block_size=32), kv_compressor=KVCompressor())
+    # int4's default block is its 32-token key group; the engine's blocks follow the compressor's
+    default = Pipeline(model=tiny_dir, dtype="fp32", kv={"dtype": "int4", "policy": "none"})
+    assert default.engine.cache.block_size == 32 and default.engine.kv_manager.block_size == 32
+    with pytest.raises(ValueError, match="leave KVConfig.block_size unset"):
+        EngineConfig(KVConfig(block_size=16), kv_compressor=KVCompressor(dtype="int4"))
+    assert EngineConfig(KVConfig(), kv_compressor=None).kv.block_size == 16
     int4 = max_concurrent_sequences(tiny.config, KVCompressor(dtype="int4", policy="none"), 10**7, 2048)
     bf16 = max_concurrent_sequences(tiny.config, KVCompressor(dtype="bf16", policy="none"), 10**7, 2048)
     assert int4 > 2.5 * bf16

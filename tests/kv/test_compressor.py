@@ -19,6 +19,15 @@ def test_defaults_and_lazy_export():
         c.dtype = "int4"  # frozen
 
 
+@pytest.mark.parametrize(("dtype", "block_size"), [("int8", 16), ("fp8", 16), ("int4", 32), ("int4-g64", 64)])
+def test_block_size_defaults_to_the_codecs(dtype, block_size):
+    """Per-channel int4 keys are grouped over a block: int4 takes KIVI's 32-token group (3.54x fewer bytes
+    than bf16 on SmolLM2 vs 3.34x at 16), int4-g64 its 64; a given block size is kept."""
+    assert KVCompressor(dtype=dtype).block_size == block_size
+    assert KVCompressor(dtype=dtype, block_size=8).block_size == 8
+    assert KVCompressor.from_dict(KVCompressor(dtype=dtype).to_dict()).block_size == block_size
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

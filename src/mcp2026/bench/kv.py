@@ -38,10 +38,15 @@ MEMORY_SHARE = 0.25  # of available memory, for the engines run in one lockstep
 
 
 # ---- pieces -------------------------------------------------------------------------------------------
-def _engine(loaded: Any, compressor: Any, max_tokens: int, block_size: int) -> Any:
-    """An engine whose pool holds one ``max_tokens`` sequence (prefix caching off: every run computes)."""
-    from mcp2026.config import EngineConfig, KVConfig
+def _engine(loaded: Any, compressor: Any, max_tokens: int, block_size: int | None) -> Any:
+    """An engine whose pool holds one ``max_tokens`` sequence (prefix caching off: every run computes).
+    Blocks: the compressor's, else ``block_size``, else the default."""
+    from mcp2026.config import DEFAULT_BLOCK_SIZE, EngineConfig, KVConfig
     from mcp2026.engine.engine import LLMEngine
+
+    if compressor is not None:
+        block_size = compressor.block_size
+    block_size = block_size or DEFAULT_BLOCK_SIZE
 
     kv = KVConfig(
         block_size=block_size, num_blocks=cdiv(max_tokens, block_size) + 1, enable_prefix_caching=False
@@ -65,7 +70,7 @@ def token_sequences(
     return [r.prompt_token_ids for r in load_workload(spec, None, vocab_size)]
 
 
-def unavailable_codecs(codecs: Sequence[str], block_size: int) -> dict[str, str]:
+def unavailable_codecs(codecs: Sequence[str], block_size: int | None = None) -> dict[str, str]:
     """Codecs whose encode/decode does not run on this device (e.g. no float8 conversion): name -> why."""
     import torch
 
@@ -74,7 +79,7 @@ def unavailable_codecs(codecs: Sequence[str], block_size: int) -> dict[str, str]
     missing = {}
     for name in codecs:
         codec = make_codec(name)
-        x = torch.randn(1, block_size, 64)
+        x = torch.randn(1, block_size or codec.default_block_size, 64)
         try:
             for part in (codec.key, codec.value):
                 part.decode(part.encode(x), torch.float32)
@@ -176,13 +181,13 @@ def _group_size(ctx: _Context, num_tests: int) -> int:
     import torch
 
     from mcp2026 import hardware
+    from mcp2026.config import DEFAULT_BLOCK_SIZE
     from mcp2026.kv.sizing import kv_block_bytes
 
     model, config = ctx.loaded.config, ctx.config
     dtype = next(ctx.loaded.model.parameters()).dtype
-    pool = (cdiv(config.context_tokens, config.block_size) + 1) * kv_block_bytes(
-        model, config.block_size, dtype
-    )
+    block_size = config.block_size or DEFAULT_BLOCK_SIZE  # blocks of the model's dtype: the largest pool
+    pool = (cdiv(config.context_tokens, block_size) + 1) * kv_block_bytes(model, block_size, dtype)
     logits = PROMPT_CHUNK * model.vocab_size * torch.empty((), dtype=torch.float32).element_size()
     per_engine = pool + logits
     return max(1, min(num_tests, int(MEMORY_SHARE * hardware.available_memory_bytes() // per_engine) - 1))
@@ -211,10 +216,10 @@ def _quality(
             quality = compare_quality_many(
                 ref, engines, tokens, config.prompt_len, PROMPT_CHUNK, config.chunk_size
             )
-            num_blocks = cdiv(len(tokens), config.block_size)
             for (name, kv), engine, q, b in zip(part, engines, quality, before):
                 evicted = (engine.evictor.counters.num_evicted_blocks if engine.evictor else 0) - b
-                block_bytes = kv_block_bytes(model, config.block_size, dtype, kv.make_codec())
+                block_bytes = kv_block_bytes(model, kv.block_size, dtype, kv.make_codec())
+                num_blocks = cdiv(len(tokens), kv.block_size)
                 kept[name].append((num_blocks - evicted) * block_bytes / len(tokens))
                 results[name].append(q)
                 ctx.records.append(

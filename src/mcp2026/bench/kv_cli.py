@@ -58,7 +58,10 @@ def kv(
             "options: int4+heavy_hitter@0.7:num_anchors=0), or none (default none)"
         ),
     ] = None,
-    block_size: Annotated[int | None, typer.Option(help="KV block size in tokens (default 16)")] = None,
+    block_size: Annotated[
+        int | None,
+        typer.Option(help="KV block size in tokens for every config (default: each codec's, 16; int4 32)"),
+    ] = None,
     chunk_size: Annotated[
         int | None,
         typer.Option(help="teacher-forced chunk after the prompt half; 1 = token by token (default 32)"),

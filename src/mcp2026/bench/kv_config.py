@@ -51,10 +51,11 @@ def _option(name: str, text: str, types: dict[str, str]) -> tuple[str, int | flo
         raise ValueError(f"KV config {name!r}: {key} takes {kind}, got {value!r}") from None
 
 
-def parse_config(name: str, identity: str, block_size: int) -> Any:
+def parse_config(name: str, identity: str, block_size: int | None = None) -> Any:
     """``int8`` (a codec, no eviction), ``heavy_hitter@0.7`` (a policy at a sparsity, K/V stored as
     ``identity``, the model's dtype) or ``int4+heavy_hitter@0.7`` (both) -> KVCompressor. A policy may carry
-    KVCompressor fields: ``heavy_hitter@0.7:lookahead_tokens=16:num_anchors=0``."""
+    KVCompressor fields: ``heavy_hitter@0.7:lookahead_tokens=16:num_anchors=0``. ``block_size`` None: the
+    codec's default."""
     from mcp2026.kv.compressor import KVCompressor
 
     codec, evict = _parts(name, identity)
@@ -86,7 +87,7 @@ class KVBenchConfig:
     policies: tuple[str, ...] = ("sink_window", "heavy_hitter", "snap", "dynamic_window")
     sparsities: tuple[float, ...] = (0.5, 0.7, 0.9)
     combined: tuple[str, ...] = ()  # codec + eviction rows, e.g. int4+heavy_hitter@0.7
-    block_size: int = 16
+    block_size: int | None = None  # None: each codec's default (16; int4 32, int4-g64 64)
     chunk_size: int = 32  # teacher-forced chunk after the prompt half (1 = token by token)
     retrieval_seeds: int = 50  # 20 gave 5-point steps around the 90% target
     retrieval_tokens: int = 1024  # prompt length of the retrieval check
@@ -123,7 +124,7 @@ class KVBenchConfig:
             raise ValueError(f"--budget-gb must be > 0, got {self.budget_gb}")
         from mcp2026.kv.compressor import BLOCK_SIZES
 
-        if self.block_size not in BLOCK_SIZES:
+        if self.block_size is not None and self.block_size not in BLOCK_SIZES:
             raise ValueError(f"--block-size must be one of {BLOCK_SIZES}, got {self.block_size}")
         if self.text not in TEXTS:
             raise ValueError(f"--text must be one of {', '.join(TEXTS)}, got {self.text!r}")
@@ -189,7 +190,7 @@ class KVBenchConfig:
             f"--policies {','.join(self.policies) or 'none'}",
             f"--sparsities {','.join(f'{s:g}' for s in self.sparsities)}",
             *([f"--combined {','.join(self.combined)}"] if self.combined else []),
-            f"--block-size {self.block_size}",
+            *([f"--block-size {self.block_size}"] if self.block_size is not None else []),
             f"--chunk-size {self.chunk_size}",
             f"--retrieval-seeds {self.retrieval_seeds}",
             f"--retrieval-tokens {self.retrieval_tokens}",

@@ -168,6 +168,10 @@ def _llama_cpp_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
     return Table(title, columns, rows)
 
 
+def _blocks(block_size: int | None) -> str:
+    return f"block size {block_size}" if block_size else "each codec's block size: 16, int4 32"
+
+
 def _memory_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
     rows = [
         [
@@ -182,7 +186,7 @@ def _memory_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
     ]
     title = (
         f"Memory: {config.concurrent_len}-token sequences in a {config.budget_gb:g} GB KV pool "
-        f"(block size {config.block_size}; computed from block sizes)"
+        f"({_blocks(config.block_size)}; computed from block sizes)"
     )
     columns = ["KV storage", "KV bytes/token", "fewer bytes vs bf16", "max sequences", "vs bf16", "target"]
     return Table(title, columns, rows)

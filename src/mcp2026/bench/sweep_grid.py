@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from mcp2026.config import EngineConfig
-from mcp2026.serve.config import ServeConfig, kv_compressor_from_options, load_quant_config, load_serve_yaml
+from mcp2026.serve.config import (
+    ServeConfig,
+    kv_compressor_from_options,
+    load_quant_config,
+    load_serve_yaml,
+    with_kv_compressor,
+)
 
 AS_CONFIGURED = "none"  # a grid value meaning "what the serve config says"
 
@@ -115,7 +121,7 @@ def build_grid(
             codec = None if kv_dtype in (None, AS_CONFIGURED) else kv_dtype
             sparsity = axes.kv_sparsity if policy not in (None, AS_CONFIGURED) else None
             compressor = kv_compressor_from_options(engine, codec, policy, sparsity)
-            point_engine = dataclasses.replace(engine, scheduler=scheduler, kv_compressor=compressor)
+            point_engine = with_kv_compressor(dataclasses.replace(engine, scheduler=scheduler), compressor)
             point_serve = serve
             if quant is not None:
                 point_serve = dataclasses.replace(serve, quant=None if quant == AS_CONFIGURED else str(quant))

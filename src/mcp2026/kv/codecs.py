@@ -281,12 +281,15 @@ class Int4PerTokenGroup(TensorCodec):
 @dataclass(frozen=True)
 class KVCodec:
     """How one layer's K and V are stored. ``is_staged``: a request's last, not yet full block is kept in
-    full precision (the staging store) and encoded when it fills."""
+    full precision (the staging store) and encoded when it fills. ``default_block_size``: the block (tokens)
+    a ``KVCompressor`` with this codec uses unless told otherwise; for per-channel keys the block is the key
+    group, so int4 takes KIVI's 32."""
 
     name: str
     key: TensorCodec
     value: TensorCodec
     is_staged: bool = False
+    default_block_size: int = 16
 
     @property
     def is_lossless(self) -> bool:
@@ -344,14 +347,21 @@ def _fp8() -> KVCodec:
 
 @register_codec("int4")
 def _int4() -> KVCodec:
-    return KVCodec("int4", Int4PerChannel(), Int4PerTokenGroup(32), is_staged=True)
+    # Keys per channel over 32-token blocks (KIVI's group): 217 B per token and layer on SmolLM2, 3.54x fewer
+    # than bf16 (3.34x at 16-token blocks, where the per-block channel scales cost more).
+    return KVCodec("int4", Int4PerChannel(), Int4PerTokenGroup(32), is_staged=True, default_block_size=32)
 
 
 @register_codec("int4-g64")
 def _int4_g64() -> KVCodec:
     # Values in groups of 64 channels: half the value scale bytes of "int4". With 64-token blocks (the key
     # group) this stores ~205 B per token and layer on SmolLM2 vs bf16's 768 (3.75x fewer).
-    return KVCodec("int4-g64", Int4PerChannel(), Int4PerTokenGroup(64), is_staged=True)
+    return KVCodec("int4-g64", Int4PerChannel(), Int4PerTokenGroup(64), is_staged=True, default_block_size=64)
+
+
+def default_block_size(name: str) -> int:
+    """The block size (tokens) codec ``name`` is used with unless one is given."""
+    return make_codec(name).default_block_size
 
 
 def make_codec(name: str) -> KVCodec:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mcp2026.kv.codecs import CODECS, KVCodec, make_codec
+from mcp2026.kv.codecs import CODECS, KVCodec, default_block_size, make_codec
 from mcp2026.kv.eviction import POLICIES, EvictionBudget, KVEvictor, make_policy
 from mcp2026.kv.manager import KVCacheManager
 from mcp2026.kv.paged_cache import PagedKVCache
@@ -33,9 +33,12 @@ class KVCompressor:
     """KV cache compression: how K/V are stored (``dtype``) and which blocks long contexts drop (``policy``).
 
     dtype: fp32 | bf16 | fp16 (stored as is) | int8 (per token and head) | fp8 (e4m3, scale per token and
-        head) | int4 (KIVI: keys per channel per block, values per token in groups of 32; 3.34x fewer bytes
-        than bf16 on SmolLM2 at block_size=16, 3.54x at 32) | int4-g64 (values in groups of 64; 3.75x at
-        block_size=64).
+        head) | int4 (KIVI: keys per channel per block, values per token in groups of 32; 3.54x fewer bytes
+        than bf16 on SmolLM2 at its default 32-token blocks, 3.34x at block_size=16) | int4-g64 (values in
+        groups of 64; 3.75x at its default 64-token blocks).
+    block_size: tokens per KV block, the unit of the paged pool, of prefix sharing and of eviction; None
+        takes the codec's default (16; int4 32 and int4-g64 64, their key groups). An engine's
+        ``KVConfig.block_size``, when given, must equal it.
     policy: none | sink_window | heavy_hitter | snap | dynamic_window.
     Budget: ``sparsity_ratio`` (fraction of the context dropped; 0.7 when neither is given) or
     ``max_kv_tokens`` (tokens kept per request), never both. ``num_sink_tokens`` and ``recent_window`` are
@@ -48,7 +51,7 @@ class KVCompressor:
     dtype: str = "int8"
     policy: str = "heavy_hitter"
     sparsity_ratio: float | None = None
-    block_size: int = 16
+    block_size: int | None = None  # None: the codec's default (kv.codecs.default_block_size)
     num_sink_tokens: int = 4
     max_kv_tokens: int | None = None
     recent_window: int = 64
@@ -86,6 +89,8 @@ class KVCompressor:
             self.policy in policies,
             f"KVCompressor.policy must be one of {', '.join(policies)}, got {self.policy!r}",
         )
+        if self.block_size is None:
+            object.__setattr__(self, "block_size", default_block_size(self.dtype))
         _require(
             self.block_size in BLOCK_SIZES,
             f"KVCompressor.block_size must be one of {BLOCK_SIZES}, got {self.block_size!r}",
