@@ -277,6 +277,7 @@ class EngineConfig:
             compressor is None or compressor.block_size == self.kv.block_size,
             f"KVCompressor.block_size ({getattr(compressor, 'block_size', None)}) must equal "
             f"KVConfig.block_size ({self.kv.block_size}): the compressor works on the cache's blocks. "
-            "Give the same block_size to both, or leave KVConfig.block_size unset to take the compressor's "
+            "Give the same block_size to both, or leave KVConfig.block_size (kv.block_size in a serve YAML) "
+            "unset to take the compressor's "
             "(a KVCompressor without block_size takes its codec's: 16; int4 32, int4-g64 64)",
         )
