@@ -36,10 +36,13 @@ class PrefillSlice:
     mass: torch.Tensor | None = None  # (L, nkv, num context blocks) float32
     kv_start: int = 0  # the chunk's first slot: query i sees slots 0 .. kv_start + i (what mask says)
     # Staged codecs (int4): each query sees its own block as decode does, staged (rounded to the staging
-    # dtype), not sealed: the keys past the context are the chunk's first block's earlier tokens, taken from
-    # staging entry ``stage_entry`` (``num_prior`` of them), then the chunk's own tokens; mask covers both.
+    # dtype), not sealed. ``mask`` then covers the context's sealed blocks only; the staged keys are the
+    # chunk's first block's earlier tokens, from staging entry ``stage_entry`` (``num_prior`` of them), then
+    # the chunk's own tokens, and ``staged_mask`` (q_len, num_prior + q_len) says which of them each query
+    # sees (its own block's, up to itself; none for the token that fills a block, which reads it sealed).
     stage_entry: int = 0
     num_prior: int = 0
+    staged_mask: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> PrefillSlice:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -57,6 +60,7 @@ class PrefillSlice:
             self.kv_start,
             self.stage_entry,
             self.num_prior,
+            move(self.staged_mask),
         )
 
 
@@ -169,27 +173,80 @@ def _observe(
     mass += _block_sums(probs.sum(dim=(1, 2)), mass.shape[-1], block_size)
 
 
-def _with_staged_view(
+# Devices whose prefill reads a staged codec's own blocks apart from the sealed context (the CPU flash kernel
+# returns the log-sum-exps that merging needs); elsewhere one SDPA call over both key sets.
+SPLIT_STAGED_DEVICES = ("cpu",)
+
+
+def _staged_keys(
     cache: PagedKVCache,
     layer: int,
     p: PrefillSlice,
-    kc: torch.Tensor,
-    vc: torch.Tensor,
     k_new: torch.Tensor,
     v_new: torch.Tensor,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The context's keys and values (nkv, ctx, hd) followed by the chunk's first block as staging holds it:
-    its earlier tokens from the request's staging entry, then the chunk's new tokens (T, nkv, hd) rounded to
-    the staging dtype. A decode step reads a block that is still filling from staging, so a prefill query
+    """The chunk's first block as staging holds it, then the rest of the chunk (nkv, num_prior + T, hd): the
+    block's earlier tokens from the request's staging entry, then the chunk's new tokens (T, nkv, hd) rounded
+    to the staging dtype. A decode step reads a block that is still filling from staging, so a prefill query
     reading its own block the same way computes what decode would, however the prompt was chunked."""
-    parts_k, parts_v = [kc], [vc]
+    parts_k, parts_v = [], []
     if p.num_prior:
         ks, vs = cache.staged_rows(layer, p.stage_entry, p.num_prior)
-        parts_k.append(ks.to(kc.dtype))
-        parts_v.append(vs.to(vc.dtype))
-    parts_k.append(k_new.transpose(0, 1).to(cache.stage_dtype).to(kc.dtype))
-    parts_v.append(v_new.transpose(0, 1).to(cache.stage_dtype).to(vc.dtype))
+        parts_k.append(ks.to(dtype))
+        parts_v.append(vs.to(dtype))
+    parts_k.append(k_new.transpose(0, 1).to(cache.stage_dtype).to(dtype))
+    parts_v.append(v_new.transpose(0, 1).to(cache.stage_dtype).to(dtype))
     return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
+
+
+def _own_block_mask(bs: int) -> torch.Tensor:
+    """(bs, bs) additive: the query at row r of a block sees the block's keys 0 .. r, except the block's last
+    query (it fills the block and reads it sealed)."""
+    attend = torch.ones(bs, bs, dtype=torch.bool).tril()
+    attend[-1] = False
+    return torch.zeros(bs, bs).masked_fill_(~attend, float("-inf"))
+
+
+def _split_staged_attention(
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    ks: torch.Tensor,
+    vs: torch.Tensor,
+    mask: torch.Tensor,
+    num_prior: int,
+    bs: int,
+) -> torch.Tensor:
+    """A staged codec's prefill chunk on the CPU (the same numbers as SDPA over the sealed and staged keys
+    together, without reading the chunk's keys twice): the sealed context by the flash kernel, which returns
+    each row's log-sum-exp, and each query's own staged block by a small batched softmax per block; the two
+    are merged by their log-sum-exps. q (T, nh, hd) pre-scaled; kc, vc (nkv, ctx, hd) with ``mask`` (T, ctx)
+    additive, a prefix of each row visible; ks, vs (nkv, num_prior + T, hd) starting at a block's start."""
+    t, nh, hd = q.shape
+    nkv = kc.shape[0]
+    g = nh // nkv
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out_a, lse_a = flash(q.transpose(0, 1)[None], kc[None], vc[None], 0.0, False, attn_mask=mask, scale=1.0)
+    out_a, lse_a = out_a[0].float(), lse_a[0].float()  # (nh, T, hd), (nh, T)
+    # a row that sees no sealed key gets lse 0 from the kernel, not -inf
+    lse_a = lse_a.masked_fill(mask[:, 0] == float("-inf"), float("-inf"))
+    # own blocks: rows and keys laid out from the first block's start, padded to whole blocks
+    nb = -(-ks.shape[1] // bs)
+    pad = nb * bs - ks.shape[1]
+    kb = F.pad(ks.float(), (0, 0, 0, pad)).view(nkv, nb, 1, bs, hd)
+    vb = F.pad(vs.float(), (0, 0, 0, pad)).view(nkv, nb, 1, bs, hd)
+    qb = F.pad(q.float(), (0, 0, 0, 0, num_prior, pad)).view(nb, bs, nkv, g, hd).permute(2, 0, 3, 1, 4)
+    scores = torch.matmul(qb, kb.transpose(-1, -2)) + _own_block_mask(bs)  # (nkv, nb, g, bs, bs)
+    lse_b = torch.logsumexp(scores, dim=-1)  # -inf for the block-filling rows
+    out_b = torch.matmul(torch.exp(scores - lse_b.unsqueeze(-1)), vb)  # (nkv, nb, g, bs, hd)
+    rows = slice(num_prior, num_prior + t)
+    out_b = out_b.permute(0, 2, 1, 3, 4).reshape(nh, nb * bs, hd)[:, rows].nan_to_num(0.0)
+    lse_b = lse_b.permute(0, 2, 1, 3).reshape(nh, nb * bs)[:, rows]
+    top = torch.maximum(lse_a, lse_b)  # every row sees at least itself, sealed or staged
+    wa, wb = torch.exp(lse_a - top).unsqueeze(-1), torch.exp(lse_b - top).unsqueeze(-1)
+    out = (wa * out_a + wb * out_b) / (wa + wb)
+    return out.transpose(0, 1).to(q.dtype)
 
 
 def attention(
@@ -231,8 +288,14 @@ def attention(
             _observe(qs[-p.num_observed :], kc, p.observe_mask, p.mass[layer], meta.block_size)
         if cache.codec.is_staged:
             new = slice(p.q_start, p.q_start + p.q_len)
-            kc, vc = _with_staged_view(cache, layer, p, kc, vc, k[new], v[new])
-            parts.append(_prefill_attention(qs, kc, vc, p.mask, None))
+            ks, vs = _staged_keys(cache, layer, p, k[new], v[new], kc.dtype)
+            if qs.device.type in SPLIT_STAGED_DEVICES:
+                parts.append(
+                    _split_staged_attention(qs, kc, vc, ks, vs, p.mask, p.num_prior, meta.block_size)
+                )
+            else:  # no log-sum-exp from SDPA here: both key sets in one call
+                kc, vc = torch.cat((kc, ks), dim=1), torch.cat((vc, vs), dim=1)
+                parts.append(_prefill_attention(qs, kc, vc, torch.cat((p.mask, p.staged_mask), dim=1), None))
         else:
             parts.append(_prefill_attention(qs, kc, vc, p.mask, p.kv_start))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

@@ -138,21 +138,16 @@ class ModelRunner:
         # which decode reads sealed (its step seals the block before attending)
         staged_from = (query_pos + 1) // bs * bs  # (q_len, 1)
         staged_pos = torch.arange(first, start + c.num_tokens)
-        attend = torch.cat(
-            (
-                key_pos.unsqueeze(0) < staged_from,  # sealed blocks
-                (staged_pos.unsqueeze(0) >= staged_from) & (staged_pos.unsqueeze(0) <= query_pos),
-            ),
-            dim=1,
-        )
+        staged = (staged_pos.unsqueeze(0) >= staged_from) & (staged_pos.unsqueeze(0) <= query_pos)
         return PrefillSlice(
             q_start,
             c.num_tokens,
             read,
-            self._additive(attend),
+            self._additive(key_pos.unsqueeze(0) < staged_from),  # sealed blocks
             kv_start=start,
             stage_entry=entry or 0,
             num_prior=num_prior,
+            staged_mask=self._additive(staged),
         )
 
     def _additive(self, attend: torch.Tensor) -> torch.Tensor:

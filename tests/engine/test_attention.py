@@ -1,0 +1,46 @@
+"""engine.attention: a staged codec's prefill chunk read apart (sealed context + each query's own staged block,
+merged by log-sum-exp) against one softmax over both key sets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcp2026.engine.attention import _split_staged_attention
+
+
+def _additive(attend: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(attend.shape).masked_fill_(~attend, float("-inf"))
+
+
+@pytest.mark.parametrize(
+    ("bs", "start", "end", "nh", "nkv"),
+    [
+        (16, 0, 40, 6, 2),  # first chunk: block 0's queries see no sealed key
+        (16, 21, 64, 6, 2),  # 5 staged tokens before the chunk; ends on a block's end
+        (32, 45, 100, 9, 3),  # partial last block
+        (32, 63, 64, 4, 4),  # one token that fills its block: sealed only
+    ],
+)
+def test_split_staged_attention_equals_one_softmax(bs, start, end, nh, nkv):
+    torch.manual_seed(0)
+    hd, t = 16, end - start
+    first = start // bs * bs
+    ctx = -(-end // bs) * bs
+    q = torch.randn(t, nh, hd) / hd**0.5
+    kc, vc = torch.randn(nkv, ctx, hd), torch.randn(nkv, ctx, hd)  # the sealed blocks
+    ks, vs = torch.randn(nkv, end - first, hd), torch.randn(nkv, end - first, hd)  # staged, from `first`
+    query_pos = torch.arange(start, end).unsqueeze(1)
+    staged_from = (query_pos + 1) // bs * bs
+    sealed = torch.arange(ctx).unsqueeze(0) < staged_from
+    staged_pos = torch.arange(first, end).unsqueeze(0)
+    staged = (staged_pos >= staged_from) & (staged_pos <= query_pos)
+    out = _split_staged_attention(q, kc, vc, ks, vs, _additive(sealed), start - first, bs)
+    # reference: one softmax over both key sets, in float64
+    keys = torch.cat((kc, ks), dim=1).double().repeat_interleave(nh // nkv, dim=0)
+    values = torch.cat((vc, vs), dim=1).double().repeat_interleave(nh // nkv, dim=0)
+    scores = (
+        torch.einsum("thd,hsd->hts", q.double(), keys) + _additive(torch.cat((sealed, staged), 1)).double()
+    )
+    expected = torch.einsum("hts,hsd->thd", torch.softmax(scores, dim=-1), values)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
