@@ -143,6 +143,9 @@ def test_retrieval_decode_and_targets(run):
     assert len([r for r in run.records if r["kind"] == "retrieval"]) == 3 * 3
     decode = run.aggregates["decode"]
     assert decode["tok_per_s"]["uncompressed"] > 0 and decode["speedup"] > 0
+    assert list(decode["prefill_tok_per_s"]) == list(decode["tok_per_s"])
+    assert all(s > 0 for s in decode["prefill_tok_per_s"].values())
+    assert decode["prefill_vs_uncompressed"]["uncompressed"] == 1.0
     assert list(decode["tok_per_s"]) == ["uncompressed", "heavy_hitter@0.7", "int4"]  # one engine each
     assert (
         decode["vs_uncompressed"]["int4"] == decode["tok_per_s"]["int4"] / decode["tok_per_s"]["uncompressed"]
@@ -158,7 +161,7 @@ def test_retrieval_decode_and_targets(run):
     assert [t.title.split(":")[0] for t in run.tables] == [
         "KV compression quality",
         "Memory",
-        "Decode at 64 tokens of context (2 tokens, one sequence, fp32, fp32 weights)",
+        "Decode at 64 tokens of context (2 tokens, one sequence, fp32, fp32 weights); prefill of that context",
     ]
 
 

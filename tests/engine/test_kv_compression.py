@@ -385,12 +385,16 @@ def test_an_fp32_cache_under_a_bf16_model(tiny_dir):
     assert all(len(o) == PARAMS.max_tokens for o in outs)
 
 
-def test_decode_speeds_take_turns(tiny):
-    """The decode-speed columns: engines decode side by side, one step each in rotating order, after the same
-    prompt; one speed per engine from its median step."""
-    from mcp2026.kv.measure import decode_speeds
+def test_context_speeds_take_turns(tiny):
+    """The kv bench's speed columns: engines prefill the same prompt chunk by chunk and then decode, side by
+    side, one step each in rotating order; one prefill and one decode speed per engine."""
+    from mcp2026.kv.measure import context_speeds
 
-    engines = {"a": make_engine(tiny), "b": make_engine(tiny, KVCompressor(dtype="int8", policy="none"))}
+    sched = dict(long_prefill_token_threshold=16, long_prefill_ms=None)  # 40 tokens: chunks of 16, 16, 8
+    engines = {
+        "a": make_engine(tiny, **sched),
+        "b": make_engine(tiny, KVCompressor(dtype="int8", policy="none"), **sched),
+    }
     order = []
     for name, engine in engines.items():
         step = engine.step
@@ -400,9 +404,10 @@ def test_decode_speeds_take_turns(tiny):
             return step()
 
         engine.step = logged
-    speeds = decode_speeds(engines, context_len=40, num_tokens=4)
-    assert set(speeds) == {"a", "b"} and all(s > 0 for s in speeds.values())
-    assert order[-8:] == ["a", "b", "b", "a", "a", "b", "b", "a"]  # after each engine's prefill steps
+    speeds = context_speeds(engines, context_len=40, num_tokens=4)
+    assert set(speeds.decode) == set(speeds.prefill) == {"a", "b"}
+    assert all(s > 0 for s in (*speeds.decode.values(), *speeds.prefill.values()))
+    assert order == ["a", "b", "b", "a", "a", "b"] + ["a", "b", "b", "a", "a", "b", "b", "a"]
     assert all(not e.has_unfinished() for e in engines.values())
 
 

@@ -346,7 +346,7 @@ def _memory(ctx: _Context) -> dict[str, dict[str, float]]:
 
 
 def _decode(ctx: _Context) -> dict[str, Any]:
-    from mcp2026.kv.measure import decode_speeds
+    from mcp2026.kv.measure import context_speeds
 
     config = ctx.config
     evict = config_name(config.decode_policy, DECODE_SPARSITY)
@@ -375,7 +375,8 @@ def _decode(ctx: _Context) -> dict[str, Any]:
             )
         engines[name] = engine
     # side by side: the engines take turns step by step, so machine noise hits every config alike
-    speeds = decode_speeds(engines, config.decode_context, config.decode_tokens, config.seed)
+    measured = context_speeds(engines, config.decode_context, config.decode_tokens, config.seed)
+    speeds, prefill = measured.decode, measured.prefill
     for name, engine in engines.items():
         ctx.records.append(
             {
@@ -383,6 +384,7 @@ def _decode(ctx: _Context) -> dict[str, Any]:
                 "config": name,
                 "context": config.decode_context,
                 "tok_per_s": speeds[name],
+                "prefill_tok_per_s": prefill[name],
                 "eviction": engine.evictor.report() if engine.evictor is not None else None,  # host time
             }
         )
@@ -393,6 +395,8 @@ def _decode(ctx: _Context) -> dict[str, Any]:
         "evict_config": evict,
         "speedup": speeds[evict] / speeds["uncompressed"],
         "vs_uncompressed": {n: speeds[n] / speeds["uncompressed"] for n in speeds},
+        "prefill_tok_per_s": prefill,
+        "prefill_vs_uncompressed": {n: prefill[n] / prefill["uncompressed"] for n in prefill},
     }
 
 

@@ -194,20 +194,25 @@ def _memory_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
 
 def _decode_table(config: KVBenchConfig, decode: dict[str, Any]) -> Table:
     speeds, evict = decode["tok_per_s"], decode["evict_config"]
-    rows = [
-        ["uncompressed", speeds["uncompressed"], "1.00x", ""],
-        [evict, speeds[evict], f"{decode['speedup']:.2f}x", DECODE_TARGET.verdict(decode["speedup"])],
-    ]
-    rows += [  # --decode-configs: timed alike, no target
-        [name, speed, f"{decode['vs_uncompressed'][name]:.2f}x", ""]
-        for name, speed in speeds.items()
-        if name not in ("uncompressed", evict)
-    ]
+    prefill = decode.get("prefill_tok_per_s")  # runs before session 21 timed decode only
+
+    def row(name: str, target: str) -> list[Any]:
+        cells = [name, speeds[name], f"{decode['vs_uncompressed'][name]:.2f}x"]
+        if prefill is not None:
+            cells += [prefill[name], f"{decode['prefill_vs_uncompressed'][name]:.2f}x"]
+        return [*cells, target]
+
+    rows = [row("uncompressed", ""), row(evict, DECODE_TARGET.verdict(decode["speedup"]))]
+    rows += [row(name, "") for name in speeds if name not in ("uncompressed", evict)]  # --decode-configs
     title = (
         f"Decode at {config.decode_context} tokens of context ({config.decode_tokens} tokens, one sequence, "
         f"{config.dtype}, {config.decode_weights or config.dtype} weights)"
     )
-    return Table(title, ["config", "decode tok/s", "vs uncompressed", "target"], rows)
+    if prefill is not None:
+        title += "; prefill of that context"
+    columns = ["config", "decode tok/s", "vs uncompressed"]
+    columns += ["prefill tok/s", "vs uncompressed"] if prefill is not None else []
+    return Table(title, [*columns, "target"], rows)
 
 
 def notes(config: KVBenchConfig, loaded: Any, retrieval: dict | None, grid: list) -> list[str]:
@@ -251,6 +256,7 @@ def notes(config: KVBenchConfig, loaded: Any, retrieval: dict | None, grid: list
         notes.append(
             "Decode tok/s: the configs' engines take turns, one decode step each (order rotating), after the "
             "same prompt; each figure is 1 / its median step time, so the ratios hold on a noisy machine better "
-            "than the absolute figures do."
+            "than the absolute figures do. Prefill tok/s: that prompt's tokens over the summed time of its "
+            "chunks, the engines taking turns chunk by chunk (one run each: noisier than decode)."
         )
     return notes

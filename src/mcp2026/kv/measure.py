@@ -9,6 +9,7 @@ chunks (1 = token by token, like decoding; larger chunks evict only between chun
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -233,26 +234,48 @@ def max_concurrent_sequences(
     return int(budget_bytes // per_seq)
 
 
-def decode_speeds(
+@dataclass(frozen=True)
+class ContextSpeeds:
+    """Per engine: prefill tok/s of the prompt and decode tok/s after it."""
+
+    prefill: dict[str, float]
+    decode: dict[str, float]
+
+
+def context_speeds(
     engines: dict[str, LLMEngine], context_len: int, num_tokens: int = 32, seed: int = 0
-) -> dict[str, float]:
-    """Decode tok/s of one sequence per engine after the same ``context_len``-token random prompt (prefill
-    not timed), side by side: the engines take turns, one decode step each (the order rotating every round),
-    so a noisy machine slows them alike, and each speed is 1 / its median step time."""
+) -> ContextSpeeds:
+    """Prefill and decode tok/s of one sequence per engine with the same ``context_len``-token random prompt,
+    side by side: the engines take turns, one step each (a prefill chunk, then a decode token; the order
+    rotating every round), so a noisy machine slows them alike. Prefill: the prompt's tokens over the summed
+    time of the steps until its first output token; decode: 1 / the median step time after it."""
     from mcp2026.types import SamplingParams
 
     names = list(engines)
-    for engine in engines.values():
+    requests = {}
+    for name, engine in engines.items():
         g = torch.Generator().manual_seed(seed)
         prompt = torch.randint(0, engine.model_config.vocab_size, (context_len,), generator=g).tolist()
         rid = engine.add_request(prompt, SamplingParams(max_tokens=num_tokens + 1, ignore_eos=True))
-        request = engine.request_state(rid).request
-        while request.num_output_tokens == 0:
-            engine.step()
+        requests[name] = engine.request_state(rid).request
+    prefill = dict.fromkeys(names, 0.0)
+    for i in itertools.count():
+        waiting = [
+            n for n in names[i % len(names) :] + names[: i % len(names)] if not requests[n].num_output_tokens
+        ]
+        if not waiting:
+            break
+        for name in waiting:
+            t0 = time.perf_counter()
+            engines[name].step()
+            prefill[name] += time.perf_counter() - t0
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(num_tokens):
         for name in names[i % len(names) :] + names[: i % len(names)]:
             t0 = time.perf_counter()
             engines[name].step()
             times[name].append(time.perf_counter() - t0)
-    return {name: 1.0 / statistics.median(t) for name, t in times.items()}
+    return ContextSpeeds(
+        {name: context_len / seconds for name, seconds in prefill.items()},
+        {name: 1.0 / statistics.median(t) for name, t in times.items()},
+    )
