@@ -147,12 +147,7 @@ def serve(
     import logging
 
     from mcp2026.config import EngineConfig
-    from mcp2026.serve.config import (
-        ServeConfig,
-        kv_compressor_from_options,
-        load_serve_yaml,
-        with_kv_compressor,
-    )
+    from mcp2026.serve.config import ServeConfig, kv_compressor_from_options, load_serve_yaml
     from mcp2026.serve.server import build_server
 
     serve_config, engine_config = load_serve_yaml(config) if config else (ServeConfig(), EngineConfig())
@@ -176,7 +171,7 @@ def serve(
             serve_config, traffic=dataclasses.replace(serve_config.traffic, gate=gate)
         )
     compressor = kv_compressor_from_options(engine_config, kv_dtype, kv_policy, kv_sparsity)
-    engine_config = with_kv_compressor(engine_config, compressor)
+    engine_config = dataclasses.replace(engine_config, kv_compressor=compressor)
     if not serve_config.is_loopback and serve_config.tenants_file is None:
         err.print(
             f"[bold yellow]warning:[/] binding {serve_config.host} without API keys: anyone who can reach this "

@@ -161,7 +161,8 @@ class KVConfig:
 
     Exactly one of ``memory_gb`` / ``memory_fraction`` sizes the pool; ``memory_fraction`` is a share of the
     memory available now (cgroup limits counted). ``num_blocks`` overrides both (tests, tiny pools).
-    ``block_size`` None: the KV compressor's (its codec's default), else 16; ``EngineConfig`` resolves it.
+    ``block_size`` None: the KV compressor's (its codec's default), else 16 (``EngineConfig.block_size``);
+    it stays None here, so a later compressor still decides.
     """
 
     block_size: int | None = None
@@ -270,14 +271,23 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         compressor = self.kv_compressor
-        if self.kv.block_size is None:  # the compressor's blocks, else the default
-            block = compressor.block_size if compressor is not None else DEFAULT_BLOCK_SIZE
-            object.__setattr__(self, "kv", replace(self.kv, block_size=block))
         _require(
-            compressor is None or compressor.block_size == self.kv.block_size,
+            compressor is None or self.kv.block_size in (None, compressor.block_size),
             f"KVCompressor.block_size ({getattr(compressor, 'block_size', None)}) must equal "
             f"KVConfig.block_size ({self.kv.block_size}): the compressor works on the cache's blocks. "
             "Give the same block_size to both, or leave KVConfig.block_size (kv.block_size in a serve YAML) "
             "unset to take the compressor's "
             "(a KVCompressor without block_size takes its codec's: 16; int4 32, int4-g64 64)",
         )
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block: KVConfig's if given, else the compressor's (its codec's default), else 16."""
+        if self.kv.block_size is not None:
+            return self.kv.block_size
+        return self.kv_compressor.block_size if self.kv_compressor is not None else DEFAULT_BLOCK_SIZE
+
+    @property
+    def resolved_kv(self) -> KVConfig:
+        """``kv`` with ``block_size`` filled in: what the cache is built from."""
+        return replace(self.kv, block_size=self.block_size)

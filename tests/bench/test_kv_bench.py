@@ -145,7 +145,6 @@ def test_retrieval_decode_and_targets(run):
     assert decode["tok_per_s"]["uncompressed"] > 0 and decode["speedup"] > 0
     assert list(decode["prefill_tok_per_s"]) == list(decode["tok_per_s"])
     assert all(s > 0 for s in decode["prefill_tok_per_s"].values())
-    assert decode["prefill_vs_uncompressed"]["uncompressed"] == 1.0
     assert list(decode["tok_per_s"]) == ["uncompressed", "heavy_hitter@0.7", "int4"]  # one engine each
     assert (
         decode["vs_uncompressed"]["int4"] == decode["tok_per_s"]["int4"] / decode["tok_per_s"]["uncompressed"]

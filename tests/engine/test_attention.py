@@ -44,3 +44,12 @@ def test_split_staged_attention_equals_one_softmax(bs, start, end, nh, nkv):
     )
     expected = torch.einsum("hts,hsd->thd", torch.softmax(scores, dim=-1), values)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_this_torch_reads_staged_chunks_apart_on_the_cpu():
+    """The CPU flash kernel returns log-sum-exps and maps 9 query heads onto 3 KV heads here (checked once
+    per process against plain math); where it did not, staged chunks would take the one-call path."""
+    from mcp2026.engine.attention import reads_staged_apart
+
+    assert reads_staged_apart(torch.device("cpu"))
+    assert not reads_staged_apart(torch.device("meta"))

@@ -3,6 +3,7 @@ positions, pool integrity, the prefix-cache rule, and Pipeline / inject wiring."
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -527,7 +528,10 @@ def test_pipeline_kv_and_inject(tiny_dir, tiny):
     assert default.engine.cache.block_size == 32 and default.engine.kv_manager.block_size == 32
     with pytest.raises(ValueError, match="leave KVConfig.block_size"):
         EngineConfig(KVConfig(block_size=16), kv_compressor=KVCompressor(dtype="int4"))
-    assert EngineConfig(KVConfig(), kv_compressor=None).kv.block_size == 16
+    assert EngineConfig(KVConfig(), kv_compressor=None).block_size == 16
+    # an unset KVConfig block size stays unset: a compressor given later still decides
+    later = dataclasses.replace(EngineConfig(KVConfig(memory_gb=1)), kv_compressor=KVCompressor(dtype="int4"))
+    assert later.block_size == 32 and later.resolved_kv.block_size == 32
     int4 = max_concurrent_sequences(tiny.config, KVCompressor(dtype="int4", policy="none"), 10**7, 2048)
     bf16 = max_concurrent_sequences(tiny.config, KVCompressor(dtype="bf16", policy="none"), 10**7, 2048)
     assert int4 > 2.5 * bf16

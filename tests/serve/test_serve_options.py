@@ -3,6 +3,7 @@ and which pressure gate a loaded pipeline gets."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -11,12 +12,7 @@ from typer.testing import CliRunner
 from mcp2026.cli import app
 from mcp2026.config import EngineConfig, KVConfig
 from mcp2026.kv.compressor import KVCompressor
-from mcp2026.serve.config import (
-    kv_compressor_from_options,
-    load_quant_config,
-    load_serve_yaml,
-    with_kv_compressor,
-)
+from mcp2026.serve.config import kv_compressor_from_options, load_quant_config, load_serve_yaml
 from mcp2026.serve.server import pick_gate
 from mcp2026.serve.traffic import KVPolicyGate, ObserveGate
 
@@ -35,21 +31,24 @@ def test_kv_options_build_a_compressor():
     assert (merged.dtype, merged.policy, merged.sparsity_ratio) == ("fp8", "heavy_hitter", 0.6)
 
 
-def test_kv_dtype_option_takes_the_codecs_block_size_unless_one_was_set():
+def test_kv_dtype_option_takes_the_codecs_block_size_unless_one_was_set(tmp_path):
     plain = EngineConfig()
     int4 = kv_compressor_from_options(plain, "int4", None, None)
     assert int4.block_size == 32  # int4's key group
-    engine = with_kv_compressor(plain, int4)
-    assert engine.kv.block_size == 32 and engine.kv_compressor is int4
-    # a YAML block size other than the default is kept; so is a compressor's own, unless it was its default
-    assert (
-        kv_compressor_from_options(EngineConfig(KVConfig(block_size=64)), "int4", None, None).block_size == 64
-    )
+    engine = dataclasses.replace(plain, kv_compressor=int4)
+    assert engine.block_size == 32 and engine.resolved_kv.block_size == 32 and plain.block_size == 16
+    # a block size the YAML's kv section set is kept, 16 too; so is a compressor's own, unless it was its
+    # codec's default and the codec changes
+    for block in (16, 64):
+        (tmp_path / "s.yaml").write_text(f"kv: {{block_size: {block}}}\n")
+        _, yaml_engine = load_serve_yaml(tmp_path / "s.yaml")
+        chosen = kv_compressor_from_options(yaml_engine, "int4", None, None)
+        assert chosen.block_size == block
+        assert dataclasses.replace(yaml_engine, kv_compressor=chosen).block_size == block
     base = EngineConfig(kv_compressor=KVCompressor(dtype="int8", policy="none"))
     assert kv_compressor_from_options(base, "int4", None, None).block_size == 32
     pinned = EngineConfig(kv_compressor=KVCompressor(dtype="int4", policy="none", block_size=16))
     assert kv_compressor_from_options(pinned, None, "sink_window", 0.5).block_size == 16
-    assert with_kv_compressor(engine, None).kv_compressor is None
 
 
 def test_serve_yaml_sections(tmp_path):

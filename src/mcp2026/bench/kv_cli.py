@@ -60,7 +60,9 @@ def kv(
     ] = None,
     block_size: Annotated[
         int | None,
-        typer.Option(help="KV block size in tokens for every config (default: each codec's, 16; int4 32)"),
+        typer.Option(
+            help="KV block size in tokens for every config (default: each codec's: 16; int4 32, int4-g64 64)"
+        ),
     ] = None,
     chunk_size: Annotated[
         int | None,

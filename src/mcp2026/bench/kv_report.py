@@ -169,7 +169,7 @@ def _llama_cpp_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
 
 
 def _blocks(block_size: int | None) -> str:
-    return f"block size {block_size}" if block_size else "each codec's block size: 16, int4 32"
+    return f"block size {block_size}" if block_size else "each codec's block size: 16, int4 32, int4-g64 64"
 
 
 def _memory_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:

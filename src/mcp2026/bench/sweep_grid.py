@@ -12,13 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mcp2026.config import EngineConfig
-from mcp2026.serve.config import (
-    ServeConfig,
-    kv_compressor_from_options,
-    load_quant_config,
-    load_serve_yaml,
-    with_kv_compressor,
-)
+from mcp2026.serve.config import ServeConfig, kv_compressor_from_options, load_quant_config, load_serve_yaml
 
 AS_CONFIGURED = "none"  # a grid value meaning "what the serve config says"
 
@@ -36,7 +30,7 @@ class SweepPoint:
         compressor = self.engine.kv_compressor
         return {
             "serve": dataclasses.asdict(self.serve),
-            "kv": dataclasses.asdict(self.engine.kv),
+            "kv": dataclasses.asdict(self.engine.resolved_kv),
             "scheduler": dataclasses.asdict(self.engine.scheduler),
             "kv_compressor": compressor.to_dict() if compressor is not None else None,
         }
@@ -121,7 +115,7 @@ def build_grid(
             codec = None if kv_dtype in (None, AS_CONFIGURED) else kv_dtype
             sparsity = axes.kv_sparsity if policy not in (None, AS_CONFIGURED) else None
             compressor = kv_compressor_from_options(engine, codec, policy, sparsity)
-            point_engine = with_kv_compressor(dataclasses.replace(engine, scheduler=scheduler), compressor)
+            point_engine = dataclasses.replace(engine, scheduler=scheduler, kv_compressor=compressor)
             point_serve = serve
             if quant is not None:
                 point_serve = dataclasses.replace(serve, quant=None if quant == AS_CONFIGURED else str(quant))

@@ -40,7 +40,7 @@ class Arm:
             "model": str(loaded.source),
             "dtype": str(self.pipeline.dtype).removeprefix("torch."),
             "quant": quant,
-            "kv": dataclasses.asdict(self.engine_config.kv),
+            "kv": dataclasses.asdict(self.engine_config.resolved_kv),
             "kv_compressor": None if compressor is None else compressor.to_dict(),
             "scheduler": dataclasses.asdict(self.engine_config.scheduler),
             "weight_bytes_per_decode_step": self.pipeline.weight_bytes(),

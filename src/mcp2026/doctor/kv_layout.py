@@ -20,7 +20,7 @@ LOSSY_TOLERANCE = 0.1  # max |error| / max |value| a lossy KV codec may show on 
 
 def check_block_size(block_size: int, max_model_len: int) -> CheckResult:
     name = "block size"
-    fix = f"set kv.block_size to a power of two in [{MIN_BLOCK}, {MAX_BLOCK}] (16 is the default)"
+    fix = f"set kv.block_size to a power of two in [{MIN_BLOCK}, {MAX_BLOCK}] (16 is the default; 32 with int4 KV, 64 with int4-g64)"
     if not (MIN_BLOCK <= block_size <= MAX_BLOCK and block_size & (block_size - 1) == 0):
         return failed(
             name, f"block size {block_size} is not a power of two in [{MIN_BLOCK}, {MAX_BLOCK}]", fix
@@ -127,7 +127,7 @@ def build_cache(ctx: DoctorContext, num_blocks: int = 2) -> PagedKVCache:
     return PagedKVCache(
         cfg.num_layers,
         num_blocks,
-        engine.kv.block_size,
+        engine.block_size,
         cfg.num_kv_heads,
         cfg.head_dim,
         ctx.activation_dtype,
@@ -144,4 +144,4 @@ def check_kv_layout(ctx: DoctorContext) -> list[CheckResult]:
         return [skip]
     cfg = ctx.model_config()
     max_len = min(ctx.engine.scheduler.max_model_len or cfg.max_position_embeddings, MAX_ROPE_POSITIONS)
-    return [check_block_size(ctx.engine.kv.block_size, max_len), check_cache_layout(build_cache(ctx))]
+    return [check_block_size(ctx.engine.block_size, max_len), check_cache_layout(build_cache(ctx))]

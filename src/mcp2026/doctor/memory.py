@@ -33,7 +33,7 @@ def kv_pool_bytes(
 
     max_len = min(engine.scheduler.max_model_len or cfg.max_position_embeddings, MAX_ROPE_POSITIONS)
     codec = engine.kv_compressor.make_codec() if engine.kv_compressor is not None else None
-    kv = engine.kv
+    kv = engine.resolved_kv
     if kv.num_blocks is None and kv.memory_gb is None:
         kv = dataclasses.replace(kv, memory_gb=kv.memory_fraction * free_after_weights / 1e9)
     blocks = plan_kv_blocks(kv, cfg, dtype, max_len, codec=codec)
@@ -70,7 +70,7 @@ def check_memory_fit(ctx: DoctorContext) -> CheckResult:
     details.update(kv_blocks=blocks, kv_pool_bytes=pool, total_bytes=total, share=total / available)
     reason = (
         f"weights {_gib(weights)} ({details['dtype']}) + KV pool {_gib(pool)} ({blocks} blocks of "
-        f"{ctx.engine.kv.block_size}) = {_gib(total)} at full use, {total / available:.0%} of {where}"
+        f"{ctx.engine.block_size}) = {_gib(total)} at full use, {total / available:.0%} of {where}"
     )
     if total > available:
         return failed(name, reason, fix, **details)

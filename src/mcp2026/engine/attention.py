@@ -12,6 +12,7 @@ attention of a prefill chunk's last queries are summed per block, per layer and 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -36,13 +37,14 @@ class PrefillSlice:
     mass: torch.Tensor | None = None  # (L, nkv, num context blocks) float32
     kv_start: int = 0  # the chunk's first slot: query i sees slots 0 .. kv_start + i (what mask says)
     # Staged codecs (int4): each query sees its own block as decode does, staged (rounded to the staging
-    # dtype), not sealed. ``mask`` then covers the context's sealed blocks only; the staged keys are the
-    # chunk's first block's earlier tokens, from staging entry ``stage_entry`` (``num_prior`` of them), then
-    # the chunk's own tokens, and ``staged_mask`` (q_len, num_prior + q_len) says which of them each query
-    # sees (its own block's, up to itself; none for the token that fills a block, which reads it sealed).
+    # dtype), not sealed: its own block's keys up to itself (none for the token that fills a block, which
+    # reads it sealed). The staged keys are the chunk's first block's earlier tokens, from staging entry
+    # ``stage_entry`` (``num_prior`` of them), then the chunk's own tokens. ``staged_apart``: the chunk reads
+    # them apart (``_split_staged_attention``) and ``mask`` covers the sealed context only; else ``mask``
+    # (q_len, ctx + num_prior + q_len) covers both key sets, read in one SDPA call.
     stage_entry: int = 0
     num_prior: int = 0
-    staged_mask: torch.Tensor | None = None
+    staged_apart: bool = False
 
     def to(self, device: torch.device) -> PrefillSlice:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -60,7 +62,7 @@ class PrefillSlice:
             self.kv_start,
             self.stage_entry,
             self.num_prior,
-            move(self.staged_mask),
+            self.staged_apart,
         )
 
 
@@ -178,6 +180,34 @@ def _observe(
 SPLIT_STAGED_DEVICES = ("cpu",)
 
 
+@functools.cache
+def _cpu_flash_merges() -> bool:
+    """Whether this torch's CPU flash kernel returns log-sum-exps and maps query heads onto fewer KV heads
+    (older builds read KV head j for query head j): checked once on a tiny case against plain math, the KV
+    heads being views into a larger buffer so that a wrong read is wrong numbers, not a bad address."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 4, 3, 8, generator=g)
+        k_all, v_all = torch.randn(2, 1, 4, 5, 8, generator=g)
+        k, v = k_all[:, :2], v_all[:, :2]  # 2 KV heads for 4 query heads
+        mask = torch.zeros(3, 5).masked_fill_(torch.ones(3, 5, dtype=torch.bool).triu(3), float("-inf"))
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out, lse = flash(q, k, v, 0.0, False, attn_mask=mask, scale=1.0)
+        scores = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) + mask
+        expected = torch.softmax(scores, dim=-1) @ v.repeat_interleave(2, dim=1)
+        return torch.allclose(out, expected, atol=1e-5) and torch.allclose(
+            lse.reshape(scores.shape[:-1]), torch.logsumexp(scores, dim=-1), atol=1e-5
+        )
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return False
+
+
+def reads_staged_apart(device: torch.device) -> bool:
+    """Whether a staged codec's prefill chunks on ``device`` read their own blocks apart
+    (``_split_staged_attention``); the runner builds their masks to match."""
+    return device.type in SPLIT_STAGED_DEVICES and _cpu_flash_merges()
+
+
 def _staged_keys(
     cache: PagedKVCache,
     layer: int,
@@ -237,9 +267,9 @@ def _split_staged_attention(
     kb = F.pad(ks.float(), (0, 0, 0, pad)).view(nkv, nb, 1, bs, hd)
     vb = F.pad(vs.float(), (0, 0, 0, pad)).view(nkv, nb, 1, bs, hd)
     qb = F.pad(q.float(), (0, 0, 0, 0, num_prior, pad)).view(nb, bs, nkv, g, hd).permute(2, 0, 3, 1, 4)
-    scores = torch.matmul(qb, kb.transpose(-1, -2)) + _own_block_mask(bs)  # (nkv, nb, g, bs, bs)
+    scores = torch.matmul(qb, kb.transpose(-1, -2)).add_(_own_block_mask(bs))  # (nkv, nb, g, bs, bs)
     lse_b = torch.logsumexp(scores, dim=-1)  # -inf for the block-filling rows
-    out_b = torch.matmul(torch.exp(scores - lse_b.unsqueeze(-1)), vb)  # (nkv, nb, g, bs, hd)
+    out_b = torch.matmul(scores.sub_(lse_b.unsqueeze(-1)).exp_(), vb)  # (nkv, nb, g, bs, hd)
     rows = slice(num_prior, num_prior + t)
     out_b = out_b.permute(0, 2, 1, 3, 4).reshape(nh, nb * bs, hd)[:, rows].nan_to_num(0.0)
     lse_b = lse_b.permute(0, 2, 1, 3).reshape(nh, nb * bs)[:, rows]
@@ -289,13 +319,13 @@ def attention(
         if cache.codec.is_staged:
             new = slice(p.q_start, p.q_start + p.q_len)
             ks, vs = _staged_keys(cache, layer, p, k[new], v[new], kc.dtype)
-            if qs.device.type in SPLIT_STAGED_DEVICES:
+            if p.staged_apart:
                 parts.append(
                     _split_staged_attention(qs, kc, vc, ks, vs, p.mask, p.num_prior, meta.block_size)
                 )
             else:  # no log-sum-exp from SDPA here: both key sets in one call
                 kc, vc = torch.cat((kc, ks), dim=1), torch.cat((vc, vs), dim=1)
-                parts.append(_prefill_attention(qs, kc, vc, torch.cat((p.mask, p.staged_mask), dim=1), None))
+                parts.append(_prefill_attention(qs, kc, vc, p.mask, None))
         else:
             parts.append(_prefill_attention(qs, kc, vc, p.mask, p.kv_start))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

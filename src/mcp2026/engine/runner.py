@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mcp2026.engine.attention import AttentionMetadata, ForwardContext, PrefillSlice
+from mcp2026.engine.attention import AttentionMetadata, ForwardContext, PrefillSlice, reads_staged_apart
 from mcp2026.engine.output import ScheduledChunk, SchedulerOutput
 from mcp2026.kernels import ops
 from mcp2026.kv.eviction import ScoringSpec, StepScores
@@ -125,7 +125,7 @@ class ModelRunner:
         query_pos: torch.Tensor,
     ) -> PrefillSlice:
         """A staged codec's prefill slice: each query reads the blocks before its own as stored (sealed) and
-        its own block as staged, as a decode step would (``attention._with_staged_view``; the token that fills
+        its own block as staged, as a decode step would (``attention._staged_keys``; the token that fills
         a block reads it sealed, as its decode step would); so a token's K/V do not depend on where a chunk
         started, and a block of generated tokens holds what a prefill stores."""
         bs, start = self.block_size, c.kv_start
@@ -137,17 +137,20 @@ class ModelRunner:
         # where the query's staged block starts: its own block's, except for the token that fills a block,
         # which decode reads sealed (its step seals the block before attending)
         staged_from = (query_pos + 1) // bs * bs  # (q_len, 1)
-        staged_pos = torch.arange(first, start + c.num_tokens)
-        staged = (staged_pos.unsqueeze(0) >= staged_from) & (staged_pos.unsqueeze(0) <= query_pos)
+        attend = key_pos.unsqueeze(0) < staged_from  # sealed blocks
+        apart = reads_staged_apart(self.cache.device)
+        if not apart:  # then the staged keys follow in the same call
+            staged_pos = torch.arange(first, start + c.num_tokens).unsqueeze(0)
+            attend = torch.cat((attend, (staged_pos >= staged_from) & (staged_pos <= query_pos)), dim=1)
         return PrefillSlice(
             q_start,
             c.num_tokens,
             read,
-            self._additive(key_pos.unsqueeze(0) < staged_from),  # sealed blocks
+            self._additive(attend),
             kv_start=start,
             stage_entry=entry or 0,
             num_prior=num_prior,
-            staged_mask=self._additive(staged),
+            staged_apart=apart,
         )
 
     def _additive(self, attend: torch.Tensor) -> torch.Tensor:

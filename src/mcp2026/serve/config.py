@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mcp2026.canary.config import CanaryConfig
-from mcp2026.config import DEFAULT_BLOCK_SIZE, EngineConfig, KVConfig, QuantConfig, SchedulerConfig
+from mcp2026.config import EngineConfig, KVConfig, QuantConfig, SchedulerConfig
 from mcp2026.serve.slo import BreakerConfig
 from mcp2026.serve.traffic import TrafficConfig
 
@@ -139,8 +139,9 @@ def kv_compressor_from_options(
     engine: EngineConfig, dtype: str | None, policy: str | None, sparsity_ratio: float | None
 ) -> KVCompressor | None:
     """The serve options ``--kv-dtype/--kv-policy/--kv-sparsity`` over the YAML's ``kv_compressor``. Without
-    either, None (KV stored as the model's dtype). ``--kv-dtype`` alone evicts nothing. Apply the result
-    with ``with_kv_compressor`` (the engine's block size follows the compressor's)."""
+    either, None (KV stored as the model's dtype). ``--kv-dtype`` alone evicts nothing. Block size: the
+    YAML's ``kv.block_size`` if it set one; else the YAML compressor's, unless that was its codec's default
+    and the codec changes; else the codec's."""
     base = engine.kv_compressor
     if dtype is None and policy is None and sparsity_ratio is None:
         return base
@@ -151,10 +152,10 @@ def kv_compressor_from_options(
         fields = base.to_dict()
         if dtype is not None and base.block_size == default_block_size(base.dtype):
             del fields["block_size"]  # a default block size follows the new codec
-    else:  # the YAML's kv.block_size if it set one other than the default; else the codec's
+    else:
         fields = {"policy": "none"}
-        if engine.kv.block_size != DEFAULT_BLOCK_SIZE:
-            fields["block_size"] = engine.kv.block_size
+    if engine.kv.block_size is not None:  # the YAML's kv.block_size, when it set one, over any default
+        fields["block_size"] = engine.kv.block_size
     if dtype is not None:
         fields["dtype"] = dtype
     if policy is not None:
@@ -165,12 +166,3 @@ def kv_compressor_from_options(
         _require(fields["policy"] != "none", "--kv-sparsity needs an eviction policy (--kv-policy)")
         fields["sparsity_ratio"], fields["max_kv_tokens"] = sparsity_ratio, None
     return KVCompressor.from_dict(fields)
-
-
-def with_kv_compressor(engine: EngineConfig, compressor: KVCompressor | None) -> EngineConfig:
-    """``engine`` with ``compressor``, its KV blocks the compressor's size (``kv_compressor_from_options``
-    already took a block size the YAML set)."""
-    if compressor is None:
-        return dataclasses.replace(engine, kv_compressor=None)
-    kv = dataclasses.replace(engine.kv, block_size=compressor.block_size)
-    return dataclasses.replace(engine, kv=kv, kv_compressor=compressor)
