@@ -60,7 +60,8 @@ class ErrorMonitor:
                 self._warned = True
                 log.warning(
                     "KV %s of layer %d: %s round-trip error %.4f exceeds max_error %.4f (logged once; every "
-                    "layer over it is in kv_debug_report()['layers_over_max_error'])",
+                    "layer over it is in kv_debug_report()['layers_over_max_error']). int4 and fp8 keys measure "
+                    "0.02-0.08 on SmolLM2 by design: raise KVCompressor.max_error above that to flag only outliers",
                     "keys" if kind == 0 else "values",
                     layer,
                     self.codec_name,
