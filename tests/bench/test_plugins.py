@@ -178,3 +178,35 @@ def test_quant_gemm_plugin_times_every_path_it_names(tiny_dir):
         assert metrics["int8_o_5_rel_err_gemm"] < 1e-4 and metrics["int4_o_5_rel_err_gemm"] < 0.02
     with pytest.raises(ValueError, match="formats from"):
         plugin.init(PluginContext(model=tiny_dir, params={"formats": "int3"}))
+
+
+def test_int4_prefill_split_plugin_times_both_paths(tiny_dir):
+    """Both int4 paths and the uncompressed cache are timed side by side; the one-call engine really takes
+    the one-call path (its steps see no split device) and the global is restored after each of them."""
+    from mcp2026.engine import attention
+
+    name, plugin = load_plugin(f"{EXAMPLES / 'int4_prefill_split.py'}:Int4PrefillSplit")
+    ctx = PluginContext(model=tiny_dir, dtype="fp32", params={"contexts": "40,72", "rounds": "1"})
+    seen, one_calls = [], []
+    split, prefill = attention._split_staged_attention, attention._prefill_attention
+
+    def spy_split(*args, **kwargs):
+        seen.append(attention.SPLIT_STAGED_DEVICES)
+        return split(*args, **kwargs)
+
+    def spy_prefill(q, k, v, mask, offset=0):
+        one_calls.append(offset is None)  # only a staged chunk read in one call passes no causal offset
+        return prefill(q, k, v, mask, offset)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention, "_split_staged_attention", spy_split)
+        mp.setattr(attention, "_prefill_attention", spy_prefill)
+        metrics = run_plugin(name, plugin, ctx).aggregates["metrics"]
+    assert any(one_calls)
+    assert set(metrics) == {
+        f"{m}_{n}_r0" for m in ("fp_tok_s", "apart_vs_fp", "one_call_vs_fp") for n in (40, 72)
+    }
+    assert all(v > 0 for v in metrics.values())
+    assert seen and all(s == ("cpu",) for s in seen) and attention.SPLIT_STAGED_DEVICES == ("cpu",)
+    with pytest.raises(PluginError, match="contexts must be in"):
+        run_plugin(name, plugin, PluginContext(model=tiny_dir, params={"contexts": "100000"}))

@@ -40,20 +40,15 @@ MEMORY_SHARE = 0.25  # of available memory, for the engines run in one lockstep
 # ---- pieces -------------------------------------------------------------------------------------------
 def _engine(loaded: Any, compressor: Any, max_tokens: int, block_size: int | None) -> Any:
     """An engine whose pool holds one ``max_tokens`` sequence (prefix caching off: every run computes).
-    Blocks: the compressor's, else ``block_size``, else the default."""
-    from mcp2026.config import DEFAULT_BLOCK_SIZE, EngineConfig, KVConfig
+    Blocks: ``block_size``, else the compressor's, else the default (``EngineConfig.block_size``)."""
+    from mcp2026.config import EngineConfig, KVConfig
     from mcp2026.engine.engine import LLMEngine
 
-    if compressor is not None:
-        block_size = compressor.block_size
-    block_size = block_size or DEFAULT_BLOCK_SIZE
-
-    kv = KVConfig(
-        block_size=block_size, num_blocks=cdiv(max_tokens, block_size) + 1, enable_prefix_caching=False
+    config = EngineConfig(KVConfig(block_size=block_size), kv_compressor=compressor)
+    kv = dataclasses.replace(
+        config.resolved_kv, num_blocks=cdiv(max_tokens, config.block_size) + 1, enable_prefix_caching=False
     )
-    return LLMEngine(
-        loaded.model, loaded.config, loaded.tokenizer, EngineConfig(kv, kv_compressor=compressor)
-    )
+    return LLMEngine(loaded.model, loaded.config, loaded.tokenizer, dataclasses.replace(config, kv=kv))
 
 
 def token_sequences(

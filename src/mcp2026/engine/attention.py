@@ -230,9 +230,10 @@ def _staged_keys(
     return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
 
 
+@functools.cache
 def _own_block_mask(bs: int) -> torch.Tensor:
     """(bs, bs) additive: the query at row r of a block sees the block's keys 0 .. r, except the block's last
-    query (it fills the block and reads it sealed)."""
+    query (it fills the block and reads it sealed). Built once per block size (read only)."""
     attend = torch.ones(bs, bs, dtype=torch.bool).tril()
     attend[-1] = False
     return torch.zeros(bs, bs).masked_fill_(~attend, float("-inf"))

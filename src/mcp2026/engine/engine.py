@@ -94,10 +94,10 @@ class LLMEngine:
         )
         compressor = self.config.kv_compressor
         codec = compressor.make_codec() if compressor is not None else None
-        num_blocks = plan_kv_blocks(
-            self.config.resolved_kv, model_config, dtype, self.max_model_len, device=self.device, codec=codec
-        )
         kv = self.config.resolved_kv
+        num_blocks = plan_kv_blocks(
+            kv, model_config, dtype, self.max_model_len, device=self.device, codec=codec
+        )
         self.cache = PagedKVCache(
             model_config.num_layers,
             num_blocks,

@@ -252,6 +252,10 @@ def context_speeds(
     from mcp2026.types import SamplingParams
 
     names = list(engines)
+
+    def rotation(i: int) -> list[str]:  # every round starts one engine later
+        return names[i % len(names) :] + names[: i % len(names)]
+
     requests = {}
     for name, engine in engines.items():
         g = torch.Generator().manual_seed(seed)
@@ -260,9 +264,7 @@ def context_speeds(
         requests[name] = engine.request_state(rid).request
     prefill = dict.fromkeys(names, 0.0)
     for i in itertools.count():
-        waiting = [
-            n for n in names[i % len(names) :] + names[: i % len(names)] if not requests[n].num_output_tokens
-        ]
+        waiting = [n for n in rotation(i) if not requests[n].num_output_tokens]
         if not waiting:
             break
         for name in waiting:
@@ -271,7 +273,7 @@ def context_speeds(
             prefill[name] += time.perf_counter() - t0
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(num_tokens):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
+        for name in rotation(i):
             t0 = time.perf_counter()
             engines[name].step()
             times[name].append(time.perf_counter() - t0)

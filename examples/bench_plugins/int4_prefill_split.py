@@ -1,0 +1,63 @@
+"""QBench plugin: int4 KV prefill with a chunk's own block read apart (the CPU path,
+``engine.attention._split_staged_attention``) vs in one SDPA call (the path other devices take), side by side
+with an uncompressed cache, all in one process (``kv.measure.context_speeds``: the engines take turns chunk by
+chunk, so machine noise hits them alike).
+
+    mcp2026 bench plugin examples/bench_plugins/int4_prefill_split.py:Int4PrefillSplit --dtype fp32 \
+        --param contexts=2048,4096 --param rounds=2
+
+Parameters: contexts (prompt lengths, default 2048,4096), rounds (runs per length, default 2; each seeded
+by its round). Metrics per length and round: prefill tok/s of each engine and of the two int4 paths relative
+to the uncompressed cache (``apart_vs_fp``, ``one_call_vs_fp``).
+"""
+
+from __future__ import annotations
+
+from mcp2026.bench.plugins import PluginContext
+
+
+class Int4PrefillSplit:
+    def init(self, ctx: PluginContext) -> None:
+        self.contexts = [int(c) for c in ctx.param("contexts", "2048,4096").split(",")]
+        self.rounds = int(ctx.param("rounds", "2"))
+        limit = ctx.pipeline.engine.max_model_len
+        if min(self.contexts) < 1 or max(self.contexts) + 8 > limit or self.rounds < 1:
+            raise ValueError(f"contexts must be in [1, {limit - 8}] and rounds >= 1")
+
+    def _engines(self, ctx: PluginContext, context: int) -> dict:
+        from mcp2026.bench.kv import _engine
+        from mcp2026.engine import attention
+        from mcp2026.kv.compressor import KVCompressor
+
+        int4 = KVCompressor(dtype="int4", policy="none")
+        loaded = ctx.pipeline.loaded
+        engines = {
+            "uncompressed": _engine(loaded, None, context + 8, None),
+            "int4 apart": _engine(loaded, int4, context + 8, None),
+            "int4 one call": _engine(loaded, int4, context + 8, None),
+        }
+        one_call = engines["int4 one call"]
+        step = one_call.step
+
+        def step_in_one_call():  # this engine's steps see no device that reads staged chunks apart
+            saved, attention.SPLIT_STAGED_DEVICES = attention.SPLIT_STAGED_DEVICES, ()
+            try:
+                return step()
+            finally:
+                attention.SPLIT_STAGED_DEVICES = saved
+
+        one_call.step = step_in_one_call
+        return engines
+
+    def run(self, ctx: PluginContext) -> dict[str, float]:
+        from mcp2026.kv.measure import context_speeds
+
+        metrics = {}
+        for context in self.contexts:
+            for r in range(self.rounds):
+                prefill = context_speeds(self._engines(ctx, context), context, num_tokens=1, seed=r).prefill
+                tag = f"{context}_r{r}"
+                metrics[f"fp_tok_s_{tag}"] = prefill["uncompressed"]
+                metrics[f"apart_vs_fp_{tag}"] = prefill["int4 apart"] / prefill["uncompressed"]
+                metrics[f"one_call_vs_fp_{tag}"] = prefill["int4 one call"] / prefill["uncompressed"]
+        return metrics
