@@ -9,7 +9,10 @@ the prompt's end on, as ``heavy_hitter``), sinks (4 tokens), recent (the smalles
 value_norm (0; 1 = split variants' scores weighted by |v|), scorer (``attention``, the engine's rule, or
 ``expected``: Expected Attention, arXiv:2510.00636, the split variants' observation is the softmax of the
 expected logits of a Gaussian fit to the last ``stats_window`` (32) pre-RoPE queries, moved ``horizon`` (512)
-positions ahead), variants (comma list, default all):
+positions ahead), summary (``none``; ``mean`` / ``diag`` / ``full``: every policy variant also keeps, per lane,
+one slot standing for all the tokens it dropped: logit log(count) + q.mean_k, plus q'Sigma q / 2 for a diagonal
+or full key covariance, the Gaussian estimate of the dropped keys' summed exp(q.k); value their mean, or with
+``summary_value=1`` (diag/full) the tilted mean mean_v + Sigma_vk q), variants (comma list, default all):
 ``block-global`` one block ranking shared by every layer and KV head (the engine before session 9),
 ``block-lane`` an H2O block ranking per (layer, KV head), ``token-lane`` per lane and token,
 ``token-window`` sinks + a recent window of 97% of the budget, per token (StreamingLLM);
@@ -73,6 +76,8 @@ class _MaskedAttention:
         self.inv_freq: torch.Tensor | None = None  # set for scorer=expected: RoPE frequencies (hd/2,)
         self.horizon = 512  # expected attention: future positions averaged over
         self.stats_window = WINDOW  # expected attention: the last queries its Gaussian is fit to
+        self.summary = "none"  # dropped keys/values summarised per lane: none, mean, diag, full
+        self.summary_value = False  # diag/full: the summary's value tilted by the query (mu_v + Sigma_vk q)
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Any
@@ -95,6 +100,18 @@ class _MaskedAttention:
         mask = st["keep"][:, None, :] & causal[None]  # (nkv, T, S)
         qg = q.view(t, nkv, nh // nkv, hd).permute(1, 2, 0, 3)  # (nkv, g, T, hd)
         scores = (qg @ st["k"].transpose(-1, -2)[:, None]).masked_fill(~mask[:, None], float("-inf"))
+        extra = self._summary(qg, st) if self.summary != "none" else None
+        if extra is not None:  # one more slot per lane: the dropped tokens' expected logit and value
+            logit, value = extra
+            both = torch.softmax(torch.cat([scores, logit[..., None]], -1), -1)
+            probs = both[..., :-1]
+            out = probs @ st["v"][:, None] + both[..., -1:] * value
+            st["score"] += probs[:, :, -min(WINDOW, t) :].sum((1, 2))
+            obs = probs[:, :, -min(WINDOW, t) :].sum(1).mean(1) * (st["keep"][0].sum() / BLOCK)
+            decay = 0.5 ** (t / WINDOW)
+            st["recent"] = torch.where(old.isnan(), obs, decay * old + (1 - decay) * obs)
+            st["last"] = obs
+            return out.permute(2, 0, 1, 3).reshape(t, nh, hd)
         probs = torch.softmax(scores, -1)
         if self.oracle is not None and self.budget is not None:
             probs = self._oracle_probs(scores, probs, start)
@@ -115,6 +132,37 @@ class _MaskedAttention:
                 self.recorded[layer] = torch.zeros(nkv, self.record_len, self.record_len, dtype=torch.float16)
             self.recorded[layer][:, start:total, :total] = probs.sum(1).half()
         return (probs @ st["v"][:, None]).permute(2, 0, 1, 3).reshape(t, nh, hd)
+
+    def _summary(self, qg: torch.Tensor, st: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The dropped keys of each lane as a Gaussian (mean, variance) and their values regressed on them:
+        sum_j exp(q.k_j) ~ n exp(q.mu + q'Sigma q / 2), and the tilted mean of v is mu_v + Sigma_vk q.
+        Returns (logit (nkv, g, T), value (nkv, g, T, hd)) or None when nothing is dropped."""
+        dropped = ~st["keep"]  # (nkv, S): the chunk's own tokens are all kept
+        count = dropped.sum(1)  # (nkv,)
+        if int(count.max()) == 0:
+            return None
+        w = dropped.float() / count.clamp_min(1)[:, None]
+        k, v = st["k"].float(), st["v"].float()
+        mu_k = (w[..., None] * k).sum(1)  # (nkv, hd)
+        mu_v = (w[..., None] * v).sum(1)
+        logit = qg @ mu_k[:, None, :, None]  # (nkv, g, T, 1)
+        value = mu_v[:, None, None, :].expand(*qg.shape[:3], -1)
+        if self.summary in ("diag", "full"):
+            ck, cv = k - mu_k[:, None], v - mu_v[:, None]
+            if self.summary == "diag":
+                var = (w[..., None] * ck * ck).sum(1)  # (nkv, hd)
+                logit = logit + 0.5 * (qg * qg * var[:, None, None]).sum(-1, keepdim=True)
+                sig_q = qg * var[:, None, None]
+            else:
+                cov = (w[..., None] * ck).transpose(1, 2) @ ck  # (nkv, hd, hd)
+                sig_q = qg @ cov[:, None]
+                logit = logit + 0.5 * (sig_q * qg).sum(-1, keepdim=True)
+            if self.summary_value:
+                cross = (w[..., None] * cv).transpose(1, 2) @ ck  # (nkv, hd_v, hd_k): E[(v-mv)(k-mk)']
+                value = value + qg @ cross.transpose(1, 2)[:, None]
+        logit = logit.squeeze(-1) + count.clamp_min(1).log()[:, None, None]
+        logit = logit.masked_fill((count == 0)[:, None, None], float("-inf"))
+        return logit, value
 
     def _expected(self, qg: torch.Tensor, k: torch.Tensor, keep: torch.Tensor, total: int) -> torch.Tensor:
         """Expected Attention (KVPress, arXiv:2510.00636): the last queries, un-rotated to pre-RoPE, as a
@@ -296,6 +344,8 @@ class EvictionSimulation:
         self.future: list[torch.Tensor] | None = None
         self.scorer = ctx.param("scorer", "attention")  # or "expected" (Expected Attention)
         self.horizon = int(ctx.param("horizon", "512"))
+        self.summary = ctx.param("summary", "none")
+        self.summary_value = ctx.param("summary_value", "0") == "1"
         self.ctx_stats = int(ctx.param("stats_window", str(WINDOW)))
         if self.scorer not in ("attention", "expected"):
             raise ValueError(f"scorer must be attention or expected, got {self.scorer!r}")
@@ -323,6 +373,8 @@ class EvictionSimulation:
         record = n if variant is None and any(v in FUTURES for v in self.variants) else 0
         attention = _MaskedAttention(self.num_layers, oracle, self.future, record)
         attention.value_norm = self.value_norm
+        if variant is not None and variant not in ORACLES:
+            attention.summary, attention.summary_value = self.summary, self.summary_value
         if self.scorer == "expected" and variant is not None:
             from mcp2026.models.layers import rope_inv_freq
 
