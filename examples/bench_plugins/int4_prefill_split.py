@@ -1,6 +1,8 @@
 """QBench plugin: int4 KV prefill with a chunk's own block read apart (the CPU path,
-``engine.attention._split_staged_attention``) vs in one SDPA call (the path other devices take), side by side
-with an uncompressed cache, all in one process (``kv.measure.context_speeds``: the engines take turns chunk by
+``engine.attention._split_staged_attention``) vs in one SDPA call (the path other devices take), and read apart
+with torch ops where our kernels merge the own blocks and seal int4 blocks (kernels/staged_merge.cpp,
+kv_write.cpp; what a machine without the kernels runs), side by side with an uncompressed cache, all in one
+process (``kv.measure.context_speeds``: the engines take turns chunk by
 chunk, so machine noise hits them alike).
 
     mcp2026 bench plugin examples/bench_plugins/int4_prefill_split.py:Int4PrefillSplit --dtype fp32 \
@@ -8,7 +10,7 @@ chunk, so machine noise hits them alike).
 
 Parameters: contexts (prompt lengths, default 2048,4096), rounds (runs per length, default 2; each seeded
 by its round). Metrics per length and round: prefill tok/s of each engine and of the two int4 paths relative
-to the uncompressed cache (``apart_vs_fp``, ``one_call_vs_fp``).
+to the uncompressed cache (``apart_vs_fp``, ``one_call_vs_fp``, ``apart_torch_vs_fp``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Int4PrefillSplit:
             "uncompressed": _engine(loaded, None, context + 8, None),
             "int4 apart": _engine(loaded, int4, context + 8, None),
             "int4 one call": _engine(loaded, int4, context + 8, None),
+            "int4 apart, torch ops": _engine(loaded, int4, context + 8, None),
         }
         one_call = engines["int4 one call"]
         step = one_call.step
@@ -47,6 +50,18 @@ class Int4PrefillSplit:
                 attention.SPLIT_STAGED_DEVICES = saved
 
         one_call.step = step_in_one_call
+        torch_ops = engines["int4 apart, torch ops"]
+        torch_ops.cache._int4_seal_groups = None  # seals by codec.encode
+        torch_step = torch_ops.step
+
+        def step_with_torch_merge():  # the own-block merge by torch ops in this engine's steps
+            saved, attention._merge_kernels = attention._merge_kernels, lambda *t: None
+            try:
+                return torch_step()
+            finally:
+                attention._merge_kernels = saved
+
+        torch_ops.step = step_with_torch_merge
         return engines
 
     def run(self, ctx: PluginContext) -> dict[str, float]:
@@ -60,4 +75,7 @@ class Int4PrefillSplit:
                 metrics[f"fp_tok_s_{tag}"] = prefill["uncompressed"]
                 metrics[f"apart_vs_fp_{tag}"] = prefill["int4 apart"] / prefill["uncompressed"]
                 metrics[f"one_call_vs_fp_{tag}"] = prefill["int4 one call"] / prefill["uncompressed"]
+                metrics[f"apart_torch_vs_fp_{tag}"] = (
+                    prefill["int4 apart, torch ops"] / prefill["uncompressed"]
+                )
         return metrics

@@ -182,16 +182,19 @@ def test_quant_gemm_plugin_times_every_path_it_names(tiny_dir):
 
 def test_int4_prefill_split_plugin_times_both_paths(tiny_dir):
     """Both int4 paths and the uncompressed cache are timed side by side; the one-call engine really takes
-    the one-call path (its steps see no split device) and the global is restored after each of them."""
+    the one-call path (its steps see no split device), the torch-ops engine merges without the kernel, and the
+    globals are restored after each of them."""
     from mcp2026.engine import attention
 
     name, plugin = load_plugin(f"{EXAMPLES / 'int4_prefill_split.py'}:Int4PrefillSplit")
     ctx = PluginContext(model=tiny_dir, dtype="fp32", params={"contexts": "40,72", "rounds": "1"})
-    seen, one_calls = [], []
+    seen, one_calls, merges = [], [], []
     split, prefill = attention._split_staged_attention, attention._prefill_attention
+    merge_kernels = attention._merge_kernels
 
     def spy_split(*args, **kwargs):
         seen.append(attention.SPLIT_STAGED_DEVICES)
+        merges.append(attention._merge_kernels is merge_kernels)  # False: the torch-ops engine's steps
         return split(*args, **kwargs)
 
     def spy_prefill(q, k, v, mask, offset=0):
@@ -204,9 +207,12 @@ def test_int4_prefill_split_plugin_times_both_paths(tiny_dir):
         metrics = run_plugin(name, plugin, ctx).aggregates["metrics"]
     assert any(one_calls)
     assert set(metrics) == {
-        f"{m}_{n}_r0" for m in ("fp_tok_s", "apart_vs_fp", "one_call_vs_fp") for n in (40, 72)
+        f"{m}_{n}_r0"
+        for m in ("fp_tok_s", "apart_vs_fp", "one_call_vs_fp", "apart_torch_vs_fp")
+        for n in (40, 72)
     }
     assert all(v > 0 for v in metrics.values())
     assert seen and all(s == ("cpu",) for s in seen) and attention.SPLIT_STAGED_DEVICES == ("cpu",)
+    assert set(merges) == {True, False} and attention._merge_kernels is merge_kernels
     with pytest.raises(PluginError, match="contexts must be in"):
         run_plugin(name, plugin, PluginContext(model=tiny_dir, params={"contexts": "100000"}))

@@ -91,3 +91,52 @@ def test_bad_input_is_rejected(kernels):
         kernels.write_kv_rows_quantized(3, _planes("int8", 4, 8)[:2], vp[:2], rows, k, v)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         kernels.write_kv_rows_quantized(1, kp, vp, rows, k.half(), v.half())
+
+
+def _int4_planes(codec: str, chunks: int, bs: int, hd: int) -> tuple[list[torch.Tensor], int]:
+    """Pool planes for one layer's K (``codec``'s key) or V, (chunks, ...), filled with 7s (untouched chunks
+    must keep them), and the kernel's group argument (0: per-channel keys)."""
+    tc = make_codec(codec.split(":")[0])
+    tc = tc.key if codec.endswith(":k") else tc.value
+    specs = tc.planes(bs, hd)
+    planes = [torch.full((chunks, *specs[n].shape), 7, dtype=torch.uint8) for n in ("q", "scale", "zero")]
+    planes.append(torch.full((chunks, 3), 0.5, dtype=torch.half))
+    return planes, (0 if codec.endswith(":k") else tc._group(hd))
+
+
+@pytest.mark.parametrize("codec", ["int4:k", "int4:v", "int4-g64:v"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("bs", "hd"), [(32, 64), (8, 64), (16, 12)])
+def test_sealed_int4_blocks_are_the_codecs_bytes(kernels, codec, dtype, bs, hd):
+    """kv_write.cpp's int4 seal stores exactly what Int4PerChannel / Int4PerTokenGroup.encode would, for
+    blocks with tiny to large values, constant channels and constant blocks, into the chunks named."""
+    ns, nkv, chunks = 5, 3, 24
+    g = torch.Generator().manual_seed(bs + hd)
+    magnitude = 10.0 ** torch.empty(ns, 1, nkv, 1).uniform_(-6, 3, generator=g)
+    x = torch.randn(ns, bs, nkv, hd, generator=g) * magnitude + torch.randn(ns, 1, nkv, hd, generator=g)
+    x[0, :, 0, 1] = 0.25  # a constant channel
+    x[1, :, 1] = -1.5  # a constant block
+    x = x.flatten(0, 1).to(dtype)
+    planes, group = _int4_planes(codec, chunks, bs, hd)
+    ids = torch.randperm(chunks, generator=g)[: ns * nkv]
+    assert kernels.seal_int4_blocks(planes, ids, x, bs, group)
+    tc = make_codec(codec.split(":")[0])
+    tc = tc.key if codec.endswith(":k") else tc.value
+    want = tc.encode(x.view(ns, bs, nkv, hd).transpose(1, 2).flatten(0, 1))
+    untouched = torch.ones(chunks, dtype=torch.bool)
+    untouched[ids] = False
+    for got, name in zip(planes, ("q", "scale", "zero", "meta"), strict=True):
+        assert torch.equal(_as_bytes(got)[ids], _as_bytes(want[name])), name
+        assert (_as_bytes(got)[untouched] == _as_bytes(got)[untouched][0]).all()  # still the fill
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 7e4])
+def test_int4_seal_leaves_nan_inf_and_beyond_fp16_to_the_torch_path(kernels, bad):
+    """Blocks whose fp16 statistics would overflow: the kernel writes nothing and says so (the caller then
+    encodes with torch, whose NaN bits it does not imitate)."""
+    planes, _ = _int4_planes("int4:k", 4, 16, 64)
+    before = [p.clone() for p in planes]
+    x = torch.randn(16, 2, 64)
+    x[5, 1, 9] = bad
+    assert not kernels.seal_int4_blocks(planes, torch.tensor([0, 3]), x, 16, 0)
+    assert all(torch.equal(a, b) for a, b in zip(planes, before, strict=True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mcp2026.kv.codecs import make_codec
@@ -188,6 +189,25 @@ def test_int4_tail_only_steps_write_staging_in_one_kernel_call(kernels, monkeypa
     _assert_same_planes(with_kernels, without)
     table = [5, 2, 7, 1]
     assert torch.equal(read(with_kernels, "a", table, 26), read(without, "a", table, 26))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_seals_encode_in_one_kernel_call(kernels, monkeypatch, dtype):
+    """Blocks sealed on steps the error monitor skips are encoded by one kernel call per tensor and layer
+    (kernels/kv_write.cpp), into the same bytes as the torch encoders (which the monitored steps use)."""
+    x = (torch.randn(32, NKV, HD) * torch.logspace(-3, 2, 32).view(-1, 1, 1)).to(dtype)
+    # block size 8; monitored: steps 1 and 5 (every 4th); seals: block 0 (step 1), 1 (step 3: 7 staged + 1
+    # new), 2 (step 4), 3 (step 5)
+    steps = [("a", 0, 13), ("a", 13, 2), ("a", 15, 1), ("a", 16, 9), ("a", 25, 7)]
+
+    def new_cache() -> PagedKVCache:
+        return PagedKVCache(2, 8, BS, NKV, HD, dtype, codec=make_codec("int4"), error_check_interval=4)
+
+    (with_kernels, without), calls = _with_and_without_kernels(
+        kernels, monkeypatch, new_cache, steps, x, "seal_int4_blocks"
+    )
+    assert calls == 2 * 2 * 2  # steps 3 and 4 x 2 layers x K and V
+    _assert_same_planes(with_kernels, without)
 
 
 def test_stores_exactly_only_as_is_in_the_activation_dtype():

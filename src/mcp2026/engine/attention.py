@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -230,6 +231,11 @@ def _staged_keys(
     return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
 
 
+def _merge_kernels(*tensors: torch.Tensor) -> Any | None:
+    """The compiled kernels for the own-block merge (a seam: the int4 prefill plugin times the torch ops too)."""
+    return ops.kernels_for(*tensors)
+
+
 @functools.cache
 def _own_block_mask(bs: int) -> torch.Tensor:
     """(bs, bs) additive: the query at row r of a block sees the block's keys 0 .. r, except the block's last
@@ -259,9 +265,12 @@ def _split_staged_attention(
     g = nh // nkv
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     out_a, lse_a = flash(q.transpose(0, 1)[None], kc[None], vc[None], 0.0, False, attn_mask=mask, scale=1.0)
+    no_sealed = mask[:, 0] == float("-inf")  # such a row gets lse 0 from the kernel, not -inf
+    kernels = _merge_kernels(q, ks, vs)
+    if kernels is not None:  # the same formulas in one pass (kernels/staged_merge.cpp)
+        return kernels.merge_own_blocks(out_a[0], lse_a[0].float(), q, ks, vs, no_sealed, num_prior, bs)
     out_a, lse_a = out_a[0].float(), lse_a[0].float()  # (nh, T, hd), (nh, T)
-    # a row that sees no sealed key gets lse 0 from the kernel, not -inf
-    lse_a = lse_a.masked_fill(mask[:, 0] == float("-inf"), float("-inf"))
+    lse_a = lse_a.masked_fill(no_sealed, float("-inf"))
     # own blocks: rows and keys laid out from the first block's start, padded to whole blocks
     nb = -(-ks.shape[1] // bs)
     pad = nb * bs - ks.shape[1]

@@ -30,6 +30,7 @@ SOURCES = (
     SOURCE.with_name("int4_gemm.cpp"),
     SOURCE.with_name("int8_gemm.cpp"),
     SOURCE.with_name("kv_write.cpp"),
+    SOURCE.with_name("staged_merge.cpp"),
 )  # ... and the other translation units
 HEADERS = (SOURCE.with_name("quantize_rows.h"), SOURCE.with_name("vnni_gemm.h"))
 _lock = threading.Lock()

@@ -1744,6 +1744,12 @@ void write_kv_rows(torch::Tensor& k_dst, torch::Tensor& v_dst, const torch::Tens
 // kv_write.cpp
 void write_kv_rows_quantized(int64_t kind, const std::vector<torch::Tensor>& kp, const std::vector<torch::Tensor>& vp,
                              const torch::Tensor& rows, const torch::Tensor& k, const torch::Tensor& v);
+bool seal_int4_blocks(const std::vector<torch::Tensor>& planes, const torch::Tensor& chunks, const torch::Tensor& x,
+                      int64_t bs, int64_t group);
+// staged_merge.cpp
+torch::Tensor merge_own_blocks(const torch::Tensor& out_a, const torch::Tensor& lse_a, const torch::Tensor& q,
+                               const torch::Tensor& ks, const torch::Tensor& vs, const torch::Tensor& no_sealed,
+                               int64_t num_prior, int64_t bs);
 // int4_gemm.cpp
 bool vnni_gemm_available();
 std::vector<torch::Tensor> int4_gemm_pack(const torch::Tensor& qs, const torch::Tensor& sz);
@@ -2073,6 +2079,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_rows", &write_kv_rows, "K and V rows into one layer's cache planes");
   m.def("write_kv_rows_quantized", &write_kv_rows_quantized,
         "K and V rows encoded with the int8 (kind 1) or fp8 (kind 3) KV codec into one layer's planes");
+  m.def("merge_own_blocks", &merge_own_blocks,
+        "a staged codec's prefill chunk: each query's own staged block merged into the sealed context's attention");
+  m.def("seal_int4_blocks", &seal_int4_blocks,
+        "whole blocks encoded with the int4 KV codec (keys: group 0, values: channels per group) into one layer's planes");
   m.def("layer_attn_in", &layer_attn_in, "residual add + RMSNorm + qkv projection + RoPE; returns q, k, v");
   m.def("layer_attn_out_mlp", &layer_attn_out_mlp, "o projection + residual add + RMSNorm + gated MLP");
 }

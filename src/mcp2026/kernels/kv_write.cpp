@@ -179,3 +179,161 @@ void write_kv_rows_quantized(int64_t kind, const std::vector<torch::Tensor>& kp,
     encode_rows(kind, src, dst, rp, T * nkv, hd);
   }
 }
+
+// ---- int4 (KIVI) block seals ---------------------------------------------------------------------------------
+// Int4PerChannel / Int4PerTokenGroup.encode for whole blocks, written straight into the pool: the blocks a step
+// seals (a prefill chunk seals most of its tokens) took ~15 torch ops per tensor and layer plus the copies into
+// four planes. Same bytes as kv/codecs.py (coded_affine_params, _quantize, _pack4); tests compare bit for bit.
+
+namespace {
+
+// a * b rounded to float, never fused into a following add (the build uses -ffp-contract=fast; torch computes
+// zmin + code * dz as two ops, two roundings)
+inline float mul_rounded(float a, float b) {
+  float p = a * b;
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("" : "+x"(p));
+#elif defined(__aarch64__)
+  asm volatile("" : "+w"(p));
+#else
+  volatile float barrier = p;
+  p = barrier;
+#endif
+  return p;
+}
+
+// coded_affine_params(lo, hi, 15) over one chunk's n groups: float scale / zero to quantize with, the uint8
+// codes and the chunk's fp16 meta (zmin, dz, ds). Inputs are finite and within fp16's range (the caller checks).
+void coded_affine(const float* lo, const float* hi, int64_t n, float* scale, float* zero, uint8_t* scode,
+                  uint8_t* zcode, uint16_t* meta) {
+  constexpr float kLevels = 15.f;
+  float lo_min = lo[0], lo_max = lo[0];
+  for (int64_t i = 1; i < n; ++i) {
+    lo_min = std::min(lo_min, lo[i]);
+    lo_max = std::max(lo_max, lo[i]);
+  }
+  const float zmin = round_fp16(lo_min, false);
+  const float dz = round_fp16(std::max((lo_max - zmin) / 255.f, kFp16Tiny), true);
+  float need_max = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    float code = std::min(std::max(std::floor((lo[i] - zmin) / dz), 0.f), 255.f);
+    if (zmin + mul_rounded(code, dz) > lo[i]) code = std::max(code - 1.f, 0.f);
+    zero[i] = zmin + mul_rounded(code, dz);
+    zcode[i] = static_cast<uint8_t>(code);
+    scale[i] = (hi[i] - zero[i]) / kLevels;  // "need", until ds is known
+    need_max = i ? std::max(need_max, scale[i]) : scale[i];
+  }
+  const float ds = round_fp16(std::max(need_max / 254.f, kFp16Tiny), true);
+  for (int64_t i = 0; i < n; ++i) {
+    float code = std::min(std::max(std::ceil(scale[i] / ds), 1.f), 254.f);
+    if (zero[i] + mul_rounded(kLevels, mul_rounded(code, ds)) < hi[i]) code += 1.f;
+    scode[i] = static_cast<uint8_t>(code);
+    scale[i] = mul_rounded(code, ds);
+  }
+  meta[0] = fp16_bits(zmin);
+  meta[1] = fp16_bits(dz);
+  meta[2] = fp16_bits(ds);
+}
+
+inline uint8_t code4(float x, float zero, float scale) {
+  const float c = std::nearbyint((x - zero) / scale);
+  return static_cast<uint8_t>(c > 0.f ? (c < 15.f ? c : 15.f) : 0.f);
+}
+
+struct Int4Planes {  // one tensor's planes for a layer, flattened to (num_blocks * nkv, ...)
+  uint8_t* q;
+  uint8_t* scale;
+  uint8_t* zero;
+  uint16_t* meta;
+  int64_t chunks;
+};
+
+Int4Planes int4_planes(const std::vector<torch::Tensor>& p, int64_t bs, int64_t hd, int64_t groups, const char* name) {
+  TORCH_CHECK(p.size() == 4, name, ": int4 takes 4 planes (q, scale, zero, meta)");
+  for (const auto& t : p) TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " planes must be contiguous CPU tensors");
+  const int64_t chunks = p[0].numel() / (bs * hd / 2);
+  TORCH_CHECK(p[0].scalar_type() == torch::kByte && p[0].numel() == chunks * bs * hd / 2, name, " codes must be uint8 (chunks, ", bs, ", ", hd / 2, ")");
+  TORCH_CHECK(p[1].scalar_type() == torch::kByte && p[2].scalar_type() == torch::kByte && p[1].numel() == chunks * groups &&
+                  p[2].numel() == chunks * groups,
+              name, " scale and zero codes must be uint8, ", groups, " per chunk");
+  TORCH_CHECK(p[3].scalar_type() == torch::kHalf && p[3].numel() == chunks * 3, name, " meta must be fp16, 3 per chunk");
+  return Int4Planes{static_cast<uint8_t*>(p[0].data_ptr()), static_cast<uint8_t*>(p[1].data_ptr()),
+                    static_cast<uint8_t*>(p[2].data_ptr()), reinterpret_cast<uint16_t*>(p[3].data_ptr()), chunks};
+}
+
+// One block of one head: x rows t at x + t * stride (bs rows of hd), per-channel (keys) or per-token groups of g
+// channels (values, g > 0).
+template <typename S>
+void seal_chunk(const S* x, int64_t stride, int64_t bs, int64_t hd, int64_t g, const Int4Planes& p, int64_t c,
+                std::vector<float>& buf) {
+  const int64_t groups = g ? bs * (hd / g) : hd;
+  buf.resize(bs * hd + 4 * groups);
+  float* xf = buf.data();
+  float *lo = xf + bs * hd, *hi = lo + groups, *scale = hi + groups, *zero = scale + groups;
+  for (int64_t t = 0; t < bs; ++t)
+    for (int64_t d = 0; d < hd; ++d) xf[t * hd + d] = static_cast<float>(x[t * stride + d]);
+  if (!g) {
+    for (int64_t d = 0; d < hd; ++d) lo[d] = hi[d] = xf[d];
+    for (int64_t t = 1; t < bs; ++t)
+      for (int64_t d = 0; d < hd; ++d) {
+        lo[d] = std::min(lo[d], xf[t * hd + d]);
+        hi[d] = std::max(hi[d], xf[t * hd + d]);
+      }
+  } else {
+    for (int64_t i = 0; i < groups; ++i) {
+      const float* v = xf + i * g;
+      lo[i] = hi[i] = v[0];
+      for (int64_t d = 1; d < g; ++d) {
+        lo[i] = std::min(lo[i], v[d]);
+        hi[i] = std::max(hi[i], v[d]);
+      }
+    }
+  }
+  coded_affine(lo, hi, groups, scale, zero, p.scale + c * groups, p.zero + c * groups, p.meta + c * 3);
+  uint8_t* q = p.q + c * bs * hd / 2;
+  for (int64_t t = 0; t < bs; ++t)
+    for (int64_t d = 0; d < hd; d += 2) {
+      const int64_t i0 = g ? (t * hd + d) / g : d, i1 = g ? (t * hd + d + 1) / g : d + 1;
+      const float* row = xf + t * hd;
+      q[t * hd / 2 + d / 2] = code4(row[d], zero[i0], scale[i0]) | (code4(row[d + 1], zero[i1], scale[i1]) << 4);
+    }
+}
+
+}  // namespace
+
+// x: (NS * bs, nkv, hd) float32 or bf16, the sealed blocks' tokens (block-major); chunks: (NS * nkv,)
+// int64, the destination chunk (block * nkv + head) of each (block, head), block-major; planes (q, scale, zero,
+// meta) of one layer as kv/paged_cache.py holds them; group 0: Int4PerChannel (keys), else Int4PerTokenGroup's
+// channels per group (values). Returns false, writing nothing, when x holds a NaN, an infinity or a value
+// beyond fp16's range (the torch path encodes those).
+bool seal_int4_blocks(const std::vector<torch::Tensor>& planes, const torch::Tensor& chunks, const torch::Tensor& x,
+                      int64_t bs, int64_t group) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+              "x must be float32 or bfloat16 on the CPU, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 3 && bs >= 1 && x.size(0) % bs == 0, "x must be (NS * bs, nkv, hd)");
+  const int64_t ns = x.size(0) / bs, nkv = x.size(1), hd = x.size(2);
+  TORCH_CHECK(hd % 2 == 0 && (group == 0 || (group % 2 == 0 && hd % group == 0)),
+              "head_dim must be even and a multiple of the value group");
+  const Int4Planes p = int4_planes(planes, bs, hd, group ? bs * (hd / group) : hd, group ? "V" : "K");
+  TORCH_CHECK(chunks.scalar_type() == torch::kLong && chunks.dim() == 1 && chunks.size(0) == ns * nkv,
+              "chunks must be int64 (NS * nkv,)");
+  const auto cc = chunks.contiguous();
+  const int64_t* cp = cc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ns * nkv; ++i)
+    TORCH_CHECK(cp[i] >= 0 && cp[i] < p.chunks, "chunk ", cp[i], " is outside the pool's ", p.chunks);
+  const auto xc = x.contiguous();
+  // NaN, infinities and values past fp16's range (their fp16 statistics overflow to NaN, whose bits torch
+  // chooses) are left to the torch path; max() propagates NaN, so one test covers all three
+  if (!(xc.abs().max().item<float>() < 65504.f)) return false;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, xc.scalar_type(), "seal_int4_blocks", [&] {
+    const scalar_t* base = xc.data_ptr<scalar_t>();
+    at::parallel_for(0, ns * nkv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t s = i / nkv, h = i % nkv;
+        seal_chunk(base + (s * bs * nkv + h) * hd, nkv * hd, bs, hd, group, p, cp[i], buf);
+      }
+    });
+  });
+  return true;
+}

@@ -178,6 +178,12 @@ class PagedKVCache:
         # decided once, read by every decode step's attention (see _quantized_kernel_kind), with the per-layer
         # plane lists it passes
         self.quantized_kernel_kind = self._quantized_kernel_kind()
+        # int4 (KIVI) seals in one kernel call per tensor and layer: the key and value "groups" it takes
+        self._int4_seal_groups = (
+            (0, value._group(head_dim))
+            if type(key) is Int4PerChannel and type(value) is Int4PerTokenGroup
+            else None
+        )
         self._layer_planes = (
             [
                 ([p[layer] for p in self.k_planes.values()], [p[layer] for p in self.v_planes.values()])
@@ -439,14 +445,32 @@ class PagedKVCache:
             if plan.seal_stage_dst is not None:
                 staged = stage.index_select(0, plan.seal_stage_src).view(-1, nkv, hd).to(self.dtype)
                 full.index_copy_(0, plan.seal_stage_dst, staged)
-            full = full.view(-1, self.block_size, nkv, hd).transpose(1, 2).flatten(0, 1)  # (NS*nkv, bs, hd)
-            encoded = codec.encode(full)
-            for name, data in encoded.items():
-                _copy(planes[name][layer].flatten(0, 1), plan.seal_chunk_ids, data)
+            if not self._seal_in_one_call(layer, plan, planes, full, kind):
+                full = (
+                    full.view(-1, self.block_size, nkv, hd).transpose(1, 2).flatten(0, 1)
+                )  # (NS*nkv, bs, hd)
+                encoded = codec.encode(full)
+                for name, data in encoded.items():
+                    _copy(planes[name][layer].flatten(0, 1), plan.seal_chunk_ids, data)
         if plan.tail_dst is not None:
             tail = x.index_select(0, plan.tail_src).to(self.stage_dtype).flatten(0, 1)  # (Tt*nkv, hd)
             stage.index_copy_(0, plan.tail_dst, tail)
         return encoded, full
+
+    def _seal_in_one_call(
+        self, layer: int, plan: WritePlan, planes: Planes, full: torch.Tensor, kind: int
+    ) -> bool:
+        """int4 blocks (``full`` (NS*bs, nkv, hd), block-major) encoded and written by one kernel call, the bytes
+        ``codec.encode`` stores (~15 torch ops and four plane copies otherwise). Not on monitored steps (the
+        monitor needs the encoded planes); the kernel declines NaN, infinite or beyond-fp16 values."""
+        if self._int4_seal_groups is None or plan.is_monitored:
+            return False
+        kernels = kernel_ops.kernels_for(full)
+        if kernels is None:
+            return False
+        tensors = [plane[layer] for plane in planes.values()]  # q, scale, zero, meta
+        group = self._int4_seal_groups[kind]
+        return bool(kernels.seal_int4_blocks(tensors, plan.seal_chunk_ids, full, self.block_size, group))
 
     # --- reads -----------------------------------------------------------------------------------------
     @property
