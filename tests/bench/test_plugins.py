@@ -201,7 +201,16 @@ def test_int4_prefill_split_plugin_times_both_paths(tiny_dir):
         one_calls.append(offset is None)  # only a staged chunk read in one call passes no causal offset
         return prefill(q, k, v, mask, offset)
 
+    from mcp2026.kv.paged_cache import PagedKVCache
+
+    seal, torch_seals = PagedKVCache._seal_in_one_call, []
+
+    def spy_seal(self, *args):
+        torch_seals.append(self._int4_seal_groups is None)  # True: the torch-ops engine's cache
+        return seal(self, *args)
+
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(PagedKVCache, "_seal_in_one_call", spy_seal)
         mp.setattr(attention, "_split_staged_attention", spy_split)
         mp.setattr(attention, "_prefill_attention", spy_prefill)
         metrics = run_plugin(name, plugin, ctx).aggregates["metrics"]
@@ -214,5 +223,6 @@ def test_int4_prefill_split_plugin_times_both_paths(tiny_dir):
     assert all(v > 0 for v in metrics.values())
     assert seen and all(s == ("cpu",) for s in seen) and attention.SPLIT_STAGED_DEVICES == ("cpu",)
     assert set(merges) == {True, False} and attention._merge_kernels is merge_kernels
+    assert set(torch_seals) == {True, False}
     with pytest.raises(PluginError, match="contexts must be in"):
         run_plugin(name, plugin, PluginContext(model=tiny_dir, params={"contexts": "100000"}))

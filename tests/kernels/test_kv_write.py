@@ -30,6 +30,11 @@ def _rows(T: int, nkv: int, hd: int, dtype: torch.dtype, seed: int) -> torch.Ten
     x[0, 0] = 0.0  # a row of zeros: the smallest scale
     x[1, -1] = x[1, -1].abs()  # all positive / all negative rows: zero points on either side of 0
     x[2, 0] = -x[2, 0].abs()
+    # rows whose minimum is zero of both signs (which one a min returns varies): the zero point is +0 always
+    x[3:7, 0] = x[3:7, 0].abs()
+    x[3, 0, ::2], x[3, 0, 1::2] = 0.0, -0.0
+    x[4, 0, ::2], x[4, 0, 1::2] = -0.0, 0.0
+    x[5, 0, 1], x[6, 0, :3] = -0.0, torch.tensor([-0.0, -0.0, 0.0])
     return x.to(dtype)
 
 
@@ -116,6 +121,13 @@ def test_sealed_int4_blocks_are_the_codecs_bytes(kernels, codec, dtype, bs, hd):
     x = torch.randn(ns, bs, nkv, hd, generator=g) * magnitude + torch.randn(ns, 1, nkv, hd, generator=g)
     x[0, :, 0, 1] = 0.25  # a constant channel
     x[1, :, 1] = -1.5  # a constant block
+    x[2, :, 2] = x[2, :, 2].abs()  # minimum zero, of both signs: zmin is +0 either way
+    x[2, ::2, 2, 1], x[2, 1::2, 2, 1] = -0.0, 0.0
+    x[2, 0, 2, 2:4], x[2, 3, 2, 6] = torch.tensor([0.0, -0.0]), -0.0
+    x[3, :, 0] = 0.0  # all zeros
+    x[3, 1::3, 0] = -0.0
+    x[4, :, 1] = x[4, :, 1].abs()
+    x[4, 2, 1, :3] = torch.tensor([-0.0, -0.0, 0.0])
     x = x.flatten(0, 1).to(dtype)
     planes, group = _int4_planes(codec, chunks, bs, hd)
     ids = torch.randperm(chunks, generator=g)[: ns * nkv]
@@ -125,9 +137,25 @@ def test_sealed_int4_blocks_are_the_codecs_bytes(kernels, codec, dtype, bs, hd):
     want = tc.encode(x.view(ns, bs, nkv, hd).transpose(1, 2).flatten(0, 1))
     untouched = torch.ones(chunks, dtype=torch.bool)
     untouched[ids] = False
-    for got, name in zip(planes, ("q", "scale", "zero", "meta"), strict=True):
+    fill = _int4_planes(codec, chunks, bs, hd)[0]
+    for got, name, was in zip(planes, ("q", "scale", "zero", "meta"), fill, strict=True):
         assert torch.equal(_as_bytes(got)[ids], _as_bytes(want[name])), name
-        assert (_as_bytes(got)[untouched] == _as_bytes(got)[untouched][0]).all()  # still the fill
+        assert torch.equal(_as_bytes(got)[untouched], _as_bytes(was)[untouched])
+
+
+def test_int4_seal_with_odd_value_groups(kernels):
+    """A value group of 3 channels (head_dim 6; the codec allows any divisor): groups straddle the packed
+    channel pairs."""
+    from mcp2026.kv.codecs import Int4PerTokenGroup
+
+    tc, bs, hd = Int4PerTokenGroup(3), 8, 6
+    x = torch.randn(2 * bs, 1, hd, generator=torch.Generator().manual_seed(3))
+    specs = tc.planes(bs, hd)
+    planes = [torch.zeros((4, *specs[n].shape), dtype=specs[n].dtype) for n in ("q", "scale", "zero", "meta")]
+    assert kernels.seal_int4_blocks(planes, torch.tensor([3, 1]), x, bs, 3)
+    want = tc.encode(x.view(2, bs, 1, hd).transpose(1, 2).flatten(0, 1))
+    for got, name in zip(planes, ("q", "scale", "zero", "meta"), strict=True):
+        assert torch.equal(_as_bytes(got[[3, 1]]), _as_bytes(want[name])), name
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 7e4])

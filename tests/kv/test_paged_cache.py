@@ -203,10 +203,36 @@ def test_int4_seals_encode_in_one_kernel_call(kernels, monkeypatch, dtype):
     def new_cache() -> PagedKVCache:
         return PagedKVCache(2, 8, BS, NKV, HD, dtype, codec=make_codec("int4"), error_check_interval=4)
 
+    returned = []
+
+    class Sealing:  # the kernels, recording what each seal call returned (False: it declined)
+        def __getattr__(self, name):
+            return getattr(kernels, name)
+
+        def seal_int4_blocks(self, *args):
+            returned.append(kernels.seal_int4_blocks(*args))
+            return returned[-1]
+
+    (with_kernels, without), calls = _with_and_without_kernels(
+        Sealing(), monkeypatch, new_cache, steps, x, "seal_int4_blocks"
+    )
+    assert calls == 2 * 2 * 2 and returned == [True] * calls  # steps 3 and 4 x 2 layers x K and V
+    _assert_same_planes(with_kernels, without)
+
+
+def test_int4_seal_of_a_nan_block_falls_back_to_the_torch_encoder(kernels, monkeypatch):
+    """A block holding a NaN is declined by the kernel and encoded by torch, as without the kernels."""
+    x = torch.randn(32, NKV, HD)
+    x[17, 1, 3] = float("nan")  # in block 2, sealed by an unmonitored step
+    steps = [("a", 0, 13), ("a", 13, 12), ("a", 25, 7)]
+
+    def new_cache() -> PagedKVCache:
+        return PagedKVCache(2, 8, BS, NKV, HD, codec=make_codec("int4"), error_check_interval=4)
+
     (with_kernels, without), calls = _with_and_without_kernels(
         kernels, monkeypatch, new_cache, steps, x, "seal_int4_blocks"
     )
-    assert calls == 2 * 2 * 2  # steps 3 and 4 x 2 layers x K and V
+    assert calls == 2 * 2 * 2  # steps 2 and 3 x 2 layers x K and V, each tried
     _assert_same_planes(with_kernels, without)
 
 

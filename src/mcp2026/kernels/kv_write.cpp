@@ -66,7 +66,7 @@ void encode_int8_row(const float* x, int64_t hd, uint8_t* q, uint16_t* scale_out
     nan |= std::isnan(x[d]);
   }
   if (nan) lo = hi = kNaN;
-  const float zero = round_fp16(lo, false);
+  const float zero = round_fp16(lo, false) + 0.f;  // -0 -> +0 (codecs.py too): min's pick among zeros varies
   const float scale = round_fp16(std::max((hi - zero) / 255.f, kFp16Tiny), true);
   int64_t d = 0;
 #if defined(__AVX2__)
@@ -212,7 +212,7 @@ void coded_affine(const float* lo, const float* hi, int64_t n, float* scale, flo
     lo_min = std::min(lo_min, lo[i]);
     lo_max = std::max(lo_max, lo[i]);
   }
-  const float zmin = round_fp16(lo_min, false);
+  const float zmin = round_fp16(lo_min, false) + 0.f;  // -0 -> +0, as codecs.py
   const float dz = round_fp16(std::max((lo_max - zmin) / 255.f, kFp16Tiny), true);
   float need_max = 0.f;
   for (int64_t i = 0; i < n; ++i) {
@@ -312,7 +312,7 @@ bool seal_int4_blocks(const std::vector<torch::Tensor>& planes, const torch::Ten
               "x must be float32 or bfloat16 on the CPU, got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 3 && bs >= 1 && x.size(0) % bs == 0, "x must be (NS * bs, nkv, hd)");
   const int64_t ns = x.size(0) / bs, nkv = x.size(1), hd = x.size(2);
-  TORCH_CHECK(hd % 2 == 0 && (group == 0 || (group % 2 == 0 && hd % group == 0)),
+  TORCH_CHECK(hd % 2 == 0 && (group == 0 || (group > 0 && hd % group == 0)),
               "head_dim must be even and a multiple of the value group");
   const Int4Planes p = int4_planes(planes, bs, hd, group ? bs * (hd / group) : hd, group ? "V" : "K");
   TORCH_CHECK(chunks.scalar_type() == torch::kLong && chunks.dim() == 1 && chunks.size(0) == ns * nkv,

@@ -74,7 +74,7 @@ def _round_fp16(x: torch.Tensor, up: bool) -> torch.Tensor:
 
 def affine_params(lo: torch.Tensor, hi: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16-exact (scale, zero) with ``zero <= lo`` and ``zero + levels * scale >= hi``."""
-    zero = _round_fp16(lo.float(), up=False)
+    zero = _round_fp16(lo.float(), up=False) + 0.0  # -0 -> +0: which zero a min picks is the kernel's choice
     scale = _round_fp16(((hi.float() - zero) / levels).clamp_min(_FP16_TINY), up=True)
     return scale, zero
 
@@ -88,7 +88,7 @@ def coded_affine_params(
     (scale, zero) the codes decode to (what to quantize with) and the planes ``scale``, ``zero``, ``meta``."""
     n, view = lo.shape[0], (lo.shape[0],) + (1,) * (lo.dim() - 1)
     lo, hi = lo.float(), hi.float()
-    zmin = _round_fp16(lo.reshape(n, -1).amin(1), up=False)
+    zmin = _round_fp16(lo.reshape(n, -1).amin(1), up=False) + 0.0  # -0 -> +0, as affine_params
     dz = _round_fp16(((lo.reshape(n, -1).amax(1) - zmin) / 255).clamp_min(_FP16_TINY), up=True)
     zmin_, dz_ = zmin.view(view), dz.view(view)
     zero_code = ((lo - zmin_) / dz_).floor_().clamp_(0, 255)
