@@ -265,7 +265,7 @@ Int4Planes int4_planes(const std::vector<torch::Tensor>& p, int64_t bs, int64_t 
 // channels (values, g > 0).
 template <typename S>
 void seal_chunk(const S* x, int64_t stride, int64_t bs, int64_t hd, int64_t g, const Int4Planes& p, int64_t c,
-                std::vector<float>& buf) {
+                std::vector<float>& buf, std::vector<uint8_t>& codes) {
   const int64_t groups = g ? bs * (hd / g) : hd;
   buf.resize(bs * hd + 4 * groups);
   float* xf = buf.data();
@@ -290,13 +290,21 @@ void seal_chunk(const S* x, int64_t stride, int64_t bs, int64_t hd, int64_t g, c
     }
   }
   coded_affine(lo, hi, groups, scale, zero, p.scale + c * groups, p.zero + c * groups, p.meta + c * 3);
+  // codes per row (each element's group looked up by stepping, no integer division), then packed in pairs
   uint8_t* q = p.q + c * bs * hd / 2;
-  for (int64_t t = 0; t < bs; ++t)
-    for (int64_t d = 0; d < hd; d += 2) {
-      const int64_t i0 = g ? (t * hd + d) / g : d, i1 = g ? (t * hd + d + 1) / g : d + 1;
-      const float* row = xf + t * hd;
-      q[t * hd / 2 + d / 2] = code4(row[d], zero[i0], scale[i0]) | (code4(row[d + 1], zero[i1], scale[i1]) << 4);
+  codes.resize(hd);
+  for (int64_t t = 0; t < bs; ++t) {
+    const float* row = xf + t * hd;
+    if (!g) {
+      for (int64_t d = 0; d < hd; ++d) codes[d] = code4(row[d], zero[d], scale[d]);
+    } else {
+      for (int64_t i = 0, d = 0; d < hd; ++i) {
+        const float z = zero[t * (hd / g) + i], s = scale[t * (hd / g) + i];
+        for (const int64_t e = d + g; d < e; ++d) codes[d] = code4(row[d], z, s);
+      }
     }
+    for (int64_t d = 0; d < hd; d += 2) q[t * hd / 2 + d / 2] = codes[d] | (codes[d + 1] << 4);
+  }
 }
 
 }  // namespace
@@ -329,9 +337,10 @@ bool seal_int4_blocks(const std::vector<torch::Tensor>& planes, const torch::Ten
     const scalar_t* base = xc.data_ptr<scalar_t>();
     at::parallel_for(0, ns * nkv, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;
+      std::vector<uint8_t> codes;
       for (int64_t i = begin; i < end; ++i) {
         const int64_t s = i / nkv, h = i % nkv;
-        seal_chunk(base + (s * bs * nkv + h) * hd, nkv * hd, bs, hd, group, p, cp[i], buf);
+        seal_chunk(base + (s * bs * nkv + h) * hd, nkv * hd, bs, hd, group, p, cp[i], buf, codes);
       }
     });
   });
