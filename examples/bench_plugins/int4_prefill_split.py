@@ -9,19 +9,36 @@ chunk, so machine noise hits them alike).
         --param contexts=2048,4096 --param rounds=2
 
 Parameters: contexts (prompt lengths, default 2048,4096), rounds (runs per length, default 2; each seeded
-by its round). Metrics per length and round: prefill tok/s of each engine and of the two int4 paths relative
-to the uncompressed cache (``apart_vs_fp``, ``one_call_vs_fp``, ``apart_torch_vs_fp``).
+by its round), profile (0; 1 = also one prefill of the first length per engine under cProfile, one engine at
+a time: where the time goes, inflated by the profiler alike). Metrics per length and round: prefill tok/s of
+each engine and of the int4 paths relative to the uncompressed cache (``apart_vs_fp``, ``one_call_vs_fp``,
+``apart_torch_vs_fp``); with profile, per engine (``fp``, ``apart``, ``torch``, ``one_call``):
+``profile_<engine>_attention_s`` (attention calls, cumulative), ``_own_block_s`` (the split's time outside
+the flash kernel: the own-block merge) and ``_writes_s`` (K/V writes and int4 seals, cumulative).
 """
 
 from __future__ import annotations
 
+import cProfile
+import pstats
+
 from mcp2026.bench.plugins import PluginContext
+
+
+def _seconds(stats: dict, file: str, function: str) -> float:
+    """Cumulative seconds of ``function`` in ``file`` in cProfile's stats (a builtin, file "~", by substring)."""
+    return sum(
+        v[3]
+        for (f, _, fn), v in stats.items()
+        if f.endswith(file) and (fn == function or (f == "~" and function in fn))
+    )
 
 
 class Int4PrefillSplit:
     def init(self, ctx: PluginContext) -> None:
         self.contexts = [int(c) for c in ctx.param("contexts", "2048,4096").split(",")]
         self.rounds = int(ctx.param("rounds", "2"))
+        self.profile = ctx.param("profile", "0") == "1"
         limit = ctx.pipeline.engine.max_model_len
         if min(self.contexts) < 1 or max(self.contexts) + 8 > limit or self.rounds < 1:
             raise ValueError(f"contexts must be in [1, {limit - 8}] and rounds >= 1")
@@ -78,4 +95,38 @@ class Int4PrefillSplit:
                 metrics[f"apart_torch_vs_fp_{tag}"] = (
                     prefill["int4 apart, torch ops"] / prefill["uncompressed"]
                 )
+        if self.profile:
+            metrics |= self._profile(ctx, self.contexts[0])
+        return metrics
+
+    def _profile(self, ctx: PluginContext, context: int) -> dict[str, float]:
+        import torch
+
+        from mcp2026.types import SamplingParams
+
+        short = {"uncompressed": "fp", "int4 apart": "apart", "int4 apart, torch ops": "torch"}
+        short["int4 one call"] = "one_call"
+        metrics = {}
+        for name, engine in self._engines(ctx, context).items():
+            g = torch.Generator().manual_seed(0)
+            prompt = torch.randint(0, engine.model_config.vocab_size, (context,), generator=g).tolist()
+            rid = engine.add_request(prompt, SamplingParams(max_tokens=1))
+            request = engine.request_state(rid).request
+            profiler = cProfile.Profile()
+            profiler.enable()
+            while not request.num_output_tokens:
+                engine.step()
+            profiler.disable()
+            stats = pstats.Stats(
+                profiler
+            ).stats  # (file, line, function) -> (calls, ..., tottime, cumtime, ...)
+
+            split = _seconds(stats, "engine/attention.py", "_split_staged_attention")
+            flash = _seconds(stats, "~", "_scaled_dot_product_flash_attention_for_cpu")
+            tag = short[name]
+            metrics[f"profile_{tag}_attention_s"] = _seconds(stats, "engine/attention.py", "attention")
+            metrics[f"profile_{tag}_own_block_s"] = (
+                split - flash if split else 0.0
+            )  # flash runs in the split only
+            metrics[f"profile_{tag}_writes_s"] = _seconds(stats, "kv/paged_cache.py", "write")
         return metrics

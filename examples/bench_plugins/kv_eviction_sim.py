@@ -101,18 +101,13 @@ class _MaskedAttention:
         qg = q.view(t, nkv, nh // nkv, hd).permute(1, 2, 0, 3)  # (nkv, g, T, hd)
         scores = (qg @ st["k"].transpose(-1, -2)[:, None]).masked_fill(~mask[:, None], float("-inf"))
         extra = self._summary(qg, st) if self.summary != "none" else None
+        summary_out = None
         if extra is not None:  # one more slot per lane: the dropped tokens' expected logit and value
             logit, value = extra
             both = torch.softmax(torch.cat([scores, logit[..., None]], -1), -1)
-            probs = both[..., :-1]
-            out = probs @ st["v"][:, None] + both[..., -1:] * value
-            st["score"] += probs[:, :, -min(WINDOW, t) :].sum((1, 2))
-            obs = probs[:, :, -min(WINDOW, t) :].sum(1).mean(1) * (st["keep"][0].sum() / BLOCK)
-            decay = 0.5 ** (t / WINDOW)
-            st["recent"] = torch.where(old.isnan(), obs, decay * old + (1 - decay) * obs)
-            st["last"] = obs
-            return out.permute(2, 0, 1, 3).reshape(t, nh, hd)
-        probs = torch.softmax(scores, -1)
+            probs, summary_out = both[..., :-1], both[..., -1:] * value
+        else:
+            probs = torch.softmax(scores, -1)
         if self.oracle is not None and self.budget is not None:
             probs = self._oracle_probs(scores, probs, start)
         st["score"] += probs[:, :, -min(WINDOW, t) :].sum((1, 2))
@@ -131,7 +126,10 @@ class _MaskedAttention:
             if not self.recorded[layer].numel():
                 self.recorded[layer] = torch.zeros(nkv, self.record_len, self.record_len, dtype=torch.float16)
             self.recorded[layer][:, start:total, :total] = probs.sum(1).half()
-        return (probs @ st["v"][:, None]).permute(2, 0, 1, 3).reshape(t, nh, hd)
+        out = probs @ st["v"][:, None]
+        if summary_out is not None:
+            out = out + summary_out
+        return out.permute(2, 0, 1, 3).reshape(t, nh, hd)
 
     def _summary(self, qg: torch.Tensor, st: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The dropped keys of each lane as a Gaussian (mean, variance) and their values regressed on them:
@@ -347,6 +345,8 @@ class EvictionSimulation:
         self.summary = ctx.param("summary", "none")
         self.summary_value = ctx.param("summary_value", "0") == "1"
         self.ctx_stats = int(ctx.param("stats_window", str(WINDOW)))
+        if self.summary not in ("none", "mean", "diag", "full"):
+            raise ValueError(f"summary must be none, mean, diag or full, got {self.summary!r}")
         if self.scorer not in ("attention", "expected"):
             raise ValueError(f"scorer must be attention or expected, got {self.scorer!r}")
         self.variants = [v for v in ctx.param("variants", ",".join(VARIANTS)).split(",") if v]

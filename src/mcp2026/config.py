@@ -271,14 +271,16 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         compressor = self.kv_compressor
-        _require(
-            compressor is None or self.kv.block_size in (None, compressor.block_size),
-            f"KVCompressor.block_size ({getattr(compressor, 'block_size', None)}) must equal "
-            f"KVConfig.block_size ({self.kv.block_size}): the compressor works on the cache's blocks. "
-            "Give the same block_size to both, or leave KVConfig.block_size (kv.block_size in a serve YAML) "
-            "unset to take the compressor's "
-            "(a KVCompressor without block_size takes its codec's: 16; int4 32, int4-g64 64)",
-        )
+        if compressor is not None and self.kv.block_size not in (None, compressor.block_size):
+            from mcp2026.kv.codecs import describe_default_block_sizes
+
+            raise ValueError(
+                f"KVCompressor.block_size ({compressor.block_size}) must equal KVConfig.block_size "
+                f"({self.kv.block_size}): the compressor works on the cache's blocks. Give the same "
+                "block_size to both, or leave KVConfig.block_size (kv.block_size in a serve YAML) unset to "
+                "take the compressor's (a KVCompressor without block_size takes its codec's: "
+                f"{describe_default_block_sizes()})"
+            )
 
     @property
     def block_size(self) -> int:

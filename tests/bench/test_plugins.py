@@ -165,6 +165,16 @@ def test_eviction_simulation_plugin_masks_what_each_variant_drops(tiny_dir):
     bad = PluginContext(model=tiny_dir, dtype="fp32", params={"variants": "block-random"})
     with pytest.raises(PluginError, match="variants must be among"):
         run_plugin(name, plugin, bad)
+    # a summary slot for the dropped tokens changes what the kept ones give (and only names it knows)
+    summary = PluginContext(
+        model=tiny_dir,
+        dtype="fp32",
+        params={"context_tokens": "192", "variants": "token-window", "defer_prompt": "1", "summary": "mean"},
+    )
+    with_slot = run_plugin(name, plugin, summary).aggregates["metrics"]["delta_ppl_pct_token-window"]
+    assert with_slot != late["delta_ppl_pct_token-window"]
+    with pytest.raises(PluginError, match="summary must be"):
+        run_plugin(name, plugin, PluginContext(model=tiny_dir, params={"summary": "median"}))
 
 
 def test_quant_gemm_plugin_times_every_path_it_names(tiny_dir):
@@ -224,5 +234,14 @@ def test_int4_prefill_split_plugin_times_both_paths(tiny_dir):
     assert seen and all(s == ("cpu",) for s in seen) and attention.SPLIT_STAGED_DEVICES == ("cpu",)
     assert set(merges) == {True, False} and attention._merge_kernels is merge_kernels
     assert set(torch_seals) == {True, False}
+    profiled = PluginContext(
+        model=tiny_dir, dtype="fp32", params={"contexts": "40", "rounds": "1", "profile": "1"}
+    )
+    metrics = run_plugin(name, plugin, profiled).aggregates["metrics"]
+    for tag in ("fp", "apart", "torch", "one_call"):
+        assert metrics[f"profile_{tag}_attention_s"] > 0 and metrics[f"profile_{tag}_writes_s"] > 0
+    # the own-block merge is timed where chunks are read apart, and only there
+    assert metrics["profile_apart_own_block_s"] > 0 and metrics["profile_torch_own_block_s"] > 0
+    assert metrics["profile_fp_own_block_s"] == metrics["profile_one_call_own_block_s"] == 0
     with pytest.raises(PluginError, match="contexts must be in"):
         run_plugin(name, plugin, PluginContext(model=tiny_dir, params={"contexts": "100000"}))

@@ -169,7 +169,13 @@ def _llama_cpp_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
 
 
 def _blocks(block_size: int | None) -> str:
-    return f"block size {block_size}" if block_size else "each codec's block size: 16, int4 32, int4-g64 64"
+    from mcp2026.kv.codecs import describe_default_block_sizes
+
+    return (
+        f"block size {block_size}"
+        if block_size
+        else f"each codec's block size: {describe_default_block_sizes()}"
+    )
 
 
 def _memory_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:

@@ -12,6 +12,7 @@ import torch
 
 from mcp2026.doctor.context import DoctorContext
 from mcp2026.doctor.result import CheckResult, failed, passed
+from mcp2026.kv.codecs import describe_default_block_sizes
 from mcp2026.kv.paged_cache import PagedKVCache
 
 MIN_BLOCK, MAX_BLOCK = 8, 128
@@ -20,7 +21,10 @@ LOSSY_TOLERANCE = 0.1  # max |error| / max |value| a lossy KV codec may show on 
 
 def check_block_size(block_size: int, max_model_len: int) -> CheckResult:
     name = "block size"
-    fix = f"set kv.block_size to a power of two in [{MIN_BLOCK}, {MAX_BLOCK}] (16 is the default; 32 with int4 KV, 64 with int4-g64)"
+    fix = (
+        f"set kv.block_size to a power of two in [{MIN_BLOCK}, {MAX_BLOCK}] (default: the KV codec's, "
+        f"{describe_default_block_sizes()})"
+    )
     if not (MIN_BLOCK <= block_size <= MAX_BLOCK and block_size & (block_size - 1) == 0):
         return failed(
             name, f"block size {block_size} is not a power of two in [{MIN_BLOCK}, {MAX_BLOCK}]", fix

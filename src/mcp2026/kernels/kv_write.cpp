@@ -331,8 +331,9 @@ bool seal_int4_blocks(const std::vector<torch::Tensor>& planes, const torch::Ten
     TORCH_CHECK(cp[i] >= 0 && cp[i] < p.chunks, "chunk ", cp[i], " is outside the pool's ", p.chunks);
   const auto xc = x.contiguous();
   // NaN, infinities and values past fp16's range (their fp16 statistics overflow to NaN, whose bits torch
-  // chooses) are left to the torch path; max() propagates NaN, so one test covers all three
-  if (!(xc.abs().max().item<float>() < 65504.f)) return false;
+  // chooses) are left to the torch path; aminmax propagates NaN, so one test covers all three
+  const auto [lo, hi] = at::aminmax(xc);
+  if (!(lo.item<float>() > -65504.f && hi.item<float>() < 65504.f)) return false;
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, xc.scalar_type(), "seal_int4_blocks", [&] {
     const scalar_t* base = xc.data_ptr<scalar_t>();
     at::parallel_for(0, ns * nkv, 1, [&](int64_t begin, int64_t end) {

@@ -29,10 +29,10 @@ inline float dot(const float* q, const S* k, int64_t hd) {
   return s;
 }
 
-template <typename S, typename O>
+template <typename S>
 void merge_impl(const float* oa, int64_t oa_h, int64_t oa_t, const float* la, int64_t la_h, int64_t la_t,
                 const S* q, int64_t q_t, int64_t q_h, const S* ks, const S* vs, int64_t kv_h, int64_t kv_t,
-                const bool* no_sealed, O* out, int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t num_prior,
+                const bool* no_sealed, S* out, int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t num_prior,
                 int64_t bs) {
   const int64_t g = nh / nkv;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -43,7 +43,7 @@ void merge_impl(const float* oa, int64_t oa_h, int64_t oa_t, const float* la, in
       const int64_t r = num_prior + t, j = r % bs, first = r - j;  // row within its block, the block's start
       const float* a = oa + h * oa_h + t * oa_t;
       const float lse_a = no_sealed[t] ? kNegInf : la[h * la_h + t * la_t];
-      O* o = out + (t * nh + h) * hd;
+      S* o = out + (t * nh + h) * hd;
       std::fill(acc.begin(), acc.end(), 0.f);
       float lse_b = kNegInf;
       if (j < bs - 1) {  // the block-filling query reads its block sealed: nothing staged for it
@@ -66,11 +66,11 @@ void merge_impl(const float* oa, int64_t oa_h, int64_t oa_t, const float* la, in
       }
       const float top = std::max(lse_a, lse_b);
       if (top == kNegInf) {  // sees nothing (not reachable from the engine: every row sees itself)
-        for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<O>(0.f);
+        for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<S>(0.f);
         continue;
       }
       const float wa = std::exp(lse_a - top), wb = std::exp(lse_b - top), norm = wa + wb;
-      for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<O>((wa * a[d] + wb * acc[d]) / norm);
+      for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<S>((wa * a[d] + wb * acc[d]) / norm);
     }
   });
 }
@@ -101,7 +101,7 @@ torch::Tensor merge_own_blocks(const torch::Tensor& out_a, const torch::Tensor& 
   const auto nc = no_sealed.contiguous();
   auto out = torch::empty({T, nh, hd}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, q.scalar_type(), "merge_own_blocks", [&] {
-    merge_impl<scalar_t, scalar_t>(oa.data_ptr<float>(), oa.stride(0), oa.stride(1), lse_a.data_ptr<float>(),
+    merge_impl<scalar_t>(oa.data_ptr<float>(), oa.stride(0), oa.stride(1), lse_a.data_ptr<float>(),
                                    lse_a.stride(0), lse_a.stride(1), qc.data_ptr<scalar_t>(), qc.stride(0),
                                    qc.stride(1), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(), kc.stride(0),
                                    kc.stride(1), nc.data_ptr<bool>(), out.data_ptr<scalar_t>(), T, nh, nkv, hd,

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mcp2026.config import DEFAULT_BLOCK_SIZE
+
 Planes = dict[str, torch.Tensor]
 _FP16_TINY = 2.0**-14  # smallest normal fp16: the floor of every scale
 
@@ -289,7 +291,7 @@ class KVCodec:
     key: TensorCodec
     value: TensorCodec
     is_staged: bool = False
-    default_block_size: int = 16
+    default_block_size: int = DEFAULT_BLOCK_SIZE
 
     @property
     def is_lossless(self) -> bool:
@@ -362,6 +364,12 @@ def _int4_g64() -> KVCodec:
 def default_block_size(name: str) -> int:
     """The block size (tokens) codec ``name`` is used with unless one is given."""
     return make_codec(name).default_block_size
+
+
+def describe_default_block_sizes() -> str:
+    """Each codec's default block size for help and error texts, from the registry: "16; int4 32, ..."."""
+    other = [f"{n} {b}" for n in CODECS if (b := default_block_size(n)) != DEFAULT_BLOCK_SIZE]
+    return f"{DEFAULT_BLOCK_SIZE}" + (f"; {', '.join(other)}" if other else "")
 
 
 def make_codec(name: str) -> KVCodec:
