@@ -4,7 +4,8 @@ granularities the engine does not all implement. docs/kv-cache.md quotes its fig
 
     mcp2026 bench plugin examples/bench_plugins/kv_eviction_sim.py:EvictionSimulation --dtype fp32
 
-Parameters (``--param KEY=VALUE``): context_tokens (2048), sparsity (0.7), defer_prompt (0; 1 = evict from
+Parameters (``--param KEY=VALUE``): context_tokens (2048), text (0: which of ``mcp2026 bench kv
+--num-sequences``'s texts), sparsity (0.7), defer_prompt (0; 1 = evict from
 the prompt's end on, as ``heavy_hitter``), sinks (4 tokens), recent (the smallest recent window, 64 tokens),
 value_norm (0; 1 = split variants' scores weighted by |v|), scorer (``attention``, the engine's rule, or
 ``expected``: Expected Attention, arXiv:2510.00636, the split variants' observation is the softmax of the
@@ -12,7 +13,12 @@ expected logits of a Gaussian fit to the last ``stats_window`` (32) pre-RoPE que
 positions ahead), summary (``none``; ``mean`` / ``diag`` / ``full``: every policy variant also keeps, per lane,
 one slot standing for all the tokens it dropped: logit log(count) + q.mean_k, plus q'Sigma q / 2 for a diagonal
 or full key covariance, the Gaussian estimate of the dropped keys' summed exp(q.k); value their mean, or with
-``summary_value=1`` (diag/full) the tilted mean mean_v + Sigma_vk q), variants (comma list, default all):
+``summary_value=1`` (diag/full) the tilted mean mean_v + Sigma_vk q), layer_budget (``uniform``; or how the
+same total is shared between layers: ``pyramid:R`` linear, the first layer R times the last, PyramidKV;
+``dense:K`` the first K layers keep everything; ``weights:w0/w1/...``; ``only:L`` evicts in layer L alone, a
+sensitivity probe; several specs separated by ``;`` run one after another, each variant's metrics then named
+``<variant>@<spec>``; not for the oracles and Ada-KV, which do not keep per layer), variants
+(comma list, default all):
 ``block-global`` one block ranking shared by every layer and KV head (the engine before session 9),
 ``block-lane`` an H2O block ranking per (layer, KV head), ``token-lane`` per lane and token,
 ``token-window`` sinks + a recent window of 97% of the budget, per token (StreamingLLM);
@@ -78,6 +84,7 @@ class _MaskedAttention:
         self.stats_window = WINDOW  # expected attention: the last queries its Gaussian is fit to
         self.summary = "none"  # dropped keys/values summarised per lane: none, mean, diag, full
         self.summary_value = False  # diag/full: the summary's value tilted by the query (mu_v + Sigma_vk q)
+        self.layer_budget = "uniform"  # tokens kept per layer (_layer_budgets)
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Any
@@ -210,6 +217,8 @@ class _MaskedAttention:
 
     def evict(self, n: int, sparsity: float, variant: str) -> None:
         budget = n - int(n * sparsity)
+        reach = _layer_reach(self.layers, n, budget) if self.layer_budget.startswith("reach:") else None
+        budgets = _layer_budgets(self.layer_budget, budget, n, len(self.layers), reach)
         if variant in ORACLES:
             self.budget = (budget, n)
             return
@@ -220,14 +229,15 @@ class _MaskedAttention:
             return
         if variant in SPLITS:
             unit = BLOCK if variant == "block-split" else 1
-            for st in self.layers:
-                keep = _keep_split(st["recent"], st["keep"], n, budget, unit)
+            for st, lb in zip(self.layers, budgets, strict=True):
+                keep = _keep_split(st["recent"], st["keep"], n, lb, unit)
                 if keep is not None:
                     st["keep"][:, :n] = keep
             return
-        recent = max(MIN_RECENT, int(budget * 0.97)) if variant == "token-window" else MIN_RECENT
         shared = sum(st["score"].sum(0) for st in self.layers)[None] if variant == "block-global" else None
         for layer, st in enumerate(self.layers):
+            budget = budgets[layer]
+            recent = max(MIN_RECENT, int(budget * 0.97)) if variant == "token-window" else MIN_RECENT
             score = st["score"] if shared is None else shared
             if variant in FUTURES:  # what the queries from here on attend to (in the full-attention run)
                 score = self.future[layer][:, n:, :].float().sum(1)
@@ -236,6 +246,68 @@ class _MaskedAttention:
                 keep = _keep_tokens(score, st["keep"], n, budget, recent)
             if keep is not None:
                 st["keep"][:, :n] = keep
+
+
+def _layer_reach(layers: list[dict[str, Any]], n: int, budget: int) -> list[float]:
+    """Per layer, the mean over its lanes of the decayed attention share a recent window of ``budget``
+    tokens would miss (the split's "reach", in tokens): how far back the layer looks now."""
+    out = []
+    for st in layers:
+        score = st["recent"][:, :n].nan_to_num(0.0) * st["keep"][:, :n]
+        score[:, :SINK] = 0.0
+        live = st["keep"][0, :n]
+        newest = live.flip(0).cumsum(0).flip(0) <= budget  # the newest ``budget`` live tokens
+        far = (score * ~newest).sum(1) / score.sum(1).clamp_min(1e-12)
+        out.append(float(far.mean()))
+    return out
+
+
+def _layer_budgets(
+    spec: str, budget: int, n: int, num_layers: int, reach: list[float] | None = None
+) -> list[int]:
+    """Tokens each layer keeps of ``n``. ``uniform``: ``budget`` everywhere. ``pyramid:R``: linear in the
+    layer index, the first layer R times the last (PyramidKV, arXiv:2406.02069; R < 1 inverts it).
+    ``dense:K``: the first K layers keep everything. ``weights:w0/w1/...``: one weight per layer. All three
+    keep the same total as ``uniform`` (a layer given more than ``n`` keeps ``n``, the rest share the
+    excess by weight). ``only:L``: only layer L evicts (a sensitivity probe, the total is not kept)."""
+    kind, _, arg = spec.partition(":")
+    try:
+        if kind == "only":
+            layer = int(arg)
+            if not 0 <= layer < num_layers:
+                raise ValueError
+        elif kind == "pyramid":
+            ratio = float(arg)
+            weights = [ratio + (1 - ratio) * layer / max(num_layers - 1, 1) for layer in range(num_layers)]
+        elif kind == "dense":
+            weights = [1e9 if layer < int(arg) else 1.0 for layer in range(num_layers)]
+        elif kind == "weights":
+            weights = [float(w) for w in arg.split("/")]
+        elif kind == "reach":  # online: each layer's current reach (``_layer_reach``) to the power P
+            weights = [max(r, 1e-3) ** float(arg) for r in (reach or [1.0] * num_layers)]
+        elif kind != "uniform":
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"layer_budget must be uniform, pyramid:R, dense:K, weights:W0/W1/..., reach:P or only:L, got {spec!r}"
+        ) from None
+    if kind == "uniform" or budget >= n:
+        return [budget] * num_layers
+    if kind == "only":
+        return [budget if i == layer else n for i in range(num_layers)]
+    if len(weights) != num_layers or min(weights) <= 0:
+        raise ValueError(f"layer_budget {spec!r}: needs {num_layers} positive weights")
+    total, capped = budget * num_layers, [False] * num_layers
+    while True:  # water-filling: layers over n keep n, the others share what is left by weight
+        free = [layer for layer in range(num_layers) if not capped[layer]]
+        left = total - n * (num_layers - len(free))
+        scale = left / sum(weights[layer] for layer in free)
+        over = [layer for layer in free if weights[layer] * scale >= n]
+        if not over:
+            break
+        for layer in over:
+            capped[layer] = True
+    return [n if capped[layer] else max(1, int(weights[layer] * scale)) for layer in range(num_layers)]
 
 
 def _keep_blocks(
@@ -344,6 +416,7 @@ class EvictionSimulation:
         self.horizon = int(ctx.param("horizon", "512"))
         self.summary = ctx.param("summary", "none")
         self.summary_value = ctx.param("summary_value", "0") == "1"
+        self.layer_budgets = ctx.param("layer_budget", "uniform").split(";")  # one run per spec
         self.ctx_stats = int(ctx.param("stats_window", str(WINDOW)))
         if self.summary not in ("none", "mean", "diag", "full"):
             raise ValueError(f"summary must be none, mean, diag or full, got {self.summary!r}")
@@ -359,11 +432,24 @@ class EvictionSimulation:
         self.model = loaded.model
         self.num_layers = loaded.config.num_layers
         self.config = loaded.config
-        self.tokens = token_sequences(
-            "sharegpt", loaded.tokenizer, loaded.config.vocab_size, 1, self.context, 0
-        )[0]
+        for spec in self.layer_budgets:  # a malformed spec fails here, not mid-run
+            if not spec.startswith("sensitivity:"):
+                _layer_budgets(spec, 10, 100, self.num_layers)
+        if self.layer_budgets != ["uniform"] and set(self.variants) & {*ADAS, *ORACLES}:
+            raise ValueError("layer_budget applies to per-layer variants, not to the oracles or Ada-KV")
+        # which of the kv bench's --num-sequences texts (0: its first); "0+2": each in turn
+        self.texts = [int(t) for t in ctx.param("text", "0").split("+")]
+        calibration = [_calibration_texts(spec) for spec in self.layer_budgets]
+        wanted = sorted({*self.texts, *(t for ts in calibration for t in ts)})
+        sequences = token_sequences(
+            "sharegpt", loaded.tokenizer, loaded.config.vocab_size, wanted[-1] + 1, self.context, 0
+        )
+        self.sequences = {t: sequences[t] for t in wanted}
+        self.tokens = self.sequences[self.texts[0]]
+        self._refs: dict[int, torch.Tensor] = {}
+        self._probes: dict[tuple[str, int], list[float]] = {}
 
-    def _nll(self, variant: str | None) -> torch.Tensor:
+    def _nll(self, variant: str | None, layer_budget: str = "uniform") -> torch.Tensor:
         from mcp2026.models import llama
 
         n, prompt = len(self.tokens), len(self.tokens) // 2
@@ -373,6 +459,7 @@ class EvictionSimulation:
         record = n if variant is None and any(v in FUTURES for v in self.variants) else 0
         attention = _MaskedAttention(self.num_layers, oracle, self.future, record)
         attention.value_norm = self.value_norm
+        attention.layer_budget = layer_budget
         if variant is not None and variant not in ORACLES:
             attention.summary, attention.summary_value = self.summary, self.summary_value
         if self.scorer == "expected" and variant is not None:
@@ -405,14 +492,65 @@ class EvictionSimulation:
             self.future = attention.recorded
         return torch.cat(nll)
 
+    def _ref(self, text: int) -> torch.Tensor:
+        if text not in self._refs:
+            self.tokens = self.sequences[text]
+            self._refs[text] = self._nll(None)
+        return self._refs[text]
+
+    def _sensitivity(self, variant: str, text: int) -> list[float]:
+        """ΔPPL (%) of text ``text`` when layer L alone evicts, for every L (the ``only:L`` probe)."""
+        if (variant, text) not in self._probes:
+            ref = self._ref(text)
+            self.tokens = self.sequences[text]
+            self._probes[variant, text] = [
+                100.0 * math.expm1(float(self._nll(variant, f"only:{layer}").mean() - ref.mean()))
+                for layer in range(self.num_layers)
+            ]
+        return self._probes[variant, text]
+
+    def _resolve(self, variant: str, spec: str) -> str:
+        """``sensitivity:T1+T2``: weights from the ``only:L`` probes on the kv bench's texts T1, T2: each
+        text's positive ΔPPLs as shares of their sum, added over the texts, floored at 0.005 per text, square
+        root (so a layer that matters gets more, not all)."""
+        texts = _calibration_texts(spec)
+        if not texts:
+            return spec
+        share = [0.0] * self.num_layers
+        for text in texts:
+            probe = [max(d, 0.0) for d in self._sensitivity(variant, text)]
+            total = sum(probe) or 1.0
+            share = [s + d / total for s, d in zip(share, probe, strict=True)]
+        return "weights:" + "/".join(f"{max(s, 0.005 * len(texts)) ** 0.5:.6g}" for s in share)
+
     def run(self, ctx: PluginContext) -> dict[str, float]:
-        ref = self._nll(None)
-        after = len(self.tokens) // 2  # nll[i] scores token i + 1: the positions after the prompt
-        out = {"ppl_ref": math.exp(float(ref.mean()))}
-        for variant in self.variants:
-            nll = self._nll(variant)
-            out[f"delta_ppl_pct_{variant}"] = 100.0 * math.expm1(float(nll.mean() - ref.mean()))
-            out[f"delta_ppl_after_prompt_pct_{variant}"] = 100.0 * math.expm1(
-                float(nll[after:].mean() - ref[after:].mean())
-            )
+        out: dict[str, float] = {}
+        for text in self.texts:
+            suffix = f"_t{text}" if len(self.texts) > 1 else ""
+            ref = self._ref(text)
+            out[f"ppl_ref{suffix}"] = math.exp(float(ref.mean()))
+            after = len(self.sequences[text]) // 2  # nll[i] scores token i + 1: after the prompt
+            for variant in self.variants:
+                for spec in self.layer_budgets:
+                    weights = self._resolve(variant, spec)
+                    self.tokens = self.sequences[text]
+                    nll = self._nll(variant, weights)
+                    name = (variant if spec == "uniform" else f"{variant}@{spec}") + suffix
+                    out[f"delta_ppl_pct_{name}"] = 100.0 * math.expm1(float(nll.mean() - ref.mean()))
+                    out[f"delta_ppl_after_prompt_pct_{name}"] = 100.0 * math.expm1(
+                        float(nll[after:].mean() - ref[after:].mean())
+                    )
+        for (variant, text), probe in self._probes.items():
+            for layer, delta in enumerate(probe):
+                out[f"only_layer_{layer}_delta_ppl_pct_{variant}_t{text}"] = delta
         return out
+
+
+def _calibration_texts(spec: str) -> list[int]:
+    kind, _, arg = spec.partition(":")
+    if kind != "sensitivity":
+        return []
+    try:
+        return [int(t) for t in arg.split("+")]
+    except ValueError:
+        raise ValueError(f"layer_budget sensitivity:T1+T2... takes text numbers, got {spec!r}") from None

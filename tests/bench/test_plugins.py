@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -175,6 +176,41 @@ def test_eviction_simulation_plugin_masks_what_each_variant_drops(tiny_dir):
     assert with_slot != late["delta_ppl_pct_token-window"]
     with pytest.raises(PluginError, match="summary must be"):
         run_plugin(name, plugin, PluginContext(model=tiny_dir, params={"summary": "median"}))
+    # per-layer budgets: one run per spec, named after it; a layer that keeps everything changes the result
+    specs = {"context_tokens": "192", "variants": "token-window", "defer_prompt": "1"}
+    layered = PluginContext(
+        model=tiny_dir, dtype="fp32", params={**specs, "layer_budget": "uniform;dense:1;only:0"}
+    )
+    by_layer = run_plugin(name, plugin, layered).aggregates["metrics"]
+    assert by_layer["delta_ppl_pct_token-window"] == late["delta_ppl_pct_token-window"]
+    assert len({by_layer[f"delta_ppl_pct_token-window{s}"] for s in ("", "@dense:1", "@only:0")}) == 3
+    for spec, match in (("pyramid", "layer_budget must be"), ("weights:1/0", "positive weights")):
+        with pytest.raises(PluginError, match=match):
+            run_plugin(name, plugin, PluginContext(model=tiny_dir, params={**specs, "layer_budget": spec}))
+    # weights from one text's per-layer probes, applied to another: probes reported, texts named
+    calibrated = {**specs, "text": "0+1", "layer_budget": "uniform;sensitivity:1"}
+    cal = run_plugin(name, plugin, PluginContext(model=tiny_dir, dtype="fp32", params=calibrated))
+    cal = cal.aggregates["metrics"]
+    layers = plugin.num_layers
+    assert {f"only_layer_{i}_delta_ppl_pct_token-window_t1" for i in range(layers)} <= set(cal)
+    assert cal["delta_ppl_pct_token-window_t0"] == late["delta_ppl_pct_token-window"]
+    assert "delta_ppl_pct_token-window@sensitivity:1_t0" in cal  # (random weights: no layer hurts, uniform)
+    plugin._probes["v", 7] = [3.0, 1.0] + [-0.5] * (layers - 2)  # probes: shares 0.75, 0.25, floored
+    weights = [float(w) for w in plugin._resolve("v", "sensitivity:7").removeprefix("weights:").split("/")]
+    assert weights == pytest.approx([0.75**0.5, 0.25**0.5] + [0.005**0.5] * (layers - 2), rel=1e-5)
+    assert cal["ppl_ref_t0"] != cal["ppl_ref_t1"]
+    budgets = sys.modules[type(plugin).__module__]._layer_budgets  # the same total, shared as asked
+    for spec in ("uniform", "pyramid:3", "dense:2", "weights:" + "/".join(["9"] * 3 + ["1"] * 27)):
+        b = budgets(spec, 307, 1024, 30)
+        assert 307 * 30 - 30 < sum(b) <= 307 * 30 and max(b) <= 1024
+    assert budgets("dense:2", 307, 1024, 30)[:3] == [1024, 1024, 255]
+    assert budgets("pyramid:3", 307, 1024, 30)[0] == pytest.approx(
+        3 * budgets("pyramid:3", 307, 1024, 30)[-1], abs=3
+    )
+    assert budgets("only:4", 307, 1024, 30) == [1024] * 4 + [307] + [1024] * 25
+    oracle = {**specs, "variants": "oracle-block", "layer_budget": "dense:1"}
+    with pytest.raises(PluginError, match="not to the oracles"):
+        run_plugin(name, plugin, PluginContext(model=tiny_dir, params=oracle))
 
 
 def test_quant_gemm_plugin_times_every_path_it_names(tiny_dir):
