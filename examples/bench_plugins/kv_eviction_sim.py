@@ -15,7 +15,9 @@ one slot standing for all the tokens it dropped: logit log(count) + q.mean_k, pl
 or full key covariance, the Gaussian estimate of the dropped keys' summed exp(q.k); value their mean, or with
 ``summary_value=1`` (diag/full) the tilted mean mean_v + Sigma_vk q), layer_budget (``uniform``; or how the
 same total is shared between layers: ``pyramid:R`` linear, the first layer R times the last, PyramidKV;
-``dense:K`` the first K layers keep everything; ``weights:w0/w1/...``; ``only:L`` evicts in layer L alone, a
+``dense:K`` the first K layers keep everything; ``weights:w0/w1/...``; ``reach:P`` online, each layer's current
+reach to the power P; ``sensitivity:T1+T2`` weights calibrated from ``only:L`` probes on those texts
+(reported as ``only_layer_<L>_delta_ppl_pct_<variant>_t<T>``); ``only:L`` evicts in layer L alone, a
 sensitivity probe; several specs separated by ``;`` run one after another, each variant's metrics then named
 ``<variant>@<spec>``; not for the oracles and Ada-KV, which do not keep per layer), variants
 (comma list, default all):
@@ -250,7 +252,7 @@ class _MaskedAttention:
 
 def _layer_reach(layers: list[dict[str, Any]], n: int, budget: int) -> list[float]:
     """Per layer, the mean over its lanes of the decayed attention share a recent window of ``budget``
-    tokens would miss (the split's "reach", in tokens): how far back the layer looks now."""
+    tokens would miss (the split's "reach", per token): how far back the layer looks now."""
     out = []
     for st in layers:
         score = st["recent"][:, :n].nan_to_num(0.0) * st["keep"][:, :n]
@@ -267,9 +269,10 @@ def _layer_budgets(
 ) -> list[int]:
     """Tokens each layer keeps of ``n``. ``uniform``: ``budget`` everywhere. ``pyramid:R``: linear in the
     layer index, the first layer R times the last (PyramidKV, arXiv:2406.02069; R < 1 inverts it).
-    ``dense:K``: the first K layers keep everything. ``weights:w0/w1/...``: one weight per layer. All three
-    keep the same total as ``uniform`` (a layer given more than ``n`` keeps ``n``, the rest share the
-    excess by weight). ``only:L``: only layer L evicts (a sensitivity probe, the total is not kept)."""
+    ``dense:K``: the first K layers keep everything. ``weights:w0/w1/...``: one weight per layer.
+    ``reach:P``: ``reach`` (``_layer_reach``) to the power P. These keep the same total as ``uniform`` (a
+    layer given more than ``n`` keeps ``n``, the rest share the excess by weight). ``only:L``: only layer L
+    evicts (a sensitivity probe, the total is not kept)."""
     kind, _, arg = spec.partition(":")
     try:
         if kind == "only":
@@ -289,7 +292,8 @@ def _layer_budgets(
             raise ValueError
     except ValueError:
         raise ValueError(
-            f"layer_budget must be uniform, pyramid:R, dense:K, weights:W0/W1/..., reach:P or only:L, got {spec!r}"
+            "layer_budget must be uniform, pyramid:R, dense:K, weights:W0/W1/..., reach:P, only:L or "
+            f"sensitivity:T1+T2, got {spec!r}"
         ) from None
     if kind == "uniform" or budget >= n:
         return [budget] * num_layers
@@ -411,7 +415,7 @@ class EvictionSimulation:
         global SINK, MIN_RECENT  # module-level, read by every variant's helper
         SINK = int(ctx.param("sinks", str(DEFAULT_SINK)))
         MIN_RECENT = int(ctx.param("recent", str(DEFAULT_RECENT)))
-        self.future: list[torch.Tensor] | None = None
+        self.futures: dict[int, list[torch.Tensor]] = {}  # per text: its full-attention run's recorded mass
         self.scorer = ctx.param("scorer", "attention")  # or "expected" (Expected Attention)
         self.horizon = int(ctx.param("horizon", "512"))
         self.summary = ctx.param("summary", "none")
@@ -445,19 +449,19 @@ class EvictionSimulation:
             "sharegpt", loaded.tokenizer, loaded.config.vocab_size, wanted[-1] + 1, self.context, 0
         )
         self.sequences = {t: sequences[t] for t in wanted}
-        self.tokens = self.sequences[self.texts[0]]
         self._refs: dict[int, torch.Tensor] = {}
         self._probes: dict[tuple[str, int], list[float]] = {}
 
-    def _nll(self, variant: str | None, layer_budget: str = "uniform") -> torch.Tensor:
+    def _nll(self, variant: str | None, text: int, layer_budget: str = "uniform") -> torch.Tensor:
         from mcp2026.models import llama
 
-        n, prompt = len(self.tokens), len(self.tokens) // 2
+        tokens = self.sequences[text]
+        n, prompt = len(tokens), len(tokens) // 2
         chunks = [(s, min(s + 256, prompt)) for s in range(0, prompt, 256)]
         chunks += [(s, min(s + 32, n)) for s in range(prompt, n, 32)]
         oracle = variant if variant in ORACLES else None
         record = n if variant is None and any(v in FUTURES for v in self.variants) else 0
-        attention = _MaskedAttention(self.num_layers, oracle, self.future, record)
+        attention = _MaskedAttention(self.num_layers, oracle, self.futures.get(text), record)
         attention.value_norm = self.value_norm
         attention.layer_budget = layer_budget
         if variant is not None and variant not in ORACLES:
@@ -476,9 +480,9 @@ class EvictionSimulation:
             with torch.inference_mode():
                 for a, b in chunks:
                     logits = self.model.compute_logits(
-                        self.model(torch.tensor(self.tokens[a:b]), torch.arange(a, b))
+                        self.model(torch.tensor(tokens[a:b]), torch.arange(a, b))
                     )
-                    target = torch.tensor(self.tokens[a + 1 : b + 1])
+                    target = torch.tensor(tokens[a + 1 : b + 1])
                     logprobs = torch.log_softmax(logits.float()[: len(target)], -1)
                     nll.append(-logprobs.gather(1, target[:, None]).squeeze(1))
                     if b == prompt:  # the prompt's last queries replace the decayed scores (as the engine)
@@ -489,22 +493,20 @@ class EvictionSimulation:
         finally:
             llama.attention = original
         if record:
-            self.future = attention.recorded
+            self.futures[text] = attention.recorded
         return torch.cat(nll)
 
     def _ref(self, text: int) -> torch.Tensor:
         if text not in self._refs:
-            self.tokens = self.sequences[text]
-            self._refs[text] = self._nll(None)
+            self._refs[text] = self._nll(None, text)
         return self._refs[text]
 
     def _sensitivity(self, variant: str, text: int) -> list[float]:
         """ΔPPL (%) of text ``text`` when layer L alone evicts, for every L (the ``only:L`` probe)."""
         if (variant, text) not in self._probes:
             ref = self._ref(text)
-            self.tokens = self.sequences[text]
             self._probes[variant, text] = [
-                100.0 * math.expm1(float(self._nll(variant, f"only:{layer}").mean() - ref.mean()))
+                100.0 * math.expm1(float(self._nll(variant, text, f"only:{layer}").mean() - ref.mean()))
                 for layer in range(self.num_layers)
             ]
         return self._probes[variant, text]
@@ -532,9 +534,7 @@ class EvictionSimulation:
             after = len(self.sequences[text]) // 2  # nll[i] scores token i + 1: after the prompt
             for variant in self.variants:
                 for spec in self.layer_budgets:
-                    weights = self._resolve(variant, spec)
-                    self.tokens = self.sequences[text]
-                    nll = self._nll(variant, weights)
+                    nll = self._nll(variant, text, self._resolve(variant, spec))
                     name = (variant if spec == "uniform" else f"{variant}@{spec}") + suffix
                     out[f"delta_ppl_pct_{name}"] = 100.0 * math.expm1(float(nll.mean() - ref.mean()))
                     out[f"delta_ppl_after_prompt_pct_{name}"] = 100.0 * math.expm1(

@@ -208,6 +208,13 @@ def test_eviction_simulation_plugin_masks_what_each_variant_drops(tiny_dir):
         3 * budgets("pyramid:3", 307, 1024, 30)[-1], abs=3
     )
     assert budgets("only:4", 307, 1024, 30) == [1024] * 4 + [307] + [1024] * 25
+    # calibrating on text 1 first leaves text 0's clairvoyant variant reading text 0's own recorded attention
+    future = {**specs, "variants": "future-block"}
+    alone = run_plugin(name, plugin, PluginContext(model=tiny_dir, dtype="fp32", params=future))
+    after_probe = {**future, "layer_budget": "sensitivity:1;uniform"}
+    probed = run_plugin(name, plugin, PluginContext(model=tiny_dir, dtype="fp32", params=after_probe))
+    key = "delta_ppl_pct_future-block"
+    assert probed.aggregates["metrics"][key] == alone.aggregates["metrics"][key]
     oracle = {**specs, "variants": "oracle-block", "layer_budget": "dense:1"}
     with pytest.raises(PluginError, match="not to the oracles"):
         run_plugin(name, plugin, PluginContext(model=tiny_dir, params=oracle))
