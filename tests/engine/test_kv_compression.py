@@ -173,17 +173,25 @@ def test_eviction_keeps_positions(tiny, monkeypatch, dtype, atol):
     assert err < atol, f"{dtype}: logprobs off by {err:.3g}"
 
 
+@pytest.mark.parametrize("layer_weights", [None, (1.0, 3.0)])
 @pytest.mark.parametrize("policy", ["sink_window", "heavy_hitter", "dynamic_window", "snap"])
-def test_evictor_lanes_match_what_the_model_attends_to(tiny, monkeypatch, policy):
-    """The evictor's own record of which block each slot holds in each lane (``origins``, read before every
-    step) is what the engine attends to: full fp32 attention masked to exactly those blocks per (layer, KV
-    head), plus the step's own tokens, gives the engine's logprobs. Chunked prefill, eviction mid-prompt
-    (sink_window, dynamic_window) and at the prompt end, and during decode."""
+def test_evictor_lanes_match_what_the_model_attends_to(tiny, monkeypatch, policy, layer_weights):
+    """The evictor's own record of which block each slot holds in each lane (``lane_origins``, read before
+    every step) is what the engine attends to: full fp32 attention masked to exactly those blocks per (layer,
+    KV head), plus the step's own tokens, gives the engine's logprobs. Chunked prefill, eviction mid-prompt
+    (sink_window, dynamic_window) and at the prompt end, and during decode; with per-layer budgets the layers
+    keep different numbers of blocks, packed into each other's pages."""
     from mcp2026.models import llama
 
     bs = 8
     kv = KVCompressor(
-        dtype="fp32", policy=policy, sparsity_ratio=0.6, recent_window=8, num_sink_tokens=4, block_size=bs
+        dtype="fp32",
+        policy=policy,
+        sparsity_ratio=0.6,
+        recent_window=8,
+        num_sink_tokens=4,
+        block_size=bs,
+        layer_weights=layer_weights,
     )
     engine = make_engine(tiny, kv, num_blocks=64, long_prefill_token_threshold=24)
     prompt = torch.randint(3, 320, (70,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -195,16 +203,22 @@ def test_evictor_lanes_match_what_the_model_attends_to(tiny, monkeypatch, policy
     while engine.has_unfinished():
         start = request.num_computed_tokens
         cached = start - engine.kv_manager.num_dropped_tokens(rid)
-        history.append((start, engine.evictor.origins(rid, -(-cached // bs))))
+        history.append((start, engine.evictor.lane_origins(rid, -(-cached // bs))))
         final = next((o for o in engine.step() if o.finished), final)
+        engine.kv_manager.check_integrity()
+        if layer_weights is not None and engine.has_unfinished():
+            engine.evictor.layer_pages.check_integrity(rid, engine.kv_manager.block_table(rid))
     assert engine.evictor.counters.num_evicted_blocks > 0
+    if layer_weights is not None:  # layer 1 keeps more than layer 0
+        final_lanes = history[-1][1]
+        assert len(final_lanes[-1]) > len(final_lanes[0])
     out = final.output
     seq = torch.tensor(prompt + out.token_ids[:-1])
     n = len(seq)
     masks = torch.zeros(num_layers, nkv, n, n, dtype=torch.bool)
     ends = [h[0] for h in history[1:]] + [n]
     for (start, origins), end in zip(history, ends):
-        for lane, blocks in enumerate(origins.tolist()):
+        for lane, blocks in enumerate(origins):
             layer, head = divmod(lane, nkv)
             for p in range(start, min(end, n)):
                 for b in blocks:
@@ -228,6 +242,102 @@ def test_evictor_lanes_match_what_the_model_attends_to(tiny, monkeypatch, policy
     logprobs = torch.log_softmax(logits, -1)[torch.arange(40), out.token_ids]
     assert logits.argmax(-1).tolist() == out.token_ids
     torch.testing.assert_close(torch.tensor([lp.logprob for lp in out.logprobs]), logprobs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "policy", "fused"),
+    [
+        ("fp32", "heavy_hitter", True),
+        ("fp32", "heavy_hitter", False),
+        ("int8", "sink_window", True),
+        ("int4", "heavy_hitter", True),
+        ("int4", "dynamic_window", False),
+        ("fp32", "snap", True),
+    ],
+)
+def test_equal_layer_weights_give_the_uniform_engine(tiny, monkeypatch, dtype, policy, fused):
+    """Per-layer budgets with equal weights keep what uniform eviction keeps: the layered cache's per-layer
+    tables, packing and reads give the same tokens and logprobs, with the decode kernel and without it."""
+    from mcp2026.engine import runner
+
+    if not fused:
+        monkeypatch.setattr(runner.ops, "decode_kernel_available", lambda *a: False)
+    kv = KVCompressor(
+        dtype=dtype,
+        policy=policy,
+        sparsity_ratio=0.5,
+        recent_window=16,
+        block_size=32 if dtype == "int4" else 16,
+    )
+    params = SamplingParams(max_tokens=60, ignore_eos=True, logprobs=0)
+    ps = prompts(3, seed=7)
+
+    def outputs(compressor):
+        engine = make_engine(tiny, compressor, max_num_batched_tokens=32)
+        ids = [engine.add_request(p, params) for p in ps]
+        done = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = o.output
+            engine.kv_manager.check_integrity()
+        assert engine.evictor.counters.num_evicted_blocks > 0
+        assert engine.runner.fused_decode == fused
+        return [done[i] for i in ids]
+
+    uniform = outputs(kv)
+    layered = outputs(dataclasses.replace(kv, layer_weights=(2.0, 2.0)))
+    assert [o.token_ids for o in layered] == [o.token_ids for o in uniform]
+    for a, b in zip(layered, uniform):
+        assert [lp.logprob for lp in a.logprobs] == [lp.logprob for lp in b.logprobs]
+
+
+def test_layer_weights_share_the_same_memory_unevenly(tiny):
+    """Uneven weights: the request holds the uniform budget's blocks; its layers keep slots in proportion."""
+    bs = 8
+    kv = KVCompressor(
+        dtype="int8",
+        policy="sink_window",
+        sparsity_ratio=0.6,
+        recent_window=8,
+        block_size=bs,
+        layer_weights="1/3",
+    )
+    engine = make_engine(tiny, kv)
+    rid = engine.add_request(prompts(1, seed=3)[0], SamplingParams(max_tokens=120, ignore_eos=True))
+    request = engine.request_state(rid).request
+    while engine.has_unfinished():
+        engine.step()
+        engine.kv_manager.check_integrity()
+        state = engine.request_state(rid)
+        if state is None:
+            break
+        n = request.num_computed_tokens
+        table = engine.kv_manager.block_table(rid)
+        engine.evictor.layer_pages.check_integrity(rid, table)
+        if engine.evictor.layer_pages.is_packed(rid):
+            assert len(table) <= kv.budget().num_keep_blocks(n) + 1
+            slots = [len(p) for p in engine.evictor.layer_pages.pages(rid, table)]
+            assert slots[1] >= slots[0]  # layer 1 grows one slot per block towards its share
+            layers = engine.kv_debug_report()["eviction"]["layer_budgets"]
+            assert layers["num_packed_requests"] == 1
+            assert layers["num_idle_pages"] == 2 * len(table) - sum(slots) < 2  # fewer than one block's pages
+    assert slots[1] > 2 * slots[0]
+    assert engine.evictor.report()["num_dropped_pages"] > 0
+    assert engine.kv_manager.num_free_blocks == 96
+
+
+def test_layer_weights_errors(tiny):
+    with pytest.raises(ValueError, match="one per layer"):
+        make_engine(tiny, KVCompressor(dtype="fp32", policy="heavy_hitter", layer_weights=(1.0, 2.0, 3.0)))
+    with pytest.raises(ValueError, match="positive"):
+        KVCompressor(policy="heavy_hitter", layer_weights=(1.0, 0.0))
+    with pytest.raises(ValueError, match="must be a preset"):
+        KVCompressor(policy="heavy_hitter", layer_weights="1/x")
+    with pytest.raises(ValueError, match="policy='none'"):
+        KVCompressor(dtype="int8", policy="none", layer_weights=(1.0, 1.0))
+    assert KVCompressor(policy="heavy_hitter", layer_weights="1/2.5").layer_weights == (1.0, 2.5)
+    assert KVCompressor.from_dict({"layer_weights": [1, 2]}).layer_weights == (1.0, 2.0)
 
 
 @pytest.mark.parametrize("policy", ["sink_window", "heavy_hitter", "dynamic_window"])
@@ -429,8 +539,11 @@ def test_snap_compresses_once_after_the_prompt(tiny):
     assert engine.evictor.counters.num_eviction_events == 1
 
 
-def test_compressed_blocks_are_not_prefix_hits(tiny):
-    kv = KVCompressor(dtype="int8", policy="sink_window", sparsity_ratio=0.5, recent_window=16)
+@pytest.mark.parametrize("layer_weights", [None, (1.0, 3.0)])
+def test_compressed_blocks_are_not_prefix_hits(tiny, layer_weights):
+    kv = KVCompressor(
+        dtype="int8", policy="sink_window", sparsity_ratio=0.5, recent_window=16, layer_weights=layer_weights
+    )
     engine = make_engine(tiny, kv)
     prompt = torch.randint(3, 320, (64,), generator=torch.Generator().manual_seed(6)).tolist()
     first = run(engine, [prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]
@@ -450,10 +563,19 @@ def test_compressed_blocks_are_not_prefix_hits(tiny):
     engine.kv_manager.check_integrity()
 
 
-def test_compaction_never_rewrites_blocks_another_request_reads(tiny):
+@pytest.mark.parametrize("layer_weights", [None, (1.0, 3.0), (3.0, 1.0)])
+def test_compaction_never_rewrites_blocks_another_request_reads(tiny, layer_weights):
     """B hits A's prompt blocks (prefix cache) while A still holds them; both then compact (snap, at their
-    prompt ends, in the same step). Outputs equal each run alone: shared blocks were copied, not rewritten."""
-    kv = KVCompressor(dtype="fp32", policy="snap", sparsity_ratio=0.5, recent_window=16, block_size=8)
+    prompt ends, in the same step). Outputs equal each run alone: shared blocks were copied, not rewritten
+    (per-layer budgets pack slots into other layers' pages of any block: those blocks are copied first)."""
+    kv = KVCompressor(
+        dtype="fp32",
+        policy="snap",
+        sparsity_ratio=0.5,
+        recent_window=16,
+        block_size=8,
+        layer_weights=layer_weights,
+    )
     g = torch.Generator().manual_seed(8)
     prefix = torch.randint(3, 320, (64,), generator=g).tolist()
     a = prefix + torch.randint(3, 320, (24,), generator=g).tolist()
@@ -479,12 +601,19 @@ def test_compaction_never_rewrites_blocks_another_request_reads(tiny):
 
 
 @pytest.mark.parametrize("policy", ["heavy_hitter", "sink_window"])
-def test_recompute_after_preemption_fits_what_the_scheduler_admitted(tiny, policy):
+@pytest.mark.parametrize("layer_weights", [None, (1.0, 3.0)])
+def test_recompute_after_preemption_fits_what_the_scheduler_admitted(tiny, policy, layer_weights):
     """A preempted request recomputes prompt + output in chunks that run past the prompt end. heavy_hitter's
     keep-the-prompt-whole rule must follow what the scheduler admitted (prompt + output here, which does not
     fit the 8-block pool): it streams instead, and the request finishes (it used to preempt itself forever)."""
     kv = KVCompressor(
-        dtype="fp32", policy=policy, sparsity_ratio=0.6, recent_window=8, num_sink_tokens=4, block_size=8
+        dtype="fp32",
+        policy=policy,
+        sparsity_ratio=0.6,
+        recent_window=8,
+        num_sink_tokens=4,
+        block_size=8,
+        layer_weights=layer_weights,
     )
     config = EngineConfig(
         KVConfig(block_size=8, num_blocks=8, enable_prefix_caching=False),

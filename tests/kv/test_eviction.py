@@ -189,6 +189,34 @@ def test_drop_slots_frees_the_tail_and_keeps_registered_blocks_as_hits():
         kv.drop_slots("d", 6, 6, 1)  # slot 0 is not rewritten, so at most 5 can go
 
 
+def test_privatize_then_release_slots():
+    """Per-layer budgets may write any block of a request: every shared block moves to a fresh copy, registered
+    ones too while blocks are spare (the originals stay prefix hits); then any table entries can be released."""
+    kv = KVCacheManager(BS, 16, enable_prefix_caching=True)
+    a, b = Req("a", list(range(17))), Req("b", list(range(17)))
+    compute(kv, a)
+    assert compute(kv, b) == 16
+    shared = kv.block_table("b")[:4]
+    tables = kv.privatize("a")
+    assert tables is not None and tables[0][:4] == shared
+    assert not set(tables[1]) & set(shared) and kv.block_table("b")[:4] == shared
+    assert all(kv.pool.ref_count(x) == 1 for x in shared)
+    kv.check_integrity()
+    kv.release_slots("a", [1, 3])
+    assert kv.block_table("a") == [tables[1][i] for i in (0, 2, 4)] and kv.num_dropped_tokens("a") == 8
+    kv.check_integrity()
+    assert compute(kv, Req("c", list(range(17)))) == 16  # the originals are still hits
+    with pytest.raises(ValueError, match="no table entries"):
+        kv.release_slots("a", [3])
+    # No block to copy a shared one into: nothing changes.
+    full = KVCacheManager(BS, 6)
+    a2, b2 = Req("a", list(range(17))), Req("b", list(range(16)) + [7])
+    compute(full, a2)
+    assert compute(full, b2) == 16 and full.num_free_blocks == 0
+    assert full.privatize("a") is None and full.block_table("a")[:4] == full.block_table("b")[:4]
+    full.check_integrity()
+
+
 def test_drop_slots_never_rewrites_a_block_another_request_holds():
     kv = KVCacheManager(BS, 16, enable_prefix_caching=True)
     a, b = Req("a", list(range(17))), Req("b", list(range(17)))

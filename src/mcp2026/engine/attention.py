@@ -12,6 +12,7 @@ attention of a prefill chunk's last queries are summed per block, per layer and 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,8 +47,14 @@ class PrefillSlice:
     stage_entry: int = 0
     num_prior: int = 0
     staged_apart: bool = False
+    # A layered cache (per-layer budgets): each layer's own slice (its pages, slots and masks); this one then
+    # holds only the position in the batch and the scores (mass, num_observed)
+    per_layer: list[PrefillSlice] | None = None
 
     def to(self, device: torch.device) -> PrefillSlice:
+        if self.per_layer is not None and device.type != "cpu":
+            return self._layers_to(device)
+
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=True)
 
@@ -64,7 +71,33 @@ class PrefillSlice:
             self.stage_entry,
             self.num_prior,
             self.staged_apart,
+            None if self.per_layer is None else [p.to(device) for p in self.per_layer],
         )
+
+    def _layers_to(self, device: torch.device) -> PrefillSlice:
+        """Per-layer slices moved with what they share moved once: masks (one per slot shift) stay shared, and
+        each layer's scores stay a view of the one ``mass`` (what the runner reads back)."""
+        moved: dict[int, torch.Tensor] = {}
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            if id(t) not in moved:
+                moved[id(t)] = t.to(device, non_blocking=True)
+            return moved[id(t)]
+
+        mass = move(self.mass)
+        layers = []
+        for p in self.per_layer:
+            layer = dataclasses.replace(
+                p,
+                context=None if p.context is None else p.context.to(device),
+                mask=move(p.mask),
+                observe_mask=move(p.observe_mask),
+                mass=None if mass is None else mass[:, :, : p.mass.shape[-1]],
+            )
+            layers.append(layer)
+        return dataclasses.replace(self, mass=mass, per_layer=layers)
 
 
 @dataclass
@@ -72,7 +105,9 @@ class AttentionMetadata:
     write: WritePlan  # where each new token's K/V goes
     block_size: int = 16
     num_decodes: int = 0  # the first num_decodes tokens are decodes, one per sequence
-    decode_read: BlockRead | None = None  # (B, nb) live blocks, each sequence's padded to nb
+    decode_read: BlockRead | list[BlockRead] | None = (
+        None  # (B, nb) live blocks, each sequence's padded to nb
+    )
     decode_bias: torch.Tensor | None = None  # (B, 1, 1, nb * bs) 0 / -inf past each length; None if none
     decode_mass: torch.Tensor | None = None  # (L, B, nkv, nb) float32 attention mass per block (scoring)
     # Fused path (plain K/V storage): block ids (B, nb) and lengths (B,) for the kernel that
@@ -80,6 +115,22 @@ class AttentionMetadata:
     decode_tables: torch.Tensor | None = None
     decode_lengths: torch.Tensor | None = None
     prefills: list[PrefillSlice] = field(default_factory=list)
+    # A layered cache (per-layer budgets): decode_read is one read per layer, and decode_bias, decode_tables
+    # and decode_lengths have a leading layer dimension
+    layered: bool = False
+
+    def decode_inputs(
+        self, layer: int
+    ) -> tuple[BlockRead | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """What ``layer``'s decode reads: (read, bias, tables, lengths)."""
+        if not self.layered:
+            return self.decode_read, self.decode_bias, self.decode_tables, self.decode_lengths
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[layer]
+
+        read = None if self.decode_read is None else self.decode_read[layer]
+        return read, pick(self.decode_bias), pick(self.decode_tables), pick(self.decode_lengths)
 
     def to(self, device: torch.device) -> AttentionMetadata:
         """Built on the CPU (small index tensors), moved once per step to the model's device."""
@@ -89,16 +140,22 @@ class AttentionMetadata:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=True)
 
+        read = self.decode_read
+        if isinstance(read, list):
+            read = [r.to(device) for r in read]
+        elif read is not None:
+            read = read.to(device)
         return AttentionMetadata(
             self.write.to(device),
             self.block_size,
             self.num_decodes,
-            None if self.decode_read is None else self.decode_read.to(device),
+            read,
             move(self.decode_bias),
             move(self.decode_mass),
             move(self.decode_tables),
             move(self.decode_lengths),
             [p.to(device) for p in self.prefills],
+            self.layered,
         )
 
 
@@ -301,22 +358,22 @@ def attention(
     if meta.num_decodes:
         b = meta.num_decodes
         mass = None if meta.decode_mass is None else meta.decode_mass[layer]
-        if meta.decode_tables is not None and cache.reads_in_place:
+        read, bias, tables, lengths = meta.decode_inputs(layer)
+        if tables is not None and cache.reads_in_place:
             kb, vb = cache.layer_blocks(layer)
-            parts.append(
-                ops.paged_decode_attention(q[:b], kb, vb, meta.decode_tables, meta.decode_lengths, mass)
-            )
-        elif meta.decode_tables is not None:  # int8 / int4 blocks, decoded as the kernel reads them
+            parts.append(ops.paged_decode_attention(q[:b], kb, vb, tables, lengths, mass))
+        elif tables is not None:  # int8 / int4 blocks, decoded as the kernel reads them
             kp, vp, sk, sv = cache.layer_planes(layer)
             kind = cache.quantized_kernel_kind
-            tables, lengths = meta.decode_tables, meta.decode_lengths
             parts.append(
                 ops.paged_decode_attention_quantized(q[:b], kind, kp, vp, sk, sv, tables, lengths, mass)
             )
         else:
-            kc, vc = cache.gather(layer, meta.decode_read)  # (B, nkv, L, hd)
-            parts.append(_decode_attention(q[:b], kc, vc, meta.decode_bias, mass, meta.block_size))
+            kc, vc = cache.gather(layer, read)  # (B, nkv, L, hd)
+            parts.append(_decode_attention(q[:b], kc, vc, bias, mass, meta.block_size))
     for p in meta.prefills:
+        if p.per_layer is not None:
+            p = p.per_layer[layer]
         qs = q[p.q_start : p.q_start + p.q_len]
         if p.context is None:
             kc = k[p.q_start : p.q_start + p.q_len].to(q.dtype).transpose(0, 1)  # (nkv, T, hd)

@@ -107,6 +107,7 @@ class LLMEngine:
             dtype,
             device=self.device,
             codec=codec,
+            layered=compressor is not None and compressor.layer_weights is not None,
             **(
                 {"max_error": compressor.max_error, "error_check_interval": compressor.error_check_interval}
                 if compressor is not None
@@ -128,7 +129,12 @@ class LLMEngine:
             self.max_model_len,
             self._peak_blocks_rule(),
         )
-        self.runner = ModelRunner(model, self.cache, self.evictor.scoring if self.evictor else None)
+        self.runner = ModelRunner(
+            model,
+            self.cache,
+            self.evictor.scoring if self.evictor else None,
+            self.evictor.layer_pages if self.evictor else None,
+        )
         self.sampler = Sampler()
         eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or model_config.eos_token_ids)
         self.eos_token_ids = eos

@@ -71,7 +71,12 @@ def draft_attention(
     num_slots = {
         r.request_id: cdiv(r.num_computed_tokens - manager.num_dropped_tokens(r.request_id), bs) for r in live
     }
-    sums = {rid: torch.zeros(cache.num_layers * cache.num_kv_heads, n) for rid, n in num_slots.items()}
+    # per lane, the prompt's slots: with per-layer budgets (kv.layer_pages) a layer holds ``slot_shift`` fewer
+    lane_slots = {
+        rid: n - _lane_shift(runner, rid, cache.num_kv_heads, cache.num_layers)
+        for rid, n in num_slots.items()
+    }
+    sums = {rid: torch.zeros(len(s), int(s.max())) for rid, s in lane_slots.items()}
     counts = dict.fromkeys(num_slots, 0)
     drafts = {
         r.request_id: _Draft(r.request_id, r.num_computed_tokens, r.num_tokens, r.cache_salt, r.plan_id)
@@ -104,8 +109,9 @@ def draft_attention(
             ids, logits = runner.execute(SchedulerOutput(chunks, len(chunks)))
             for part in runner.take_scores():
                 for i, (rid, seen) in enumerate(zip(part.request_ids, part.num_slots)):
-                    n = num_slots[rid]
-                    sums[rid] += part.mass[i, :, :n].float() * seen  # relative to uniform over what it saw
+                    seen_by_lane = (seen - num_slots[rid] + lane_slots[rid]).unsqueeze(1)  # (lanes, 1)
+                    n = sums[rid].shape[1]  # relative to uniform over what each lane saw
+                    sums[rid] += part.mass[i, :, :n].float() * seen_by_lane
                     counts[rid] += 1
             for rid, token in zip(ids, logits.argmax(-1).tolist()):
                 drafts[rid].num_computed_tokens += 1
@@ -119,3 +125,10 @@ def draft_attention(
             manager.truncate(rid, n)
         cache.restore_staging(staged)
     return {rid: sums[rid] / counts[rid] for rid in sums if counts[rid]}
+
+
+def _lane_shift(runner: ModelRunner, request_id: str, num_kv_heads: int, num_layers: int) -> torch.Tensor:
+    """(lanes,) how many fewer slots than the uniform view each lane holds (0 without per-layer budgets)."""
+    pages = runner.layer_pages
+    shift = pages.slot_shift(request_id) if pages is not None else [0] * num_layers
+    return torch.tensor(shift).repeat_interleave(num_kv_heads)

@@ -9,6 +9,8 @@ returns each slot's attention mass per layer and KV head.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -16,6 +18,7 @@ from mcp2026.engine.attention import AttentionMetadata, ForwardContext, PrefillS
 from mcp2026.engine.output import ScheduledChunk, SchedulerOutput
 from mcp2026.kernels import ops
 from mcp2026.kv.eviction import ScoringSpec, StepScores
+from mcp2026.kv.layer_pages import LayerPages, LayerTable
 from mcp2026.kv.manager import cdiv
 from mcp2026.kv.paged_cache import BlockRead, PagedKVCache
 
@@ -26,9 +29,19 @@ def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, cache: PagedKVCache, scoring: ScoringSpec | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        cache: PagedKVCache,
+        scoring: ScoringSpec | None = None,
+        layer_pages: LayerPages | None = None,
+    ) -> None:
+        if cache.layered and layer_pages is None:
+            raise ValueError("a layered KV cache (per-layer budgets) needs the evictor's LayerPages")
         self.model = model
         self.cache = cache
+        # per-layer budgets: each layer reads and writes its own pages (kv.layer_pages)
+        self.layer_pages = layer_pages if cache.layered else None
         self.device = cache.device
         self.block_size = cache.block_size
         self.num_layers, self.num_kv_heads = cache.num_layers, cache.num_kv_heads
@@ -47,7 +60,7 @@ class ModelRunner:
 
     def _staged_id(self, request_id: str, stage_after: dict[str, int | None]) -> int | None:
         idx = stage_after.get(request_id)
-        return None if idx is None else self.cache.num_blocks + idx
+        return None if idx is None else self.cache.num_pages + idx
 
     def _decode_metadata(
         self, meta: AttentionMetadata, decodes: list[ScheduledChunk], stage_after: dict[str, int | None]
@@ -77,6 +90,80 @@ class ModelRunner:
             bias = torch.zeros(pad.shape, dtype=self.cache.dtype).masked_fill_(pad, float("-inf"))
             meta.decode_bias = bias[:, None, None, :]
         return num_slots
+
+    def _decode_metadata_layered(
+        self,
+        meta: AttentionMetadata,
+        decodes: list[ScheduledChunk],
+        stage_after: dict[str, int | None],
+        tables_of: dict[str, LayerTable],
+    ) -> list[int]:
+        """``_decode_metadata`` with per-layer tables (L, B, nb) and lengths (L, B): layer ``l`` of a sequence
+        reads its own slots, ``shift[l]`` blocks fewer than the uniform view's. Returns the uniform slots read."""
+        bs, num_layers = self.block_size, self.num_layers
+        layer_tables = [tables_of[c.request_id] for c in decodes]
+        num_slots = [c.kv_start // bs + 1 for c in decodes]
+        slots = torch.tensor(num_slots).unsqueeze(0) - torch.stack([t.shift for t in layer_tables], dim=1)
+        width = int(slots.max())
+        tables = torch.zeros(num_layers, len(decodes), width, dtype=torch.long)
+        for b, (c, lt) in enumerate(zip(decodes, layer_tables)):
+            w = min(width, lt.pages.shape[1])
+            tables[:, b, :w] = lt.pages[:, :w]
+            staged = self._staged_id(c.request_id, stage_after)
+            if staged is not None:
+                tables[torch.arange(num_layers), b, slots[:, b] - 1] = staged
+        offsets = torch.tensor([c.kv_start % bs for c in decodes]).unsqueeze(0)
+        lengths = (slots - 1) * bs + offsets + 1  # (L, B)
+        if self.scoring.decode:
+            meta.decode_mass = torch.zeros(num_layers, len(decodes), self.num_kv_heads, width)
+        if self.fused_decode and (
+            self.cache.quantized_kernel_kind
+            or not any(self._staged_id(c.request_id, stage_after) is not None for c in decodes)
+        ):
+            meta.decode_tables, meta.decode_lengths = tables, lengths
+            return num_slots
+        meta.decode_read = [self.cache.block_read(tables[layer]) for layer in range(num_layers)]
+        pad = torch.arange(width * bs).view(1, 1, -1) >= lengths.unsqueeze(2)  # (L, B, nb * bs)
+        if bool(pad.any()):
+            bias = torch.zeros(pad.shape, dtype=self.cache.dtype).masked_fill_(pad, float("-inf"))
+            meta.decode_bias = bias[:, :, None, None, :]
+        return num_slots
+
+    def _prefill_slice_layered(
+        self, c: ScheduledChunk, q_start: int, stage_after: dict[str, int | None], lt: LayerTable
+    ) -> tuple[PrefillSlice, int | None]:
+        """``_prefill_slice`` per layer: each reads its own pages, ``shift[l]`` blocks fewer slots (the first
+        chunk in an exact cache reads nothing, alike in every layer). Masks are shared between layers with the
+        same shift; scores go to one (L, nkv, widest layer's slots) tensor."""
+        if c.kv_start == 0 and self.cache.stores_exactly:  # reads no cache
+            return self._prefill_slice(c, q_start, stage_after)
+        bs, end = self.block_size, c.kv_start + c.num_tokens
+        by_shift: dict[int, PrefillSlice] = {}
+        layers: list[PrefillSlice] = []
+        observed_slots = None
+        for layer in range(self.num_layers):
+            shift = int(lt.shift[layer])
+            ids = lt.pages[layer, : cdiv(end, bs) - shift].tolist()
+            own = dataclasses.replace(c, block_table=ids, kv_offset=c.kv_offset + shift * bs)
+            if shift not in by_shift:
+                by_shift[shift], observed_slots = self._prefill_slice(own, q_start, stage_after)
+                layers.append(by_shift[shift])
+                continue
+            staged = self._staged_id(c.request_id, stage_after)
+            if staged is not None:
+                ids[-1] = staged
+            read = self.cache.block_read(torch.tensor([ids], dtype=torch.long))
+            layers.append(dataclasses.replace(by_shift[shift], context=read))
+        first = layers[0]
+        parent = PrefillSlice(q_start, c.num_tokens, None, None, per_layer=layers)
+        if observed_slots is None:
+            return parent, None
+        width = max(p.mass.shape[-1] for p in layers)
+        parent.mass = torch.zeros(self.num_layers, self.num_kv_heads, width)
+        parent.num_observed = first.num_observed
+        for p in layers:
+            p.mass = parent.mass[:, :, : p.context.num_blocks]
+        return parent, cdiv(end, bs)
 
     def _prefill_slice(
         self, c: ScheduledChunk, q_start: int, stage_after: dict[str, int | None]
@@ -161,18 +248,41 @@ class ModelRunner:
         self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]
     ) -> tuple[AttentionMetadata, list[tuple[list[str], torch.Tensor, int | None]]]:
         chunks = decodes + prefills
-        write = self.cache.plan_write(
-            [(c.request_id, c.kv_start, c.num_tokens, c.block_table) for c in chunks]
+        tables_of = (
+            {c.request_id: self.layer_pages.table(c.request_id, c.block_table) for c in chunks}
+            if self.layer_pages is not None
+            else None
         )
-        meta = AttentionMetadata(write, self.block_size, num_decodes=len(decodes))
+        write = self.cache.plan_write(
+            [
+                (
+                    c.request_id,
+                    c.kv_start,
+                    c.num_tokens,
+                    c.block_table if tables_of is None else tables_of[c.request_id],
+                )
+                for c in chunks
+            ]
+        )
+        meta = AttentionMetadata(
+            write, self.block_size, num_decodes=len(decodes), layered=tables_of is not None
+        )
         observed = []  # (request ids, slots observed, prefill slice number or None for decodes)
         if decodes:
-            num_slots = self._decode_metadata(meta, decodes, write.stage_after)
+            if tables_of is None:
+                num_slots = self._decode_metadata(meta, decodes, write.stage_after)
+            else:
+                num_slots = self._decode_metadata_layered(meta, decodes, write.stage_after, tables_of)
             if meta.decode_mass is not None:
                 observed.append(([c.request_id for c in decodes], num_slots, None))
         q_start = len(decodes)
         for c in prefills:
-            p, num_slots = self._prefill_slice(c, q_start, write.stage_after)
+            if tables_of is None:
+                p, num_slots = self._prefill_slice(c, q_start, write.stage_after)
+            else:
+                p, num_slots = self._prefill_slice_layered(
+                    c, q_start, write.stage_after, tables_of[c.request_id]
+                )
             meta.prefills.append(p)
             if num_slots is not None:
                 observed.append(([c.request_id], [num_slots], len(meta.prefills) - 1))

@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from mcp2026.kv.layer_pages import LayerPages, Packing, layer_quotas, plan_packing
 from mcp2026.kv.manager import KVCacheManager, cdiv
 from mcp2026.kv.paged_cache import PagedKVCache
 
@@ -406,7 +407,8 @@ class _RequestState:
 
 @dataclass
 class EvictionCounters:
-    num_evicted_blocks: int = 0  # slots dropped (one block each, every lane)
+    num_evicted_blocks: int = 0  # slots dropped (one block each, every lane); per-layer budgets: blocks freed
+    num_dropped_pages: int = 0  # per-layer budgets: (layer, slot) pages dropped
     num_eviction_events: int = 0
     num_decisions: int = 0
     num_copied_chunks: int = 0  # (layer, block, head) chunks moved by compaction
@@ -431,12 +433,26 @@ class KVEvictor:
         max_model_len: int,
         cache: PagedKVCache | None = None,
         num_lanes: int = 1,
+        layer_weights: Sequence[float] | None = None,
     ) -> None:
         self.policy = policy
         self.budget = policy.budget
         self.manager = manager
         self.cache = cache
         self.num_lanes = cache.num_layers * cache.num_kv_heads if cache is not None else num_lanes
+        # Per-layer budgets: the request's kept blocks shared between layers in proportion to these weights
+        # (kv.layer_pages packs each layer's slots into the request's blocks)
+        self.layer_weights = None if layer_weights is None else [float(w) for w in layer_weights]
+        self.layer_pages: LayerPages | None = None
+        if self.layer_weights is not None:
+            if cache is None or not cache.layered:
+                raise ValueError("per-layer budgets need a layered KV cache (PagedKVCache(layered=True))")
+            if len(self.layer_weights) != cache.num_layers or min(self.layer_weights) <= 0:
+                raise ValueError(
+                    f"layer_weights: need {cache.num_layers} positive weights (one per layer), "
+                    f"got {len(self.layer_weights)}"
+                )
+            self.layer_pages = LayerPages(cache.num_layers, cache.num_blocks)
         self.max_blocks = cdiv(max_model_len, self.budget.block_size)
         shape = (0, self.num_lanes, self.max_blocks)
         self.origin = torch.zeros(shape, dtype=torch.long)
@@ -487,6 +503,8 @@ class KVEvictor:
         """Requests finished or were preempted (a recompute starts from a full context again)."""
         for rid in request_ids:
             state = self._states.pop(rid, None)
+            if self.layer_pages is not None:
+                self.layer_pages.forget(rid)
             if state is not None:
                 for t in self._tensors():
                     t[state.row].zero_()
@@ -497,6 +515,16 @@ class KVEvictor:
         row = self._state(request_id).row  # first: a new request may grow (replace) the tensors
         return self.origin[row, :, :num_slots].clone()
 
+    def lane_origins(self, request_id: str, num_slots: int) -> list[list[int]]:
+        """Per lane, the block each of its slots holds when the uniform view has ``num_slots`` slots: with
+        per-layer budgets, a layer's lanes hold ``num_slots - slot_shift[layer]``."""
+        origin = self.origins(request_id, self.max_blocks).tolist()
+        if self.layer_pages is None:
+            return [lane[:num_slots] for lane in origin]
+        nkv = self.num_lanes // len(self.layer_weights)
+        shift = self.layer_pages.slot_shift(request_id)
+        return [lane[: num_slots - shift[i // nkv]] for i, lane in enumerate(origin)]
+
     def absorb(self, scores: Iterable[StepScores], num_new_tokens: dict[str, int] | None = None) -> None:
         """Fold a step's observations in. ``num_new_tokens``: tokens each request computed in the step (the
         age, for the decay of "recent" scores; 1 when not given)."""
@@ -505,6 +533,9 @@ class KVEvictor:
         for part in scores:
             for i, (rid, n) in enumerate(zip(part.request_ids, part.num_slots)):
                 row = self._state(rid).row
+                if self.layer_pages is not None and self.layer_pages.is_packed(rid):
+                    self._absorb_layered(row, part.mass[i], n, rid, (num_new_tokens or {}).get(rid, 1))
+                    continue
                 mass = part.mass[i, :, :n].float()
                 if recent:
                     rel = mass * n  # relative to uniform over the blocks this observation saw
@@ -517,6 +548,27 @@ class KVEvictor:
                 self.mass[row, :, :n] += mass
                 self.count[row, :, :n] += 1.0
         self.counters.score_ms += (time.perf_counter() - t0) * 1e3
+
+    def _absorb_layered(
+        self, row: int, mass: torch.Tensor, num_slots: int, request_id: str, age: int
+    ) -> None:
+        """``absorb`` for a request whose layers hold different numbers of slots: lane by lane, only its own."""
+        nkv = self.cache.num_kv_heads
+        shift = torch.tensor(self.layer_pages.slot_shift(request_id)).repeat_interleave(nkv)
+        lane_slots = num_slots - shift  # (lanes,)
+        n = int(lane_slots.max())
+        valid = torch.arange(n).unsqueeze(0) < lane_slots.unsqueeze(1)  # (lanes, n)
+        mass = mass[:, :n].float() * valid
+        if self.policy.score_kind == "recent":
+            rel = mass * lane_slots.unsqueeze(1)
+            keep = 0.5 ** (float(age) / self.policy.score_half_life)
+            old = self.recent[row, :, :n]
+            seen = self.count[row, :, :n] > 0
+            updated = torch.where(seen, keep * old + (1.0 - keep) * rel, rel)
+            self.recent[row, :, :n] = torch.where(valid, updated, old)
+            self.last[row, :, :n] = torch.where(valid, rel, self.last[row, :, :n])
+        self.mass[row, :, :n] += mass
+        self.count[row, :, :n] += valid.float()
 
     def after_step(
         self,
@@ -543,12 +595,20 @@ class KVEvictor:
             state.is_prompt_done = state.is_prompt_done or is_prompt_done
             num_live = cdiv(n - self.manager.num_dropped_tokens(chunk.request_id), bs)
             if is_prompt_done and chunk.request_id in drafts:
-                self._fold_draft(state.row, drafts[chunk.request_id][:, :num_live])
+                widest = (
+                    num_live - min(self.layer_pages.slot_shift(chunk.request_id))
+                    if self.layer_pages
+                    else num_live
+                )
+                self._fold_draft(state.row, drafts[chunk.request_id][:, :widest])
             if is_prompt_done and self.policy.score_kind == "recent":
                 self.recent[state.row] = self.last[state.row]
             num_keep = self.policy.num_keep_blocks(n, request.num_prompt_tokens)
             if is_prompt_done and self.policy.keeps_anchors and self.budget.num_anchors > 0:
-                state.anchors = self._anchors(request.prompt_token_ids, state.row, num_live, num_keep, n)
+                width = num_live
+                if self.layer_pages is not None:  # the widest layer's slots
+                    width = num_live - min(self.layer_pages.slot_shift(chunk.request_id))
+                state.anchors = self._anchors(request.prompt_token_ids, state.row, width, num_keep, n)
                 # from the prompt's end: a recompute after preemption passes it in one chunk
                 state.anchors_until = request.num_prompt_tokens + self.budget.anchor_tokens
                 self.counters.num_anchor_blocks += len(state.anchors)
@@ -642,6 +702,8 @@ class KVEvictor:
     def _evict(
         self, request_id: str, state: _RequestState, num_tokens: int, event: StepEvent, is_prompt_done: bool
     ) -> int:
+        if self.layer_pages is not None:
+            return self._evict_layered(request_id, state, num_tokens, event, is_prompt_done)
         self.counters.num_decisions += 1
         n = event.num_live
         origin = self.origin[state.row, :, :n]
@@ -688,11 +750,119 @@ class KVEvictor:
         self.counters.num_eviction_events += 1
         return num_dropped
 
+    def _evict_layered(
+        self, request_id: str, state: _RequestState, num_tokens: int, event: StepEvent, is_prompt_done: bool
+    ) -> int:
+        """Per-layer budgets: the request keeps ``event.num_keep`` blocks' worth of pages, shared between layers
+        by ``layer_weights`` (water-filled: a layer holding less than its share keeps all it holds); each layer's
+        policy decision is the uniform one at its own budget, then ``plan_packing`` lays the kept slots into the
+        fewest blocks and the rest go back to the pool. Blocks it writes into are made the request's own first
+        (``privatize``: a shared prefix that nothing rewrites stays shared)."""
+        self.counters.num_decisions += 1
+        pages_of, cache = self.layer_pages, self.cache
+        nkv, num_layers = cache.num_kv_heads, cache.num_layers
+        table = self.manager.block_table(request_id)
+        if len(table) != event.num_live:  # blocks allocated ahead of the computed tokens: wait for them
+            self.counters.num_skipped += 1
+            return 0
+        shift = pages_of.slot_shift(request_id)
+        num_slots = [event.num_live - s for s in shift]
+        score = self.score(state.row, max(num_slots), is_prompt_done)
+        anchors = torch.tensor(state.anchors) if state.anchors and num_tokens < state.anchors_until else None
+        views = []
+        for layer, n in enumerate(num_slots):
+            lanes = slice(layer * nkv, (layer + 1) * nkv)
+            origin = self.origin[state.row, lanes, :n]
+            views.append(
+                BlockView(
+                    num_tokens=num_tokens,
+                    origin=origin,
+                    is_sink=origin < self.budget.num_sink_blocks(),
+                    is_recent=origin >= self.budget.first_recent_block(num_tokens),
+                    score=score[lanes, :n],
+                    num_keep=n,
+                    is_prompt_end=is_prompt_done,
+                    is_anchor=None if anchors is None else torch.isin(origin, anchors),
+                    num_over_budget=event.num_over_budget,
+                )
+            )
+        floors = [n - v.num_candidates for n, v in zip(num_slots, views)]
+        quotas = layer_quotas(self.layer_weights, num_layers * event.num_keep, num_slots, floors)
+        sources = []
+        for view, keep in zip(views, quotas):
+            n = view.origin.shape[1]
+            slots = torch.arange(n).expand(nkv, n)
+            view.num_keep = (
+                keep  # <= n: a layer under its share may still drop (dynamic_window's cold blocks)
+            )
+            chosen = self.policy.select(view)
+            num_dropped = int(chosen[0].sum())
+            assert bool((chosen.sum(1) == num_dropped).all()), f"policy {self.policy.name}: uneven lanes"
+            assert not bool((chosen & ~view.candidates).any()), (
+                f"policy {self.policy.name} chose a protected block"
+            )
+            sources.append(slots[~chosen].view(nkv, n - num_dropped))
+        num_dropped = sum(num_slots) - sum(s.shape[1] for s in sources)
+        if num_dropped == 0:
+            return 0
+        packing = plan_packing(pages_of.pages(request_id, table), sources, table, cache.num_blocks, nkv)
+        # the entries it writes must hold nobody else's KV: shared or prefix-cached blocks move to fresh ones first
+        nb = cache.num_blocks
+        written = (packing.dst[packing.src != packing.dst] // nkv) % nb
+        where = {b: i for i, b in enumerate(table)}
+        tables = self.manager.privatize(request_id, sorted({where[int(b)] for b in written.unique()}))
+        if tables is None:
+            self.counters.num_skipped += 1
+            return 0
+        packing = self._repoint(packing, *tables)
+        self.counters.num_copied_chunks += cache.move_chunks(packing.src, packing.dst)
+        self.manager.release_slots(request_id, packing.released)
+        pages_of.set(request_id, packing.pages, len(table) - len(packing.released))
+        row, first_new = state.row, cdiv(num_tokens, self.budget.block_size)
+        for layer, (n, source) in enumerate(zip(num_slots, sources)):
+            lanes = slice(layer * nkv, (layer + 1) * nkv)
+            m = source.shape[1]
+            for t in self._tensors():
+                t[row, lanes, :m] = t[row, lanes, :n].gather(1, source)
+                t[row, lanes, m:n] = 0
+            self.origin[row, lanes, m:] = torch.arange(m, self.max_blocks) + first_new - m
+        self.counters.num_dropped_pages += num_dropped
+        self.counters.num_evicted_blocks += len(packing.released)
+        self.counters.num_eviction_events += 1
+        return len(packing.released)
+
+    def _repoint(self, packing: Packing, before: list[int], after: list[int]) -> Packing:
+        """``packing`` after ``privatize`` replaced blocks with fresh ones: every destination page of an old block
+        (and the new layout) points at the same page of its new block, and the old blocks' other chunks are copied
+        over too. The sources stay the old blocks, whose bytes are intact until the next allocation:
+        ``move_chunks`` reads every source before it writes, so one call does both."""
+        changed = {b: a for b, a in zip(before, after) if b != a}
+        if not changed:
+            return packing
+        nb, nkv, num_layers = self.cache.num_blocks, self.cache.num_kv_heads, self.cache.num_layers
+        block_map = torch.arange(nb)
+        block_map[torch.tensor(list(changed))] = torch.tensor(list(changed.values()))
+
+        def repoint(ids: torch.Tensor) -> torch.Tensor:
+            page, head = ids // nkv, ids % nkv
+            return ((page // nb) * nb + block_map[page % nb]) * nkv + head
+
+        dst = repoint(packing.dst)
+        old = torch.tensor(list(changed))  # every chunk of the old blocks, to the same chunk of the new ones
+        pages = (torch.arange(num_layers).unsqueeze(1) * nb + old).flatten()
+        whole = (pages.unsqueeze(1) * nkv + torch.arange(nkv)).flatten()
+        rest = whole[~torch.isin(repoint(whole), dst)]
+        layout = [[(p // nb) * nb + changed.get(p % nb, p % nb) for p in layer] for layer in packing.pages]
+        return Packing(
+            layout, packing.released, torch.cat([rest, packing.src]), torch.cat([repoint(rest), dst])
+        )
+
     def report(self) -> dict:
         c = self.counters
         return {
             "policy": self.policy.name,
             "num_evicted_blocks": c.num_evicted_blocks,
+            "num_dropped_pages": c.num_dropped_pages,
             "num_eviction_events": c.num_eviction_events,
             "num_decisions": c.num_decisions,
             "num_copied_chunks": c.num_copied_chunks,
@@ -703,4 +873,22 @@ class KVEvictor:
             "decide_ms": c.decide_ms,
             "score_ms": c.score_ms,
             "num_tracked_requests": len(self._states),
+            "layer_budgets": self._layer_report(),
+        }
+
+    def _layer_report(self) -> dict | None:
+        """Per-layer budgets: the weights, the requests packed, and the pages their blocks hold that no slot uses
+        (at most layers - 1 per request: what packing into whole blocks costs)."""
+        if self.layer_pages is None:
+            return None
+        packed = [rid for rid in self._states if self.layer_pages.is_packed(rid)]
+        idle = 0
+        for rid in packed:
+            table = self.manager.block_table(rid)
+            used = sum(len(p) for p in self.layer_pages.pages(rid, table))
+            idle += len(self.layer_weights) * len(table) - used
+        return {
+            "layer_weights": list(self.layer_weights),
+            "num_packed_requests": len(packed),
+            "num_idle_pages": idle,
         }

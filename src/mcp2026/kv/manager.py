@@ -252,11 +252,56 @@ class KVCacheManager:
                 f"(table of {len(table)})"
             )
         kept_end = num_live - num_dropped
-        rewritten = range(rewrite_from, kept_end)
-        shared = [i for i in rewritten if self.pool.ref_count(table[i]) > 1]
+        rewritten = self._rewrite(request_id, range(rewrite_from, kept_end))
+        if rewritten is None:
+            return None
+        before, released = rewritten
+        vacated = table[kept_end:num_live]
+        del table[kept_end:num_live]
+        self._dropped[request_id] = self._dropped.get(request_id, 0) + num_dropped
+        self._release(released + vacated)
+        return before, list(table)
+
+    def privatize(
+        self, request_id: str, indices: Iterable[int] | None = None
+    ) -> tuple[list[int], list[int]] | None:
+        """Before KV eviction rewrites table entries ``indices`` (all when None) of a request in no fixed order
+        (per-layer budgets move a layer's slots into pages of other blocks, ``kv.layer_pages``): ``drop_slots``'
+        rules for rewritten slots. Returns (table before, table after); the caller copies every replaced block's
+        KV before the next allocation. None, with nothing changed, when a shared block has no fresh block to go
+        to."""
+        table = self._tables[request_id]
+        rewritten = self._rewrite(request_id, range(len(table)) if indices is None else indices)
+        if rewritten is None:
+            return None
+        before, released = rewritten
+        self._release(released)
+        return before, list(self._tables[request_id])
+
+    def release_slots(self, request_id: str, indices: Sequence[int]) -> None:
+        """KV eviction freed these table entries (blocks the evictor emptied; ``privatize`` was called since
+        the request last took a prefix hit): they leave the table and go back to the pool."""
+        table = self._tables[request_id]
+        gone = set(indices)
+        if not gone <= set(range(len(table))):
+            raise ValueError(f"request {request_id}: no table entries {sorted(gone)} (table of {len(table)})")
+        vacated = [table[i] for i in sorted(gone)]
+        table[:] = [b for i, b in enumerate(table) if i not in gone]
+        self._dropped[request_id] = self._dropped.get(request_id, 0) + len(vacated)
+        self._broken.add(request_id)
+        self._chains.pop(request_id, None)
+        self._release(vacated)
+
+    def _rewrite(self, request_id: str, indices: Iterable[int]) -> tuple[list[int], list[int]] | None:
+        """Make table entries ``indices`` safe to rewrite: shared ones move to fresh blocks, registered ones too
+        while the pool has spare blocks (the original stays a prefix hit), else they leave the prefix cache. The
+        request registers nothing from now on. Returns (table before, the blocks it let go, to ``_release``)."""
+        table = self._tables[request_id]
+        indices = list(indices)
+        shared = [i for i in indices if self.pool.ref_count(table[i]) > 1]
         registered = [
             i
-            for i in rewritten
+            for i in indices
             if self.pool.ref_count(table[i]) == 1 and self.cache.entry_of(table[i]) is not None
         ]
         spare = self.num_free_blocks - len(shared)
@@ -268,13 +313,9 @@ class KVCacheManager:
             table[i] = b
         for i in registered[spare:]:
             self.cache.remove(table[i])
-        vacated = table[kept_end:num_live]
-        del table[kept_end:num_live]
-        self._dropped[request_id] = self._dropped.get(request_id, 0) + num_dropped
         self._broken.add(request_id)
         self._chains.pop(request_id, None)
-        self._release([before[i] for i in copied] + vacated)
-        return before, list(table)
+        return before, [before[i] for i in copied]
 
     def truncate(self, request_id: str, num_blocks: int) -> None:
         """Roll a table back to its first ``num_blocks`` blocks (a lookahead draft's KV is discarded); the rest go

@@ -20,6 +20,7 @@ the OS (madvise DONTNEED) when the DTSS takes KV shards offline under memory pre
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import mmap
 from collections.abc import Iterable, Sequence
@@ -40,6 +41,7 @@ from mcp2026.kv.codecs import (
     identity_codec,
 )
 from mcp2026.kv.debug import ErrorMonitor
+from mcp2026.kv.layer_pages import LayerTable
 
 
 def _allocate(
@@ -99,8 +101,9 @@ class BlockRead:
 
 @dataclass
 class WritePlan:
-    """Where one step's T new tokens go (the same for every layer). Rows index a plane viewed as
-    (num_blocks * nkv * bs, *row): row = (block * nkv + head) * bs + offset; the staging store likewise.
+    """Where one step's T new tokens go (the same for every layer; a layered cache's ``rows`` and
+    ``seal_chunk_ids`` have one row per layer). Rows index a plane viewed as (num_blocks * nkv * bs, *row):
+    row = (block * nkv + head) * bs + offset (a layered cache's flat pool: page for block); staging likewise.
 
     Unstaged codecs: (token, head) rows ``rows`` (T * nkv,). Staged codecs: full blocks (chunks
     ``seal_chunk_ids``) are assembled from new tokens ``seal_src`` (NS*bs,) and staged (token, head) rows
@@ -118,6 +121,14 @@ class WritePlan:
     tail_is_whole_step: bool = False  # every new token goes to staging (no seal): tail_src is all T, in order
     stage_after: dict[str, int | None] = field(default_factory=dict)  # request -> staging index after it
     is_monitored: bool = False  # measure the round-trip error of this step's writes
+
+    def for_layer(self, layer: int) -> WritePlan:
+        """A layered cache's plan as one layer writes it (its row of ``rows`` / ``seal_chunk_ids``)."""
+        return dataclasses.replace(
+            self,
+            rows=None if self.rows is None else self.rows[layer],
+            seal_chunk_ids=None if self.seal_chunk_ids is None else self.seal_chunk_ids[layer],
+        )
 
     def to(self, device: torch.device) -> WritePlan:
         if device.type == "cpu":
@@ -143,9 +154,14 @@ class PagedKVCache:
         codec: KVCodec | None = None,
         max_error: float = 0.02,
         error_check_interval: int = 16,
+        layered: bool = False,
     ) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
+        # Per-layer budgets (kv.layer_pages): every layer reads and writes pages of one flat pool (page = layer *
+        # num_blocks + block), through per-layer tables; ids from num_pages on name staging entries.
+        self.layered = layered
+        self.num_pages = num_layers * num_blocks if layered else num_blocks
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
         self.num_kv_heads = num_kv_heads
@@ -186,7 +202,10 @@ class PagedKVCache:
         )
         self._layer_planes = (
             [
-                ([p[layer] for p in self.k_planes.values()], [p[layer] for p in self.v_planes.values()])
+                (
+                    [self._at(p, layer) for p in self.k_planes.values()],
+                    [self._at(p, layer) for p in self.v_planes.values()],
+                )
                 for layer in range(num_layers)
             ]
             if self.quantized_kernel_kind
@@ -202,6 +221,11 @@ class PagedKVCache:
             if buffer is not None:
                 self._buffers.append(buffer)
         return planes
+
+    def _at(self, plane: torch.Tensor, layer: int) -> torch.Tensor:
+        """What ``layer`` reads and writes of a plane, (blocks, nkv, *chunk): its own blocks, or a layered
+        cache's whole flat pool of pages (every layer's)."""
+        return plane.flatten(0, 1) if self.layered else plane[layer]
 
     # --- sizes -----------------------------------------------------------------------------------------
     @property
@@ -236,16 +260,33 @@ class PagedKVCache:
         return len(self._staged)
 
     # --- writes ----------------------------------------------------------------------------------------
-    def plan_write(self, chunks: Sequence[tuple[str, int, int, Sequence[int]]]) -> WritePlan:
-        """Plan a step's writes. ``chunks``: (request id, start position, number of tokens, block table),
-        the step's tokens in this order. Pure: nothing changes until ``commit(plan)``."""
+    def plan_write(self, chunks: Sequence[tuple[str, int, int, Sequence[int] | LayerTable]]) -> WritePlan:
+        """Plan a step's writes. ``chunks``: (request id, start slot, number of tokens, block table; a layered
+        cache takes each request's ``LayerTable``), the step's tokens in this order. Pure: nothing changes until
+        ``commit(plan)``."""
         is_monitored = self.monitor.is_due() and not self.codec.is_lossless
+        if self.layered and not all(isinstance(c[3], LayerTable) for c in chunks):
+            raise ValueError("a layered cache writes through LayerTables (kv.layer_pages), one per request")
         if self.codec.is_staged:
             return self._plan_staged(chunks, is_monitored)
         bs = self.block_size
+        if self.layered:  # (L, T * nkv): token p of a chunk goes to slot p // bs - shift of each layer
+            rows = []
+            for _, start, n, lt in chunks:
+                pos = torch.arange(start, start + n)
+                slots = (pos // bs).unsqueeze(0) - lt.shift.unsqueeze(1)  # (L, n)
+                pages = lt.pages.gather(1, slots)
+                rows.append(self._layer_rows(pages, pos % bs))
+            return WritePlan(rows=torch.cat(rows, dim=1), is_monitored=is_monitored)
         bases = [table[p // bs] for _, start, n, table in chunks for p in range(start, start + n)]
         offsets = [p % bs for _, start, n, _ in chunks for p in range(start, start + n)]
         return WritePlan(rows=self._rows(bases, offsets), is_monitored=is_monitored)
+
+    def _layer_rows(self, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """(L, n * nkv) rows of tokens at ``offsets`` (n,) in pages (L, n)."""
+        heads = torch.arange(self.num_kv_heads)
+        rows = (pages.unsqueeze(2) * self.num_kv_heads + heads) * self.block_size + offsets.view(1, -1, 1)
+        return rows.flatten(1)
 
     def _rows(self, chunk_base: Sequence[int], offsets: Sequence[int]) -> torch.Tensor:
         """(token, head) rows (n * nkv,) of tokens at ``offsets`` in blocks / staging entries ``chunk_base``."""
@@ -256,10 +297,10 @@ class PagedKVCache:
         ).flatten()
 
     def _plan_staged(
-        self, chunks: Sequence[tuple[str, int, int, Sequence[int]]], is_monitored: bool
+        self, chunks: Sequence[tuple[str, int, int, Sequence[int] | LayerTable]], is_monitored: bool
     ) -> WritePlan:
         bs = self.block_size
-        seal_ids: list[int] = []
+        seal_ids: list = []  # block ids; a layered cache's (L, k) page tensors
         seal_src: list[int] = []  # per sealed token: its index among the new tokens (or a dummy)
         stage_dst: list[int] = []  # sealed tokens that come from staging ...
         stage_base: list[int] = []  # ... their staging entry and offset
@@ -281,7 +322,11 @@ class PagedKVCache:
                 stage_dst.extend(range(len(seal_src), len(seal_src) + head))
                 stage_base.extend([current] * head)
                 stage_off.extend(range(head))
-                seal_ids.extend(table[first:last])
+                if isinstance(table, LayerTable):  # (L, k) pages, one row per layer
+                    slots = torch.arange(first, last).unsqueeze(0) - table.shift.unsqueeze(1)
+                    seal_ids.append(table.pages.gather(1, slots))
+                else:
+                    seal_ids.extend(table[first:last])
                 seal_src.extend([tok0] * head)
                 seal_src.extend(range(tok0, tok0 + last * bs - start))
             if end % bs:
@@ -299,9 +344,13 @@ class PagedKVCache:
             return torch.tensor(values, dtype=torch.long) if values else None
 
         plan = WritePlan(stage_after=after, is_monitored=is_monitored)
-        if seal_ids:
+        if seal_ids and self.layered:  # (L, NS * nkv)
+            pages = torch.cat(seal_ids, dim=1).unsqueeze(2)
+            plan.seal_chunk_ids = (pages * self.num_kv_heads + torch.arange(self.num_kv_heads)).flatten(1)
+        elif seal_ids:
             blocks = torch.tensor(seal_ids, dtype=torch.long).unsqueeze(1)
             plan.seal_chunk_ids = (blocks * self.num_kv_heads + torch.arange(self.num_kv_heads)).flatten()
+        if seal_ids:
             plan.seal_src = tensor(seal_src)
         if stage_dst:
             plan.seal_stage_dst, plan.seal_stage_src = tensor(stage_dst), self._rows(stage_base, stage_off)
@@ -381,12 +430,14 @@ class PagedKVCache:
 
     def write(self, layer: int, plan: WritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: (T, nkv, hd), the step's new tokens in plan order
+        if self.layered:  # this layer's rows / sealed chunks of the flat pool
+            plan = plan.for_layer(layer)
         if self._write_in_one_call(layer, plan, k, v):
             return
         if self._plain and plan.rows is not None and not plan.is_monitored:  # no codec, no kernels
             hd = self.head_dim
-            self.k_planes["x"][layer].view(-1, hd).index_copy_(0, plan.rows, k.reshape(-1, hd))
-            self.v_planes["x"][layer].view(-1, hd).index_copy_(0, plan.rows, v.reshape(-1, hd))
+            self._at(self.k_planes["x"], layer).view(-1, hd).index_copy_(0, plan.rows, k.reshape(-1, hd))
+            self._at(self.v_planes["x"], layer).view(-1, hd).index_copy_(0, plan.rows, v.reshape(-1, hd))
             return
         for planes, codec, x, kind in (
             (self.k_planes, self.codec.key, k, 0),
@@ -395,7 +446,7 @@ class PagedKVCache:
             if plan.rows is not None:
                 encoded = codec.encode(x)  # (T, nkv, *row) per plane
                 for name, data in encoded.items():
-                    _copy(planes[name][layer].flatten(0, 2), plan.rows, data.flatten(0, 1))
+                    _copy(self._at(planes[name], layer).flatten(0, 2), plan.rows, data.flatten(0, 1))
             else:
                 encoded, x = self._write_staged(layer, plan, planes, codec, x, kind)
             if plan.is_monitored and encoded is not None:
@@ -415,8 +466,8 @@ class PagedKVCache:
         if plan.rows is not None and not plan.is_monitored:
             if self._raw:
                 k_rows, v_rows = (
-                    self.k_planes["x"][layer].view(-1, hd),
-                    self.v_planes["x"][layer].view(-1, hd),
+                    self._at(self.k_planes["x"], layer).view(-1, hd),
+                    self._at(self.v_planes["x"], layer).view(-1, hd),
                 )
                 kernels.write_kv_rows(k_rows, v_rows, plan.rows, k, v)
                 return True
@@ -451,7 +502,7 @@ class PagedKVCache:
                 )  # (NS*nkv, bs, hd)
                 encoded = codec.encode(full)
                 for name, data in encoded.items():
-                    _copy(planes[name][layer].flatten(0, 1), plan.seal_chunk_ids, data)
+                    _copy(self._at(planes[name], layer).flatten(0, 1), plan.seal_chunk_ids, data)
         if plan.tail_dst is not None:
             tail = x.index_select(0, plan.tail_src).to(self.stage_dtype).flatten(0, 1)  # (Tt*nkv, hd)
             stage.index_copy_(0, plan.tail_dst, tail)
@@ -468,7 +519,7 @@ class PagedKVCache:
         kernels = kernel_ops.kernels_for(full)
         if kernels is None:
             return False
-        tensors = [plane[layer] for plane in planes.values()]  # q, scale, zero, meta
+        tensors = [self._at(plane, layer) for plane in planes.values()]  # q, scale, zero, meta
         group = self._int4_seal_groups[kind]
         return bool(kernels.seal_int4_blocks(tensors, plan.seal_chunk_ids, full, self.block_size, group))
 
@@ -511,12 +562,13 @@ class PagedKVCache:
 
     def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V blocks, (num_blocks, nkv, bs, hd) each (``reads_in_place`` storage only)."""
-        return self.k_planes["x"][layer], self.v_planes["x"][layer]
+        return self._at(self.k_planes["x"], layer), self._at(self.v_planes["x"], layer)
 
     def block_read(self, block_ids: torch.Tensor) -> BlockRead:
-        """A read of ``block_ids`` (B, nb), where ids >= num_blocks name staging entries."""
+        """A read of ``block_ids`` (B, nb) (a layered cache's pages), where ids >= num_pages name staging
+        entries."""
         num_seqs, num_blocks = block_ids.shape
-        staged = block_ids >= self.num_blocks
+        staged = block_ids >= self.num_pages
         has_staged = self.codec.is_staged and bool(staged.any())
         ids = block_ids.masked_fill(staged, 0) if has_staged else block_ids
         heads = torch.arange(self.num_kv_heads).view(1, -1, 1)
@@ -524,7 +576,7 @@ class PagedKVCache:
         read = BlockRead(chunk_ids, num_seqs, num_blocks)
         if has_staged:
             read.stage_seq, read.stage_block = staged.nonzero(as_tuple=True)
-            read.stage_idx = block_ids[read.stage_seq, read.stage_block] - self.num_blocks
+            read.stage_idx = block_ids[read.stage_seq, read.stage_block] - self.num_pages
         return read
 
     def gather(self, layer: int, read: BlockRead) -> tuple[torch.Tensor, torch.Tensor]:
@@ -535,7 +587,9 @@ class PagedKVCache:
             (self.k_planes, self.codec.key, self._stage_k),
             (self.v_planes, self.codec.value, self._stage_v),
         ):
-            picked = {name: _select(p[layer].flatten(0, 1), read.chunk_ids) for name, p in planes.items()}
+            picked = {
+                name: _select(self._at(p, layer).flatten(0, 1), read.chunk_ids) for name, p in planes.items()
+            }
             x = codec.decode(picked, self.dtype).view(shape)
             if read.stage_idx is not None:
                 x[read.stage_seq, :, read.stage_block] = stage[layer][read.stage_idx].to(
@@ -552,6 +606,8 @@ class PagedKVCache:
         same block in both tables is not copied. Every plane moves (data, scales, zero points); a staged
         codec's unfilled block lives in staging, which belongs to the request and does not move.
         Returns the number of (layer, block, head) chunks copied."""
+        if self.layered:
+            raise ValueError("a layered cache compacts through move_chunks (kv.eviction packs its pages)")
         nkv = self.num_kv_heads
         lanes, n = source.shape
         if lanes != self.num_layers * nkv:
@@ -569,6 +625,32 @@ class PagedKVCache:
                 flat = plane.flatten(0, 2)  # (L * num_blocks * nkv, *chunk)
                 _copy(flat, dst, _select(flat, src))
         return int(src.numel())
+
+    def move_chunks(self, src: torch.Tensor, dst: torch.Tensor) -> int:
+        """Copy chunks (one page's one head: chunk id = page * nkv + head of the flat pool) ``src`` to ``dst``,
+        every plane, all read before any is written (a chunk may be both a source and a destination).
+        Returns the number copied."""
+        moved = src != dst
+        src, dst = src[moved].to(self.device), dst[moved].to(self.device)
+        if src.numel():
+            for plane in (*self.k_planes.values(), *self.v_planes.values()):
+                flat = plane.flatten(0, 2)  # (L * num_blocks * nkv, *chunk)
+                _copy(flat, dst, _select(flat, src))
+        return int(src.numel())
+
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> int:
+        """Copy whole blocks (every layer, head and plane): a block replaced by a fresh one before rewriting."""
+        if not src:
+            return 0
+        nkv = self.num_kv_heads
+        pages = torch.arange(self.num_layers).unsqueeze(1) * self.num_blocks  # (L, 1)
+        heads = torch.arange(nkv)
+
+        def chunks(blocks: Sequence[int]) -> torch.Tensor:
+            ids = pages + torch.tensor(list(blocks), dtype=torch.long)  # (L, n)
+            return (ids.unsqueeze(2) * nkv + heads).flatten()
+
+        return self.move_chunks(chunks(src), chunks(dst))
 
     # --- debug checks ----------------------------------------------------------------------------------
     def debug_report(self) -> dict:
