@@ -130,6 +130,12 @@ def serve(
     kv_sparsity: Annotated[
         float | None, typer.Option(help="fraction of each long context the KV policy drops (0.7 if unset)")
     ] = None,
+    kv_layer_weights: Annotated[
+        str | None,
+        typer.Option(
+            help="per-layer KV budgets: a calibrated preset (smollm2-135m) or one weight per layer, 'w0/w1/...'"
+        ),
+    ] = None,
     gate: Annotated[
         str | None,
         typer.Option(help="what traffic pressure switches: auto | quant | kv | observe | off"),
@@ -170,7 +176,7 @@ def serve(
         serve_config = dataclasses.replace(
             serve_config, traffic=dataclasses.replace(serve_config.traffic, gate=gate)
         )
-    compressor = kv_compressor_from_options(engine_config, kv_dtype, kv_policy, kv_sparsity)
+    compressor = kv_compressor_from_options(engine_config, kv_dtype, kv_policy, kv_sparsity, kv_layer_weights)
     engine_config = dataclasses.replace(engine_config, kv_compressor=compressor)
     if not serve_config.is_loopback and serve_config.tenants_file is None:
         err.print(

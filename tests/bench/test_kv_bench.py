@@ -112,6 +112,25 @@ def test_retrieval_only_configs_get_a_row():
     assert rows["snap@0.7"][1:7] == ["—"] * 6 and rows["snap@0.7"][7:11] == ["3/5", "3/5", "3/5", "3/4"]
 
 
+def test_a_tuned_policy_row_answers_to_the_policys_targets():
+    from mcp2026.bench.kv_report import target_config, targets
+
+    tuned = "fp32+heavy_hitter@0.7:layer_weights=smollm2-135m"
+    assert target_config(tuned) == target_config("heavy_hitter@0.7:num_anchors=0") == "heavy_hitter@0.7"
+    assert target_config("int4+heavy_hitter@0.7") == "int4+heavy_hitter@0.7"  # another codec: its own row
+    assert target_config("int4") == "int4"
+    agg = {
+        "quality": {"heavy_hitter@0.7": {"delta_ppl": 0.08}, tuned: {"delta_ppl": 0.03}},
+        "retrieval": {"scores": {tuned: {"agreement": 0.86}}},
+        "memory": {},
+        "decode": None,
+    }
+    verdicts = {(t["config"], t["target"]): t["verdict"] for t in targets(agg)}
+    assert verdicts[("heavy_hitter@0.7", "ΔPPL ≤ 5%")] == "ΔPPL ≤ 5%: MISS"
+    assert verdicts[(tuned, "ΔPPL ≤ 5%")] == "ΔPPL ≤ 5%: PASS"
+    assert verdicts[(tuned, "answer agreement ≥ 90% (same answer)")].endswith("MISS")
+
+
 def test_notes_follow_what_ran(run):
     from mcp2026.bench.kv_report import notes
 
@@ -308,7 +327,11 @@ def test_config_presets_and_validation():
         16,
         0.25,
     )
+    layered = parse_config("fp32+heavy_hitter@0.7:layer_weights=smollm2-135m", "fp32", 16)
+    assert len(layered.layer_weights) == 30 and layered.layer_weights[18] == max(layered.layer_weights)
+    assert parse_config("snap@0.5:layer_weights=1/3", "fp32", 16).layer_weights == (1.0, 3.0)
     for kwargs, match in [
+        ({"retrieval_configs": ("snap@0.5:layer_weights=1/a",)}, "layer_weights must be a preset"),
         ({"context_tokens": 9000}, "--context-tokens"),
         ({"codecs": ("int3",)}, "dtype must be one of"),
         ({"retrieval_configs": ("heavy_hitter@x",)}, "POLICY@SPARSITY"),

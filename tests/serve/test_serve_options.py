@@ -31,6 +31,18 @@ def test_kv_options_build_a_compressor():
     assert (merged.dtype, merged.policy, merged.sparsity_ratio) == ("fp8", "heavy_hitter", 0.6)
 
 
+def test_kv_layer_weights_option():
+    engine = EngineConfig()
+    chosen = kv_compressor_from_options(engine, None, "heavy_hitter", None, "smollm2-135m")
+    assert chosen.policy == "heavy_hitter" and len(chosen.layer_weights) == 30
+    assert kv_compressor_from_options(engine, None, "snap", None, "1/2").layer_weights == (1.0, 2.0)
+    with pytest.raises(ValueError, match="--kv-policy"):
+        kv_compressor_from_options(engine, "int8", None, None, "1/2")
+    # --kv-policy none over a YAML compressor with weights drops them, as it drops the budget
+    base = EngineConfig(kv_compressor=KVCompressor(policy="heavy_hitter", layer_weights=(1.0, 2.0)))
+    assert kv_compressor_from_options(base, None, "none", None).layer_weights is None
+
+
 def test_kv_dtype_option_takes_the_codecs_block_size_unless_one_was_set(tmp_path):
     plain = EngineConfig()
     int4 = kv_compressor_from_options(plain, "int4", None, None)

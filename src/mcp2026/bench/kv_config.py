@@ -34,8 +34,9 @@ def codec_of(name: str, identity: str) -> str:
     return _parts(name, identity)[0]
 
 
-def _option(name: str, text: str, types: dict[str, str]) -> tuple[str, int | float]:
-    """``FIELD=NUMBER`` -> (field, value as the field's type: an int field takes whole numbers only)."""
+def _option(name: str, text: str, types: dict[str, str]) -> tuple[str, int | float | str]:
+    """``FIELD=NUMBER`` -> (field, value as the field's type: an int field takes whole numbers only);
+    ``layer_weights=W0/W1/...`` as given."""
     key, eq, value = (part.strip() for part in text.partition("="))
     if not eq or not key:
         raise ValueError(f"KV config {name!r}: expected :FIELD=NUMBER options, e.g. :lookahead_tokens=16")
@@ -43,6 +44,8 @@ def _option(name: str, text: str, types: dict[str, str]) -> tuple[str, int | flo
         raise ValueError(f"KV config {name!r}: set codec, policy, sparsity and block size in the name itself")
     if key not in types:
         raise ValueError(f"KV config {name!r}: {key} is no KVCompressor field; see `KVCompressor` for them")
+    if key == "layer_weights":  # one weight per layer, "w0/w1/..." (KVCompressor checks them)
+        return key, value
     is_int = "int" in types[key] and "float" not in types[key]
     try:
         return key, int(value) if is_int else float(value)

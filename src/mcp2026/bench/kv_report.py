@@ -4,6 +4,7 @@ measured value (or "not measured" when that part did not run).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,16 +58,41 @@ def metric(aggregates: dict[str, Any], target: Target) -> float | None:
     return row[target.metric] if row else None
 
 
+def target_config(name: str) -> str:
+    """The config whose targets a row answers to: its own, or for a policy row with KVCompressor options, stored
+    as the model computes them (``fp32+heavy_hitter@0.7:layer_weights=...``), the policy's at that sparsity: it
+    is that policy at that budget, tuned."""
+    codec, plus, rest = name.partition("+")
+    if plus and codec in ("fp32", "bf16"):
+        name = rest
+    return name.partition(":")[0] if "@" in name else name
+
+
+def _answering(aggregates: dict[str, Any], candidates: Sequence[Target]) -> list[Target]:
+    """``candidates`` for their own configs, and again for every measured row that answers to them."""
+    rows = {*aggregates["quality"], *((aggregates.get("retrieval") or {}).get("scores", {}))}
+    tuned = [
+        dataclasses.replace(t, config=name)
+        for name in sorted(rows)
+        if target_config(name) != name
+        for t in candidates
+        if t.config == target_config(name)
+    ]
+    return [*candidates, *tuned]
+
+
 def targets(aggregates: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
-    for t in (*QUALITY_TARGETS, CONCURRENCY_TARGET, DECODE_TARGET):
+    for t in (*_answering(aggregates, QUALITY_TARGETS), CONCURRENCY_TARGET, DECODE_TARGET):
         value = metric(aggregates, t)
         out.append({"config": t.config, "target": t.label, "value": value, "verdict": t.verdict(value)})
     return out
 
 
 def _verdicts(aggregates: dict[str, Any], config: str, targets: Sequence[Target]) -> str:
-    return "; ".join(t.verdict(metric(aggregates, t)) for t in targets if t.config == config) or ""
+    mine = [t if t.config == config else dataclasses.replace(t, config=config) for t in targets]
+    answered = [t for t, own in zip(mine, targets) if own.config in (config, target_config(config))]
+    return "; ".join(t.verdict(metric(aggregates, t)) for t in answered) or ""
 
 
 def tables(config: KVBenchConfig, agg: dict[str, Any]) -> list[Table]:

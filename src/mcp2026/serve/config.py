@@ -136,14 +136,18 @@ def load_quant_config(path: str | Path) -> QuantConfig:
 
 
 def kv_compressor_from_options(
-    engine: EngineConfig, dtype: str | None, policy: str | None, sparsity_ratio: float | None
+    engine: EngineConfig,
+    dtype: str | None,
+    policy: str | None,
+    sparsity_ratio: float | None,
+    layer_weights: str | None = None,
 ) -> KVCompressor | None:
-    """The serve options ``--kv-dtype/--kv-policy/--kv-sparsity`` over the YAML's ``kv_compressor``. Without
-    either, None (KV stored as the model's dtype). ``--kv-dtype`` alone evicts nothing. Block size: the
-    YAML's ``kv.block_size`` if it set one; else the YAML compressor's, unless that was its codec's default
-    and the codec changes; else the codec's."""
+    """The serve options ``--kv-dtype/--kv-policy/--kv-sparsity/--kv-layer-weights`` over the YAML's
+    ``kv_compressor``. Without either, None (KV stored as the model's dtype). ``--kv-dtype`` alone evicts
+    nothing. Block size: the YAML's ``kv.block_size`` if it set one; else the YAML compressor's, unless that was
+    its codec's default and the codec changes; else the codec's."""
     base = engine.kv_compressor
-    if dtype is None and policy is None and sparsity_ratio is None:
+    if dtype is None and policy is None and sparsity_ratio is None and layer_weights is None:
         return base
     from mcp2026.kv.codecs import default_block_size
     from mcp2026.kv.compressor import KVCompressor
@@ -161,8 +165,11 @@ def kv_compressor_from_options(
     if policy is not None:
         fields["policy"] = policy
         if policy == "none":
-            fields["sparsity_ratio"] = fields["max_kv_tokens"] = None
+            fields["sparsity_ratio"] = fields["max_kv_tokens"] = fields["layer_weights"] = None
     if sparsity_ratio is not None:
         _require(fields["policy"] != "none", "--kv-sparsity needs an eviction policy (--kv-policy)")
         fields["sparsity_ratio"], fields["max_kv_tokens"] = sparsity_ratio, None
+    if layer_weights is not None:
+        _require(fields["policy"] != "none", "--kv-layer-weights needs an eviction policy (--kv-policy)")
+        fields["layer_weights"] = layer_weights
     return KVCompressor.from_dict(fields)
