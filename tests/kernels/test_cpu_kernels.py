@@ -590,3 +590,19 @@ def test_prefill_attention_dispatch_falls_back_to_sdpa_where_it_does_not_apply()
     assert ops.prefill_attention(q, k, k, 0) is None  # a dtype the kernel does not take
     q, k = torch.randn(80, 9, 48), torch.randn(3, 80, 48)
     assert ops.prefill_attention(q, k, k, 0) is None  # a head size it does not take
+
+
+def test_a_stale_build_lock_is_removed_a_fresh_one_kept(tmp_path):
+    """A build killed midway leaves torch's lock file, and torch would wait on it forever."""
+    import os
+    import time
+
+    from mcp2026.kernels.cpu import STALE_LOCK_S, clear_stale_lock
+
+    assert not clear_stale_lock(tmp_path)  # no lock
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not clear_stale_lock(tmp_path) and lock.exists()  # a build may be running
+    old = time.time() - STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert clear_stale_lock(tmp_path) and not lock.exists()

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -94,12 +95,34 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
+# A build takes ~2.5 min on 2 busy cores here; torch waits, without end, while its lock file exists, and a build
+# killed midway (a timed-out process) leaves that file behind: every later start would hang.
+STALE_LOCK_S = 30 * 60
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove a build lock older than any build takes (its build was killed); True when one was removed."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    log.warning(
+        "mcp2026: removing a stale kernel build lock (%.0f min old: its build was interrupted)", age / 60
+    )
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def _build(verbose: bool) -> Any:
     from torch.utils import cpp_extension
 
     key = build_key()
     build_dir = hardware.cache_dir() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(build_dir)
     if not (build_dir / f"mcp2026_cpu_{key}.so").exists():
         log.warning("mcp2026: building the fused CPU kernels once for this machine (about a minute)...")
     return cpp_extension.load(

@@ -788,12 +788,28 @@ class KVEvictor:
             )
         floors = [n - v.num_candidates for n, v in zip(num_slots, views)]
         quotas = layer_quotas(self.layer_weights, num_layers * event.num_keep, num_slots, floors)
-        sources = []
-        for view, keep in zip(views, quotas):
-            n = view.origin.shape[1]
-            slots = torch.arange(n).expand(nkv, n)
-            view.num_keep = (
-                keep  # <= n: a layer under its share may still drop (dynamic_window's cold blocks)
+        # one policy call per group of layers with the same slots and budget (its lanes side by side): on SmolLM2's
+        # calibrated weights 14 layers share the smallest share
+        groups: dict[tuple[int, int], list[int]] = {}
+        for layer, (n, keep) in enumerate(zip(num_slots, quotas)):
+            groups.setdefault((n, keep), []).append(layer)
+        sources: list[torch.Tensor] = [torch.empty(0)] * num_layers
+        for (n, keep), layers in groups.items():
+            parts = [views[layer] for layer in layers]
+
+            def cat(name: str, parts: list[BlockView] = parts) -> torch.Tensor | None:
+                values = [getattr(v, name) for v in parts]
+                return None if values[0] is None else torch.cat(values)
+
+            # keep <= n: a layer under its share may still drop (dynamic_window's cold blocks)
+            view = dataclasses.replace(
+                parts[0],
+                origin=cat("origin"),
+                is_sink=cat("is_sink"),
+                is_recent=cat("is_recent"),
+                score=cat("score"),
+                is_anchor=cat("is_anchor"),
+                num_keep=keep,
             )
             chosen = self.policy.select(view)
             num_dropped = int(chosen[0].sum())
@@ -801,7 +817,11 @@ class KVEvictor:
             assert not bool((chosen & ~view.candidates).any()), (
                 f"policy {self.policy.name} chose a protected block"
             )
-            sources.append(slots[~chosen].view(nkv, n - num_dropped))
+            kept = (
+                torch.arange(n).expand(len(layers) * nkv, n)[~chosen].view(len(layers), nkv, n - num_dropped)
+            )
+            for layer, source in zip(layers, kept):
+                sources[layer] = source
         num_dropped = sum(num_slots) - sum(s.shape[1] for s in sources)
         if num_dropped == 0:
             return 0

@@ -20,7 +20,7 @@ the OS (madvise DONTNEED) when the DTSS takes KV shards offline under memory pre
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import math
 import mmap
 from collections.abc import Iterable, Sequence
@@ -123,12 +123,12 @@ class WritePlan:
     is_monitored: bool = False  # measure the round-trip error of this step's writes
 
     def for_layer(self, layer: int) -> WritePlan:
-        """A layered cache's plan as one layer writes it (its row of ``rows`` / ``seal_chunk_ids``)."""
-        return dataclasses.replace(
-            self,
-            rows=None if self.rows is None else self.rows[layer],
-            seal_chunk_ids=None if self.seal_chunk_ids is None else self.seal_chunk_ids[layer],
-        )
+        """A layered cache's plan as one layer writes it (its row of ``rows`` / ``seal_chunk_ids``): a shallow
+        copy (every layer of every step makes one; ``dataclasses.replace`` cost ~80 us each)."""
+        plan = copy.copy(self)
+        plan.rows = None if self.rows is None else self.rows[layer]
+        plan.seal_chunk_ids = None if self.seal_chunk_ids is None else self.seal_chunk_ids[layer]
+        return plan
 
     def to(self, device: torch.device) -> WritePlan:
         if device.type == "cpu":
