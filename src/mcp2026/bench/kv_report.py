@@ -90,8 +90,11 @@ def targets(aggregates: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _verdicts(aggregates: dict[str, Any], config: str, targets: Sequence[Target]) -> str:
-    mine = [t if t.config == config else dataclasses.replace(t, config=config) for t in targets]
-    answered = [t for t, own in zip(mine, targets) if own.config in (config, target_config(config))]
+    answered = [
+        t if t.config == config else dataclasses.replace(t, config=config)
+        for t in targets
+        if t.config in (config, target_config(config))
+    ]
     return "; ".join(t.verdict(metric(aggregates, t)) for t in answered) or ""
 
 

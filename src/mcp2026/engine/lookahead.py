@@ -72,11 +72,13 @@ def draft_attention(
         r.request_id: cdiv(r.num_computed_tokens - manager.num_dropped_tokens(r.request_id), bs) for r in live
     }
     # per lane, the prompt's slots: with per-layer budgets (kv.layer_pages) a layer holds ``slot_shift`` fewer
-    lane_slots = {
-        rid: n - _lane_shift(runner, rid, cache.num_kv_heads, cache.num_layers)
+    pages, lanes = runner.layer_pages, cache.num_layers * cache.num_kv_heads
+    no_shift = torch.zeros(lanes, dtype=torch.long)
+    lane_slots = {  # (lanes,) each
+        rid: n - (no_shift if pages is None else pages.lane_shift(rid, cache.num_kv_heads))
         for rid, n in num_slots.items()
     }
-    sums = {rid: torch.zeros(len(s), int(s.max())) for rid, s in lane_slots.items()}
+    sums = {rid: torch.zeros(lanes, int(s.max())) for rid, s in lane_slots.items()}
     counts = dict.fromkeys(num_slots, 0)
     drafts = {
         r.request_id: _Draft(r.request_id, r.num_computed_tokens, r.num_tokens, r.cache_salt, r.plan_id)
@@ -125,10 +127,3 @@ def draft_attention(
             manager.truncate(rid, n)
         cache.restore_staging(staged)
     return {rid: sums[rid] / counts[rid] for rid in sums if counts[rid]}
-
-
-def _lane_shift(runner: ModelRunner, request_id: str, num_kv_heads: int, num_layers: int) -> torch.Tensor:
-    """(lanes,) how many fewer slots than the uniform view each lane holds (0 without per-layer budgets)."""
-    pages = runner.layer_pages
-    shift = pages.slot_shift(request_id) if pages is not None else [0] * num_layers
-    return torch.tensor(shift).repeat_interleave(num_kv_heads)

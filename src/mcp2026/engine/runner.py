@@ -70,26 +70,35 @@ class ModelRunner:
         starts = torch.tensor([c.kv_start for c in decodes])
         num_slots = [c.kv_start // bs + 1 for c in decodes]
         tables = _pad([c.block_table[:n] for c, n in zip(decodes, num_slots)], 0)  # (B, nb)
-        for b, c in enumerate(decodes):
-            staged = self._staged_id(c.request_id, stage_after)
-            if staged is not None:
-                tables[b, num_slots[b] - 1] = staged
+        staged = [self._staged_id(c.request_id, stage_after) for c in decodes]
+        for b, idx in enumerate(staged):
+            if idx is not None:
+                tables[b, num_slots[b] - 1] = idx
         width = tables.shape[1]
         lengths = starts + 1
         if self.scoring.decode:
             meta.decode_mass = torch.zeros(self.num_layers, len(decodes), self.num_kv_heads, width)
-        if self.fused_decode and (
-            self.cache.quantized_kernel_kind  # the quantized kernel reads staged tails too
-            or not any(self._staged_id(c.request_id, stage_after) is not None for c in decodes)
-        ):
+        if self._decodes_fused(staged):
             meta.decode_tables, meta.decode_lengths = tables, lengths
             return num_slots
         meta.decode_read = self.cache.block_read(tables)
-        if int(lengths.min()) != width * bs:
-            pad = torch.arange(width * bs).unsqueeze(0) >= lengths.unsqueeze(1)  # (B, L)
-            bias = torch.zeros(pad.shape, dtype=self.cache.dtype).masked_fill_(pad, float("-inf"))
-            meta.decode_bias = bias[:, None, None, :]
+        meta.decode_bias = self._pad_bias(lengths, width)
         return num_slots
+
+    def _decodes_fused(self, staged: list[int | None]) -> bool:
+        """Whether the step's decodes run in the fused kernel (the quantized one reads staged tails too)."""
+        return self.fused_decode and (
+            bool(self.cache.quantized_kernel_kind) or all(idx is None for idx in staged)
+        )
+
+    def _pad_bias(self, lengths: torch.Tensor, width: int) -> torch.Tensor | None:
+        """(..., 1, 1, width * bs) additive bias hiding each row's keys past its length (``lengths`` (...,));
+        None when no row is short."""
+        pad = torch.arange(width * self.block_size) >= lengths.unsqueeze(-1)
+        if not bool(pad.any()):
+            return None
+        bias = torch.zeros(pad.shape, dtype=self.cache.dtype).masked_fill_(pad, float("-inf"))
+        return bias.unsqueeze(-2).unsqueeze(-2)
 
     def _decode_metadata_layered(
         self,
@@ -106,27 +115,21 @@ class ModelRunner:
         slots = torch.tensor(num_slots).unsqueeze(0) - torch.stack([t.shift for t in layer_tables], dim=1)
         width = int(slots.max())
         tables = torch.zeros(num_layers, len(decodes), width, dtype=torch.long)
-        for b, (c, lt) in enumerate(zip(decodes, layer_tables)):
+        staged = [self._staged_id(c.request_id, stage_after) for c in decodes]
+        for b, (lt, idx) in enumerate(zip(layer_tables, staged)):
             w = min(width, lt.pages.shape[1])
             tables[:, b, :w] = lt.pages[:, :w]
-            staged = self._staged_id(c.request_id, stage_after)
-            if staged is not None:
-                tables[torch.arange(num_layers), b, slots[:, b] - 1] = staged
+            if idx is not None:
+                tables[torch.arange(num_layers), b, slots[:, b] - 1] = idx
         offsets = torch.tensor([c.kv_start % bs for c in decodes]).unsqueeze(0)
         lengths = (slots - 1) * bs + offsets + 1  # (L, B)
         if self.scoring.decode:
             meta.decode_mass = torch.zeros(num_layers, len(decodes), self.num_kv_heads, width)
-        if self.fused_decode and (
-            self.cache.quantized_kernel_kind
-            or not any(self._staged_id(c.request_id, stage_after) is not None for c in decodes)
-        ):
+        if self._decodes_fused(staged):
             meta.decode_tables, meta.decode_lengths = tables, lengths
             return num_slots
         meta.decode_read = [self.cache.block_read(tables[layer]) for layer in range(num_layers)]
-        pad = torch.arange(width * bs).view(1, 1, -1) >= lengths.unsqueeze(2)  # (L, B, nb * bs)
-        if bool(pad.any()):
-            bias = torch.zeros(pad.shape, dtype=self.cache.dtype).masked_fill_(pad, float("-inf"))
-            meta.decode_bias = bias[:, :, None, None, :]
+        meta.decode_bias = self._pad_bias(lengths, width)  # (L, B, 1, 1, nb * bs)
         return num_slots
 
     def _prefill_slice_layered(

@@ -234,12 +234,6 @@ class KVCompressor:
     ) -> KVEvictor | None:
         if not self.evicts:
             return None
-        if self.layer_weights is not None and cache is not None:
-            _require(
-                len(self.layer_weights) == cache.num_layers,
-                f"KVCompressor.layer_weights: {len(self.layer_weights)} weights for a model of {cache.num_layers} "
-                "layers; give one per layer",
-            )
         return KVEvictor(
             make_policy(self.policy, self.budget()),
             manager,

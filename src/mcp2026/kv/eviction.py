@@ -449,8 +449,8 @@ class KVEvictor:
                 raise ValueError("per-layer budgets need a layered KV cache (PagedKVCache(layered=True))")
             if len(self.layer_weights) != cache.num_layers or min(self.layer_weights) <= 0:
                 raise ValueError(
-                    f"layer_weights: need {cache.num_layers} positive weights (one per layer), "
-                    f"got {len(self.layer_weights)}"
+                    f"KVCompressor.layer_weights: {len(self.layer_weights)} weights for a model of "
+                    f"{cache.num_layers} layers; give one per layer, each positive"
                 )
             self.layer_pages = LayerPages(cache.num_layers, cache.num_blocks)
         self.max_blocks = cdiv(max_model_len, self.budget.block_size)
@@ -521,9 +521,8 @@ class KVEvictor:
         origin = self.origins(request_id, self.max_blocks).tolist()
         if self.layer_pages is None:
             return [lane[:num_slots] for lane in origin]
-        nkv = self.num_lanes // len(self.layer_weights)
-        shift = self.layer_pages.slot_shift(request_id)
-        return [lane[: num_slots - shift[i // nkv]] for i, lane in enumerate(origin)]
+        lane_slots = num_slots - self.layer_pages.lane_shift(request_id, self.cache.num_kv_heads)
+        return [lane[:n] for lane, n in zip(origin, lane_slots.tolist())]
 
     def absorb(self, scores: Iterable[StepScores], num_new_tokens: dict[str, int] | None = None) -> None:
         """Fold a step's observations in. ``num_new_tokens``: tokens each request computed in the step (the
@@ -553,9 +552,7 @@ class KVEvictor:
         self, row: int, mass: torch.Tensor, num_slots: int, request_id: str, age: int
     ) -> None:
         """``absorb`` for a request whose layers hold different numbers of slots: lane by lane, only its own."""
-        nkv = self.cache.num_kv_heads
-        shift = torch.tensor(self.layer_pages.slot_shift(request_id)).repeat_interleave(nkv)
-        lane_slots = num_slots - shift  # (lanes,)
+        lane_slots = num_slots - self.layer_pages.lane_shift(request_id, self.cache.num_kv_heads)  # (lanes,)
         n = int(lane_slots.max())
         valid = torch.arange(n).unsqueeze(0) < lane_slots.unsqueeze(1)  # (lanes, n)
         mass = mass[:, :n].float() * valid
@@ -594,21 +591,18 @@ class KVEvictor:
             n = request.num_computed_tokens
             state.is_prompt_done = state.is_prompt_done or is_prompt_done
             num_live = cdiv(n - self.manager.num_dropped_tokens(chunk.request_id), bs)
+            widest = (
+                num_live  # the widest layer's slots (per-layer budgets: a layer may hold more than num_live)
+            )
+            if self.layer_pages is not None:
+                widest -= min(self.layer_pages.slot_shift(chunk.request_id))
             if is_prompt_done and chunk.request_id in drafts:
-                widest = (
-                    num_live - min(self.layer_pages.slot_shift(chunk.request_id))
-                    if self.layer_pages
-                    else num_live
-                )
                 self._fold_draft(state.row, drafts[chunk.request_id][:, :widest])
             if is_prompt_done and self.policy.score_kind == "recent":
                 self.recent[state.row] = self.last[state.row]
             num_keep = self.policy.num_keep_blocks(n, request.num_prompt_tokens)
             if is_prompt_done and self.policy.keeps_anchors and self.budget.num_anchors > 0:
-                width = num_live
-                if self.layer_pages is not None:  # the widest layer's slots
-                    width = num_live - min(self.layer_pages.slot_shift(chunk.request_id))
-                state.anchors = self._anchors(request.prompt_token_ids, state.row, width, num_keep, n)
+                state.anchors = self._anchors(request.prompt_token_ids, state.row, widest, num_keep, n)
                 # from the prompt's end: a recompute after preemption passes it in one chunk
                 state.anchors_until = request.num_prompt_tokens + self.budget.anchor_tokens
                 self.counters.num_anchor_blocks += len(state.anchors)
@@ -859,7 +853,7 @@ class KVEvictor:
         changed = {b: a for b, a in zip(before, after) if b != a}
         if not changed:
             return packing
-        nb, nkv, num_layers = self.cache.num_blocks, self.cache.num_kv_heads, self.cache.num_layers
+        nb, nkv = self.cache.num_blocks, self.cache.num_kv_heads
         block_map = torch.arange(nb)
         block_map[torch.tensor(list(changed))] = torch.tensor(list(changed.values()))
 
@@ -868,9 +862,7 @@ class KVEvictor:
             return ((page // nb) * nb + block_map[page % nb]) * nkv + head
 
         dst = repoint(packing.dst)
-        old = torch.tensor(list(changed))  # every chunk of the old blocks, to the same chunk of the new ones
-        pages = (torch.arange(num_layers).unsqueeze(1) * nb + old).flatten()
-        whole = (pages.unsqueeze(1) * nkv + torch.arange(nkv)).flatten()
+        whole = self.cache.block_chunks(list(changed))  # to the same chunks of the new blocks
         rest = whole[~torch.isin(repoint(whole), dst)]
         layout = [[(p // nb) * nb + changed.get(p % nb, p % nb) for p in layer] for layer in packing.pages]
         return Packing(

@@ -74,6 +74,10 @@ class LayerPages:
             return [0] * self.num_layers
         return [packed.num_table - len(base) for base in packed.base]
 
+    def lane_shift(self, request_id: str, num_kv_heads: int) -> torch.Tensor:
+        """(L * nkv,) ``slot_shift`` per lane (one layer's one KV head, layer-major)."""
+        return torch.tensor(self.slot_shift(request_id)).repeat_interleave(num_kv_heads)
+
     def table(self, request_id: str, table: Sequence[int]) -> LayerTable:
         """The request's pages as tensors (what the runner and the write plan read)."""
         packed = self._packed.get(request_id)

@@ -618,13 +618,7 @@ class PagedKVCache:
         head = torch.arange(nkv).repeat(self.num_layers).unsqueeze(1)
         src = (layer + old[source]) * nkv + head  # chunk ids, (lanes, n)
         dst = (layer + new.unsqueeze(0)) * nkv + head
-        moved = src != dst
-        src, dst = src[moved].to(self.device), dst[moved].to(self.device)
-        if src.numel():
-            for plane in (*self.k_planes.values(), *self.v_planes.values()):
-                flat = plane.flatten(0, 2)  # (L * num_blocks * nkv, *chunk)
-                _copy(flat, dst, _select(flat, src))
-        return int(src.numel())
+        return self.move_chunks(src.flatten(), dst.flatten())
 
     def move_chunks(self, src: torch.Tensor, dst: torch.Tensor) -> int:
         """Copy chunks (one page's one head: chunk id = page * nkv + head of the flat pool) ``src`` to ``dst``,
@@ -638,19 +632,10 @@ class PagedKVCache:
                 _copy(flat, dst, _select(flat, src))
         return int(src.numel())
 
-    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> int:
-        """Copy whole blocks (every layer, head and plane): a block replaced by a fresh one before rewriting."""
-        if not src:
-            return 0
-        nkv = self.num_kv_heads
-        pages = torch.arange(self.num_layers).unsqueeze(1) * self.num_blocks  # (L, 1)
-        heads = torch.arange(nkv)
-
-        def chunks(blocks: Sequence[int]) -> torch.Tensor:
-            ids = pages + torch.tensor(list(blocks), dtype=torch.long)  # (L, n)
-            return (ids.unsqueeze(2) * nkv + heads).flatten()
-
-        return self.move_chunks(chunks(src), chunks(dst))
+    def block_chunks(self, blocks: Sequence[int]) -> torch.Tensor:
+        """Every chunk id (``move_chunks``') of whole blocks: each layer's page, each head."""
+        pages = torch.arange(self.num_layers).unsqueeze(1) * self.num_blocks + torch.tensor(list(blocks))
+        return (pages.unsqueeze(2) * self.num_kv_heads + torch.arange(self.num_kv_heads)).flatten()
 
     # --- debug checks ----------------------------------------------------------------------------------
     def debug_report(self) -> dict:
