@@ -133,7 +133,8 @@ def serve(
     kv_layer_weights: Annotated[
         str | None,
         typer.Option(
-            help="per-layer KV budgets: a calibrated preset (smollm2-135m) or one weight per layer, 'w0/w1/...'"
+            help="per-layer KV budgets: auto (default: the preset calibrated for this model and policy, else "
+            "uniform) | uniform | a preset (smollm2-135m) | one weight per layer, 'w0/w1/...'"
         ),
     ] = None,
     gate: Annotated[

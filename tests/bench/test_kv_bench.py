@@ -331,7 +331,10 @@ def test_config_presets_and_validation():
     assert len(layered.layer_weights) == 30 and layered.layer_weights[18] == max(layered.layer_weights)
     assert parse_config("snap@0.5:layer_weights=1/3", "fp32", 16).layer_weights == (1.0, 3.0)
     for kwargs, match in [
-        ({"retrieval_configs": ("snap@0.5:layer_weights=1/a",)}, "layer_weights must be a preset"),
+        (
+            {"retrieval_configs": ("snap@0.5:layer_weights=1/a",)},
+            "layer_weights must be 'auto', 'uniform', a preset",
+        ),
         ({"context_tokens": 9000}, "--context-tokens"),
         ({"codecs": ("int3",)}, "dtype must be one of"),
         ({"retrieval_configs": ("heavy_hitter@x",)}, "POLICY@SPARSITY"),

@@ -327,12 +327,36 @@ def test_layer_weights_share_the_same_memory_unevenly(tiny):
     assert engine.kv_manager.num_free_blocks == 96
 
 
+def test_auto_layer_weights_take_the_models_calibrated_preset(tiny, monkeypatch):
+    """``layer_weights="auto"`` (the default) gives a model whose fingerprint has a calibration that preset, for
+    the policies it was calibrated with, exactly as if it were asked for by name; others stay uniform."""
+    from mcp2026.kv import layer_weights
+
+    calibration = layer_weights.Calibration(layer_weights.fingerprint(tiny.config), ("sink_window",))
+    monkeypatch.setitem(layer_weights.CALIBRATIONS, "tiny", calibration)
+    monkeypatch.setitem(layer_weights.PRESETS, "tiny", (1.0, 3.0))
+    kv = KVCompressor(dtype="int8", policy="sink_window", sparsity_ratio=0.6, recent_window=8, block_size=8)
+    ps, params = prompts(2, seed=3), SamplingParams(max_tokens=80, ignore_eos=True)
+
+    auto = make_engine(tiny, kv)
+    assert auto.config.kv_compressor.layer_weights == (1.0, 3.0) and auto.cache.layered
+    named = make_engine(tiny, dataclasses.replace(kv, layer_weights="tiny"))
+    assert run(auto, ps, params) == run(named, ps, params)
+    assert auto.kv_debug_report()["eviction"]["layer_budgets"]["preset"] == "tiny"
+    assert auto.evictor.report()["num_dropped_pages"] > 0  # the layers did keep unevenly
+
+    uniform = make_engine(tiny, dataclasses.replace(kv, layer_weights="uniform"))
+    other_policy = make_engine(tiny, dataclasses.replace(kv, policy="heavy_hitter"))
+    for engine in (uniform, other_policy):
+        assert engine.config.kv_compressor.layer_weights is None and not engine.cache.layered
+
+
 def test_layer_weights_errors(tiny):
     with pytest.raises(ValueError, match="one per layer"):
         make_engine(tiny, KVCompressor(dtype="fp32", policy="heavy_hitter", layer_weights=(1.0, 2.0, 3.0)))
     with pytest.raises(ValueError, match="positive"):
         KVCompressor(policy="heavy_hitter", layer_weights=(1.0, 0.0))
-    with pytest.raises(ValueError, match="must be a preset"):
+    with pytest.raises(ValueError, match="must be 'auto', 'uniform', a preset"):
         KVCompressor(policy="heavy_hitter", layer_weights="1/x")
     with pytest.raises(ValueError, match="policy='none'"):
         KVCompressor(dtype="int8", policy="none", layer_weights=(1.0, 1.0))

@@ -278,6 +278,9 @@ def notes(config: KVBenchConfig, loaded: Any, retrieval: dict | None, grid: list
             "contains the fact (a 135M model may not retrieve well even uncompressed), 'fact kept' = correct "
             "where the uncompressed engine was correct."
         )
+    auto = _auto_layer_weights(loaded, grid)
+    if auto:
+        notes.append(auto)
     if any(kv.dtype == "fp8" for _, kv in grid) and next(loaded.model.parameters()).device.type == "cpu":
         notes.append(
             "fp8 on CPU: stored as e4m3 and converted on read (no fp8 arithmetic); saves memory only."
@@ -295,3 +298,20 @@ def notes(config: KVBenchConfig, loaded: Any, retrieval: dict | None, grid: list
             "chunks, the engines taking turns chunk by chunk (one run each: noisier than decode)."
         )
     return notes
+
+
+def _auto_layer_weights(loaded: Any, grid: list) -> str | None:
+    """What ``layer_weights="auto"`` (a policy row without a layer_weights option) meant on this model."""
+    from mcp2026.kv.layer_weights import AUTO, auto_preset
+
+    policies = sorted({kv.policy for _, kv in grid if kv.evicts and kv.layer_weights == AUTO})
+    if not policies:
+        return None
+    presets = {p: auto_preset(loaded.config, p) for p in policies}
+    tuned = [f"{p} the calibrated preset {name!r}" for p, name in presets.items() if name]
+    uniform = [p for p, name in presets.items() if not name]
+    said = "; ".join([*tuned, *([f"{', '.join(uniform)} the same budget in every layer"] if uniform else [])])
+    return (
+        "Per-layer budgets: policy rows without a layer_weights option take the default layer_weights='auto'; "
+        f"on this model that gives {said} (kv.layer_weights; ':layer_weights=uniform' asks for the uniform rule)."
+    )

@@ -10,7 +10,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ from mcp2026.engine.sampler import Sampler, SamplingState
 from mcp2026.engine.scheduler import Scheduler
 from mcp2026.kv.debug import fragmentation_report
 from mcp2026.kv.dtss import DTSSController
+from mcp2026.kv.layer_weights import preset_name
 from mcp2026.kv.manager import KVCacheManager
 from mcp2026.kv.paged_cache import PagedKVCache
 from mcp2026.kv.sizing import plan_kv_blocks
@@ -93,6 +94,16 @@ class LLMEngine:
             int(model.rope.cos.shape[0]),
         )
         compressor = self.config.kv_compressor
+        if compressor is not None:  # layer_weights="auto" -> this model's calibrated set, or uniform
+            resolved = compressor.for_model(model_config)
+            if resolved is not compressor and resolved.layer_weights is not None:
+                log.info(
+                    "KV per-layer budgets: preset %s (layer_weights='auto': calibrated for this model and %s)",
+                    preset_name(resolved.layer_weights),
+                    compressor.policy,
+                )
+            compressor = resolved
+            self.config = replace(self.config, kv_compressor=compressor)
         codec = compressor.make_codec() if compressor is not None else None
         kv = self.config.resolved_kv
         num_blocks = plan_kv_blocks(

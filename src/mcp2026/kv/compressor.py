@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mcp2026.config import ModelConfig
 from mcp2026.kv.codecs import CODECS, KVCodec, default_block_size, make_codec
 from mcp2026.kv.eviction import POLICIES, EvictionBudget, KVEvictor, make_policy
-from mcp2026.kv.layer_weights import parse_layer_weights
+from mcp2026.kv.layer_weights import AUTO, PRESETS, UNIFORM, auto_preset, parse_layer_weights
 from mcp2026.kv.manager import KVCacheManager
 from mcp2026.kv.paged_cache import PagedKVCache
 
@@ -45,7 +46,9 @@ class KVCompressor:
     ``max_kv_tokens`` (tokens kept per request), never both. ``num_sink_tokens`` and ``recent_window`` are
     always kept; with heavy_hitter / snap, so are the ``num_anchors`` passages the question names (lexical
     anchors), for ``anchor_tokens`` tokens after the prompt; ``lookahead_tokens`` greedy drafts may join the
-    question in ranking the prompt (off by default). ``max_error`` is the relative round-trip error above which
+    question in ranking the prompt (off by default). ``layer_weights`` shares the kept blocks between layers
+    unevenly; "auto" (the default) uses a calibrated set where one exists for the served model and policy
+    (heavy_hitter on SmolLM2-135M), else uniform. ``max_error`` is the relative round-trip error above which
     a layer is reported.
     """
 
@@ -80,10 +83,12 @@ class KVCompressor:
     lookahead_weight: float = 0.5
     error_check_interval: int = 16  # measure the round-trip error every this many steps
     # Per-layer budgets: one positive weight per model layer; a request's kept blocks are shared between layers in
-    # proportion (kv.layer_pages; None = every layer keeps the same). A sequence, a "w0/w1/..." string, or a
-    # calibrated preset (kv.layer_weights.PRESETS: "smollm2-135m"). The kv bench's four 2k texts, heavy_hitter at
-    # 70%: ΔPPL +8.3/+24.9/+16.9/+5.7% uniform, +3.3/+3.0/+3.3/+1.7% with "smollm2-135m" (docs/kv-cache.md).
-    layer_weights: tuple[float, ...] | None = None
+    # proportion (kv.layer_pages). A sequence, a "w0/w1/..." string, a calibrated preset
+    # (kv.layer_weights.PRESETS: "smollm2-135m"), "uniform" (or None: every layer keeps the same), or "auto": the
+    # preset calibrated for the served model and policy if there is one, else uniform (resolved by ``for_model``
+    # when the engine is built). The kv bench's four 2k texts, heavy_hitter at 70%: ΔPPL +8.3/+24.9/+16.9/+5.7%
+    # uniform, +3.3/+3.0/+3.3/+1.7% with "smollm2-135m" (docs/kv-cache.md).
+    layer_weights: tuple[float, ...] | str | None = AUTO
 
     def __post_init__(self) -> None:
         _require(
@@ -160,12 +165,23 @@ class KVCompressor:
             self.error_check_interval >= 1,
             f"KVCompressor.error_check_interval must be >= 1, got {self.error_check_interval}",
         )
-        if self.layer_weights is not None:
-            object.__setattr__(self, "layer_weights", parse_layer_weights(self.layer_weights))
+        weights = self.layer_weights
+        if isinstance(weights, str) and weights.strip() in (AUTO, UNIFORM):
+            object.__setattr__(self, "layer_weights", None if weights.strip() == UNIFORM else AUTO)
+        elif weights is not None:
+            object.__setattr__(self, "layer_weights", parse_layer_weights(weights))
             _require(
                 self.policy != "none",
                 "KVCompressor.layer_weights share an eviction budget between layers; policy='none' has none",
             )
+
+    def for_model(self, config: ModelConfig) -> KVCompressor:
+        """This compressor with ``layer_weights="auto"`` resolved for ``config``: the preset calibrated for that
+        model and policy (kv.layer_weights.CALIBRATIONS), else uniform (None)."""
+        if self.layer_weights != AUTO:
+            return self
+        preset = auto_preset(config, self.policy)
+        return dataclasses.replace(self, layer_weights=PRESETS[preset] if preset is not None else None)
 
     # --- construction from configs ---------------------------------------------------------------------
     @classmethod
@@ -239,7 +255,8 @@ class KVCompressor:
             manager,
             max_model_len,
             cache,
-            layer_weights=self.layer_weights,
+            # "auto" unresolved (no model known here): uniform
+            layer_weights=None if self.layer_weights == AUTO else self.layer_weights,
         )
 
     def inject(self, target: Any) -> Any:

@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from mcp2026.kv.layer_pages import LayerPages, Packing, layer_quotas, plan_packing
+from mcp2026.kv.layer_weights import preset_name
 from mcp2026.kv.manager import KVCacheManager, cdiv
 from mcp2026.kv.paged_cache import PagedKVCache
 
@@ -901,6 +902,7 @@ class KVEvictor:
             idle += len(self.layer_weights) * len(table) - used
         return {
             "layer_weights": list(self.layer_weights),
+            "preset": preset_name(self.layer_weights),
             "num_packed_requests": len(packed),
             "num_idle_pages": idle,
         }

@@ -1,14 +1,38 @@
-"""Per-layer KV budget weights (``KVCompressor.layer_weights``): parsing, and calibrated sets by name.
+"""Per-layer KV budget weights (``KVCompressor.layer_weights``): parsing, calibrated sets by name, and the
+``"auto"`` rule that picks a calibrated set for the model being served.
 
 A named set was calibrated offline for one model: the eviction simulation probes each layer's sensitivity (the
 ΔPPL when only that layer evicts, on calibration texts), and a layer's weight is the square root of its share of
 the probed loss, floored (docs/kv-cache.md, "Per-layer budgets"). The command that derives a set is next to it;
 a set is checked against the model's layer count when the engine is built.
+
+``"auto"`` (the default) takes a set only for the model shape it was calibrated on (layers, widths, heads,
+vocabulary, RoPE base and context) and only for the policies it was measured with; any other model or policy
+keeps the same budget in every layer. A set tuned on one model says nothing about another's layers.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+from mcp2026.config import ModelConfig
+
+AUTO, UNIFORM = "auto", "uniform"
+# what identifies a model's layers for a calibrated set: its shape, RoPE base and context (SmolLM v1 and v2
+# 135M share every width and differ in rope_theta and context). Not the architecture name: a GGUF file says
+# "llama" where the same model's HF folder says "LlamaForCausalLM".
+FINGERPRINT = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "rope_theta",
+    "max_position_embeddings",
+)
 
 # SmolLM2-135M(-Instruct), 30 layers: `sensitivity:0+1` of `mcp2026 bench plugin
 # examples/bench_plugins/kv_eviction_sim.py:EvictionSimulation --dtype fp32 --param defer_prompt=1 --param
@@ -51,8 +75,57 @@ PRESETS: dict[str, tuple[float, ...]] = {
 }
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """Where a preset applies under ``"auto"``: the model it was calibrated on and the policies measured."""
+
+    fingerprint: dict[str, Any]
+    policies: tuple[str, ...]
+
+
+# SmolLM2-135M-Instruct (the embedded default model) and its base model share this shape. heavy_hitter at 70%,
+# four 2k texts: +13.7% -> +2.82% pooled (docs/benchmarks.md, kv-layer-budgets). The other policies: see
+# docs/kv-cache.md ("Per-layer budgets by default") for why they keep uniform budgets.
+CALIBRATIONS: dict[str, Calibration] = {
+    "smollm2-135m": Calibration(
+        fingerprint={
+            "vocab_size": 49152,
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_layers": 30,
+            "num_heads": 9,
+            "num_kv_heads": 3,
+            "head_dim": 64,
+            "rope_theta": 100000.0,
+            "max_position_embeddings": 8192,
+        },
+        policies=("heavy_hitter",),
+    ),
+}
+
+
+def fingerprint(config: ModelConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in FINGERPRINT}
+
+
+def auto_preset(config: ModelConfig, policy: str) -> str | None:
+    """The preset ``"auto"`` takes for this model and policy, or None (uniform budgets)."""
+    shape = fingerprint(config)
+    for name, calibration in CALIBRATIONS.items():
+        if calibration.fingerprint == shape and policy in calibration.policies:
+            return name
+    return None
+
+
+def preset_name(weights: Any) -> str | None:
+    """The preset these weights are, if any (for reports and logs)."""
+    found = [name for name, preset in PRESETS.items() if tuple(weights or ()) == preset]
+    return found[0] if found else None
+
+
 def parse_layer_weights(value: Any) -> tuple[float, ...]:
-    """Weights from a preset name, a sequence of numbers, or a "w0/w1/..." (or comma-separated) string."""
+    """Weights from a preset name, a sequence of numbers, or a "w0/w1/..." (or comma-separated) string.
+    ``"auto"`` and ``"uniform"`` are the compressor's to resolve, not weights."""
     if isinstance(value, str) and value.strip() in PRESETS:
         return PRESETS[value.strip()]
     items = value.replace(",", "/").split("/") if isinstance(value, str) else value
@@ -60,8 +133,8 @@ def parse_layer_weights(value: Any) -> tuple[float, ...]:
         weights = tuple(float(w) for w in items)
     except (TypeError, ValueError):
         raise ValueError(
-            f"KVCompressor.layer_weights must be a preset ({', '.join(sorted(PRESETS))}) or numbers, one per "
-            f"layer (a list or 'w0/w1/...'), got {value!r}"
+            f"KVCompressor.layer_weights must be 'auto', 'uniform', a preset ({', '.join(sorted(PRESETS))}) or "
+            f"numbers, one per layer (a list or 'w0/w1/...'), got {value!r}"
         ) from None
     if not weights or not all(0 < w < float("inf") for w in weights):
         raise ValueError(f"KVCompressor.layer_weights must be positive and finite, got {value!r}")
