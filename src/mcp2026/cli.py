@@ -230,6 +230,9 @@ register_doctor(app)
 from mcp2026.canary.cli import register as register_canary  # noqa: E402
 
 register_canary(app)
+from mcp2026.kv.cli import register as register_kv  # noqa: E402
+
+register_kv(app)
 
 
 def main() -> None:

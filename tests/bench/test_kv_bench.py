@@ -184,9 +184,9 @@ def test_retrieval_decode_and_targets(run):
 
 
 def test_compare_quality_many_equals_one_at_a_time(tiny_dir):
-    from mcp2026.bench.kv import _engine
     from mcp2026.bench.kv_config import parse_config
     from mcp2026.kv.measure import compare_quality, compare_quality_many
+    from mcp2026.kv.measure import measurement_engine as _engine
     from mcp2026.loading.loader import load_model
 
     loaded = load_model(tiny_dir)

@@ -11,7 +11,7 @@ from mcp2026.kv.compressor import KVCompressor
 from mcp2026.kv.layer_weights import (
     CALIBRATIONS,
     PRESETS,
-    auto_preset,
+    auto_weights,
     fingerprint,
     parse_layer_weights,
     preset_name,
@@ -37,14 +37,14 @@ def test_every_calibration_names_a_preset_of_its_layer_count():
 
 
 def test_auto_takes_the_preset_only_for_its_model_and_policy():
-    assert auto_preset(SMOLLM2, "heavy_hitter") == "smollm2-135m"
+    assert auto_weights(SMOLLM2, "heavy_hitter")[0] == "smollm2-135m"
     # the same model as an HF folder names its architecture differently
-    assert auto_preset(dataclasses.replace(SMOLLM2, architecture="LlamaForCausalLM"), "heavy_hitter")
-    assert auto_preset(SMOLLM2, "sink_window") is None  # not measured with the weights
+    assert auto_weights(dataclasses.replace(SMOLLM2, architecture="LlamaForCausalLM"), "heavy_hitter")
+    assert auto_weights(SMOLLM2, "sink_window") is None  # not measured with the weights
     # SmolLM (v1) 135M: the same widths, another RoPE base and context
     v1 = dataclasses.replace(SMOLLM2, rope_theta=10000.0, max_position_embeddings=2048)
-    assert auto_preset(v1, "heavy_hitter") is None
-    assert auto_preset(dataclasses.replace(SMOLLM2, num_layers=32), "heavy_hitter") is None
+    assert auto_weights(v1, "heavy_hitter") is None
+    assert auto_weights(dataclasses.replace(SMOLLM2, num_layers=32), "heavy_hitter") is None
 
 
 def test_compressor_resolves_auto_for_a_model():
@@ -83,4 +83,4 @@ def test_the_default_model_is_the_calibrated_one(default_model_path):
     from mcp2026.loading.gguf import config_from_gguf, open_gguf
 
     config = config_from_gguf(open_gguf(default_model_path), str(default_model_path))
-    assert auto_preset(config, "heavy_hitter") == "smollm2-135m"
+    assert auto_weights(config, "heavy_hitter")[0] == "smollm2-135m"

@@ -33,24 +33,12 @@ from mcp2026.bench.kv_config import (
 from mcp2026.bench.kv_report import notes, tables, targets
 from mcp2026.bench.report import BenchRun, machine_info
 from mcp2026.kv.manager import cdiv
+from mcp2026.kv.measure import lockstep_group_size, measurement_engine
 
 MEMORY_SHARE = 0.25  # of available memory, for the engines run in one lockstep
 
 
 # ---- pieces -------------------------------------------------------------------------------------------
-def _engine(loaded: Any, compressor: Any, max_tokens: int, block_size: int | None) -> Any:
-    """An engine whose pool holds one ``max_tokens`` sequence (prefix caching off: every run computes).
-    Blocks: ``block_size``, else the compressor's, else the default (``EngineConfig.block_size``)."""
-    from mcp2026.config import EngineConfig, KVConfig
-    from mcp2026.engine.engine import LLMEngine
-
-    config = EngineConfig(KVConfig(block_size=block_size), kv_compressor=compressor)
-    kv = dataclasses.replace(
-        config.resolved_kv, num_blocks=cdiv(max_tokens, config.block_size) + 1, enable_prefix_caching=False
-    )
-    return LLMEngine(loaded.model, loaded.config, loaded.tokenizer, dataclasses.replace(config, kv=kv))
-
-
 def token_sequences(
     text: str, tokenizer: Any | None, vocab_size: int, num: int, length: int, seed: int
 ) -> list[list[int]]:
@@ -173,19 +161,12 @@ class _Context:
 
 def _group_size(ctx: _Context, num_tests: int) -> int:
     """Test engines per lockstep pass, so that pools and one chunk of logits each fit a share of memory."""
-    import torch
-
-    from mcp2026 import hardware
     from mcp2026.config import DEFAULT_BLOCK_SIZE
-    from mcp2026.kv.sizing import kv_block_bytes
 
-    model, config = ctx.loaded.config, ctx.config
-    dtype = next(ctx.loaded.model.parameters()).dtype
-    block_size = config.block_size or DEFAULT_BLOCK_SIZE  # blocks of the model's dtype: the largest pool
-    pool = (cdiv(config.context_tokens, block_size) + 1) * kv_block_bytes(model, block_size, dtype)
-    logits = PROMPT_CHUNK * model.vocab_size * torch.empty((), dtype=torch.float32).element_size()
-    per_engine = pool + logits
-    return max(1, min(num_tests, int(MEMORY_SHARE * hardware.available_memory_bytes() // per_engine) - 1))
+    block_size = ctx.config.block_size or DEFAULT_BLOCK_SIZE  # blocks of the model's dtype: the largest pool
+    return lockstep_group_size(
+        ctx.loaded, block_size, ctx.config.context_tokens, PROMPT_CHUNK, num_tests, MEMORY_SHARE
+    )
 
 
 def _quality(
@@ -205,7 +186,9 @@ def _quality(
     kept: dict[str, list[float]] = {name: [] for name, _ in grid}
     for g in range(0, len(grid), group):
         part = grid[g : g + group]
-        engines = [_engine(ctx.loaded, kv, config.context_tokens, config.block_size) for _, kv in part]
+        engines = [
+            measurement_engine(ctx.loaded, kv, config.context_tokens, config.block_size) for _, kv in part
+        ]
         for i, tokens in enumerate(sequences):
             before = [e.evictor.counters.num_evicted_blocks if e.evictor else 0 for e in engines]
             quality = compare_quality_many(
@@ -273,7 +256,7 @@ def _retrieval(ctx: _Context) -> dict[str, Any]:
     task = ctx.progress.add_task("retrieval", total=len(configs)) if ctx.progress is not None else None
     answers: dict[str, list[list[int]]] = {}
     for name, kv in configs:
-        engine = _engine(loaded, kv, longest, config.block_size)
+        engine = measurement_engine(loaded, kv, longest, config.block_size)
         if longest > engine.max_model_len:
             raise ValueError(
                 f"retrieval prompts need {longest} tokens, more than this model's {engine.max_model_len}; "
@@ -362,7 +345,9 @@ def _decode(ctx: _Context) -> dict[str, Any]:
         quantize_loaded(loaded, quant_config(config.decode_weights), progress=False)
     engines = {}
     for name, kv in configs:
-        engine = _engine(loaded, kv, config.decode_context + config.decode_tokens + 2, config.block_size)
+        engine = measurement_engine(
+            loaded, kv, config.decode_context + config.decode_tokens + 2, config.block_size
+        )
         if config.decode_context + config.decode_tokens + 1 > engine.max_model_len:
             raise ValueError(
                 f"--decode-context {config.decode_context} + {config.decode_tokens} tokens exceed this "
@@ -424,7 +409,7 @@ def run_kv(
         raise ValueError("every config was skipped on this device; choose other --codecs or add --policies")
     if config.text == "sharegpt" and loaded.tokenizer is None:
         ctx.notes.append("the model has no tokenizer: random token ids instead of ShareGPT text")
-    ref = _engine(loaded, None, config.context_tokens, config.block_size)
+    ref = measurement_engine(loaded, None, config.context_tokens, config.block_size)
     if config.context_tokens > ref.max_model_len:
         raise ValueError(
             f"--context-tokens {config.context_tokens} exceeds this model's context of "

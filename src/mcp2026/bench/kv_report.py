@@ -302,13 +302,14 @@ def notes(config: KVBenchConfig, loaded: Any, retrieval: dict | None, grid: list
 
 def _auto_layer_weights(loaded: Any, grid: list) -> str | None:
     """What ``layer_weights="auto"`` (a policy row without a layer_weights option) meant on this model."""
-    from mcp2026.kv.layer_weights import AUTO, auto_preset
+    from mcp2026.kv.layer_weights import AUTO, auto_weights
 
     policies = sorted({kv.policy for _, kv in grid if kv.evicts and kv.layer_weights == AUTO})
     if not policies:
         return None
-    presets = {p: auto_preset(loaded.config, p) for p in policies}
-    tuned = [f"{p} the calibrated preset {name!r}" for p, name in presets.items() if name]
+    found = {p: auto_weights(loaded.config, p) for p in policies}
+    presets = {p: f[0] if f else None for p, f in found.items()}
+    tuned = [f"{p} the calibrated weights {name!r}" for p, name in presets.items() if name]
     uniform = [p for p, name in presets.items() if not name]
     said = "; ".join([*tuned, *([f"{', '.join(uniform)} the same budget in every layer"] if uniform else [])])
     return (

@@ -98,8 +98,8 @@ class LLMEngine:
             resolved = compressor.for_model(model_config)
             if resolved is not compressor and resolved.layer_weights is not None:
                 log.info(
-                    "KV per-layer budgets: preset %s (layer_weights='auto': calibrated for this model and %s)",
-                    preset_name(resolved.layer_weights),
+                    "KV per-layer budgets (layer_weights='auto'): %s, calibrated for this model and %s",
+                    preset_name(resolved.layer_weights) or "an installed calibration file",
                     compressor.policy,
                 )
             compressor = resolved

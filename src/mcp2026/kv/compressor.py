@@ -17,7 +17,7 @@ from typing import Any
 from mcp2026.config import ModelConfig
 from mcp2026.kv.codecs import CODECS, KVCodec, default_block_size, make_codec
 from mcp2026.kv.eviction import POLICIES, EvictionBudget, KVEvictor, make_policy
-from mcp2026.kv.layer_weights import AUTO, PRESETS, UNIFORM, auto_preset, parse_layer_weights
+from mcp2026.kv.layer_weights import AUTO, UNIFORM, auto_weights, parse_layer_weights
 from mcp2026.kv.manager import KVCacheManager
 from mcp2026.kv.paged_cache import PagedKVCache
 
@@ -176,12 +176,12 @@ class KVCompressor:
             )
 
     def for_model(self, config: ModelConfig) -> KVCompressor:
-        """This compressor with ``layer_weights="auto"`` resolved for ``config``: the preset calibrated for that
-        model and policy (kv.layer_weights.CALIBRATIONS), else uniform (None)."""
+        """This compressor with ``layer_weights="auto"`` resolved for ``config``: the weights calibrated for that
+        model and policy (an installed ``mcp2026 kv calibrate`` file, else a built-in preset), else uniform."""
         if self.layer_weights != AUTO:
             return self
-        preset = auto_preset(config, self.policy)
-        return dataclasses.replace(self, layer_weights=PRESETS[preset] if preset is not None else None)
+        found = auto_weights(config, self.policy)
+        return dataclasses.replace(self, layer_weights=found[1] if found is not None else None)
 
     # --- construction from configs ---------------------------------------------------------------------
     @classmethod

@@ -454,6 +454,9 @@ class KVEvictor:
                     f"{cache.num_layers} layers; give one per layer, each positive"
                 )
             self.layer_pages = LayerPages(cache.num_layers, cache.num_blocks)
+        # Calibration (kv.calibrate): only this layer evicts, at the uniform budget; the others keep all they
+        # hold. Per-layer budgets only (it needs the layered cache).
+        self.probe_layer: int | None = None
         self.max_blocks = cdiv(max_model_len, self.budget.block_size)
         shape = (0, self.num_lanes, self.max_blocks)
         self.origin = torch.zeros(shape, dtype=torch.long)
@@ -782,7 +785,13 @@ class KVEvictor:
                 )
             )
         floors = [n - v.num_candidates for n, v in zip(num_slots, views)]
-        quotas = layer_quotas(self.layer_weights, num_layers * event.num_keep, num_slots, floors)
+        if self.probe_layer is None:
+            quotas = layer_quotas(self.layer_weights, num_layers * event.num_keep, num_slots, floors)
+        else:
+            quotas = [
+                min(n, max(event.num_keep, f)) if i == self.probe_layer else n
+                for i, (n, f) in enumerate(zip(num_slots, floors))
+            ]
         # one policy call per group of layers with the same slots and budget (its lanes side by side): on SmolLM2's
         # calibrated weights 14 layers share the smallest share
         groups: dict[tuple[int, int], list[int]] = {}

@@ -13,10 +13,15 @@ keeps the same budget in every layer. A set tuned on one model says nothing abou
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from mcp2026.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 AUTO, UNIFORM = "auto", "uniform"
 # what identifies a model's layers for a calibrated set: its shape, RoPE base and context (SmolLM v1 and v2
@@ -108,13 +113,65 @@ def fingerprint(config: ModelConfig) -> dict[str, Any]:
     return {name: getattr(config, name) for name in FINGERPRINT}
 
 
-def auto_preset(config: ModelConfig, policy: str) -> str | None:
-    """The preset ``"auto"`` takes for this model and policy, or None (uniform budgets)."""
+def auto_weights(config: ModelConfig, policy: str) -> tuple[str, tuple[float, ...]] | None:
+    """What ``"auto"`` takes for this model and policy, as (where from, weights), or None (uniform budgets):
+    an installed calibration (``mcp2026 kv calibrate --install``) first, then a built-in preset."""
     shape = fingerprint(config)
+    for path, data in installed_calibrations():
+        if data["fingerprint"] == shape and data["policy"] == policy:
+            return str(path), tuple(data["weights"])
     for name, calibration in CALIBRATIONS.items():
         if calibration.fingerprint == shape and policy in calibration.policies:
-            return name
+            return name, PRESETS[name]
     return None
+
+
+# --- calibration files (``mcp2026 kv calibrate``) ---------------------------------------------------------
+FILE_KIND = "mcp2026.kv-layer-weights"
+
+
+def calibrations_dir() -> Path:
+    """Where ``mcp2026 kv calibrate --install`` puts files for ``"auto"`` (under ``MCP2026_CACHE_DIR``)."""
+    from mcp2026.hardware import cache_dir
+
+    return Path(cache_dir()) / "kv-layer-weights"
+
+
+def read_weights_file(path: str | Path) -> dict[str, Any]:
+    """A calibration file: its weights, the model fingerprint and policy it was measured for, its probes."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"KVCompressor.layer_weights: no such file {str(path)!r}") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"KVCompressor.layer_weights: {path} is not a readable JSON file ({e})") from None
+    ok = (
+        isinstance(data, dict)
+        and data.get("kind") == FILE_KIND
+        and isinstance(data.get("fingerprint"), dict)
+        and isinstance(data.get("policy"), str)
+        and isinstance(data.get("weights"), list)
+    )
+    if not ok:
+        raise ValueError(
+            f"KVCompressor.layer_weights: {path} is not a layer-weights file (kind {FILE_KIND!r} with "
+            "fingerprint, policy and weights; `mcp2026 kv calibrate` writes them)"
+        )
+    data["weights"] = list(_checked(data["weights"], str(path)))
+    return data
+
+
+def installed_calibrations() -> list[tuple[Path, dict[str, Any]]]:
+    """Every readable calibration file in ``calibrations_dir()``; a broken one is skipped with a warning."""
+    folder = calibrations_dir()
+    found = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            found.append((path, read_weights_file(path)))
+        except ValueError as e:
+            log.warning("skipping %s: %s", path, e)
+    return found
 
 
 def preset_name(weights: Any) -> str | None:
@@ -124,17 +181,24 @@ def preset_name(weights: Any) -> str | None:
 
 
 def parse_layer_weights(value: Any) -> tuple[float, ...]:
-    """Weights from a preset name, a sequence of numbers, or a "w0/w1/..." (or comma-separated) string.
-    ``"auto"`` and ``"uniform"`` are the compressor's to resolve, not weights."""
+    """Weights from a preset name, a calibration file (``.json``, from ``mcp2026 kv calibrate``), a sequence of
+    numbers, or a "w0/w1/..." (or comma-separated) string. ``"auto"`` and ``"uniform"`` are the compressor's to
+    resolve, not weights."""
     if isinstance(value, str) and value.strip() in PRESETS:
         return PRESETS[value.strip()]
+    if isinstance(value, (str, Path)) and str(value).strip().endswith(".json"):
+        return tuple(read_weights_file(str(value).strip())["weights"])
     items = value.replace(",", "/").split("/") if isinstance(value, str) else value
+    return _checked(items, value)
+
+
+def _checked(items: Any, value: Any) -> tuple[float, ...]:
     try:
         weights = tuple(float(w) for w in items)
     except (TypeError, ValueError):
         raise ValueError(
-            f"KVCompressor.layer_weights must be 'auto', 'uniform', a preset ({', '.join(sorted(PRESETS))}) or "
-            f"numbers, one per layer (a list or 'w0/w1/...'), got {value!r}"
+            f"KVCompressor.layer_weights must be 'auto', 'uniform', a preset ({', '.join(sorted(PRESETS))}), a "
+            f"calibration file (.json) or numbers, one per layer (a list or 'w0/w1/...'), got {value!r}"
         ) from None
     if not weights or not all(0 < w < float("inf") for w in weights):
         raise ValueError(f"KVCompressor.layer_weights must be positive and finite, got {value!r}")

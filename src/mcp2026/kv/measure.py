@@ -9,16 +9,18 @@ chunks (1 = token by token, like decoding; larger chunks evict only between chun
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import statistics
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from mcp2026.config import ModelConfig
+from mcp2026.config import EngineConfig, KVConfig, ModelConfig
 from mcp2026.engine.engine import LLMEngine
 from mcp2026.engine.output import ScheduledChunk, SchedulerOutput
 from mcp2026.engine.request import Request, RequestStatus
@@ -104,6 +106,33 @@ def iter_logits(
         if evictor is not None:
             evictor.forget([request_id])
         runner.take_scores()
+
+
+def measurement_engine(
+    loaded: Any, compressor: KVCompressor | None, max_tokens: int, block_size: int | None
+) -> LLMEngine:
+    """An engine whose pool holds one ``max_tokens`` sequence (prefix caching off: every run computes), for
+    lockstep measurements. Blocks: ``block_size``, else the compressor's, else the default."""
+    config = EngineConfig(KVConfig(block_size=block_size), kv_compressor=compressor)
+    kv = dataclasses.replace(
+        config.resolved_kv, num_blocks=cdiv(max_tokens, config.block_size) + 1, enable_prefix_caching=False
+    )
+    return LLMEngine(loaded.model, loaded.config, loaded.tokenizer, dataclasses.replace(config, kv=kv))
+
+
+def lockstep_group_size(
+    loaded: Any, block_size: int, max_tokens: int, prompt_chunk: int, num_tests: int, memory_share: float
+) -> int:
+    """Test engines per lockstep pass: their pools (``max_tokens`` in the model's dtype, the largest) and one
+    ``prompt_chunk`` of logits each in ``memory_share`` of available memory; at least 1, at most ``num_tests``."""
+    from mcp2026 import hardware
+
+    model = loaded.config
+    dtype = next(loaded.model.parameters()).dtype
+    pool = (cdiv(max_tokens, block_size) + 1) * kv_block_bytes(model, block_size, dtype)
+    logits = prompt_chunk * model.vocab_size * torch.empty((), dtype=torch.float32).element_size()
+    fits = int(memory_share * hardware.available_memory_bytes() // (pool + logits)) - 1
+    return max(1, min(num_tests, fits))
 
 
 def compare_quality(
