@@ -48,7 +48,7 @@ class KVCompressor:
     anchors), for ``anchor_tokens`` tokens after the prompt; ``lookahead_tokens`` greedy drafts may join the
     question in ranking the prompt (off by default). ``layer_weights`` shares the kept blocks between layers
     unevenly; "auto" (the default) uses a calibrated set where one exists for the served model and policy
-    (heavy_hitter on SmolLM2-135M), else uniform. ``max_error`` is the relative round-trip error above which
+    (every policy on SmolLM2-135M; ``mcp2026 kv calibrate --install`` for others), else uniform. ``max_error`` is the relative round-trip error above which
     a layer is reported.
     """
 
