@@ -134,7 +134,7 @@ def serve(
         str | None,
         typer.Option(
             help="per-layer KV budgets: auto (default: the preset calibrated for this model and policy, else "
-            "uniform) | uniform | a preset (smollm2-135m) | one weight per layer, 'w0/w1/...'"
+            "uniform) | uniform | a preset (smollm2-135m) | a calibration file (.json) | 'w0/w1/...'"
         ),
     ] = None,
     gate: Annotated[

@@ -87,7 +87,7 @@ class KVCompressor:
     # (kv.layer_weights.PRESETS: "smollm2-135m"), "uniform" (or None: every layer keeps the same), or "auto": the
     # preset calibrated for the served model and policy if there is one, else uniform (resolved by ``for_model``
     # when the engine is built). The kv bench's four 2k texts, heavy_hitter at 70%: ΔPPL +8.3/+24.9/+16.9/+5.7%
-    # uniform, +3.3/+3.0/+3.3/+1.7% with "smollm2-135m" (docs/kv-cache.md).
+    # uniform, +4.0/+2.5/+1.9/+1.7% with "smollm2-135m" (all held out from its calibration; docs/kv-cache.md).
     layer_weights: tuple[float, ...] | str | None = AUTO
 
     def __post_init__(self) -> None:
