@@ -44,7 +44,7 @@ class Int4PrefillSplit:
             raise ValueError(f"contexts must be in [1, {limit - 8}] and rounds >= 1")
 
     def _engines(self, ctx: PluginContext, context: int) -> dict:
-        from mcp2026.bench.kv import _engine
+        from mcp2026.kv.measure import measurement_engine as _engine
         from mcp2026.engine import attention
         from mcp2026.kv.compressor import KVCompressor
 
