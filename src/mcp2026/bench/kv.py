@@ -35,8 +35,6 @@ from mcp2026.bench.report import BenchRun, machine_info
 from mcp2026.kv.manager import cdiv
 from mcp2026.kv.measure import lockstep_group_size, measurement_engine
 
-MEMORY_SHARE = 0.25  # of available memory, for the engines run in one lockstep
-
 
 # ---- pieces -------------------------------------------------------------------------------------------
 def token_sequences(
@@ -164,9 +162,7 @@ def _group_size(ctx: _Context, num_tests: int) -> int:
     from mcp2026.config import DEFAULT_BLOCK_SIZE
 
     block_size = ctx.config.block_size or DEFAULT_BLOCK_SIZE  # blocks of the model's dtype: the largest pool
-    return lockstep_group_size(
-        ctx.loaded, block_size, ctx.config.context_tokens, PROMPT_CHUNK, num_tests, MEMORY_SHARE
-    )
+    return lockstep_group_size(ctx.loaded, block_size, ctx.config.context_tokens, PROMPT_CHUNK, num_tests)
 
 
 def _quality(

@@ -308,9 +308,8 @@ def _auto_layer_weights(loaded: Any, grid: list) -> str | None:
     if not policies:
         return None
     found = {p: auto_weights(loaded.config, p) for p in policies}
-    presets = {p: f[0] if f else None for p, f in found.items()}
-    tuned = [f"{p} the calibrated weights {name!r}" for p, name in presets.items() if name]
-    uniform = [p for p, name in presets.items() if not name]
+    tuned = [f"{p} the calibrated weights {f[0]!r}" for p, f in found.items() if f]
+    uniform = [p for p, f in found.items() if not f]
     said = "; ".join([*tuned, *([f"{', '.join(uniform)} the same budget in every layer"] if uniform else [])])
     return (
         "Per-layer budgets: policy rows without a layer_weights option take the default layer_weights='auto'; "

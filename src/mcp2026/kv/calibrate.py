@@ -3,8 +3,8 @@
 The probe runs the real engine: for every layer L, a teacher-forced long text where only L evicts, at the policy's
 uniform budget (``KVEvictor.probe_layer``), against the uncompressed cache; its ΔPPL is L's sensitivity. A layer's
 weight is the square root of its share of the summed sensitivity, added over the texts and floored, so a layer
-that matters gets more and none gets nothing (docs/kv-cache.md, "Per-layer budgets"). This is the rule that gave
-the built-in SmolLM2-135M preset from the eviction simulation; here every number comes from the engine itself.
+that matters gets more and none gets nothing (docs/kv-cache.md, "Per-layer budgets"): the eviction simulation's
+rule, with every number from the engine itself. The built-in SmolLM2-135M preset is this command's output.
 
 Cost: one lockstep pass per text with an engine per layer (memory: a pool of one context per layer).
 """
@@ -18,14 +18,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from mcp2026.bench.kv_config import PROMPT_CHUNK
+from mcp2026.kv.codecs import IDENTITY_CODECS
 from mcp2026.kv.compressor import KVCompressor
 from mcp2026.kv.eviction import POLICIES
 from mcp2026.kv.layer_weights import FILE_KIND, fingerprint
 from mcp2026.kv.measure import compare_quality_many, lockstep_group_size, measurement_engine
 
-PROMPT_CHUNK, CHUNK = 256, 32  # as ``mcp2026 bench kv``: the prompt half in 256-token chunks, then 32
+CHUNK = (
+    32  # as ``mcp2026 bench kv`` (its default --chunk-size): the prompt half in PROMPT_CHUNK chunks, then 32
+)
 FLOOR = 0.005  # per text: the least share a layer is credited with (its weight is never zero)
-IDENTITY = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
 @dataclass(frozen=True)
@@ -97,13 +100,13 @@ def probe_layers(
     num_layers = loaded.config.num_layers
     dtype = next(loaded.model.parameters()).dtype
     kv = KVCompressor(
-        dtype=IDENTITY.get(str(dtype), "fp32"),
+        dtype=IDENTITY_CODECS[dtype],
         policy=config.policy,
         sparsity_ratio=config.sparsity,
         layer_weights=(1.0,) * num_layers,
     )
     group = group or lockstep_group_size(
-        loaded, kv.block_size, config.context_tokens, PROMPT_CHUNK, num_layers, 0.25
+        loaded, kv.block_size, config.context_tokens, PROMPT_CHUNK, num_layers
     )
     ref = measurement_engine(loaded, None, config.context_tokens, kv.block_size)
     probes = [[math.nan] * num_layers for _ in texts]

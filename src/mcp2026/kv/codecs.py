@@ -17,6 +17,7 @@ whole chunk rather than one group.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -330,9 +331,10 @@ def identity_codec(dtype: torch.dtype) -> KVCodec:
     return KVCodec(codec.name, codec, codec)
 
 
-register_codec("fp32")(lambda: identity_codec(torch.float32))
-register_codec("bf16")(lambda: identity_codec(torch.bfloat16))
-register_codec("fp16")(lambda: identity_codec(torch.float16))
+# the codecs that store K/V as the model computes them, by the model's dtype
+IDENTITY_CODECS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+for _dtype, _name in IDENTITY_CODECS.items():
+    register_codec(_name)(functools.partial(identity_codec, _dtype))
 
 
 @register_codec("int8")

@@ -1,9 +1,9 @@
 """Per-layer KV budget weights (``KVCompressor.layer_weights``): parsing, calibrated sets by name, and the
 ``"auto"`` rule that picks a calibrated set for the model being served.
 
-A named set was calibrated offline for one model: the eviction simulation probes each layer's sensitivity (the
-ΔPPL when only that layer evicts, on calibration texts), and a layer's weight is the square root of its share of
-the probed loss, floored (docs/kv-cache.md, "Per-layer budgets"). The command that derives a set is next to it;
+A named set was calibrated for one model: ``mcp2026 kv calibrate`` (kv.calibrate) probes each layer's sensitivity
+(the ΔPPL when only that layer evicts, on calibration texts), and a layer's weight is the square root of its share
+of the probed loss, floored (docs/kv-cache.md, "Per-layer budgets"). The command that derives a set is next to it;
 a set is checked against the model's layer count when the engine is built.
 
 ``"auto"`` (the default) takes a set only for the model shape it was calibrated on (layers, widths, heads,
@@ -169,7 +169,7 @@ def calibrations_dir() -> Path:
     """Where ``mcp2026 kv calibrate --install`` puts files for ``"auto"`` (under ``MCP2026_CACHE_DIR``)."""
     from mcp2026.hardware import cache_dir
 
-    return Path(cache_dir()) / "kv-layer-weights"
+    return cache_dir() / "kv-layer-weights"
 
 
 def read_weights_file(path: str | Path) -> dict[str, Any]:

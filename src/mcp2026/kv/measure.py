@@ -120,8 +120,16 @@ def measurement_engine(
     return LLMEngine(loaded.model, loaded.config, loaded.tokenizer, dataclasses.replace(config, kv=kv))
 
 
+LOCKSTEP_MEMORY_SHARE = 0.25  # of available memory, for the engines run in one lockstep
+
+
 def lockstep_group_size(
-    loaded: Any, block_size: int, max_tokens: int, prompt_chunk: int, num_tests: int, memory_share: float
+    loaded: Any,
+    block_size: int,
+    max_tokens: int,
+    prompt_chunk: int,
+    num_tests: int,
+    memory_share: float = LOCKSTEP_MEMORY_SHARE,
 ) -> int:
     """Test engines per lockstep pass: their pools (``max_tokens`` in the model's dtype, the largest) and one
     ``prompt_chunk`` of logits each in ``memory_share`` of available memory; at least 1, at most ``num_tests``."""
