@@ -69,19 +69,30 @@ def generate(
 @user_errors
 def info(
     model: Annotated[Path | None, typer.Argument(help="HF folder or .gguf (default: embedded model)")] = None,
+    dtype: Annotated[str, typer.Option(help="auto | fp32 | bf16, as for generate and serve")] = "auto",
 ) -> None:
-    """Architecture, parameter count, tensor formats and memory footprint of a model."""
+    """Architecture, parameter count, tensor formats, the weights path and kernels it runs, memory footprint."""
     from rich.table import Table
 
-    from mcp2026.loading.loader import load_model
+    from mcp2026.loading.loader import load_model, weight_bytes
+    from mcp2026.pipeline import native_weights_blocker, resolve_dtype
+    from mcp2026.quant.block_linear import BlockLinear, block_kernel
 
-    loaded = load_model(model)
+    blocker = native_weights_blocker(model, dtype, None, "cpu")
+    compute_dtype = resolve_dtype(dtype, None)
+    loaded = load_model(model, compute_dtype, native=blocker is None)
     cfg = loaded.config
-    params = sum(p.numel() for p in {id(p): p for p in loaded.model.parameters()}.values())
+    blocks = [m for m in loaded.model.modules() if isinstance(m, BlockLinear)]
+    if blocks:
+        formats = sorted({f for m in blocks for f in m.formats})
+        weights = f"native: {', '.join(formats)} as stored, {block_kernel()}; the rest {compute_dtype}"
+    else:
+        weights = f"float {str(compute_dtype).removeprefix('torch.')}" + (f" ({blocker})" if blocker else "")
+    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch_element_size(compute_dtype)
     table = Table(title=str(loaded.source), show_header=False)
     rows = [
         ("architecture", cfg.architecture),
-        ("parameters", f"{params / 1e6:.1f} M"),
+        ("parameters", f"{_parameter_count(loaded.model, cfg) / 1e6:.1f} M"),
         ("layers / hidden / ffn", f"{cfg.num_layers} / {cfg.hidden_size} / {cfg.intermediate_size}"),
         ("heads (q / kv) x dim", f"{cfg.num_heads} / {cfg.num_kv_heads} x {cfg.head_dim}"),
         ("vocab", str(cfg.vocab_size)),
@@ -90,15 +101,28 @@ def info(
         ("tied embeddings", str(cfg.tie_word_embeddings)),
         ("file", f"{loaded.file_format}, {loaded.file_bytes / 2**20:.1f} MiB"),
         ("stored tensor formats", ", ".join(f"{k} x{v}" for k, v in sorted(loaded.tensor_formats.items()))),
-        ("memory fp32 / bf16", f"{params * 4 / 2**20:.0f} MiB / {params * 2 / 2**20:.0f} MiB"),
-        (
-            "KV cache per token (fp32)",
-            f"{2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 / 1024:.1f} KiB",
-        ),
+        ("weights", weights),
+        ("weights in memory", f"{weight_bytes(loaded.model) / 2**20:.1f} MiB"),
+        (f"KV cache per token ({str(compute_dtype).removeprefix('torch.')})", f"{kv_bytes / 1024:.1f} KiB"),
     ]
     for k, v in rows:
         table.add_row(k, v)
     out.print(table)
+
+
+def torch_element_size(dtype) -> int:
+    import torch
+
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _parameter_count(model, cfg) -> int:
+    """Weights counted as the model defines them (a table tied to the lm_head once), whatever their storage."""
+    per_layer = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    per_layer += cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    per_layer += 2 * cfg.hidden_size
+    embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    return cfg.num_layers * per_layer + embeddings + cfg.hidden_size
 
 
 @app.command()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,6 +19,8 @@ from mcp2026.types import CompletionOutput, InferResult, SamplingParams
 
 if TYPE_CHECKING:
     from mcp2026.quant.compile_cli import CompileSpec
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
@@ -36,6 +39,26 @@ def resolve_dtype(dtype: str | torch.dtype, quant: QuantConfig | None) -> torch.
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of auto, fp32, bf16, got {dtype!r}")
     return DTYPES[dtype]
+
+
+def native_weights_blocker(
+    model: str | Path | None, dtype: str | torch.dtype, quant: QuantConfig | None, device: str
+) -> str | None:
+    """Why a model's stored block quantization will not run as it is (None: it will). Only GGUF files have
+    one; an explicit float dtype or a re-quantization asks for float weights; the blocks' kernels are CPU ones."""
+    if model is not None and not str(model).endswith(".gguf"):
+        return "not a GGUF file (HF folders and artifacts load as they are stored)"
+    if dtype != "auto":
+        return f"dtype={dtype} asks for float weights"
+    if quant is not None and (quant.quantizes_weights or quant.pressure_bits_budget is not None):
+        return f"target_precision={quant.target_precision} re-quantizes float weights"
+    if quant is not None and quant.target_precision in ("fp32", "bf16"):
+        return f"target_precision={quant.target_precision} asks for float weights"
+    if device != "cpu":
+        return f"no {device} kernels for GGUF blocks yet"
+    from mcp2026.quant.block_linear import kernels_unavailable  # builds the kernels on first use
+
+    return kernels_unavailable()
 
 
 def _check_quant_supported(quant: QuantConfig | None) -> None:
@@ -115,7 +138,13 @@ class Pipeline:
         self.quant_spec = spec  # the QuantConfig with the calibration and DQG settings used; None unquantized
         self.dtype = resolve_dtype(dtype, config)
         self.device = torch.device(device)
-        self.loaded: LoadedModel = load_model(model, dtype=self.dtype)
+        # why the file's stored quantization does not run as it is (None: it does)
+        self.native_blocker = native_weights_blocker(model, dtype, config, device)
+        self.loaded: LoadedModel = load_model(model, dtype=self.dtype, native=self.native_blocker is None)
+        if self.loaded.file_format == "gguf" and self.native_blocker is not None:
+            log.warning(
+                "mcp2026: %s runs as %s floats: %s", self.loaded.source.name, self.dtype, self.native_blocker
+            )
         self.loaded.model.to(self.device)
         self.quant_result = None  # how the weights were quantized: a mcp2026.quant.dqg.DQGResult
         self.pressure_result = None  # the pressure plan's DQGResult when the config asks for one

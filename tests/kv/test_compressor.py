@@ -11,10 +11,12 @@ def test_defaults_and_lazy_export():
     import mcp2026
 
     c = mcp2026.KVCompressor()
-    assert c == KVCompressor(dtype="int8", policy="heavy_hitter", sparsity_ratio=0.7, block_size=16)
-    assert c.sparsity_ratio == 0.7 and c.max_kv_tokens is None and c.evicts
-    assert KVCompressor(max_kv_tokens=1024).sparsity_ratio is None
-    assert KVCompressor(policy="none").sparsity_ratio is None and not KVCompressor(policy="none").evicts
+    # a codec alone changes only storage: eviction (which costs quality) is opt-in
+    assert c == KVCompressor(dtype="int8", policy="none", block_size=16)
+    assert c.sparsity_ratio is None and c.max_kv_tokens is None and not c.evicts
+    evicting = KVCompressor(policy="heavy_hitter")
+    assert evicting.sparsity_ratio == 0.7 and evicting.evicts
+    assert KVCompressor(policy="heavy_hitter", max_kv_tokens=1024).sparsity_ratio is None
     with pytest.raises(AttributeError):
         c.dtype = "int4"  # frozen
 
@@ -34,11 +36,11 @@ def test_block_size_defaults_to_the_codecs(dtype, block_size):
         ({"dtype": "int3"}, "dtype must be one of"),
         ({"policy": "topk_entropy"}, "policy must be one of"),
         ({"block_size": 12}, "block_size must be one of"),
-        ({"sparsity_ratio": 1.0}, r"sparsity_ratio must be in \[0, 1\)"),
-        ({"sparsity_ratio": -0.1}, "sparsity_ratio"),
-        ({"sparsity_ratio": 0.5, "max_kv_tokens": 512}, "not both"),
-        ({"policy": "none", "sparsity_ratio": 0.5}, "drops nothing"),
-        ({"max_kv_tokens": 60}, "must exceed num_sink_tokens"),
+        ({"policy": "snap", "sparsity_ratio": 1.0}, r"sparsity_ratio must be in \[0, 1\)"),
+        ({"policy": "snap", "sparsity_ratio": -0.1}, "sparsity_ratio"),
+        ({"policy": "snap", "sparsity_ratio": 0.5, "max_kv_tokens": 512}, "not both"),
+        ({"sparsity_ratio": 0.5}, "drops nothing"),
+        ({"policy": "heavy_hitter", "max_kv_tokens": 60}, "must exceed num_sink_tokens"),
         ({"num_sink_tokens": -1}, "num_sink_tokens"),
         ({"recent_window": 0}, "recent_window"),
         ({"max_error": 0}, "max_error"),

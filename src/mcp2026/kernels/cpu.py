@@ -30,6 +30,7 @@ SOURCES = (
     SOURCE,
     SOURCE.with_name("int4_gemm.cpp"),
     SOURCE.with_name("int8_gemm.cpp"),
+    SOURCE.with_name("block_gemm.cpp"),
     SOURCE.with_name("kv_write.cpp"),
     SOURCE.with_name("staged_merge.cpp"),
 )  # ... and the other translation units

@@ -1757,6 +1757,9 @@ torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const t
 // int8_gemm.cpp
 torch::Tensor int8_gemm_pack(const torch::Tensor& w);
 torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& scales);
+// block_gemm.cpp
+torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so);
+torch::Tensor block_gemm_reference(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so);
 
 // ---- decode-sized decoder layers in two calls ------------------------------------------------------------
 // A layer's ops between the attention reads, composed here from the kernels above, so a decode step pays one
@@ -1765,9 +1768,10 @@ torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& wp, const t
 // on a decode-sized input (same kernel, same casts, same order), so both paths give identical results.
 struct FusedLinear {
   int64_t kind;  // 0: float weight through dense_linear; 1: int8 weight + fp32 scales; 2: int4 GEMV layout;
-                 // 3: int4 GEMM layout (int4_gemm.cpp); 4: int8 GEMM layout (int8_gemm.cpp)
+                 // 3: int4 GEMM layout (int4_gemm.cpp); 4: int8 GEMM layout (int8_gemm.cpp);
+                 // 5: byte weights with group scales and offsets (block_gemm.cpp)
   torch::Tensor a, b;  // dense: (weight, unused); int8: (weight, scales); int4: (qs, sz); int4 GEMM: (wp, so);
-                       // int8 GEMM: (wp, scales)
+                       // int8 GEMM: (wp, scales); block GEMM: (wp, so)
   c10::optional<torch::Tensor> bias, inv_scale;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
@@ -1776,7 +1780,8 @@ struct FusedLinear {
     auto y = kind == 1   ? int8_gemv(xs, a, b)
              : kind == 2 ? int4_gemv(xs, a, b)
              : kind == 3 ? int4_gemm(xs, a, b)
-                         : int8_gemm(xs, a, b);
+             : kind == 4 ? int8_gemm(xs, a, b)
+                         : block_gemm(xs, a, b);
     if (bias.has_value()) y = y + *bias;
     return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
   }
@@ -2059,6 +2064,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vnni_gemm_available", &vnni_gemm_available, "whether this build has the int4 and int8 GEMMs (VNNI)");
   m.def("int8_gemv", &int8_gemv, "int8 weights x float activations, decode-sized batches");
   m.def("int8_gemm", &int8_gemm, "int8 weights x int8-quantized activations, prefill-sized inputs (VNNI)");
+  m.def("block_gemm", &block_gemm, "stored block quantization (scale * u + offset per group) x int8 activations");
+  m.def("block_gemm_reference", &block_gemm_reference, "block_gemm as a portable scalar loop (for tests)");
   m.def("int8_gemm_pack", &int8_gemm_pack, "int8 (N, K) weights -> the int8 GEMM's column tiles (+128)");
   m.def("dense_linear", &dense_linear, "float weights: our GEMV for decode-sized inputs, else at::linear",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
@@ -2069,8 +2076,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<FusedLinear>(m, "FusedLinear")
       .def(py::init([](int64_t kind, torch::Tensor a, torch::Tensor b, c10::optional<torch::Tensor> bias,
                        c10::optional<torch::Tensor> inv_scale) {
-             TORCH_CHECK(kind >= 0 && kind <= 4,
-                         "kind must be 0 (dense), 1 (int8), 2 (int4), 3 (int4 GEMM) or 4 (int8 GEMM)");
+             TORCH_CHECK(kind >= 0 && kind <= 5,
+                         "kind must be 0 (dense), 1 (int8), 2 (int4), 3 (int4 GEMM), 4 (int8 GEMM) or 5 (block GEMM)");
              return FusedLinear{kind, std::move(a), std::move(b), std::move(bias), std::move(inv_scale)};
            }),
            py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("bias") = py::none(),

@@ -3,7 +3,7 @@
 A decode-sized step runs each decoder layer as two compiled calls (norm + qkv + RoPE; o-proj + norm + MLP),
 which take the layer's linears as small C++ objects holding the same tensors and kernel choice the Python
 modules would use: float weights through ``dense_linear``, int8 and int4 through our GEMVs (through our GEMMs
-on AVX-512 VNNI CPUs). Built on first use
+on AVX-512 VNNI CPUs), a GGUF's stored blocks through the block GEMM. Built on first use
 and cached on the module; the quantized modules drop the cache wherever they drop their GEMV layout (new
 weights), and every lookup checks the weight and bias are still the tensors it was built from.
 """
@@ -17,12 +17,13 @@ from torch.nn.modules import module as torch_module
 
 from mcp2026.kernels.ops import has_vnni_gemm
 from mcp2026.models.layers import Linear
+from mcp2026.quant.block_linear import BlockLinear
 from mcp2026.quant.linear import DenseLinear, Int4Linear, Int8Linear
 
 # Off: every layer takes the per-op path (tests compare the two; benchmarks can A/B them).
 ENABLED = True
 
-DENSE, INT8, INT4, INT4_GEMM, INT8_GEMM = 0, 1, 2, 3, 4
+DENSE, INT8, INT4, INT4_GEMM, INT8_GEMM, BLOCK_GEMM = 0, 1, 2, 3, 4, 5
 
 
 def _build(kernels: Any, m: nn.Module) -> tuple[int, Any] | None:
@@ -42,6 +43,8 @@ def _build(kernels: Any, m: nn.Module) -> tuple[int, Any] | None:
             return INT4_GEMM, kernels.FusedLinear(INT4_GEMM, wp, so, m.bias, m.inv_act_scale)
         qs, sz = m.gemv_weights()
         return INT4, kernels.FusedLinear(INT4, qs, sz, m.bias, m.inv_act_scale)
+    if type(m) is BlockLinear:  # a file's stored blocks: the GEMM its forward runs, at every row count
+        return BLOCK_GEMM, kernels.FusedLinear(BLOCK_GEMM, m.weight, m.scales_offsets, m.bias)
     return None  # fp8 and anything else: the layer takes the per-op path
 
 

@@ -41,7 +41,8 @@ class KVCompressor:
     block_size: tokens per KV block, the unit of the paged pool, of prefix sharing and of eviction; None
         takes the codec's default (16; int4 32 and int4-g64 64, their key groups). An engine's
         ``KVConfig.block_size``, when given, must equal it.
-    policy: none | sink_window | heavy_hitter | snap | dynamic_window.
+    policy: none (the default: a codec changes only how K/V are stored) | sink_window | heavy_hitter | snap |
+        dynamic_window (eviction is opt-in: it drops context, and with it some quality).
     Budget: ``sparsity_ratio`` (fraction of the context dropped; 0.7 when neither is given) or
     ``max_kv_tokens`` (tokens kept per request), never both. ``num_sink_tokens`` and ``recent_window`` are
     always kept; with heavy_hitter / snap, so are the ``num_anchors`` passages the question names (lexical
@@ -53,7 +54,7 @@ class KVCompressor:
     """
 
     dtype: str = "int8"
-    policy: str = "heavy_hitter"
+    policy: str = "none"
     sparsity_ratio: float | None = None
     block_size: int | None = None  # None: the codec's default (kv.codecs.default_block_size)
     num_sink_tokens: int = 4

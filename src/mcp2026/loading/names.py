@@ -9,6 +9,9 @@ import torch
 
 from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
+from mcp2026.quant.block_linear import BlockWeights
+
+Weight = torch.Tensor | BlockWeights  # a float tensor, or a file's stored blocks kept as they are
 
 HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 HF_LAYER_NAMES = {
@@ -68,28 +71,37 @@ def map_name(name: str, layer_re: re.Pattern, layer_names: dict, global_names: d
     raise ModelLoadError(f"unexpected tensor {name!r}: not part of a Llama-family decoder")
 
 
-def fuse_weights(
-    tensors: dict[str, torch.Tensor], config: ModelConfig, source: str
-) -> dict[str, torch.Tensor]:
+def _cat_rows(parts: list[Weight]) -> Weight:
+    """Rows of several weights as one; stored blocks stay blocks unless a part is float (then all are)."""
+    if all(isinstance(p, BlockWeights) for p in parts):
+        return BlockWeights.concat(parts)
+    return torch.cat([p.dequantize() if isinstance(p, BlockWeights) else p for p in parts], dim=0)
+
+
+def _scaled(w: Weight, factor: float) -> Weight:
+    return w.scaled(factor) if isinstance(w, BlockWeights) else w * factor
+
+
+def fuse_weights(tensors: dict[str, Weight], config: ModelConfig, source: str) -> dict[str, Weight]:
     """Concatenate q/k/v and gate/up per layer, fold the attention scale into the q rows."""
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Weight] = {}
     scale = 1.0 / math.sqrt(config.head_dim)
     for i in range(config.num_layers):
         p = f"layers.{i}."
 
-        def take(key: str, prefix: str = p) -> torch.Tensor:
+        def take(key: str, prefix: str = p) -> Weight:
             try:
                 return tensors.pop(prefix + key)
             except KeyError:
                 raise ModelLoadError(f"{source}: missing tensor {prefix}{key}") from None
 
         q, k, v = take("q.weight"), take("k.weight"), take("v.weight")
-        out[p + "attn.qkv_proj.weight"] = torch.cat([q * scale, k, v], dim=0)
+        out[p + "attn.qkv_proj.weight"] = _cat_rows([_scaled(q, scale), k, v])
         if config.attention_bias:
             out[p + "attn.qkv_proj.bias"] = torch.cat(
                 [take("q.bias") * scale, take("k.bias"), take("v.bias")]
             )
-        out[p + "mlp.gate_up_proj.weight"] = torch.cat([take("gate.weight"), take("up.weight")], dim=0)
+        out[p + "mlp.gate_up_proj.weight"] = _cat_rows([take("gate.weight"), take("up.weight")])
         for key in (
             "attn.o_proj.weight",
             "mlp.down_proj.weight",
@@ -111,7 +123,7 @@ def fuse_weights(
     return out
 
 
-def check_shapes(state: dict[str, torch.Tensor], expected: dict[str, torch.Size], source: str) -> None:
+def check_shapes(state: dict[str, Weight], expected: dict[str, torch.Size], source: str) -> None:
     for name, shape in expected.items():
         if name in state and state[name].shape != shape:
             raise ModelLoadError(

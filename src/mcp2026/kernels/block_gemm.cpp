@@ -1,0 +1,295 @@
+// Stored block quantization x int8 activations: w = scale * u + offset per group of 16 or 32 weights along K,
+// u unsigned, scale and offset fp32. This holds GGUF's block formats exactly (Q4_0/Q4_1/Q4_K: u the nibble;
+// Q8_0: u = q + 128, offset -128 d; Q5_0/Q5_1/Q5_K: the 5-bit value; Q6_K: the 6-bit value in groups of 16), so
+// a GGUF file runs on its stored values instead of a float copy of them.
+//
+// Two layouts of u, both in tiles of 16 output columns: nibbles (N/16, K/8, 64), the int4 GEMM's (byte 4c + e of
+// vector j holds column c's k = 8j + e in its low nibble and 8j + 4 + e in its high one), and bytes
+// (N/16, K/4, 64) (byte 4c + e of vector j is column c's k = 4j + e); scales and offsets (N/16, K/G, 2, 16).
+// Activations are quantized per 32 values as every other int8 path quantizes them (quantize_rows.h). Per group
+// the int32 dot of u with the row's int8 values is scaled by scale x the block's dx, and offset x dx x sum(xq over
+// the group) is added: the same arithmetic on every ISA, so AVX-512 VNNI (dpbusd), AVX2 (maddubs) and the scalar
+// loop differ only in the order of float additions.
+
+#include <torch/extension.h>
+
+#include "vnni_gemm.h"
+
+torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so);
+
+namespace {
+
+#ifdef MCP_INT4_VNNI
+// R rows x C column tiles of 16, groups of G. wp: the first tile's packed weights (K/4 vectors of 64 bytes, the
+// next tile tile_bytes further); so: per group the tile's 16 scales, then its 16 offsets; xq: R rows of K int8;
+// dx: (row, 32-block) steps; dxs: (row, group) dx * sum(xq). out: R rows of stride N at the tile's first column.
+template <int R, int C, int G>
+void block_tile(const uint8_t* wp, const float* so, const int8_t* xq, const float* dx, const float* dxs,
+                int64_t K, float* out, int64_t N) {
+  constexpr int kVectors = G / 4;  // 64-byte vectors per group
+  const int64_t ngrp = K / G, nblk = K / 32, tile_bytes = (K / 4) * 64, tile_scales = ngrp * 2 * kColTile;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ngrp; ++g) {
+    __m512i dot[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) dot[r][c] = _mm512_setzero_si512();
+    for (int j = 0; j < kVectors; ++j) {
+      __m512i w[C];
+      for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_si512(wp + c * tile_bytes + (g * kVectors + j) * 64);
+      for (int r = 0; r < R; ++r) {
+        const __m512i x = broadcast_dword(xq + r * K + g * G + j * 4);
+        for (int c = 0; c < C; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], w[c], x);
+      }
+    }
+    const int64_t blk = g * G / 32;
+    for (int c = 0; c < C; ++c) {
+      const __m512 s = _mm512_loadu_ps(so + c * tile_scales + g * 2 * kColTile);
+      const __m512 o = _mm512_loadu_ps(so + c * tile_scales + g * 2 * kColTile + kColTile);
+      for (int r = 0; r < R; ++r) {
+        const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(dx[r * nblk + blk]));
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), scale, acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(o, _mm512_set1_ps(dxs[r * ngrp + g]), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * N + c * kColTile, acc[r][c]);
+}
+
+template <int C, int G>
+void block_rows(const uint8_t* wp, const float* so, const QuantizedRows& xr, const float* dxs, int64_t M,
+                int64_t K, float* out, int64_t N) {
+  const int64_t nblk = K / 32, ngrp = K / G;
+  for_row_tiles(M, [&](int64_t r0, auto rows) {
+    block_tile<decltype(rows)::value, C, G>(wp, so, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
+                                            dxs + r0 * ngrp, K, out + r0 * N, N);
+  });
+}
+
+// dx * sum(xq) per group of 16: each 32-block's sum split in halves (groups of 32 use quantize_rows' sums).
+std::vector<float> half_block_sums(const QuantizedRows& xr, int64_t M, int64_t K) {
+  const int64_t nblk = K / 32;
+  std::vector<float> sums(M * nblk * 2);
+  for (int64_t i = 0; i < M * nblk; ++i) {
+    const int8_t* q = xr.q.data() + i * 32;
+    int32_t lo = 0, hi = 0;
+    for (int k = 0; k < 16; ++k) {
+      lo += q[k];
+      hi += q[16 + k];
+    }
+    sums[2 * i] = xr.scale[i] * static_cast<float>(lo);
+    sums[2 * i + 1] = xr.scale[i] * static_cast<float>(hi);
+  }
+  return sums;
+}
+
+template <int G>
+void block_gemm_run(const QuantizedRows& xr, const float* dxs, const uint8_t* w, const float* s, int64_t M,
+                    int64_t K, float* out, int64_t N) {
+  const int64_t tiles = N / kColTile, tile_bytes = (K / 4) * 64, tile_scales = (K / G) * 2 * kColTile;
+  for_column_tile_pairs(tiles, [&](int64_t t, bool pair) {
+    const auto* wt = w + t * tile_bytes;
+    const float* st = s + t * tile_scales;
+    if (pair)
+      block_rows<2, G>(wt, st, xr, dxs, M, K, out + t * kColTile, N);
+    else
+      block_rows<1, G>(wt, st, xr, dxs, M, K, out + t * kColTile, N);
+  });
+}
+#endif
+
+// Per (row, group): the int sum of the row's int8 values over the group, and dx times it.
+struct GroupSums {
+  std::vector<int32_t> isum;
+  std::vector<float> dxs;
+};
+
+GroupSums group_sums(const QuantizedRows& xr, int64_t M, int64_t K, int64_t G) {
+  const int64_t ngrp = K / G;
+  GroupSums gs{std::vector<int32_t>(M * ngrp), std::vector<float>(M * ngrp)};
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < ngrp; ++g) {
+      const int8_t* q = xr.q.data() + r * K + g * G;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < G; ++k) sum += q[k];
+      gs.isum[r * ngrp + g] = sum;
+      gs.dxs[r * ngrp + g] = xr.scale[r * (K / 32) + g * G / 32] * static_cast<float>(sum);
+    }
+  return gs;
+}
+
+// u[n][k] from either layout (the scalar path and nothing hot).
+inline int32_t stored_value(const uint8_t* w, int bits, int64_t n, int64_t k, int64_t K) {
+  const int64_t t = n / kColTile, c = n % kColTile;
+  if (bits == 4) {
+    const uint8_t byte = w[(t * (K / 8) + k / 8) * 64 + 4 * c + (k % 4)];
+    return (k % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
+  }
+  return w[(t * (K / 4) + k / 4) * 64 + 4 * c + (k % 4)];
+}
+
+void scalar_gemm(const uint8_t* w, const float* so, int bits, int64_t G, const QuantizedRows& xr,
+                 const GroupSums& gs, int64_t M, int64_t K, int64_t N, float* out) {
+  const int64_t ngrp = K / G, nblk = K / 32;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const float* st = so + (n / kColTile) * ngrp * 2 * kColTile + n % kColTile;
+      for (int64_t r = 0; r < M; ++r) {
+        float acc = 0.f;
+        for (int64_t g = 0; g < ngrp; ++g) {
+          int32_t dot = 0;
+          for (int64_t k = g * G; k < (g + 1) * G; ++k) dot += stored_value(w, bits, n, k, K) * xr.q[r * K + k];
+          const float scale = st[g * 2 * kColTile], offset = st[g * 2 * kColTile + kColTile];
+          acc += static_cast<float>(dot) * (scale * xr.scale[r * nblk + g * G / 32]) + offset * gs.dxs[r * ngrp + g];
+        }
+        out[r * N + n] = acc;
+      }
+    }
+  });
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256i splat_dword(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm256_set1_epi32(v);
+}
+
+// Rows R of one 16-column tile (two 8-column halves). maddubs takes u8 x s8 pairs into int16: nibbles (<= 15)
+// never saturate; bytes (u up to 255) could, so they are multiplied as signed q = u - 128 (|q| <= 128, the sign
+// moved onto x) and 128 x sum(xq) is added back: the same int32 dot of u as dpbusd computes.
+template <int R, int BITS, int G>
+void avx2_tile(const uint8_t* wt, const float* st, const QuantizedRows& xr, const GroupSums& gs, int64_t r0,
+               int64_t K, float* out, int64_t N) {
+  constexpr int kPerVector = BITS == 4 ? 8 : 4, kVectors = G / kPerVector;
+  const int64_t ngrp = K / G, nblk = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(-128);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ngrp; ++g) {
+    __m256i dot[R][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int j = 0; j < kVectors; ++j) {
+      const uint8_t* v = wt + (g * kVectors + j) * 64;
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32 * h));
+        if constexpr (BITS == 4) {
+          const __m256i lo = _mm256_and_si256(w, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* x = xr.q.data() + (r0 + r) * K + g * G + j * 8;
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, splat_dword(x)),
+                                               _mm256_maddubs_epi16(hi, splat_dword(x + 4)));
+            dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(p, ones));
+          }
+        } else {
+          const __m256i q = _mm256_xor_si256(w, flip), mag = _mm256_abs_epi8(q);
+          for (int r = 0; r < R; ++r) {
+            const __m256i x = _mm256_sign_epi8(splat_dword(xr.q.data() + (r0 + r) * K + g * G + j * 4), q);
+            dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, x), ones));
+          }
+        }
+      }
+    }
+    const float* sg = st + g * 2 * kColTile;
+    const __m256 s[2] = {_mm256_loadu_ps(sg), _mm256_loadu_ps(sg + 8)};
+    const __m256 o[2] = {_mm256_loadu_ps(sg + kColTile), _mm256_loadu_ps(sg + kColTile + 8)};
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r;
+      const __m256 dx = _mm256_set1_ps(xr.scale[row * nblk + g * G / 32]);
+      const __m256 dxs = _mm256_set1_ps(gs.dxs[row * ngrp + g]);
+      for (int h = 0; h < 2; ++h) {
+        __m256i d = dot[r][h];
+        if constexpr (BITS == 8) d = _mm256_add_epi32(d, _mm256_set1_epi32(128 * gs.isum[row * ngrp + g]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s[h], dx), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(o[h], dxs, acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + (r0 + r) * N, acc[r][0]);
+    _mm256_storeu_ps(out + (r0 + r) * N + 8, acc[r][1]);
+  }
+}
+
+template <int BITS, int G>
+void avx2_gemm(const uint8_t* w, const float* so, const QuantizedRows& xr, const GroupSums& gs, int64_t M,
+               int64_t K, int64_t N, float* out) {
+  const int64_t tile_bytes = (BITS == 4 ? K / 8 : K / 4) * 64, tile_scales = (K / G) * 2 * kColTile;
+  at::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for_row_tiles(M, [&](int64_t r0, auto rows) {
+        avx2_tile<decltype(rows)::value, BITS, G>(w + t * tile_bytes, so + t * tile_scales, xr, gs, r0, K,
+                                                  out + t * kColTile, N);
+      });
+  });
+}
+#endif
+
+}  // namespace
+
+// x (M, K) fp32/bf16; wp: u in the nibble (N/16, K/8, 64) or byte (N/16, K/4, 64) layout; so (N/16, K/G, 2, 16)
+// fp32. -> (M, N) in x's dtype. On AVX-512 VNNI, nibbles go through int4_gemm (the same arithmetic).
+torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x must be a CPU (M, K) tensor");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
+  const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * kColTile;
+  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
+  TORCH_CHECK(wp.scalar_type() == torch::kByte && wp.is_contiguous() && wp.dim() == 3 && wp.size(2) == 64 &&
+                  (wp.size(1) * 8 == K || wp.size(1) * 4 == K),
+              "wp must be (N/16, K/8, 64) nibbles or (N/16, K/4, 64) bytes for this K");
+  const int bits = wp.size(1) * 8 == K ? 4 : 8;
+  TORCH_CHECK(so.scalar_type() == torch::kFloat && so.is_contiguous() && so.dim() == 4 && so.size(0) == wp.size(0) &&
+                  so.size(2) == 2 && so.size(3) == kColTile,
+              "so must be (N/16, K/G, 2, 16) fp32");
+  const int64_t G = K / so.size(1);
+  TORCH_CHECK(so.size(1) * G == K && (G == 32 || (G == 16 && bits == 8)),
+              "groups must be 32 weights (or 16 with byte values)");
+#ifdef MCP_INT4_VNNI
+  if (bits == 4) return int4_gemm(x, wp, so);
+#endif
+  const auto xc = x.contiguous();
+  QuantizedRows xr;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, xc.scalar_type(), "block_gemm_q", [&] {
+    xr = quantize_rows<scalar_t>(xc.data_ptr<scalar_t>(), M, K);
+  });
+  auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  const uint8_t* w = wp.data_ptr<uint8_t>();
+  const float* s = so.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+#ifdef MCP_INT4_VNNI
+  if (G == 32) {
+    block_gemm_run<32>(xr, xr.sum.data(), w, s, M, K, op, N);
+  } else {
+    const auto sums = half_block_sums(xr, M, K);
+    block_gemm_run<16>(xr, sums.data(), w, s, M, K, op, N);
+  }
+#else
+  const GroupSums gs = group_sums(xr, M, K, G);
+#if defined(__AVX2__) && defined(__FMA__)
+  if (bits == 4)
+    avx2_gemm<4, 32>(w, s, xr, gs, M, K, N, op);
+  else if (G == 32)
+    avx2_gemm<8, 32>(w, s, xr, gs, M, K, N, op);
+  else
+    avx2_gemm<8, 16>(w, s, xr, gs, M, K, N, op);
+#else
+  scalar_gemm(w, s, bits, G, xr, gs, M, K, N, op);
+#endif
+#endif
+  return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
+}
+
+// The portable loop over the same layouts, on any CPU (tests hold the SIMD paths against it).
+torch::Tensor block_gemm_reference(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so) {
+  const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * kColTile;
+  const int bits = wp.size(1) * 8 == K ? 4 : 8;
+  const int64_t G = K / so.size(1);
+  const auto xc = x.contiguous().to(torch::kFloat);
+  const QuantizedRows xr = quantize_rows<float>(xc.data_ptr<float>(), M, K);
+  auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  scalar_gemm(wp.data_ptr<uint8_t>(), so.data_ptr<float>(), bits, G, xr, group_sums(xr, M, K, G), M, K, N,
+              out.data_ptr<float>());
+  return out;
+}

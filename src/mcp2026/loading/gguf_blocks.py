@@ -1,0 +1,136 @@
+"""GGUF block formats read into ``BlockWeights`` (``scale * u + offset`` per group), without a float copy.
+
+Each reader follows the byte layout of its ggml type (as the ``gguf`` package's dequantizers do) and returns the
+same values they compute: u the stored unsigned integer, scale and offset in fp32 per group of 32 (16 for Q6_K).
+The tests hold every format against ``gguf.quants.dequantize`` element for element.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mcp2026.quant.block_linear import BlockWeights
+
+QK = 32  # weights per block of the simple formats
+QK_K = 256  # weights per super-block of the K-quants
+
+Parts = tuple[np.ndarray, np.ndarray, np.ndarray]  # u (B, n), scale (B, groups), offset (B, groups)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """(B, 16) bytes -> (B, 32) values: the low nibbles are elements 0..15, the high ones 16..31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """(B, 4) bytes of a little-endian uint32 -> (B, 32): bit i of it, as 16 (the fifth bit of element i)."""
+    bits = np.ascontiguousarray(qh).view(np.uint32) >> np.arange(32, dtype=np.uint32)
+    return ((bits & 1) << 4).astype(np.uint8)
+
+
+def _q4_0(b: np.ndarray) -> Parts:
+    d = _f16(b[:, :2])
+    return _nibbles(b[:, 2:18]), d, -8 * d
+
+
+def _q4_1(b: np.ndarray) -> Parts:
+    return _nibbles(b[:, 4:20]), _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _q5_0(b: np.ndarray) -> Parts:
+    d = _f16(b[:, :2])
+    return _nibbles(b[:, 6:22]) | _fifth_bits(b[:, 2:6]), d, -16 * d
+
+
+def _q5_1(b: np.ndarray) -> Parts:
+    return _nibbles(b[:, 8:24]) | _fifth_bits(b[:, 4:8]), _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _q8_0(b: np.ndarray) -> Parts:
+    d = _f16(b[:, :2])
+    u = (b[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    return u, d, -128 * d
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 packed bytes of a Q4_K/Q5_K super-block -> its 8 six-bit scales and 8 six-bit mins."""
+    d, m, md = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
+    """(B, 128) bytes -> (B, 8, 32): each 32 bytes hold sub-block 2c in their low nibbles, 2c + 1 in the high."""
+    q = qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (q & 0x0F).reshape(-1, 8, 32)
+
+
+def _q4_k(b: np.ndarray) -> Parts:
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    sc, mn = _k_scales(b[:, 4:16])
+    return _k_low_nibbles(b[:, 16:144]).reshape(-1, QK_K), d * sc, -(dmin * mn)
+
+
+def _q5_k(b: np.ndarray) -> Parts:
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    sc, mn = _k_scales(b[:, 4:16])
+    qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)  # bit j: sub-block j
+    u = _k_low_nibbles(b[:, 48:176]) | ((qh & 1) << 4)
+    return u.reshape(-1, QK_K), d * sc, -(dmin * mn)
+
+
+def _q6_k(b: np.ndarray) -> Parts:
+    ql, qh = b[:, :128], b[:, 128:192]
+    sc = b[:, 192:208].view(np.int8).astype(np.float32)
+    d = _f16(b[:, 208:210])
+    low = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
+    u = low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << 4)
+    scale = d * sc  # (B, 16): one per 16 weights
+    return u.reshape(-1, QK_K), scale, -32 * scale
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    block_bytes: int  # bytes per stored block
+    group_size: int  # weights per scale and offset
+    bits: int  # the widest stored value (4: the int4 GEMM takes it; else the byte GEMM)
+    read: Callable[[np.ndarray], Parts]
+
+
+# ggml type name -> how to read it. Types not here (Q2_K, Q3_K, IQ*, TQ*) have no exact kernel form yet.
+BLOCK_FORMATS: dict[str, BlockFormat] = {
+    "Q4_0": BlockFormat(18, 32, 4, _q4_0),
+    "Q4_1": BlockFormat(20, 32, 4, _q4_1),
+    "Q5_0": BlockFormat(22, 32, 8, _q5_0),
+    "Q5_1": BlockFormat(24, 32, 8, _q5_1),
+    "Q8_0": BlockFormat(34, 32, 8, _q8_0),
+    "Q4_K": BlockFormat(144, 32, 4, _q4_k),
+    "Q5_K": BlockFormat(176, 32, 8, _q5_k),
+    "Q6_K": BlockFormat(210, 16, 8, _q6_k),
+}
+
+
+def read_blocks(raw: np.ndarray, type_name: str) -> BlockWeights:
+    """A 2-D tensor's bytes (rows, bytes per row), stored as ``type_name``, as BlockWeights."""
+    fmt = BLOCK_FORMATS[type_name]
+    rows = raw.shape[0]
+    u, scale, offset = fmt.read(np.asarray(raw).reshape(-1, fmt.block_bytes))
+    k = u.size // rows
+
+    def tensor(a: np.ndarray, cols: int) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a).reshape(rows, cols))
+
+    groups = k // fmt.group_size
+    return BlockWeights(
+        tensor(u, k), tensor(scale, groups), tensor(offset, groups), fmt.group_size, fmt.bits, (type_name,)
+    )

@@ -1,0 +1,227 @@
+"""Linears and embeddings that run a file's stored block quantization as it is (GGUF Q4_0 ... Q8_0, K-quants).
+
+Every GGUF block format is ``w = scale * u + offset`` per group of 16 or 32 weights, with u a small unsigned
+integer and float scale and offset (Q4_1: u the nibble, scale d, offset m; Q8_0: u = q + 128, offset -128 d;
+Q4_K: scale d * sc, offset -dmin * m; ...). ``BlockWeights`` holds that form, exactly: fp32 holds every product
+of a float16 super-block scale and a 6- or 8-bit sub-scale. ``BlockLinear`` packs it for our block GEMM
+(kernels/block_gemm.cpp: AVX-512 VNNI, AVX2, or a scalar loop): 4-bit values into nibble tiles, wider ones into
+byte tiles, both with fp32 scales and offsets per group, so the only rounding added is the activations' int8 per
+32 values that every int8 dot product here (and llama.cpp's) makes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from mcp2026 import hardware
+from mcp2026.kernels import ops as kernel_ops
+
+COLUMN_TILE = 16  # output rows per packed tile (kernels/vnni_gemm.h kColTile)
+BLOCK = 32  # activation quantization block; every group divides or equals it
+GROUP_SIZES = (16, 32)
+
+
+@dataclass
+class BlockWeights:
+    """An (N, K) weight as ``scale * u + offset`` per group of ``group_size`` along K.
+
+    u: (N, K) uint8; scale, offset: (N, K / group_size) fp32; bits: the widest value u holds (4 or 8, which
+    picks the kernel); formats: the stored types it came from (for reports)."""
+
+    u: Tensor
+    scale: Tensor
+    offset: Tensor
+    group_size: int
+    bits: int
+    formats: tuple[str, ...]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.u.shape
+
+    def dequantize(self) -> Tensor:
+        """The fp32 (N, K) weight, as the file's own dequantization computes it."""
+        n, k = self.u.shape
+        g = self.group_size
+        w = self.u.float().view(n, k // g, g) * self.scale.unsqueeze(-1) + self.offset.unsqueeze(-1)
+        return w.view(n, k)
+
+    def rows(self, index: Tensor) -> BlockWeights:
+        return BlockWeights(
+            self.u[index], self.scale[index], self.offset[index], self.group_size, self.bits, self.formats
+        )
+
+    def scaled(self, factor: float) -> BlockWeights:
+        """The weight times ``factor`` (scale and offset scaled; u unchanged)."""
+        return BlockWeights(
+            self.u, self.scale * factor, self.offset * factor, self.group_size, self.bits, self.formats
+        )
+
+    def regrouped(self, group_size: int) -> BlockWeights:
+        """The same weight with groups of ``group_size`` (a divisor of this one's): parameters repeated."""
+        if group_size == self.group_size:
+            return self
+        repeat = self.group_size // group_size
+        return BlockWeights(
+            self.u,
+            self.scale.repeat_interleave(repeat, dim=1),
+            self.offset.repeat_interleave(repeat, dim=1),
+            group_size,
+            self.bits,
+            self.formats,
+        )
+
+    @staticmethod
+    def concat(parts: Sequence[BlockWeights]) -> BlockWeights:
+        """Rows of several weights as one (a fused qkv or gate/up): the finest grouping and widest values of
+        the parts, so a mix (Q4_K q and k with a Q6_K v) stays exact."""
+        group = min(p.group_size for p in parts)
+        parts = [p.regrouped(group) for p in parts]
+        formats = tuple(dict.fromkeys(f for p in parts for f in p.formats))
+        return BlockWeights(
+            torch.cat([p.u for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat([p.offset for p in parts]),
+            group,
+            max(p.bits for p in parts),
+            formats,
+        )
+
+
+def packable(shape: Sequence[int]) -> bool:
+    """Whether the VNNI GEMMs take an (N, K) weight: rows in tiles of 16, K in activation blocks of 32."""
+    n, k = shape
+    return n % COLUMN_TILE == 0 and k % BLOCK == 0
+
+
+def _tile_scales(scale: Tensor, offset: Tensor) -> Tensor:
+    """(N, G) scales and offsets -> (N/16, G, 2, 16): per (tile, group) the 16 rows' scales, then offsets."""
+    n, groups = scale.shape
+    per_tile = [
+        t.float().reshape(n // COLUMN_TILE, COLUMN_TILE, groups).transpose(1, 2) for t in (scale, offset)
+    ]
+    return torch.stack(per_tile, dim=2).contiguous()
+
+
+def pack_int4_tiles(u: Tensor) -> Tensor:
+    """u (N, K) in 0..15 -> the int4 GEMM's (N/16, K/8, 64) bytes: byte 4c + e of vector j of tile t holds
+    u[16t + c][8j + e] in its low nibble and u[16t + c][8j + 4 + e] in its high one."""
+    n, k = u.shape
+    v = u.reshape(n // COLUMN_TILE, COLUMN_TILE, k // 8, 2, 4)  # (t, c, j, half, e)
+    packed = v[:, :, :, 0] | (v[:, :, :, 1] << 4)  # (t, c, j, e)
+    return packed.permute(0, 2, 1, 3).reshape(n // COLUMN_TILE, k // 8, 64).contiguous()
+
+
+def pack_byte_tiles(u: Tensor) -> Tensor:
+    """u (N, K) bytes -> the block GEMM's (N/16, K/4, 64): byte 4c + e of vector j of tile t is u[16t + c][4j + e]."""
+    n, k = u.shape
+    v = u.reshape(n // COLUMN_TILE, COLUMN_TILE, k // 4, 4)  # (t, c, j, e)
+    return v.permute(0, 2, 1, 3).reshape(n // COLUMN_TILE, k // 4, 64).contiguous()
+
+
+def kernels_unavailable() -> str | None:
+    """Why stored blocks cannot run here (None: they can): they need the compiled CPU kernels."""
+    if kernel_ops.cpu.load() is None:
+        return f"the compiled CPU kernels are unavailable ({kernel_ops.cpu.unavailable_reason()})"
+    return None
+
+
+def block_kernel() -> str:
+    """Which code the block GEMM runs on this CPU (the compiled kernels must be loaded)."""
+    module = kernel_ops.cpu.load()
+    if module is not None and kernel_ops.has_vnni_gemm(module):
+        return "block_gemm (AVX-512 VNNI)"
+    return "block_gemm (AVX2)" if "avx2" in hardware.cpu_flags() else "block_gemm (scalar)"
+
+
+class BlockLinear(nn.Module):
+    """y = x @ W.T (+ bias) with W held as a file stored it (``BlockWeights``), packed for our VNNI GEMMs.
+
+    ``weight`` is the packed values ((N/16, K/8, 64) nibbles or (N/16, K/4, 64) bytes), ``scales_offsets``
+    (N/16, K/G, 2, 16) fp32. Runs on the compiled kernels only (the loader checks they are there)."""
+
+    def __init__(self, blocks: BlockWeights, bias: Tensor | None = None) -> None:
+        super().__init__()
+        n, k = blocks.shape
+        if not packable((n, k)):
+            raise ValueError(f"a ({n}, {k}) weight does not fit the GEMM tiles (rows in 16s, K in 32s)")
+        if blocks.group_size not in GROUP_SIZES or (blocks.bits == 4 and blocks.group_size != BLOCK):
+            raise ValueError(f"groups of {blocks.group_size} with {blocks.bits}-bit values have no kernel")
+        self.in_features, self.out_features = k, n
+        self.bits, self.group_size, self.formats = blocks.bits, blocks.group_size, blocks.formats
+        pack = pack_int4_tiles if blocks.bits == 4 else pack_byte_tiles
+        self.register_buffer("weight", pack(blocks.u))
+        self.register_buffer("scales_offsets", _tile_scales(blocks.scale, blocks.offset))
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Stored bits per weight: the values plus the fp32 scale and offset of each group."""
+        return self.bits + 64 / self.group_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        kernels = kernel_ops.kernels_for(x2)
+        if kernels is None:
+            raise RuntimeError(
+                "BlockLinear runs on the compiled CPU kernels only (CPU fp32/bf16 input, no autograd); load "
+                "the model with dtype='fp32' or 'bf16' to run it as floats"
+            )
+        y = kernels.block_gemm(x2, self.weight, self.scales_offsets)
+        if self.bias is not None:
+            y = y + self.bias
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def dequantize_rows(self, rows: Tensor) -> Tensor:
+        """fp32 (len(rows), K): the weight rows ``rows`` (an embedding lookup reads the table this way)."""
+        tile, col = rows // COLUMN_TILE, rows % COLUMN_TILE
+        t = rows.numel()
+        packed = self.weight[tile]  # (T, K/8 or K/4, 64)
+        per_col = packed.view(t, packed.shape[1], COLUMN_TILE, 4)[torch.arange(t), :, col]  # (T, J, 4)
+        if self.bits == 4:
+            u = torch.stack([per_col & 0xF, per_col >> 4], dim=2).reshape(t, self.in_features)
+        else:
+            u = per_col.reshape(t, self.in_features)
+        so = self.scales_offsets[tile][torch.arange(t), :, :, col]  # (T, G, 2)
+        g = self.group_size
+        w = u.float().view(t, -1, g) * so[..., 0:1] + so[..., 1:2]
+        return w.view(t, self.in_features)
+
+    def dequantize(self) -> Tensor:
+        """The fp32 (N, K) weight this module computes with (before the activations' rounding)."""
+        return self.dequantize_rows(torch.arange(self.out_features))
+
+    def extra_repr(self) -> str:
+        stored = "+".join(self.formats)
+        return f"{self.in_features}, {self.out_features}, {stored} as {self.bits}-bit g{self.group_size}"
+
+
+class BlockEmbedding(nn.Module):
+    """A token embedding whose table is a ``BlockLinear`` (the lm_head's own when the two are tied): a lookup
+    dequantizes only the rows it reads."""
+
+    def __init__(self, table: BlockLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, ids: Tensor) -> Tensor:
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range for a {self.num_embeddings}-token vocabulary")
+        rows = self.table.dequantize_rows(flat).to(self.dtype)
+        return rows.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.dtype}"

@@ -1,0 +1,96 @@
+"""Tiny GGUF files for tests: a 2-layer Llama written with the ``gguf`` package, its matrices in any block format
+(random stored blocks with finite scales), so loaders can be checked per format without a real model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+# fp16 fields (byte offset) of each format's block and the magnitude that keeps its weights around 0.1
+SCALE_FIELDS = {
+    "Q4_0": ((0, 0.0125),),
+    "Q4_1": ((0, 0.01), (2, -0.075)),
+    "Q5_0": ((0, 0.006),),
+    "Q5_1": ((0, 0.005), (2, -0.08)),
+    "Q8_0": ((0, 0.0008),),
+    "Q4_K": ((0, 0.0001), (2, 0.0001)),
+    "Q5_K": ((0, 0.00005), (2, 0.00005)),
+    "Q6_K": ((208, 0.00002),),
+}
+
+HIDDEN, FFN, VOCAB, HEADS, KV_HEADS, LAYERS = 256, 512, 320, 4, 2, 2
+
+
+def random_blocks(rng: np.random.Generator, type_name: str, rows: int, cols: int) -> np.ndarray:
+    """(rows, bytes per row) of random blocks of ``type_name`` whose fp16 scales are finite and moderate."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows * cols // block, type_size), dtype=np.uint8)
+    for offset, magnitude in SCALE_FIELDS[type_name]:
+        values = (magnitude * rng.uniform(0.5, 1.0, size=raw.shape[0])).astype(np.float16)
+        raw[:, offset : offset + 2] = values.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, cols // block * type_size)
+
+
+def byte_tokens(count: int) -> list[str]:
+    """A byte-level BPE vocabulary of ``count`` tokens: the 256 byte symbols, then pairs of letters."""
+    symbols = [chr(c) for c in range(ord("!"), ord("~") + 1)] + [chr(c) for c in range(0xA1, 0xAD)]
+    symbols += [chr(c) for c in range(0xAE, 0x100)]
+    symbols += [chr(0x100 + i) for i in range(256 - len(symbols))]
+    extra = [a + b for a in "abcdefgh" for b in "abcdefgh"]
+    return (symbols + extra)[:count]
+
+
+def write_tiny_gguf(
+    path: Path, weight_type: str, tie: bool = True, seed: int = 0, v_type: str | None = None
+) -> Path:
+    """A 2-layer Llama GGUF with every matrix stored as ``weight_type`` (the v projections as ``v_type``,
+    default the same), norms in F32."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {
+        "context_length": 256,
+        "embedding_length": HIDDEN,
+        "feed_forward_length": FFN,
+        "block_count": LAYERS,
+        "attention.head_count": HEADS,
+        "attention.head_count_kv": KV_HEADS,
+    }.items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_float32("llama.rope.freq_base", 10000.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(byte_tokens(VOCAB))
+    writer.add_token_merges(["a b"])
+    writer.add_eos_token_id(2)
+
+    def matrix(name: str, rows: int, cols: int, type_name: str) -> None:
+        qtype = gguf.GGMLQuantizationType[type_name]
+        writer.add_tensor(name, random_blocks(rng, type_name, rows, cols), raw_dtype=qtype)
+
+    def norm(name: str) -> None:
+        writer.add_tensor(name, rng.uniform(0.5, 1.5, size=HIDDEN).astype(np.float32))
+
+    matrix("token_embd.weight", VOCAB, HIDDEN, weight_type)
+    head_dim = HIDDEN // HEADS
+    for i in range(LAYERS):
+        norm(f"blk.{i}.attn_norm.weight")
+        matrix(f"blk.{i}.attn_q.weight", HIDDEN, HIDDEN, weight_type)
+        matrix(f"blk.{i}.attn_k.weight", KV_HEADS * head_dim, HIDDEN, weight_type)
+        matrix(f"blk.{i}.attn_v.weight", KV_HEADS * head_dim, HIDDEN, v_type or weight_type)
+        matrix(f"blk.{i}.attn_output.weight", HIDDEN, HIDDEN, weight_type)
+        norm(f"blk.{i}.ffn_norm.weight")
+        matrix(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN, weight_type)
+        matrix(f"blk.{i}.ffn_up.weight", FFN, HIDDEN, weight_type)
+        matrix(f"blk.{i}.ffn_down.weight", HIDDEN, FFN, weight_type)
+    norm("output_norm.weight")
+    if not tie:
+        matrix("output.weight", VOCAB, HIDDEN, weight_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

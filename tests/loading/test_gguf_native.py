@@ -1,0 +1,76 @@
+"""A GGUF's block-quantized matrices kept as stored: exact values per format, the model's logits against the
+dequantized (float) load of the same file, and the engine's greedy output on both paths."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from mcp2026.kernels import ops as kernel_ops
+from mcp2026.loading.gguf_blocks import BLOCK_FORMATS, read_blocks
+from mcp2026.loading.loader import load_model
+from mcp2026.quant.block_linear import BlockEmbedding, BlockLinear
+
+from gguf_files import random_blocks, write_tiny_gguf
+
+needs_kernels = pytest.mark.skipif(
+    kernel_ops.cpu.load() is None, reason="stored blocks run on the compiled CPU kernels"
+)
+FORMATS = sorted(BLOCK_FORMATS)
+
+
+@pytest.mark.parametrize("type_name", FORMATS)
+def test_blocks_equal_the_gguf_package_dequantization(type_name):
+    raw = random_blocks(np.random.default_rng(1), type_name, 16, 512)
+    expected = dequantize(raw, GGMLQuantizationType[type_name]).reshape(16, 512)
+    assert np.array_equal(read_blocks(raw, type_name).dequantize().numpy(), expected)
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    hidden = model(ids, torch.arange(len(ids)))
+    return model.compute_logits(hidden)
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", FORMATS)
+def test_native_load_matches_the_dequantized_model(tmp_path, type_name):
+    path = write_tiny_gguf(tmp_path / f"tiny-{type_name}.gguf", type_name, tie=type_name != "Q6_K")
+    native = load_model(path, torch.float32, native=True)
+    floats = load_model(path, torch.float32)
+    assert (native.weights, floats.weights) == ("native", "float")
+    model, reference = native.model, floats.model
+    assert isinstance(model.embed_tokens, BlockEmbedding) and isinstance(model.lm_head, BlockLinear)
+    assert (model.lm_head is model.embed_tokens.table) == native.config.tie_word_embeddings
+    for name, module in model.named_modules():
+        if isinstance(module, BlockLinear) and name != "embed_tokens.table":
+            assert torch.equal(module.dequantize(), reference.get_submodule(name).weight), name
+    ids = torch.tensor([5, 77, 3, 250, 19, 42, 300, 8])
+    got, expected = _logits(model, ids), _logits(reference, ids)
+    # the only difference: activations rounded to int8 per 32 values before each of the 5 matmuls a token meets
+    error = (got - expected).abs().max() / expected.abs().max()
+    assert error < 0.03, f"{type_name}: relative logit error {error:.4f}"
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.875
+
+
+@needs_kernels
+def test_mixed_formats_in_one_fused_projection(tmp_path):
+    """Q4_K_M stores some v and down projections as Q6_K: qkv then fuses 4-bit groups of 32 with 8-bit groups
+    of 16 into one exact byte matrix."""
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", "Q4_K", v_type="Q6_K")
+    native = load_model(path, torch.float32, native=True)
+    reference = load_model(path, torch.float32).model
+    qkv = native.model.layers[0].attn.qkv_proj
+    assert (qkv.bits, qkv.group_size, qkv.formats) == (8, 16, ("Q4_K", "Q6_K"))
+    assert torch.equal(qkv.dequantize(), reference.layers[0].attn.qkv_proj.weight)
+    out = native.model.layers[0].mlp.gate_up_proj
+    assert (out.bits, out.group_size, out.formats) == (4, 32, ("Q4_K",))
+
+
+def test_float_path_unchanged_without_native(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_1")
+    loaded = load_model(path, torch.float32)
+    assert loaded.weights == "float"
+    assert not any(isinstance(m, BlockLinear) for m in loaded.model.modules())

@@ -1,0 +1,111 @@
+"""BlockLinear / BlockEmbedding: the GEMMs against an exact oracle (the dequantized weight times the activations
+rounded as the kernels round them), the packing round trip, and mixed-format concatenation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcp2026.kernels import ops as kernel_ops
+from mcp2026.quant.block_linear import (
+    BlockEmbedding,
+    BlockLinear,
+    BlockWeights,
+    kernels_unavailable,
+    packable,
+)
+
+needs_kernels = pytest.mark.skipif(
+    kernel_ops.cpu.load() is None, reason="the block GEMM needs the compiled CPU kernels"
+)
+
+
+def random_blocks(n: int, k: int, bits: int, group: int, seed: int = 0) -> BlockWeights:
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 2**bits, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // group, generator=g) * 0.01 + 0.001
+    offset = -(2 ** (bits - 1)) * scale * (1 + 0.1 * torch.randn(n, k // group, generator=g))
+    return BlockWeights(u, scale, offset, group, bits, (f"test{bits}",))
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels see it: int8 per 32 values with step max|x| / 127, rounded half to even."""
+    m, k = x.shape
+    xb = x.float().view(m, k // 32, 32)
+    step = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
+    return (torch.round(xb * inv) * step).view(m, k)
+
+
+def test_packable_shapes():
+    assert packable((64, 256)) and packable((16, 32))
+    assert not packable((24, 256)) and not packable((64, 48))
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 32), (8, 16)])
+def test_dequantize_round_trips_the_packing(bits, group):
+    blocks = random_blocks(48, 128, bits, group)
+    module = BlockLinear(blocks)
+    assert torch.equal(module.dequantize(), blocks.dequantize())
+    rows = torch.tensor([0, 17, 47, 17])
+    assert torch.equal(module.dequantize_rows(rows), blocks.dequantize()[rows])
+
+
+def test_four_bit_values_need_groups_of_32():
+    with pytest.raises(ValueError, match="no kernel"):
+        BlockLinear(random_blocks(16, 64, 4, 16))
+
+
+@needs_kernels
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 32), (8, 16)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 33])
+def test_gemm_equals_the_rounded_activation_oracle(bits, group, rows):
+    torch.manual_seed(rows)
+    blocks = random_blocks(64, 256, bits, group, seed=bits + group)
+    bias = torch.randn(64)
+    module = BlockLinear(blocks, bias)
+    x = torch.randn(rows, 256)
+    expected = round_activations(x).double() @ blocks.dequantize().double().T + bias.double()
+    got = module(x)
+    assert got.dtype == torch.float32
+    tolerance = dict(rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    torch.testing.assert_close(got.double(), expected, **tolerance)
+    reference = kernel_ops.cpu.load().block_gemm_reference(x, module.weight, module.scales_offsets) + bias
+    torch.testing.assert_close(got, reference, **tolerance)  # this CPU's SIMD path against the scalar loop
+
+
+@needs_kernels
+def test_bf16_input_gives_bf16_output_of_the_same_sums():
+    module = BlockLinear(random_blocks(32, 64, 8, 32))
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    assert module(x).dtype == torch.bfloat16
+    torch.testing.assert_close(module(x).float(), module(x.float()).bfloat16().float())
+
+
+def test_concat_of_mixed_formats_is_exact():
+    a, b = random_blocks(32, 64, 4, 32, seed=1), random_blocks(16, 64, 8, 16, seed=2)
+    both = BlockWeights.concat([a, b])
+    assert (both.bits, both.group_size, both.formats) == (8, 16, ("test4", "test8"))
+    assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+
+
+def test_scaled_and_rows():
+    a = random_blocks(32, 64, 4, 32)
+    index = torch.arange(31, -1, -1)
+    assert torch.equal(a.rows(index).dequantize(), a.dequantize()[index])
+    torch.testing.assert_close(a.scaled(0.125).dequantize(), a.dequantize() * 0.125)
+
+
+def test_embedding_reads_the_table_rows():
+    table = BlockLinear(random_blocks(48, 64, 8, 32))
+    embedding = BlockEmbedding(table, torch.float32)
+    ids = torch.tensor([[3, 0], [47, 3]])
+    assert torch.equal(embedding(ids), table.dequantize()[ids])
+    with pytest.raises(IndexError, match="out of range"):
+        embedding(torch.tensor([48]))
+
+
+def test_kernels_unavailable_says_why(monkeypatch):
+    monkeypatch.setattr(kernel_ops.cpu, "load", lambda: None)
+    monkeypatch.setattr(kernel_ops.cpu, "unavailable_reason", lambda: "disabled by MCP2026_KERNELS=0")
+    assert "MCP2026_KERNELS=0" in kernels_unavailable()
