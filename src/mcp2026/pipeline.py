@@ -15,6 +15,7 @@ from mcp2026.config import EngineConfig, KVConfig, QuantConfig, SchedulerConfig
 from mcp2026.engine.engine import LLMEngine
 from mcp2026.errors import NotSupportedYetError
 from mcp2026.loading.loader import LoadedModel, load_model
+from mcp2026.loading.loader import weight_bytes as loader_weight_bytes
 from mcp2026.types import CompletionOutput, InferResult, SamplingParams
 
 if TYPE_CHECKING:
@@ -248,6 +249,7 @@ class Pipeline:
         result.tokens_per_s = num_generated / latency_s if latency_s > 0 else None
         result.peak_rss_bytes = hardware.peak_rss_bytes()
         result.mem_saturation = stats.peak_kv_usage
+        result.memory = self.memory_breakdown(result.peak_rss_bytes, stats.peak_kv_usage)
         result.breakdown = {
             "tokenize": tokenize_ms,
             "prefill": stats.prefill_ms,
@@ -261,6 +263,19 @@ class Pipeline:
                 + stats.decode_context_tokens * self.engine.cache.bytes_per_token
             )
             result.mem_bw_util = moved / (stats.decode_ms / 1e3) / hardware.peak_read_bandwidth()
+
+    def memory_breakdown(self, rss_bytes: int, kv_usage: float | None) -> dict[str, int]:
+        """Bytes by owner: the weights as held, the KV pool (reserved; its pages are committed as blocks are first
+        written) and its peak in use, and the rest of the process (activations, the runtime and libraries)."""
+        weights = loader_weight_bytes(self.loaded.model)
+        pool = self.engine.cache.nbytes
+        in_use = int(pool * (kv_usage or 0.0))
+        return {
+            "weights": weights,
+            "kv_pool_reserved": pool,
+            "kv_peak_in_use": in_use,
+            "activations_and_runtime": max(rss_bytes - weights - in_use, 0),
+        }
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (tied embeddings counted once, the embedding table excluded

@@ -100,6 +100,8 @@ class InferResult:
     mem_saturation: float | None = None  # peak fraction of the KV memory budget in use
     mem_bw_util: float | None = None  # decode bytes/s over the machine's measured peak read bandwidth
     breakdown: dict[str, float] = field(default_factory=dict)  # ms per phase
+    # bytes: weights, kv_pool_reserved, kv_peak_in_use, activations_and_runtime (peak RSS less the others)
+    memory: dict[str, int] = field(default_factory=dict)
 
     @property
     def text(self) -> str:

@@ -361,7 +361,7 @@ def test_layer_weights_errors(tiny):
     with pytest.raises(ValueError, match="policy='none'"):
         KVCompressor(dtype="int8", policy="none", layer_weights=(1.0, 1.0))
     assert KVCompressor(policy="heavy_hitter", layer_weights="1/2.5").layer_weights == (1.0, 2.5)
-    assert KVCompressor.from_dict({"layer_weights": [1, 2]}).layer_weights == (1.0, 2.0)
+    assert KVCompressor.from_dict({"policy": "snap", "layer_weights": [1, 2]}).layer_weights == (1.0, 2.0)
 
 
 @pytest.mark.parametrize("policy", ["sink_window", "heavy_hitter", "dynamic_window"])

@@ -9,6 +9,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from mcp2026.errors import ModelLoadError
 from mcp2026.kernels import ops as kernel_ops
 from mcp2026.loading.gguf_blocks import BLOCK_FORMATS, read_blocks
 from mcp2026.loading.loader import load_model
@@ -74,3 +75,10 @@ def test_float_path_unchanged_without_native(tmp_path):
     loaded = load_model(path, torch.float32)
     assert loaded.weights == "float"
     assert not any(isinstance(m, BlockLinear) for m in loaded.model.modules())
+
+
+def test_a_type_without_an_exact_kernel_names_the_tensor_and_the_float_path(tmp_path):
+    path = write_tiny_gguf(tmp_path / "q3k.gguf", "Q3_K")
+    with pytest.raises(ModelLoadError, match=r"token_embd.weight is stored as Q3_K.*dtype='fp32'"):
+        load_model(path, torch.float32, native=True)
+    assert load_model(path, torch.float32).weights == "float"

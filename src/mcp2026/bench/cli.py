@@ -65,7 +65,10 @@ def _finish(run: Any, out_dir: Path | None, write_docs: bool, section: str) -> P
 @user_errors
 def latency(
     model: ModelOpt = None,
-    dtype: Annotated[str, typer.Option(help="comma-separated: fp32, bf16")] = "fp32,bf16",
+    dtype: Annotated[
+        str,
+        typer.Option(help="comma-separated: auto (a GGUF's stored formats, the default path), fp32, bf16"),
+    ] = "fp32,bf16",
     weights: Annotated[
         str,
         typer.Option(help="also run ours with quantized weights: comma-separated int8, int4, fp8, dqg:BITS"),

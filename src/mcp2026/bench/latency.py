@@ -24,6 +24,7 @@ ENGINE_LABELS = {"mcp2026": "mcp2026", "hf": "HF transformers", "llama.cpp": "ll
 @dataclass(frozen=True)
 class LatencyConfig:
     model: str | None = None  # None: the embedded default model
+    # auto: what Pipeline() runs by default (a GGUF's stored formats as they are); fp32 / bf16: float weights
     dtypes: tuple[str, ...] = ("fp32", "bf16")
     new_tokens: int = 128
     prefill_tokens: int = 512
@@ -40,9 +41,9 @@ class LatencyConfig:
             raise ValueError(f"new_tokens must be >= 2 (decode rate needs two tokens), got {self.new_tokens}")
         if self.prefill_tokens < 1 or self.repeats < 1 or self.warmup < 0:
             raise ValueError("prefill_tokens and repeats must be >= 1, warmup >= 0")
-        bad = [d for d in self.dtypes if d not in ("fp32", "bf16")]
+        bad = [d for d in self.dtypes if d not in ("auto", "fp32", "bf16")]
         if bad or not self.dtypes:
-            raise ValueError(f"dtypes must be a non-empty list of fp32, bf16; got {list(self.dtypes)}")
+            raise ValueError(f"dtypes must be a non-empty list of auto, fp32, bf16; got {list(self.dtypes)}")
         check_weights(self.weights, ("int8", "int4", "fp8"))
 
     def command(self) -> str:
@@ -140,7 +141,7 @@ def _load_contenders(
     from mcp2026.bench import peers
     from mcp2026.bench.bitplan import model_layer_bits
     from mcp2026.config import KVConfig
-    from mcp2026.pipeline import DTYPES, Pipeline
+    from mcp2026.pipeline import Pipeline, resolve_dtype
 
     load_s: dict[str, float] = {}
     contenders, pipes = [], {}
@@ -162,16 +163,17 @@ def _load_contenders(
     if config.peer:
         t0 = time.perf_counter()
         try:
-            first = peers.load_hf_peer(config.model, DTYPES[config.dtypes[0]])
+            first = peers.load_hf_peer(config.model, resolve_dtype(config.dtypes[0], None))
         except peers.PeerUnavailable as e:
             notes.append(str(e))
         else:
             hf_models[config.dtypes[0]] = first
             for dtype in config.dtypes[1:]:
-                hf_models[dtype] = peers.hf_with_dtype(first, DTYPES[dtype])
+                hf_models[dtype] = peers.hf_with_dtype(first, resolve_dtype(dtype, None))
             load_s["hf"] = time.perf_counter() - t0
     for dtype in config.dtypes:
-        contenders.append(_ours(pipes[dtype], dtype))
+        label = dtype if dtype != "auto" else f"auto: {pipes[dtype].loaded.weights} weights"
+        contenders.append(_ours(pipes[dtype], label))
         if dtype in hf_models:
             contenders.append(_hf(hf_models[dtype], dtype))
     contenders += quantized

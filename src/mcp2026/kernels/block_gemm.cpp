@@ -157,60 +157,53 @@ inline __m256i splat_dword(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// Rows R of one 16-column tile (two 8-column halves). maddubs takes u8 x s8 pairs into int16: nibbles (<= 15)
-// never saturate; bytes (u up to 255) could, so they are multiplied as signed q = u - 128 (|q| <= 128, the sign
-// moved onto x) and 128 x sum(xq) is added back: the same int32 dot of u as dpbusd computes.
+// Rows R of one 8-column half of a 16-column tile (half h: bytes 32h.. of each 64-byte vector; one half at a
+// time keeps R int32 dots and R float sums in registers). maddubs takes u8 x s8 pairs into int16: nibbles
+// (<= 15) never saturate; bytes (u up to 255) could, so they are multiplied as signed q = u - 128 (|q| <= 128,
+// the sign moved onto x) and 128 x sum(xq) is added back: the same int32 dot of u as dpbusd computes.
 template <int R, int BITS, int G>
-void avx2_tile(const uint8_t* wt, const float* st, const QuantizedRows& xr, const GroupSums& gs, int64_t r0,
-               int64_t K, float* out, int64_t N) {
+void avx2_half(const uint8_t* wt, const float* st, const QuantizedRows& xr, const GroupSums& gs, int64_t r0,
+               int h, int64_t K, float* out, int64_t N) {
   constexpr int kPerVector = BITS == 4 ? 8 : 4, kVectors = G / kPerVector;
   const int64_t ngrp = K / G, nblk = K / 32;
   const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(-128);
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const int8_t* xrow[R];
+  for (int r = 0; r < R; ++r) xrow[r] = xr.q.data() + (r0 + r) * K;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < ngrp; ++g) {
-    __m256i dot[R][2];
-    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    __m256i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
     for (int j = 0; j < kVectors; ++j) {
-      const uint8_t* v = wt + (g * kVectors + j) * 64;
-      for (int h = 0; h < 2; ++h) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32 * h));
-        if constexpr (BITS == 4) {
-          const __m256i lo = _mm256_and_si256(w, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
-          for (int r = 0; r < R; ++r) {
-            const int8_t* x = xr.q.data() + (r0 + r) * K + g * G + j * 8;
-            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, splat_dword(x)),
-                                               _mm256_maddubs_epi16(hi, splat_dword(x + 4)));
-            dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(p, ones));
-          }
-        } else {
-          const __m256i q = _mm256_xor_si256(w, flip), mag = _mm256_abs_epi8(q);
-          for (int r = 0; r < R; ++r) {
-            const __m256i x = _mm256_sign_epi8(splat_dword(xr.q.data() + (r0 + r) * K + g * G + j * 4), q);
-            dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, x), ones));
-          }
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + (g * kVectors + j) * 64 + 32 * h));
+      const int64_t k = g * G + j * kPerVector;
+      if constexpr (BITS == 4) {
+        const __m256i lo = _mm256_and_si256(w, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+        for (int r = 0; r < R; ++r) {
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, splat_dword(xrow[r] + k)),
+                                             _mm256_maddubs_epi16(hi, splat_dword(xrow[r] + k + 4)));
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(p, ones));
+        }
+      } else {
+        const __m256i q = _mm256_xor_si256(w, flip), mag = _mm256_abs_epi8(q);
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = _mm256_sign_epi8(splat_dword(xrow[r] + k), q);
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, x), ones));
         }
       }
     }
-    const float* sg = st + g * 2 * kColTile;
-    const __m256 s[2] = {_mm256_loadu_ps(sg), _mm256_loadu_ps(sg + 8)};
-    const __m256 o[2] = {_mm256_loadu_ps(sg + kColTile), _mm256_loadu_ps(sg + kColTile + 8)};
+    const float* sg = st + g * 2 * kColTile + 8 * h;
+    const __m256 s = _mm256_loadu_ps(sg), o = _mm256_loadu_ps(sg + kColTile);
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
-      const __m256 dx = _mm256_set1_ps(xr.scale[row * nblk + g * G / 32]);
-      const __m256 dxs = _mm256_set1_ps(gs.dxs[row * ngrp + g]);
-      for (int h = 0; h < 2; ++h) {
-        __m256i d = dot[r][h];
-        if constexpr (BITS == 8) d = _mm256_add_epi32(d, _mm256_set1_epi32(128 * gs.isum[row * ngrp + g]));
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s[h], dx), acc[r][h]);
-        acc[r][h] = _mm256_fmadd_ps(o[h], dxs, acc[r][h]);
-      }
+      __m256i d = dot[r];
+      if constexpr (BITS == 8) d = _mm256_add_epi32(d, _mm256_set1_epi32(128 * gs.isum[row * ngrp + g]));
+      const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(xr.scale[row * nblk + g * G / 32]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), scale, acc[r]);
+      acc[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(gs.dxs[row * ngrp + g]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(out + (r0 + r) * N, acc[r][0]);
-    _mm256_storeu_ps(out + (r0 + r) * N + 8, acc[r][1]);
-  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + (r0 + r) * N + 8 * h, acc[r]);
 }
 
 template <int BITS, int G>
@@ -219,10 +212,11 @@ void avx2_gemm(const uint8_t* w, const float* so, const QuantizedRows& xr, const
   const int64_t tile_bytes = (BITS == 4 ? K / 8 : K / 4) * 64, tile_scales = (K / G) * 2 * kColTile;
   at::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
-      for_row_tiles(M, [&](int64_t r0, auto rows) {
-        avx2_tile<decltype(rows)::value, BITS, G>(w + t * tile_bytes, so + t * tile_scales, xr, gs, r0, K,
-                                                  out + t * kColTile, N);
-      });
+      for (int h = 0; h < 2; ++h)
+        for_row_tiles(M, [&](int64_t r0, auto rows) {
+          avx2_half<decltype(rows)::value, BITS, G>(w + t * tile_bytes, so + t * tile_scales, xr, gs, r0, h, K,
+                                                    out + t * kColTile, N);
+        });
   });
 }
 #endif

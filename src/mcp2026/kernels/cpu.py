@@ -134,3 +134,20 @@ def _build(verbose: bool) -> Any:
         build_directory=str(build_dir),
         verbose=verbose,
     )
+
+
+def main() -> int:
+    """``python -m mcp2026.kernels.cpu``: build (or find) the kernels now, as ``make setup`` does, in one line."""
+    start = time.perf_counter()
+    module = load()
+    if module is None:  # a failed build fails set-up loudly; MCP2026_KERNELS=0 is a choice
+        print(f"mcp2026: CPU kernels unavailable: {unavailable_reason()}; the plain torch ops will run")
+        return 0 if not enabled_by_env() else 1
+    print(
+        f"mcp2026: CPU kernels ready ({time.perf_counter() - start:.0f} s) in {Path(module.__file__).parent}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -7,6 +7,7 @@ HF "rotate half" convention. Every tensor type the gguf package can dequantize i
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ from mcp2026.loading.names import GGUF_GLOBAL_NAMES, GGUF_LAYER, GGUF_LAYER_NAME
 from mcp2026.loading.progress import load_progress
 from mcp2026.models.registry import resolve_architecture
 from mcp2026.quant.block_linear import BlockWeights, packable
+
+log = logging.getLogger(__name__)
 
 # Our names of the matrices a GGUF's stored blocks may stay quantized in (the linears and the token table).
 NATIVE_SUFFIXES = ("q.weight", "k.weight", "v.weight", "o_proj.weight", "gate.weight", "up.weight",
@@ -126,15 +129,30 @@ def _read_float(reader: GGUFFile, t: GGUFTensorInfo, source: str) -> np.ndarray:
         raise ModelLoadError(f"{source}: tensor {t.name} cannot be read ({type(e).__name__}: {e})") from None
 
 
-def keeps_blocks(t: GGUFTensorInfo, ours: str) -> bool:
-    """Whether a tensor can stay in its stored blocks: a linear or token-table matrix of a type we read exactly,
-    shaped for the GEMM tiles."""
-    return (
-        t.tensor_type.name in BLOCK_FORMATS
-        and len(t.dims) == 2
-        and ours.endswith(NATIVE_SUFFIXES)
-        and packable(t.shape)
-    )
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def keeps_blocks(t: GGUFTensorInfo, ours: str, source: str) -> bool:
+    """Whether a matrix stays in its stored blocks: a linear or token table of a block type we run exactly.
+
+    A block type we cannot run exactly is an error naming the tensor (the float path still loads it); a matrix
+    the GEMM tiles do not fit (rows not in 16s, K not in 32s) runs as floats, with a warning naming it."""
+    type_name = t.tensor_type.name
+    if len(t.dims) != 2 or not ours.endswith(NATIVE_SUFFIXES) or type_name in FLOAT_TYPES:
+        return False
+    if type_name not in BLOCK_FORMATS:
+        raise ModelLoadError(
+            f"{source}: tensor {t.name} is stored as {type_name}, which mcp2026 cannot run as stored (it runs "
+            f"{', '.join(BLOCK_FORMATS)}); load the model as floats instead: dtype='fp32' or 'bf16' "
+            "(--dtype fp32)"
+        )
+    if not packable(t.shape):
+        log.warning(
+            "%s: tensor %s %s runs as floats: the block GEMM needs rows in 16s and columns in 32s",
+            source, t.name, tuple(t.shape),
+        )  # fmt: skip
+        return False
+    return True
 
 
 def load_gguf_tensors(
@@ -150,7 +168,7 @@ def load_gguf_tensors(
             if ours is None:
                 continue
             heads = _heads_of(ours, config)
-            if native and keeps_blocks(t, ours):
+            if native and keeps_blocks(t, ours, source):
                 blocks: BlockWeights = read_blocks(reader.raw(t), t.tensor_type.name)
                 tensors[ours] = blocks if heads is None else blocks.rows(_unpermute_rows(t.shape[0], heads))
                 continue
