@@ -85,10 +85,10 @@ def info(
     blocks = [m for m in loaded.model.modules() if isinstance(m, BlockLinear)]
     if blocks:
         formats = sorted({f for m in blocks for f in m.formats})
-        weights = f"native: {', '.join(formats)} as stored, {block_kernel()}; the rest {compute_dtype}"
+        weights = f"native: {', '.join(formats)} as stored, {block_kernel()}; the rest {_name(compute_dtype)}"
     else:
-        weights = f"float {str(compute_dtype).removeprefix('torch.')}" + (f" ({blocker})" if blocker else "")
-    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch_element_size(compute_dtype)
+        weights = f"float {_name(compute_dtype)}" + (f" ({blocker})" if blocker else "")
+    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * compute_dtype.itemsize
     table = Table(title=str(loaded.source), show_header=False)
     rows = [
         ("architecture", cfg.architecture),
@@ -103,17 +103,15 @@ def info(
         ("stored tensor formats", ", ".join(f"{k} x{v}" for k, v in sorted(loaded.tensor_formats.items()))),
         ("weights", weights),
         ("weights in memory", f"{weight_bytes(loaded.model) / 2**20:.1f} MiB"),
-        (f"KV cache per token ({str(compute_dtype).removeprefix('torch.')})", f"{kv_bytes / 1024:.1f} KiB"),
+        (f"KV cache per token ({_name(compute_dtype)})", f"{kv_bytes / 1024:.1f} KiB"),
     ]
     for k, v in rows:
         table.add_row(k, v)
     out.print(table)
 
 
-def torch_element_size(dtype) -> int:
-    import torch
-
-    return torch.empty(0, dtype=dtype).element_size()
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _parameter_count(model, cfg) -> int:
