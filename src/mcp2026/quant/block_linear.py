@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -51,8 +52,11 @@ class BlockWeights:
         return w.view(n, k)
 
     def rows(self, index: Tensor) -> BlockWeights:
+        def take(t: Tensor) -> Tensor:
+            return torch.index_select(t, 0, index)
+
         return BlockWeights(
-            self.u[index], self.scale[index], self.offset[index], self.group_size, self.bits, self.formats
+            take(self.u), take(self.scale), take(self.offset), self.group_size, self.bits, self.formats
         )
 
     def scaled(self, factor: float) -> BlockWeights:
@@ -107,20 +111,26 @@ def _tile_scales(scale: Tensor, offset: Tensor) -> Tensor:
     return torch.stack(per_tile, dim=2).contiguous()
 
 
+# NOTE: the packing runs in numpy: its strided uint8 copies are several times faster than torch's here, and a
+# model's worth of them is part of start-up.
 def pack_int4_tiles(u: Tensor) -> Tensor:
     """u (N, K) in 0..15 -> the int4 GEMM's (N/16, K/8, 64) bytes: byte 4c + e of vector j of tile t holds
     u[16t + c][8j + e] in its low nibble and u[16t + c][8j + 4 + e] in its high one."""
     n, k = u.shape
-    v = u.reshape(n // COLUMN_TILE, COLUMN_TILE, k // 8, 2, 4)  # (t, c, j, half, e)
+    v = u.numpy().reshape(n // COLUMN_TILE, COLUMN_TILE, k // 8, 2, 4)  # (t, c, j, half, e)
     packed = v[:, :, :, 0] | (v[:, :, :, 1] << 4)  # (t, c, j, e)
-    return packed.permute(0, 2, 1, 3).reshape(n // COLUMN_TILE, k // 8, 64).contiguous()
+    return torch.from_numpy(
+        np.ascontiguousarray(packed.transpose(0, 2, 1, 3)).reshape(n // COLUMN_TILE, k // 8, 64)
+    )
 
 
 def pack_byte_tiles(u: Tensor) -> Tensor:
     """u (N, K) bytes -> the block GEMM's (N/16, K/4, 64): byte 4c + e of vector j of tile t is u[16t + c][4j + e]."""
     n, k = u.shape
-    v = u.reshape(n // COLUMN_TILE, COLUMN_TILE, k // 4, 4)  # (t, c, j, e)
-    return v.permute(0, 2, 1, 3).reshape(n // COLUMN_TILE, k // 4, 64).contiguous()
+    v = u.numpy().reshape(n // COLUMN_TILE, COLUMN_TILE, k // 4, 4)  # (t, c, j, e)
+    return torch.from_numpy(
+        np.ascontiguousarray(v.transpose(0, 2, 1, 3)).reshape(n // COLUMN_TILE, k // 4, 64)
+    )
 
 
 def kernels_unavailable() -> str | None:
