@@ -9,8 +9,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from mcp2026.engine.request import Request
 from mcp2026.engine.runner import ModelRunner
 from mcp2026.engine.sampler import Sampler, SamplingState
 from mcp2026.engine.scheduler import Scheduler
+from mcp2026.engine.scoring import ScoredChunk, teacher_forced_logits
 from mcp2026.kv.debug import fragmentation_report
 from mcp2026.kv.dtss import DTSSController
 from mcp2026.kv.layer_weights import preset_name
@@ -221,6 +223,31 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.states)
+
+    def with_kv_compressor(self, compressor: Any) -> LLMEngine:
+        """A new engine on the same model whose KV cache uses ``compressor`` (``kv.compressor.KVCompressor``),
+        its block size included."""
+        config = replace(
+            self.config,
+            kv=replace(self.config.kv, block_size=compressor.block_size),
+            kv_compressor=compressor,
+        )
+        return LLMEngine(self.runner.model, self.model_config, self.tokenizer, config, self.kv_dtype)
+
+    # ---- teacher-forced scoring -----------------------------------------------------------------------
+    def score(
+        self,
+        token_ids: Sequence[int],
+        prompt_len: int | None = None,
+        prompt_chunk: int = 512,
+        chunk_size: int = 1,
+        request_id: str = "score",
+    ) -> Iterator[ScoredChunk]:
+        """The logits at every position of ``token_ids`` run through the paged KV path, chunk by chunk:
+        ``ScoredChunk(start, logits (n, V))``. The first ``prompt_len`` tokens (all by default) go in
+        ``prompt_chunk``-token chunks, the rest in ``chunk_size`` chunks, the evictor running between chunks.
+        The engine must be idle; a caller holds one chunk of logits at a time (engines can run in lockstep)."""
+        return teacher_forced_logits(self, token_ids, prompt_len, prompt_chunk, chunk_size, request_id)
 
     # ---- memory pressure (DTSS) ---------------------------------------------------------------------
     def _make_dtss(self, kv: KVConfig) -> DTSSController | None:
