@@ -1,8 +1,8 @@
 """QBench plugin: int4 KV prefill with a chunk's own block read apart (the CPU path,
-``engine.attention._split_staged_attention``) vs in one SDPA call (the path other devices take), and read apart
+``models.attention._split_staged_attention``) vs in one SDPA call (the path other devices take), and read apart
 with torch ops where our kernels merge the own blocks and seal int4 blocks (kernels/staged_merge.cpp,
 kv_write.cpp; what a machine without the kernels runs), side by side with an uncompressed cache, all in one
-process (``kv.measure.context_speeds``: the engines take turns chunk by
+process (``bench.kv_measure.context_speeds``: the engines take turns chunk by
 chunk, so machine noise hits them alike).
 
     mcp2026 bench plugin examples/bench_plugins/int4_prefill_split.py:Int4PrefillSplit --dtype fp32 \
@@ -44,9 +44,9 @@ class Int4PrefillSplit:
             raise ValueError(f"contexts must be in [1, {limit - 8}] and rounds >= 1")
 
     def _engines(self, ctx: PluginContext, context: int) -> dict:
-        from mcp2026.kv.measure import measurement_engine as _engine
-        from mcp2026.engine import attention
+        from mcp2026.bench.kv_measure import measurement_engine as _engine
         from mcp2026.kv.compressor import KVCompressor
+        from mcp2026.models import attention
 
         int4 = KVCompressor(dtype="int4", policy="none")
         loaded = ctx.pipeline.loaded
@@ -82,7 +82,7 @@ class Int4PrefillSplit:
         return engines
 
     def run(self, ctx: PluginContext) -> dict[str, float]:
-        from mcp2026.kv.measure import context_speeds
+        from mcp2026.bench.kv_measure import context_speeds
 
         metrics = {}
         for context in self.contexts:
@@ -121,10 +121,10 @@ class Int4PrefillSplit:
                 profiler
             ).stats  # (file, line, function) -> (calls, ..., tottime, cumtime, ...)
 
-            split = _seconds(stats, "engine/attention.py", "_split_staged_attention")
+            split = _seconds(stats, "models/attention.py", "_split_staged_attention")
             flash = _seconds(stats, "~", "_scaled_dot_product_flash_attention_for_cpu")
             tag = short[name]
-            metrics[f"profile_{tag}_attention_s"] = _seconds(stats, "engine/attention.py", "attention")
+            metrics[f"profile_{tag}_attention_s"] = _seconds(stats, "models/attention.py", "attention")
             metrics[f"profile_{tag}_own_block_s"] = (
                 split - flash if split else 0.0
             )  # flash runs in the split only

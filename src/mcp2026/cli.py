@@ -225,7 +225,7 @@ def compile_cmd(
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="progress bars")] = True,
 ) -> None:
     """Calibrate, plan and quantize a model into an artifact folder that loads without recalibrating."""
-    from mcp2026.quant.compile_cli import compile_model
+    from mcp2026.compiler import compile_model
 
     if config is None or out_dir is None:
         raise ValueError("give --config QUANT.yaml and --out DIR (example configs: examples/quant/*.yaml)")
@@ -249,10 +249,10 @@ _register_bench()
 from mcp2026.doctor.cli import register as register_doctor  # noqa: E402
 
 register_doctor(app)
-from mcp2026.canary.cli import register as register_canary  # noqa: E402
+from mcp2026.bench.canary_cli import register as register_canary  # noqa: E402
 
 register_canary(app)
-from mcp2026.kv.cli import register as register_kv  # noqa: E402
+from mcp2026.bench.kv_calibrate_cli import register as register_kv  # noqa: E402
 
 register_kv(app)
 

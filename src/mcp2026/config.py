@@ -7,10 +7,7 @@ fails where it is written, with a message that names the field and the allowed r
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from mcp2026.kv.compressor import KVCompressor
+from typing import Any, Protocol
 
 
 def _require(ok: bool, message: str) -> None:
@@ -155,6 +152,18 @@ class QuantConfig:
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block without a compressor that says otherwise
 
 
+class BlockSizedCompressor(Protocol):
+    """What the engine config reads of a KV compressor (``kv.compressor.KVCompressor``, a layer above)."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @staticmethod
+    def describe_default_block_sizes() -> str:
+        """Each codec's default block size, for the error text when the block sizes disagree."""
+        ...
+
+
 @dataclass(frozen=True)
 class KVConfig:
     """Paged KV cache: block size and the memory budget that sizes the preallocated pool.
@@ -267,19 +276,17 @@ class EngineConfig:
     kv: KVConfig = field(default_factory=KVConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # KV codec and eviction policy (``kv.compressor.KVCompressor``); None stores KV as the model's dtype.
-    kv_compressor: KVCompressor | None = None
+    kv_compressor: BlockSizedCompressor | None = None
 
     def __post_init__(self) -> None:
         compressor = self.kv_compressor
         if compressor is not None and self.kv.block_size not in (None, compressor.block_size):
-            from mcp2026.kv.codecs import describe_default_block_sizes
-
             raise ValueError(
                 f"KVCompressor.block_size ({compressor.block_size}) must equal KVConfig.block_size "
                 f"({self.kv.block_size}): the compressor works on the cache's blocks. Give the same "
                 "block_size to both, or leave KVConfig.block_size (kv.block_size in a serve YAML) unset to "
                 "take the compressor's (a KVCompressor without block_size takes its codec's: "
-                f"{describe_default_block_sizes()})"
+                f"{compressor.describe_default_block_sizes()})"
             )
 
     @property

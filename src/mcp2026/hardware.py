@@ -51,6 +51,23 @@ def has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def default_activation_dtype(device: str | torch.device = "cpu") -> torch.dtype:
+    """bf16 on CUDA (where supported) and on CPUs with AVX512-BF16 or AMX that torch dispatches AVX-512
+    kernels on; fp32 everywhere else (on AVX2-only CPUs bf16 matmuls are several times slower)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type != "cpu":
+        return torch.float32
+    flags = cpu_flags()
+    has_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
+    return (
+        torch.bfloat16
+        if has_bf16 and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+        else torch.float32
+    )
+
+
 def _read_int(path: str) -> int | None:
     try:
         text = Path(path).read_text().split()[0]

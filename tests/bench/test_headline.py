@@ -206,7 +206,7 @@ def test_quantized_offline_runs_and_each_serving_concurrency_get_their_own_rows(
 
 def test_quality_runs_give_the_headline_plans_with_their_bits_and_delta():
     from mcp2026.bench.quality_run import quality_run
-    from mcp2026.quant.quality import QualityBench, QualityBenchSettings
+    from mcp2026.bench.quant_quality import QualityBench, QualityBenchSettings
 
     def r(plan, family, bits, delta, stderr=0.004, kld=0.01):
         return {"plan": plan, "family": family, "bits": bits, "mib": 1.0, "ppl": 5.0, "delta_ppl": delta,

@@ -185,8 +185,8 @@ def test_retrieval_decode_and_targets(run):
 
 def test_compare_quality_many_equals_one_at_a_time(tiny_dir):
     from mcp2026.bench.kv_config import parse_config
-    from mcp2026.kv.measure import compare_quality, compare_quality_many
-    from mcp2026.kv.measure import measurement_engine as _engine
+    from mcp2026.bench.kv_measure import measurement_engine as _engine
+    from mcp2026.bench.quality import compare_quality, compare_quality_many
     from mcp2026.loading.loader import load_model
 
     loaded = load_model(tiny_dir)
@@ -202,12 +202,12 @@ def test_compare_quality_many_equals_one_at_a_time(tiny_dir):
     # After the prompt: positions 48..94 (the last has no next token); the whole is a token-weighted mix.
     for q in together:
         assert q.num_tokens == 95 and q.num_tokens_after_prompt == 47
-        assert min(q.ppl_after_prompt, q.ppl_ref_after_prompt) > 1.0
+        assert min(q.ppl_after_prompt, q.reference_ppl_after_prompt) > 1.0
     q = together[1]  # sink_window@0.5: the prompt's own positions see the whole prompt so far
     prompt_nll = math.log(q.ppl) * 95 - math.log(q.ppl_after_prompt) * 47
-    ref_prompt_nll = math.log(q.ppl_ref) * 95 - math.log(q.ppl_ref_after_prompt) * 47
+    ref_prompt_nll = math.log(q.reference_ppl) * 95 - math.log(q.reference_ppl_after_prompt) * 47
     assert prompt_nll == pytest.approx(ref_prompt_nll, rel=1e-6)  # the 64-token window covers the prompt
-    assert q.ppl_after_prompt != q.ppl_ref_after_prompt
+    assert q.ppl_after_prompt != q.reference_ppl_after_prompt
 
 
 def test_score_counts_facts_kept_where_the_reference_was_right():

@@ -10,7 +10,7 @@ import torch
 
 import mcp2026.bench.kv_peer as kv_peer
 from mcp2026.bench.peers import PeerUnavailable
-from mcp2026.kv.measure import QualityAccumulator
+from mcp2026.bench.quality import QualityAccumulator
 
 VOCAB = 40
 
@@ -63,7 +63,7 @@ def test_each_type_against_the_f16_cache(fake):
         and q8.num_tokens_after_prompt == 149
     )
     assert 0 < q8.kld < q4.kld  # more noise, further from f16
-    assert q8.ppl_ref < 10  # the rows were read at their own positions: each peaks at its next token
+    assert q8.reference_ppl < 10  # the rows were read at their own positions: each peaks at its next token
     # the same numbers as scoring the whole first sequence at once (the chunks add up)
     whole = QualityAccumulator(sequences[0], 1, 150)
     r, t = FakeLlama(type_k=1, n_ctx=300), FakeLlama(type_k=2, n_ctx=300)

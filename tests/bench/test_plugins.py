@@ -237,7 +237,7 @@ def test_int4_prefill_split_plugin_times_both_paths(tiny_dir):
     """Both int4 paths and the uncompressed cache are timed side by side; the one-call engine really takes
     the one-call path (its steps see no split device), the torch-ops engine merges without the kernel, and the
     globals are restored after each of them."""
-    from mcp2026.engine import attention
+    from mcp2026.models import attention
 
     name, plugin = load_plugin(f"{EXAMPLES / 'int4_prefill_split.py'}:Int4PrefillSplit")
     ctx = PluginContext(model=tiny_dir, dtype="fp32", params={"contexts": "40,72", "rounds": "1"})

@@ -8,9 +8,10 @@ import importlib.util
 import pytest
 import torch
 
+from mcp2026.bench.quality import evaluate, reference_logprobs
 from mcp2026.bench.quality_peers import peer_quality_rows
+from mcp2026.bench.quant_quality import QualityBench, QualityBenchSettings
 from mcp2026.loading.loader import load_model
-from mcp2026.quant.quality import QualityBench, QualityBenchSettings, evaluate, reference_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from mcp2026.bench import workloads
-from mcp2026.bench.workloads import WorkloadSpec, load_workload, parse_json_array
+from mcp2026.bench.workloads import WorkloadSpec, load_workload
+from mcp2026.sharegpt import parse_json_array
 
 
 class WordTokenizer:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from mcp2026.bench.canary_run import merged_thresholds
 from mcp2026.canary.config import CanaryConfig, read_thresholds_file
-from mcp2026.canary.run import merged_thresholds
 from mcp2026.serve.config import load_serve_yaml
 
 

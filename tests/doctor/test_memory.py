@@ -41,7 +41,8 @@ def test_fraction_rule_takes_its_share_after_the_weights(monkeypatch, tiny_llama
     result = _fit(monkeypatch, ctx, 200 << 20)
     block = kv_block_bytes(cfg, 16, ctx.activation_dtype)
     free = (200 << 20) - result.details["weights_bytes"]
-    max_blocks = 256 * (cfg.max_position_embeddings // 16)  # the engine's cap: 256 full sequences
+    # the engine's cap: as many full sequences as the scheduler runs at once
+    max_blocks = ctx.engine.scheduler.max_num_seqs * (cfg.max_position_embeddings // 16)
     assert result.details["kv_blocks"] == min(int(0.5 * free // block), max_blocks)
 
 

@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mcp2026.bench.kv_measure import max_concurrent_sequences
+from mcp2026.bench.quality import compare_quality
 from mcp2026.config import EngineConfig, KVConfig, SchedulerConfig
 from mcp2026.engine.engine import LLMEngine
 from mcp2026.kv.compressor import KVCompressor
-from mcp2026.kv.measure import compare_quality, max_concurrent_sequences
 from mcp2026.loading.loader import load_model
 from mcp2026.types import SamplingParams
 
@@ -92,7 +93,7 @@ def test_quantized_kv_stays_close(tiny, reference):
     }
     assert results["int8"].kld < 1e-5 and results["int8"].top1_agreement > 0.98
     assert results["int8"].kld < results["fp8"].kld < results["int4"].kld < 1e-3
-    assert abs(results["int4"].ppl_increase) < 0.01
+    assert abs(results["int4"].delta_ppl) < 0.01
     engine = make_engine(tiny, KVCompressor(dtype="int8", policy="none"))
     out = run(engine, prompts())
     assert sum(a[:8] == b[:8] for a, b in zip(out, reference)) >= 2  # greedy: mostly equal
@@ -431,7 +432,7 @@ def test_int4_prefill_reads_the_same_apart_or_in_one_call(tiny, tiny_dir, monkey
     """On the CPU an int4 chunk reads the sealed context and each query's own staged block apart (merged by
     log-sum-exp); other devices take both key sets in one SDPA call under one mask. Same results (bf16
     activations: within their rounding)."""
-    from mcp2026.engine import attention
+    from mcp2026.models import attention
 
     model = tiny if dtype == torch.float32 else load_model(tiny_dir, dtype=dtype)
     kv = KVCompressor(dtype="int4", policy="none")
@@ -527,7 +528,7 @@ def test_an_fp32_cache_under_a_bf16_model(tiny_dir):
 def test_context_speeds_take_turns(tiny):
     """The kv bench's speed columns: engines prefill the same prompt chunk by chunk and then decode, side by
     side, one step each in rotating order; one prefill and one decode speed per engine."""
-    from mcp2026.kv.measure import context_speeds
+    from mcp2026.bench.kv_measure import context_speeds
 
     sched = dict(long_prefill_token_threshold=16, long_prefill_ms=None)  # 40 tokens: chunks of 16, 16, 8
     engines = {

@@ -9,9 +9,8 @@ import torch
 
 from mcp2026.config import EngineConfig, KVConfig
 from mcp2026.engine.engine import LLMEngine
-from mcp2026.kernels import fused_linear
 from mcp2026.loading.loader import load_model
-from mcp2026.models import llama
+from mcp2026.models import fused_linear, llama
 from mcp2026.quant.linear import quantize_
 from mcp2026.quant.plan import LayerQuantSpec, QuantPlan
 from mcp2026.types import SamplingParams

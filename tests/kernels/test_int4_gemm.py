@@ -84,7 +84,7 @@ def test_an_activation_scaled_layer_divides_before_the_gemm(gemm):
 
 
 def test_the_fused_decode_layer_runs_the_gemm_as_the_module_does(gemm):
-    from mcp2026.kernels.fused_linear import INT4_GEMM, fused_linear
+    from mcp2026.models.fused_linear import INT4_GEMM, fused_linear
 
     q = layer(128, 64, bias=True)
     handle = fused_linear(gemm, q, quant_rows=True)

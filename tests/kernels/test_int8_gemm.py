@@ -96,7 +96,7 @@ def test_a_layer_the_tiles_do_not_fit_takes_the_other_kernels(gemm, gemm_calls):
 
 
 def test_the_fused_decode_layer_runs_the_gemm_as_the_module_does(gemm):
-    from mcp2026.kernels.fused_linear import INT8_GEMM, fused_linear
+    from mcp2026.models.fused_linear import INT8_GEMM, fused_linear
 
     q = layer(128, 64, bias=True)
     handle = fused_linear(gemm, q, quant_rows=True)

@@ -9,13 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from mcp2026.loading.loader import load_model
-from mcp2026.quant.calibrate import (
-    CalibrationSettings,
-    calibrate,
-    calibration_samples,
-    sharegpt_texts,
-    split_of,
-)
+from mcp2026.quant.calibrate import CalibrationSettings, calibrate, calibration_samples
+from mcp2026.sharegpt import sharegpt_texts, split_of
 
 SETTINGS = CalibrationSettings(source="random", num_samples=3, max_len=48, max_rows=40, fisher_samples=2)
 

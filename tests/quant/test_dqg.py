@@ -10,13 +10,14 @@ import warnings
 import pytest
 import torch
 
+from mcp2026.bench.quality import evaluate, reference_logprobs
 from mcp2026.config import QuantConfig
 from mcp2026.loading.loader import load_model
 from mcp2026.quant import dqg, recipe
 from mcp2026.quant.calibrate import CalibrationSettings, calibrate, calibration_samples
 from mcp2026.quant.linear import fake_quantize
+from mcp2026.quant.perplexity import windows_from_tokens
 from mcp2026.quant.plan import LayerQuantSpec
-from mcp2026.quant.quality import evaluate, reference_logprobs, windows_from_tokens
 from mcp2026.quant.stats import weight_stats
 
 FORMATS = ("fp32", "int8", "int4")

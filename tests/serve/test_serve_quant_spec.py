@@ -8,10 +8,11 @@ import torch
 from typer.testing import CliRunner
 
 from mcp2026.cli import app
+from mcp2026.compiler import compile_model
 from mcp2026.config import KVConfig
 from mcp2026.pipeline import Pipeline
 from mcp2026.quant import dqg, recipe
-from mcp2026.quant.compile_cli import compile_model, load_spec
+from mcp2026.quant.compile_cli import load_spec
 from mcp2026.quant.plan import QuantPlan
 from mcp2026.serve.config import load_quant_spec, load_serve_yaml
 from mcp2026.serve.server import build_pipeline
@@ -103,7 +104,7 @@ def test_quant_config_and_its_default_spec_choose_the_same_plan(tmp_path, tiny_l
 
 
 def test_canary_arm_reports_the_yaml_settings(tmp_path, tiny_llama_dir):
-    from mcp2026.canary.arms import build_arm
+    from mcp2026.bench.canary_arms import build_arm
 
     arm = build_arm(
         "candidate", _serve_yaml(tmp_path, tiny_llama_dir, BASE + "dqg:\n  weighting: relative\n")
@@ -123,7 +124,7 @@ def test_canary_arm_reports_the_yaml_settings(tmp_path, tiny_llama_dir):
     ],
 )
 def test_bad_section_is_one_line_naming_file_and_key(tmp_path, tiny_llama_dir, section, message):
-    from mcp2026.canary.arms import read_arm_config
+    from mcp2026.serve.canary import read_arm_config
 
     serve_yaml = _serve_yaml(tmp_path, tiny_llama_dir, BASE + section)
     quant_yaml = str(tmp_path / "q.yaml")

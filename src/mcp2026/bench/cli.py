@@ -6,13 +6,26 @@ the table, write runs/<time>-<kind>.json + .md, optionally refresh docs/benchmar
 from __future__ import annotations
 
 import sys
-from contextlib import nullcontext
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-from rich.console import Console
 
+from mcp2026.bench.cli_common import (
+    DocsOpt,
+    ModelOpt,
+    OutOpt,
+    PeerOpt,
+    ProgressOpt,
+    SeedOpt,
+    finish_run,
+    out,
+    progress_bars,
+)
+from mcp2026.bench.headline_cli import headline
+from mcp2026.bench.kv_cli import kv
+from mcp2026.bench.plugin_cli import plugin
+from mcp2026.bench.sweep_cli import sweep
 from mcp2026.cli_errors import err, user_errors
 
 bench_app = typer.Typer(
@@ -20,45 +33,6 @@ bench_app = typer.Typer(
     no_args_is_help=True,
     help="QBench: benchmarks of mcp2026 side by side with HF transformers and llama.cpp, same run.",
 )
-out = Console(soft_wrap=True, emoji=False)  # markdown lines must not be wrapped
-
-ModelOpt = Annotated[
-    str | None, typer.Option("--model", "-m", help="HF folder or .gguf (default: embedded SmolLM2-135M)")
-]
-SeedOpt = Annotated[int, typer.Option(help="workload seed")]
-PeerOpt = Annotated[bool, typer.Option("--peer/--no-peer", help="run HF transformers (and llama.cpp) too")]
-DocsOpt = Annotated[
-    bool,
-    typer.Option(
-        "--write-docs/--no-write-docs", help="replace this benchmark's section of docs/benchmarks.md"
-    ),
-]
-OutOpt = Annotated[
-    Path | None, typer.Option("--out", help="folder for the run's JSON and markdown (default: runs/)")
-]
-ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="show progress bars")]
-
-
-def _progress(enabled: bool) -> Any:
-    if not enabled:
-        return nullcontext(None)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err
-    )
-
-
-def _finish(run: Any, out_dir: Path | None, write_docs: bool, section: str) -> Path:
-    from mcp2026.bench.report import render_markdown, update_benchmarks_md, write_run
-
-    markdown = render_markdown(run)
-    out.print(markdown, markup=False, highlight=False)
-    path = write_run(run, out_dir)
-    err.print(f"[dim]wrote {path} and {path.with_suffix('.md').name}[/]")
-    if write_docs:
-        err.print(f"[dim]updated {update_benchmarks_md(section, markdown)} (section {section})[/]")
-    return path
 
 
 @bench_app.command()
@@ -89,9 +63,9 @@ def latency(
     dtypes = tuple(d.strip() for d in dtype.split(",") if d.strip())
     formats = tuple(w.strip() for w in weights.split(",") if w.strip())
     config = LatencyConfig(model, dtypes, new_tokens, prefill_tokens, repeats, warmup, peer, seed, formats)
-    with _progress(progress) as bar:
+    with progress_bars(progress) as bar:
         run = run_latency(config, bar)
-    _finish(run, out_dir, write_docs, "latency")
+    finish_run(run, out_dir, write_docs, "latency")
 
 
 @bench_app.command()
@@ -137,10 +111,10 @@ def offline(
         batched_decode=batched_decode,
         weights=tuple(w for w in weights.split(",") if w),
     )
-    with _progress(progress) as bar:
+    with progress_bars(progress) as bar:
         run = run_offline(config, bar)
     section = f"offline-batched-decode-{batched_decode}" if batched_decode else f"offline-{workload}"
-    _finish(run, out_dir, write_docs, section)
+    finish_run(run, out_dir, write_docs, section)
 
 
 @bench_app.command()
@@ -217,9 +191,9 @@ def quality(
 
     from mcp2026.bench.quality_peers import PEERS, peer_quality_rows
     from mcp2026.bench.quality_run import quality_run
+    from mcp2026.bench.quant_quality import QualityBenchSettings, run_quality_bench
     from mcp2026.bench.report import project_root, shell_join, update_benchmarks_md, write_run
     from mcp2026.bench.sweep_grid import parse_list
-    from mcp2026.quant.quality import QualityBenchSettings, run_quality_bench
 
     peers = tuple(p for p in parse_list(peer) if p != "none")
     if set(peers) - set(PEERS):
@@ -246,17 +220,7 @@ def quality(
         update_benchmarks_md("quality", f"Command: `{command}`\n\n{result.markdown}")
 
 
-def _register_commands() -> None:
-    """Commands kept in their own modules (they import nothing heavy at module level)."""
-    from mcp2026.bench.headline_cli import headline
-    from mcp2026.bench.kv_cli import kv
-    from mcp2026.bench.plugin_cli import plugin
-    from mcp2026.bench.sweep_cli import sweep
-
-    bench_app.command("sweep")(sweep)
-    bench_app.command("plugin")(plugin)
-    bench_app.command("kv")(kv)
-    bench_app.command("headline")(headline)
-
-
-_register_commands()
+bench_app.command("sweep")(sweep)
+bench_app.command("plugin")(plugin)
+bench_app.command("kv")(kv)
+bench_app.command("headline")(headline)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
+from mcp2026.bench.cli_common import out
 from mcp2026.cli_errors import err, user_errors
 
 if TYPE_CHECKING:
@@ -57,7 +58,6 @@ def headline(
     ] = True,
 ) -> None:
     """The headline table (ours vs HF transformers, llama.cpp, vLLM) from the newest run of each kind."""
-    from mcp2026.bench.cli import out
     from mcp2026.bench.headline import headline_markdown
     from mcp2026.bench.report import project_root, read_benchmarks_section, update_benchmarks_md
 

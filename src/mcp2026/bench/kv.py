@@ -1,7 +1,7 @@
 """``mcp2026 bench kv`` (issue 5): what KV compression costs in quality and buys in memory and speed.
 
 Quality: each sequence (held-out ShareGPT conversations, concatenated) is teacher-forced through the engine's
-real paged path (``kv.measure``) for the uncompressed reference and every config in lockstep: the first half
+real paged path (``LLMEngine.score``) for the uncompressed reference and every config in lockstep: the first half
 as a prompt in 256-token prefill chunks (as the scheduler would), the second half in ``chunk_size``-token
 chunks with the evictor running between chunks. Every position is scored; ΔPPL = ppl / ppl_ref - 1, KLD =
 mean KL(ref || config). Codec rows store K/V with that codec and evict nothing; eviction rows store K/V as
@@ -30,10 +30,10 @@ from mcp2026.bench.kv_config import (
     config_name,
     parse_config,
 )
+from mcp2026.bench.kv_measure import lockstep_group_size, measurement_engine
 from mcp2026.bench.kv_report import notes, tables, targets
 from mcp2026.bench.report import BenchRun, machine_info
 from mcp2026.kv.manager import cdiv
-from mcp2026.kv.measure import lockstep_group_size, measurement_engine
 
 
 # ---- pieces -------------------------------------------------------------------------------------------
@@ -81,12 +81,10 @@ class Speed:
 def _probe(engine: Any, prompt: int, chunk: int) -> Speed:
     import torch
 
-    from mcp2026.kv.measure import iter_logits
-
     def chunk_times(num_tokens: int, chunk_size: int) -> list[float]:
         ids = torch.randint(engine.model_config.vocab_size, (num_tokens,)).tolist()
         times, t0 = [], time.perf_counter()
-        for _ in iter_logits(engine, ids, prompt, prompt, chunk_size, "kv-probe"):
+        for _ in engine.score(ids, prompt, prompt, chunk_size, "kv-probe"):
             times.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
         return times
@@ -127,12 +125,12 @@ def _pooled(results: Sequence[Any]) -> dict[str, float]:
         return sum(math.log(getattr(r, ppl)) * getattr(r, count) for r in results) / total
 
     n = sum(r.num_tokens for r in results)
-    nll_ref, nll = mean_nll("ppl_ref", "num_tokens"), mean_nll("ppl", "num_tokens")
+    nll_ref, nll = mean_nll("reference_ppl", "num_tokens"), mean_nll("ppl", "num_tokens")
     n_after = sum(r.num_tokens_after_prompt for r in results)
     after = float("nan")
     if n_after:
         delta = mean_nll("ppl_after_prompt", "num_tokens_after_prompt")
-        after = math.exp(delta - mean_nll("ppl_ref_after_prompt", "num_tokens_after_prompt")) - 1.0
+        after = math.exp(delta - mean_nll("reference_ppl_after_prompt", "num_tokens_after_prompt")) - 1.0
     return {
         "delta_ppl_after_prompt": after,
         "num_tokens_after_prompt": n_after,
@@ -168,7 +166,7 @@ def _group_size(ctx: _Context, num_tests: int) -> int:
 def _quality(
     ctx: _Context, ref: Any, grid: list[tuple[str, Any]], sequences: list[list[int]], group: int
 ) -> dict:
-    from mcp2026.kv.measure import compare_quality_many
+    from mcp2026.bench.quality import compare_quality_many
     from mcp2026.kv.sizing import kv_block_bytes
 
     config, model = ctx.config, ctx.loaded.config
@@ -290,7 +288,7 @@ def _retrieval(ctx: _Context) -> dict[str, Any]:
 
 def _memory(ctx: _Context) -> dict[str, dict[str, float]]:
     """KV bytes per token and sequences of ``concurrent_len`` tokens a ``budget_gb`` pool holds."""
-    from mcp2026.kv.measure import bounds_peak, kv_bytes_per_token, max_concurrent_sequences
+    from mcp2026.bench.kv_measure import bounds_peak, kv_bytes_per_token, max_concurrent_sequences
 
     config, model = ctx.config, ctx.loaded.config
     dtype = next(ctx.loaded.model.parameters()).dtype
@@ -320,7 +318,7 @@ def _memory(ctx: _Context) -> dict[str, dict[str, float]]:
 
 
 def _decode(ctx: _Context) -> dict[str, Any]:
-    from mcp2026.kv.measure import context_speeds
+    from mcp2026.bench.kv_measure import context_speeds
 
     config = ctx.config
     evict = config_name(config.decode_policy, DECODE_SPARSITY)
@@ -383,7 +381,7 @@ def run_kv(
     """Run every part; ``say`` gets one-line status messages (the time estimate, skipped codecs)."""
     import torch
 
-    from mcp2026.kv.measure import kv_bytes_per_token
+    from mcp2026.bench.kv_measure import kv_bytes_per_token
     from mcp2026.loading.loader import load_model
     from mcp2026.pipeline import DTYPES
 

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from mcp2026.bench.cli_common import finish_run, progress_bars
 from mcp2026.bench.sweep_grid import parse_list
 from mcp2026.cli_errors import err, user_errors
 
@@ -128,7 +129,6 @@ def kv(
 ) -> None:
     """KV compression: ΔPPL / KLD per codec and eviction policy, retrieval agreement, KV bytes and max
     concurrent sequences, decode tok/s with eviction, each vs uncompressed in the same engine."""
-    from mcp2026.bench.cli import _finish, _progress
     from mcp2026.bench.kv import run_kv
     from mcp2026.bench.kv_config import make_config
 
@@ -158,6 +158,6 @@ def kv(
         seed=seed,
         llama_cpp_kv=_names(llama_cpp_kv),
     )
-    with _progress(progress) as bar:
+    with progress_bars(progress) as bar:
         run = run_kv(config, bar, lambda message: err.print(f"[dim]{message}[/]", highlight=False))
-    _finish(run, out_dir, write_docs, "kv")
+    finish_run(run, out_dir, write_docs, "kv")

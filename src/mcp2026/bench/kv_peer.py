@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from mcp2026.bench.peers import load_llama_cpp
-from mcp2026.kv.measure import QualityAccumulator, QualityResult
+from mcp2026.bench.quality import QualityAccumulator, QualityResult
 
 # ggml type ids (ggml.h) and bits per stored value (a 32-value block: data + one fp16 scale)
 LLAMA_KV_TYPES = {"f16": (1, 16.0), "q8_0": (8, 8.5), "q4_0": (2, 4.5), "q4_1": (3, 5.0), "q5_0": (6, 5.5)}

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from mcp2026.bench.cli_common import finish_run, out
 from mcp2026.cli_errors import err, user_errors
 
 
@@ -38,7 +39,6 @@ def plugin(
     out_dir: Annotated[Path | None, typer.Option("--out", help="folder for the run (default: runs/)")] = None,
 ) -> None:
     """Run a custom benchmark plugin (init, then run returning named numbers) and record it like the others."""
-    from mcp2026.bench.cli import _finish, out
     from mcp2026.bench.plugins import PluginContext, available_plugins, load_plugin, run_plugin
     from mcp2026.bench.report import shell_join
 
@@ -62,4 +62,4 @@ def plugin(
     args = [name, *(["--model", model] if model else []), "--dtype", dtype, "--seed", str(seed)]
     args += [a for key, value in params.items() for a in ("--param", f"{key}={value}")]
     run = run_plugin(plugin_name, instance, ctx, command=shell_join(["mcp2026", "bench", "plugin", *args]))
-    _finish(run, out_dir, False, "plugin")
+    finish_run(run, out_dir, False, "plugin")

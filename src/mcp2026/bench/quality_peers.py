@@ -17,14 +17,15 @@ import torch
 from torch import Tensor
 
 from mcp2026.bench.peers import PeerUnavailable, load_hf_peer, load_llama_cpp
-from mcp2026.quant.quality import evaluate, scored_positions
+from mcp2026.bench.quality import evaluate
+from mcp2026.quant.perplexity import scored_positions
 
 PEERS = ("hf", "llama.cpp")
 
 
 @torch.inference_mode()
 def hf_scored_logprobs(hf: Any, window: Tensor) -> Tensor:
-    """HF's log-probabilities (S, V) at the positions ``quant.quality.scored_logprobs`` scores."""
+    """HF's log-probabilities (S, V) at the positions ``quant.perplexity.scored_logprobs`` scores."""
     logits = hf(input_ids=window[None]).logits[0, scored_positions(len(window))]  # (S, V)
     return torch.log_softmax(logits.float(), dim=-1)
 

@@ -23,7 +23,7 @@ def headline_plans(plans: dict[str, dict[str, Any]], budgets: tuple[float, ...])
 
 
 def quality_run(result: Any, settings: Any, command: str, model: Any = None) -> BenchRun:
-    """``result``: a ``quant.quality.QualityBench``; ``settings`` the ``QualityBenchSettings`` it ran with."""
+    """``result``: a ``bench.quant_quality.QualityBench``; ``settings`` the ``QualityBenchSettings`` it ran with."""
     reference = next((r for r in result.rows if r["family"] == "reference"), {})
     keys = (
         "family",

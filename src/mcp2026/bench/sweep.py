@@ -175,8 +175,6 @@ def paged_perplexity(
     (possibly compressed or evicted) KV. The engine must be idle."""
     import torch
 
-    from mcp2026.kv.measure import iter_logits
-
     if not windows:
         raise ValueError("no perplexity windows (too little held-out text?)")
     nll, count = 0.0, 0
@@ -185,7 +183,7 @@ def paged_perplexity(
         first = len(tokens) // 2
         if first < 1:
             raise ValueError(f"a perplexity window needs at least 2 tokens, got {len(tokens)}")
-        chunks = iter_logits(engine, tokens, first, first, chunk_size, request_id="sweep-ppl")
+        chunks = engine.score(tokens, first, first, chunk_size, request_id="sweep-ppl")
         for start, logits in chunks:
             lo, hi = max(start, first), min(start + logits.shape[0], len(tokens) - 1)
             if lo >= hi:
@@ -199,7 +197,7 @@ def paged_perplexity(
 
 def held_out_windows(pipe: Any, config: SweepConfig) -> list[list[int]]:
     """Held-out ShareGPT windows for this model's tokenizer (ValueError without a tokenizer)."""
-    from mcp2026.quant.quality import evaluation_windows
+    from mcp2026.quant.perplexity import evaluation_windows
 
     if pipe.tokenizer is None:
         raise ValueError("the model has no tokenizer to cut held-out text into windows")

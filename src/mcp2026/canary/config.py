@@ -19,6 +19,8 @@ from typing import Any
 
 from mcp2026.canary.gate import Thresholds
 
+BASELINE, CANDIDATE = "baseline", "candidate"  # the arms' names in reports, metrics and routes
+
 THRESHOLD_KEYS = frozenset(f.name for f in dataclasses.fields(Thresholds))
 
 

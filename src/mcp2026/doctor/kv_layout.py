@@ -1,6 +1,6 @@
 """KV layout section: the paged cache the engine would build for this model stores K and V in separate,
 contiguous head-major planes, and reads come back as the (B, nkv, tokens, head_dim) tensors the attention
-path (engine/attention.py) multiplies; the block size is a power of two in [8, 128] that fits the context.
+path (models/attention.py) multiplies; the block size is a power of two in [8, 128] that fits the context.
 
 The layout check is functional: it writes known K and V through the cache's codec into two blocks mapped in
 reverse order, gathers them back and compares, so a swapped, interleaved or mis-strided layout shows up.

@@ -36,7 +36,7 @@ def kv_pool_bytes(
     kv = engine.resolved_kv
     if kv.num_blocks is None and kv.memory_gb is None:
         kv = dataclasses.replace(kv, memory_gb=kv.memory_fraction * free_after_weights / 1e9)
-    blocks = plan_kv_blocks(kv, cfg, dtype, max_len, codec=codec)
+    blocks = plan_kv_blocks(kv, cfg, dtype, max_len, engine.scheduler.max_num_seqs, codec=codec)
     return blocks, blocks * kv_block_bytes(cfg, kv.block_size, dtype, codec)
 
 

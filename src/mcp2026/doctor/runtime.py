@@ -57,7 +57,7 @@ def check_cpu_isa(ctx: DoctorContext) -> CheckResult:
     groups = ARM_ISA if machine in ("aarch64", "arm64") else X86_ISA
     present = [g for g, names in groups.items() if any(n in flags for n in names)]
     absent = [g for g in groups if g not in present]
-    from mcp2026.quant.backend import default_activation_dtype
+    from mcp2026.hardware import default_activation_dtype
 
     act = str(default_activation_dtype("cpu")).removeprefix("torch.")
     details = {"cpu": hardware.cpu_model(), "present": present, "absent": absent, "activation_dtype": act}

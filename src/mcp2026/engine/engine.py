@@ -9,8 +9,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,6 +25,8 @@ from mcp2026.engine.request import Request
 from mcp2026.engine.runner import ModelRunner
 from mcp2026.engine.sampler import Sampler, SamplingState
 from mcp2026.engine.scheduler import Scheduler
+from mcp2026.engine.scoring import ScoredChunk, teacher_forced_logits
+from mcp2026.engine.step_timer import StepStats, StepTimer
 from mcp2026.kv.debug import fragmentation_report
 from mcp2026.kv.dtss import DTSSController
 from mcp2026.kv.layer_weights import preset_name
@@ -33,25 +36,6 @@ from mcp2026.kv.sizing import plan_kv_blocks
 from mcp2026.types import CompletionOutput, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepStats:
-    """Wall time per phase, accumulated (ms); the profile of ``Pipeline.infer`` reads these."""
-
-    prefill_ms: float = 0.0
-    decode_ms: float = 0.0
-    sample_ms: float = 0.0
-    detokenize_ms: float = 0.0
-    num_steps: int = 0
-    num_decode_steps: int = 0
-    num_decode_tokens: int = 0
-    peak_kv_usage: float = 0.0
-    decode_context_tokens: int = 0  # sum over decode steps of tokens attended (KV bytes read)
-    kv_bytes_released: int = 0  # returned to the OS by DTSS shard releases
-
-    def reset(self) -> None:
-        self.__init__()
 
 
 def cap_cpu_threads() -> int:
@@ -107,7 +91,13 @@ class LLMEngine:
         codec = compressor.make_codec() if compressor is not None else None
         kv = self.config.resolved_kv
         num_blocks = plan_kv_blocks(
-            kv, model_config, dtype, self.max_model_len, device=self.device, codec=codec
+            kv,
+            model_config,
+            dtype,
+            self.max_model_len,
+            self.config.scheduler.max_num_seqs,
+            self.device,
+            codec,
         )
         self.cache = PagedKVCache(
             model_config.num_layers,
@@ -152,6 +142,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(tokenizer, eos)
         self.states: dict[str, RequestState] = {}
         self.stats = StepStats()
+        self.timer = StepTimer(self.stats, self.scheduler.observe_prefill)
         self.counters = EngineCounters()
         self.fault_hook: Callable[[ScheduledChunk], None] | None = None  # tests inject failures here
         self.dtss = self._make_dtss(kv)
@@ -222,6 +213,31 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.states)
 
+    def with_kv_compressor(self, compressor: Any) -> LLMEngine:
+        """A new engine on the same model whose KV cache uses ``compressor`` (``kv.compressor.KVCompressor``),
+        its block size included."""
+        config = replace(
+            self.config,
+            kv=replace(self.config.kv, block_size=compressor.block_size),
+            kv_compressor=compressor,
+        )
+        return LLMEngine(self.runner.model, self.model_config, self.tokenizer, config, self.kv_dtype)
+
+    # ---- teacher-forced scoring -----------------------------------------------------------------------
+    def score(
+        self,
+        token_ids: Sequence[int],
+        prompt_len: int | None = None,
+        prompt_chunk: int = 512,
+        chunk_size: int = 1,
+        request_id: str = "score",
+    ) -> Iterator[ScoredChunk]:
+        """The logits at every position of ``token_ids`` run through the paged KV path, chunk by chunk:
+        ``ScoredChunk(start, logits (n, V))``. The first ``prompt_len`` tokens (all by default) go in
+        ``prompt_chunk``-token chunks, the rest in ``chunk_size`` chunks, the evictor running between chunks.
+        The engine must be idle; a caller holds one chunk of logits at a time (engines can run in lockstep)."""
+        return teacher_forced_logits(self, token_ids, prompt_len, prompt_chunk, chunk_size, request_id)
+
     # ---- memory pressure (DTSS) ---------------------------------------------------------------------
     def _make_dtss(self, kv: KVConfig) -> DTSSController | None:
         if not kv.enable_dtss:
@@ -251,7 +267,10 @@ class LLMEngine:
         self.scheduler.grow_kv_shards(num_shards)
         log.info("DTSS: %d KV shard(s) back online", num_shards)
 
-    def _apply_memory_pressure(self) -> None:
+    def _relieve_memory_pressure(self) -> None:
+        """DTSS: take a KV shard offline when free memory runs low, bring one back when it recovers."""
+        if self.dtss is None:
+            return
         pool = self.kv_manager.pool
         decision = self.dtss.decide(pool.num_online_shards, pool.num_shards)
         if decision < 0:
@@ -270,44 +289,32 @@ class LLMEngine:
         return lambda num_tokens: self.evictor.peak_blocks(num_tokens, chunk)
 
     def step(self) -> list[RequestOutput]:
-        if self.dtss is not None:
-            self._apply_memory_pressure()
+        """One iteration: schedule, execute the batch and sample, then update the requests and emit outputs."""
+        self._relieve_memory_pressure()
         out = self.scheduler.schedule()
         self._forget_kv(out.finished_ids + out.preempted_ids)
         results = self._drain_finished_by_scheduler(out)
         if out.is_empty:
             return results
-        t0 = time.perf_counter()
-        sample_ids, logits, failed = self._execute(out)
-        t1 = time.perf_counter()
-        prefill = [c.num_tokens for c in out.chunks if not (c.num_tokens == 1 and c.start_pos > 0)]
-        if prefill:
-            self.stats.prefill_ms += (t1 - t0) * 1e3
-            self.scheduler.observe_prefill(sum(prefill), t1 - t0)
-        else:
-            self.stats.decode_ms += (t1 - t0) * 1e3
-            self.stats.num_decode_steps += 1
-            self.stats.num_decode_tokens += len(out.chunks)
-            # tokens each decode read (evicted KV is not read)
-            self.stats.decode_context_tokens += sum(c.kv_start + 1 for c in out.chunks)
-        self.stats.num_steps += 1
-        states = [self.states[r].sampling for r in sample_ids]
-        sampled = self.sampler.sample(logits, states) if sample_ids else None
-        t2 = time.perf_counter()
-        self.stats.sample_ms += (t2 - t1) * 1e3
+        with self.timer.execute(out):
+            sample_ids, logits, failed = self._execute(out)
+        with self.timer.phase("sample_ms"):
+            states = [self.states[r].sampling for r in sample_ids]
+            sampled = self.sampler.sample(logits, states) if sample_ids else None
+        with self.timer.phase("detokenize_ms"):
+            results += self._update(out, failed, sample_ids, sampled)
+        return results
+
+    def _update(
+        self, out: SchedulerOutput, failed: dict[str, str], sample_ids: list[str], sampled: Any
+    ) -> list[RequestOutput]:
+        """Append the sampled tokens, let the evictor drop blocks, and turn every request's news into outputs."""
         tokens = dict(zip(sample_ids, sampled.token_ids)) if sampled else {}
         ok_output = out if not failed else self._without(out, failed)
         self.scheduler.update(ok_output, tokens)
-        if self.evictor is not None:
-            self.evictor.after_step(
-                ok_output.chunks,
-                self.runner.take_scores(),
-                self.scheduler.get_request,
-                self.lookahead_attention,
-            )
+        self._evict(ok_output)
         self.stats.peak_kv_usage = max(self.stats.peak_kv_usage, self.kv_manager.usage)
-        for request_id, error in failed.items():
-            results.append(self._fail(request_id, error))
+        results = [self._fail(request_id, error) for request_id, error in failed.items()]
         for i, request_id in enumerate(sample_ids):
             state = self.states[request_id]
             logprob = sampled.logprobs[i] if sampled.logprobs else None
@@ -317,8 +324,14 @@ class LLMEngine:
                 results.append(self._finish(request_id, reason, num_new_tokens=1))
             else:
                 results.append(self.outputs.make_output(state, 1, None))
-        self.stats.detokenize_ms += (time.perf_counter() - t2) * 1e3
         return results
+
+    def _evict(self, out: SchedulerOutput) -> None:
+        """The eviction policy's turn after a step: it scores what the step attended and drops blocks."""
+        if self.evictor is not None:
+            self.evictor.after_step(
+                out.chunks, self.runner.take_scores(), self.scheduler.get_request, self.lookahead_attention
+            )
 
     def lookahead_attention(self, requests: list[Request], num_tokens: int) -> dict[str, torch.Tensor]:
         """Draft ``num_tokens`` greedy tokens after each request's known tokens and return their attention per

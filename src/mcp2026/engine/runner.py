@@ -14,13 +14,13 @@ import dataclasses
 import torch
 from torch import nn
 
-from mcp2026.engine.attention import AttentionMetadata, ForwardContext, PrefillSlice, reads_staged_apart
 from mcp2026.engine.output import ScheduledChunk, SchedulerOutput
 from mcp2026.kernels import ops
 from mcp2026.kv.eviction import ScoringSpec, StepScores
 from mcp2026.kv.layer_pages import LayerPages, LayerTable
 from mcp2026.kv.manager import cdiv
 from mcp2026.kv.paged_cache import BlockRead, PagedKVCache
+from mcp2026.models.attention import AttentionMetadata, ForwardContext, PrefillSlice, reads_staged_apart
 
 
 def _pad(rows: list[list[int]], value: int) -> torch.Tensor:

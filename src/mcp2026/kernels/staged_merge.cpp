@@ -1,7 +1,7 @@
 // A staged KV codec's prefill chunk on the CPU: each query's own (staged, 16-bit) block merged into the
 // attention the flash kernel computed over the sealed context.
 //
-// engine/attention.py's _split_staged_attention did this with ~20 torch ops per layer (pads, two batched
+// models/attention.py's _split_staged_attention did this with ~20 torch ops per layer (pads, two batched
 // matmuls over (nkv, blocks, group, bs, bs), logsumexp, exp, permutes, the merge): ~0.3 s of a 5.3 s int4
 // prefill of 2048 tokens on 2 cores, where the arithmetic is ~1 GFLOP. Here it is one pass per (query, head):
 // the query's scores against the block's earlier tokens (itself included), their softmax and values, and the

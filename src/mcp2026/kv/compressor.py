@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mcp2026.config import ModelConfig
-from mcp2026.kv.codecs import CODECS, KVCodec, default_block_size, make_codec
+from mcp2026.kv.codecs import CODECS, KVCodec, default_block_size, describe_default_block_sizes, make_codec
 from mcp2026.kv.eviction import POLICIES, EvictionBudget, KVEvictor, make_policy
 from mcp2026.kv.layer_weights import AUTO, UNIFORM, auto_weights, parse_layer_weights
 from mcp2026.kv.manager import KVCacheManager
@@ -90,6 +90,8 @@ class KVCompressor:
     # when the engine is built). The kv bench's four 2k texts, heavy_hitter at 70%: ΔPPL +8.3/+24.9/+16.9/+5.7%
     # uniform, +4.0/+2.5/+1.9/+1.7% with "smollm2-135m" (all held out from its calibration; docs/kv-cache.md).
     layer_weights: tuple[float, ...] | str | None = AUTO
+
+    describe_default_block_sizes = staticmethod(describe_default_block_sizes)  # for EngineConfig's errors
 
     def __post_init__(self) -> None:
         _require(
@@ -263,20 +265,13 @@ class KVCompressor:
     def inject(self, target: Any) -> Any:
         """Apply to an existing ``Pipeline`` (its engine is rebuilt; returns the pipeline) or ``LLMEngine``
         (returns a new engine on the same model). The engine must have no unfinished requests."""
-        from mcp2026.engine.engine import LLMEngine
-
-        engine = target if isinstance(target, LLMEngine) else getattr(target, "engine", None)
+        engine = target if hasattr(target, "with_kv_compressor") else getattr(target, "engine", None)
         _require(
-            isinstance(engine, LLMEngine),
+            hasattr(engine, "with_kv_compressor"),
             f"KVCompressor.inject needs a Pipeline or an LLMEngine, got {type(target).__name__}",
         )
         _require(not engine.has_unfinished(), "KVCompressor.inject: the engine still has unfinished requests")
-        config = dataclasses.replace(
-            engine.config,
-            kv=dataclasses.replace(engine.config.kv, block_size=self.block_size),
-            kv_compressor=self,
-        )
-        new = LLMEngine(engine.runner.model, engine.model_config, engine.tokenizer, config, engine.kv_dtype)
+        new = engine.with_kv_compressor(self)
         if target is engine:
             return new
         target.engine = new

@@ -34,12 +34,13 @@ def plan_kv_blocks(
     model: ModelConfig,
     dtype: torch.dtype,
     max_model_len: int,
-    max_num_seqs: int = 256,
+    max_num_seqs: int,
     device: torch.device | None = None,
     codec: KVCodec | None = None,
 ) -> int:
     """Blocks for the budget, never fewer than one full-length sequence needs, never more than
-    ``max_num_seqs`` full-length sequences could use (a larger pool would only reserve address space).
+    ``max_num_seqs`` (the scheduler's) full-length sequences could use (a larger pool would only reserve
+    address space).
     A quantizing ``codec`` stores fewer bytes per block, so the same budget buys more blocks."""
     if kv.num_blocks is not None:
         return kv.num_blocks

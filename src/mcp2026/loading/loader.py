@@ -121,9 +121,9 @@ def load_model(
             f"{source}: no such file or directory (expected an HF model folder or a .gguf file)"
         )
     if source.is_dir() and (source / "mcp2026_artifact.json").is_file():  # compiled by `mcp2026 compile`
-        from mcp2026.quant.artifact import load_artifact
+        from mcp2026.loading.artifact import load_artifact
 
-        return load_artifact(source, dtype)
+        return load_artifact(source, dtype, LoadedModel, MAX_ROPE_POSITIONS)
     if source.is_dir():
         raw = hf_loading.read_json(source / "config.json")
         config = hf_loading.config_from_hf(raw, str(source / "config.json"))

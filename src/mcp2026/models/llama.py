@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from mcp2026.config import ModelConfig
-from mcp2026.engine.attention import ForwardContext, attention
-from mcp2026.kernels import fused_linear, ops
+from mcp2026.kernels import ops
+from mcp2026.models import fused_linear
+from mcp2026.models.attention import ForwardContext, attention
 from mcp2026.models.layers import Linear, RMSNorm, RotaryEmbedding
 from mcp2026.quant.linear import gemv_rows
 

@@ -12,23 +12,17 @@ import dataclasses
 import hashlib
 import json
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
 from mcp2026.quant.linear import (
-    Int4Linear,
     QuantLinear,
-    empty_module,
     int4pack_block_rows,
-    pack_int4,
-    unpack_int4,
 )
-from mcp2026.quant.plan import LayerQuantSpec, QuantPlan, linear_modules
+from mcp2026.quant.plan import QuantPlan, linear_modules
 
 METADATA_FILE = "mcp2026_artifact.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -137,81 +131,3 @@ def read_metadata(path: str | Path) -> dict:
             f"(format={metadata.get('format')!r}, version={metadata.get('version')!r}); recompile it"
         )
     return metadata
-
-
-def _build(config: ModelConfig, layers: dict[str, dict]) -> nn.Module:
-    """The model skeleton on the meta device, with each quantized layer's module in place."""
-    from mcp2026.models.registry import build_model
-
-    with torch.device("meta"):
-        model = build_model(config)
-        for name, info in layers.items():
-            spec = LayerQuantSpec(**info["spec"])
-            linear = model.get_submodule(name)
-            module = empty_module(linear, spec, getattr(torch, info["compute_dtype"]))
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, module)
-    return model
-
-
-# Artifacts written before the layout was recorded were all compiled on AVX2 machines (32-row blocks).
-LEGACY_INT4_BLOCK_ROWS = 32
-
-
-def _repack_int4(model: nn.Module, saved_block_rows: int) -> None:
-    """torch packs int4 weights per CPU kind (64-row blocks with AVX-512, 32 with AVX2): an artifact
-    compiled on another kind of CPU is repacked for this one, or its int4 layers would compute garbage."""
-    if saved_block_rows == int4pack_block_rows():
-        return
-    for module in model.modules():
-        if isinstance(module, Int4Linear):
-            n, k = module.out_features, module.in_features
-            module.weight = pack_int4(unpack_int4(module.weight, n, k, saved_block_rows))
-
-
-def load_artifact(path: str | Path, dtype: torch.dtype | None = None):
-    """LoadedModel from an artifact folder. ``dtype`` converts the tensors that are not quantized
-    linears (embedding, norms, layers kept dense as nn.Linear); quantized layers stay as compiled."""
-    from safetensors.torch import load_file
-
-    from mcp2026.loading.loader import MAX_ROPE_POSITIONS, LoadedModel
-    from mcp2026.models.layers import RotaryEmbedding
-
-    folder = Path(path)
-    metadata = read_metadata(folder)
-    raw = dict(metadata["model_config"])
-    raw["eos_token_ids"] = tuple(raw.get("eos_token_ids") or ())
-    config = ModelConfig(**raw)
-    model = _build(config, metadata["layers"])
-    try:
-        state = load_file(str(folder / WEIGHTS_FILE))
-    except (OSError, ValueError) as error:
-        raise ModelLoadError(f"{folder / WEIGHTS_FILE}: cannot read ({error})") from None
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    tied = config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear)
-    missing = [k for k in missing if not (tied and k == "lm_head.weight") and not k.startswith("rope.")]
-    if missing or unexpected:
-        raise ModelLoadError(
-            f"{folder}: weights do not match the metadata (missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
-    if tied:
-        model.lm_head.weight = model.embed_tokens.weight
-    _repack_int4(model, metadata.get("int4_pack_block_rows", LEGACY_INT4_BLOCK_ROWS))
-    max_positions = min(config.max_position_embeddings, MAX_ROPE_POSITIONS)
-    model.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
-    if dtype is not None:
-        for module in model.modules():
-            if not isinstance(module, QuantLinear):
-                for t in [*module._parameters.values(), *module._buffers.values()]:
-                    if t is not None and t.is_floating_point() and t.dtype != dtype:
-                        t.data = t.data.to(dtype)
-    tokenizer = None
-    if (folder / "tokenizer.json").exists():
-        from mcp2026.loading.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer.from_hf_dir(folder)
-    formats = Counter(info["spec"]["format"] for info in metadata["layers"].values())
-    size = (folder / WEIGHTS_FILE).stat().st_size
-    return LoadedModel(
-        model.eval().requires_grad_(False), config, tokenizer, folder, "mcp2026-artifact", dict(formats), size
-    )

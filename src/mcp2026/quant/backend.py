@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from mcp2026 import hardware
+from mcp2026.hardware import default_activation_dtype
 from mcp2026.quant.linear import LINEAR_FORMATS
 from mcp2026.quant.plan import FORMATS, INT4_GROUP_SIZES, WEIGHT_BITS, LayerQuantSpec
 
@@ -132,23 +133,6 @@ class BackendReport:
 
 
 # ---- device facts ----------------------------------------------------------------------------------
-def default_activation_dtype(device: str | torch.device = "cpu") -> torch.dtype:
-    """bf16 on CUDA (where supported) and on CPUs with AVX512-BF16 or AMX that torch dispatches AVX-512
-    kernels on; fp32 everywhere else (on AVX2-only CPUs bf16 matmuls are several times slower)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type != "cpu":
-        return torch.float32
-    flags = hardware.cpu_flags()
-    has_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
-    return (
-        torch.bfloat16
-        if has_bf16 and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-        else torch.float32
-    )
-
-
 def _describe(device: torch.device) -> str:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)

@@ -9,8 +9,6 @@ each ShareGPT conversation's text puts it in one split (``split_of``).
 
 from __future__ import annotations
 
-import hashlib
-import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,8 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mcp2026.quant.stats import ActivationStats, ActivationStatsCollector
+from mcp2026.sharegpt import sharegpt_texts
 
-SPLITS = ("calibration", "evaluation")
 SOURCES = ("sharegpt", "random")  # or a path: a ShareGPT-style .json or a plain .txt file
 
 
@@ -59,30 +57,6 @@ class Calibration:
     @property
     def has_fisher(self) -> bool:
         return all(layer.output_fisher is not None for layer in self.layers.values())
-
-
-# ---- text ---------------------------------------------------------------------------------------
-def conversation_text(conversation: Sequence[dict[str, Any]]) -> str:
-    """One conversation as plain text, "role: message" per turn (as the bench's held-out stream)."""
-    return "".join(f"{turn.get('from', '')}: {turn.get('value', '')}\n\n" for turn in conversation)
-
-
-def split_of(text: str) -> str:
-    """The split a text belongs to, by its hash: duplicated conversations (ShareGPT has hundreds)
-    always land on the same side."""
-    return SPLITS[int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) % 2]
-
-
-def sharegpt_texts(split: str, seed: int = 0, path: str | Path | None = None) -> Iterator[str]:
-    """Conversation texts of one split, in an order shuffled by ``seed``."""
-    from mcp2026.bench.workloads import load_conversations, sharegpt_path
-
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    texts = [conversation_text(c) for c in load_conversations(str(path or sharegpt_path()))]
-    chosen = [t for t in texts if split_of(t) == split]
-    random.Random(seed).shuffle(chosen)
-    return iter(chosen)
 
 
 def _file_texts(path: Path) -> Iterator[str]:

@@ -1,5 +1,5 @@
-"""The body of ``mcp2026 compile`` / ``mcp-compile``: read a quantization YAML, calibrate, plan, quantize
-and write an artifact folder that ``Pipeline(model=DIR)`` loads without recalibrating.
+"""The quantization YAML of ``mcp2026 compile`` / ``mcp-compile`` and ``Pipeline(config=spec)``: a
+``CompileSpec`` (``mcp2026.compiler`` quantizes with it and writes the artifact).
 
 YAML keys: the ``QuantConfig`` fields (target_precision, enable_dqg, bits_budget | bytes_budget |
 max_ppl_increase, group_size, granularity, symmetric, strict, calibration_source, calibration_samples),
@@ -111,39 +111,3 @@ def load_spec(path: str | Path) -> CompileSpec:
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
         raise ValueError(f"{path}: invalid YAML{where}: {problem}") from None
     return parse_spec(data, str(path))
-
-
-def compile_model(
-    model: str | Path | None,
-    config_path: str | Path,
-    out_dir: str | Path,
-    *,
-    progress: bool = True,
-    console=None,
-) -> Path:
-    """Load, calibrate, plan, quantize, save. Prints the plan table to ``console`` (a rich Console)."""
-    from mcp2026.loading.loader import load_model
-    from mcp2026.quant import recipe
-    from mcp2026.quant.artifact import is_artifact, save_artifact
-
-    spec = load_spec(config_path)
-    if not spec.quant.quantizes_weights:
-        raise ValueError(
-            f"{config_path}: target_precision={spec.quant.target_precision!r} without enable_dqg quantizes "
-            "nothing; set int8 / int4 / fp8, or enable_dqg: true"
-        )
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not is_artifact(out))):
-        raise ValueError(f"{out}: exists and is not an empty folder or an artifact; choose another --out")
-    loaded = load_model(model)
-    if loaded.file_format == "mcp2026-artifact":
-        raise ValueError(f"{loaded.source}: already a compiled artifact; compile the source model instead")
-    result = recipe.quantize_model(
-        loaded.model, loaded.tokenizer, spec.quant, "cpu",
-        settings=spec.dqg, calibration=spec.calibration, progress=progress,
-    )  # fmt: skip
-    if console is not None:
-        if result.layers:
-            console.print(result.to_table(), width=max(console.width, 180))  # 13 columns, even piped
-        console.print(recipe.describe(result, loaded.model))
-    return save_artifact(out, loaded, result, spec.quant)

@@ -165,7 +165,7 @@ def _bf16_int_kernels_slow(x: Tensor) -> bool:
 
 @functools.cache
 def _cpu_has_fast_bf16() -> bool:
-    from mcp2026.quant.backend import default_activation_dtype
+    from mcp2026.hardware import default_activation_dtype
 
     return default_activation_dtype("cpu") == torch.bfloat16
 

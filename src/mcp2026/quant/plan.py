@@ -146,9 +146,9 @@ def _as_spec(value: LayerQuantSpec | Mapping[str, Any] | str) -> LayerQuantSpec:
 
 
 def _is_quantized(module: nn.Module) -> bool:
-    from mcp2026.quant.linear import QuantLinear  # linear.py imports this module
-
-    return isinstance(module, QuantLinear)
+    """Whether ``module`` is a quantized linear (``linear.QuantLinear``): each carries its LayerQuantSpec as
+    ``spec``. Asked that way because linear.py imports this module."""
+    return isinstance(getattr(module, "spec", None), LayerQuantSpec)
 
 
 def _outer_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -19,6 +19,7 @@ from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, c
 from mcp2026.quant.dqg import BudgetError, DQGResult, DQGSettings
 from mcp2026.quant.gate import QuantGate
 from mcp2026.quant.linear import correction_bias, fake_quantize, quantize_
+from mcp2026.quant.perplexity import perplexity
 from mcp2026.quant.plan import DENSE_FORMATS, WEIGHT_BITS, LayerQuantSpec, QuantPlan
 
 QUANT_FORMATS = ("int8", "int4", "fp8")
@@ -235,11 +236,9 @@ def _ppl_search(
 ) -> DQGResult:
     """Bisection over the bits budget for the cheapest measured plan whose perplexity on calibration
     samples (fake-quantized weights) is within ``max_increase`` (relative) of the unquantized model's."""
-    from mcp2026.quant.quality import evaluate
-
     windows = calib.samples[: settings.ppl_check_samples]
     numel = sum(lo.numel for lo in layers.values())
-    base_ppl = evaluate(model, windows).ppl
+    base_ppl = perplexity(model, windows)
     lo_bits = sum(min(lo.numel * o.bits for o in lo.options) for lo in layers.values()) / numel
     quantized = [o.bits for lo in layers.values() for o in lo.options if o.spec.format not in DENSE_FORMATS]
     hi_bits = max(quantized, default=lo_bits)
@@ -249,7 +248,7 @@ def _ppl_search(
         choices = dqg.allocate(layers, bits * numel, "bits")
         plan, scales = dqg.plan_from_choices(choices)
         with swapped_weights(model, fake_quantized_weights(model, plan, scales)):
-            ppl = evaluate(model, windows).ppl
+            ppl = perplexity(model, windows)
         increase = ppl / base_ppl - 1
         checks.append({"bits_budget": bits, "avg_bits": dqg.avg_bits(layers, choices), "ppl": ppl,
                        "base_ppl": base_ppl, "increase": increase})  # fmt: skip

@@ -44,7 +44,7 @@ from mcp2026.serve.tenants import Tenant, TenantRegistry
 from mcp2026.serve.traffic import Gate, ObserveGate, PressureController
 
 if TYPE_CHECKING:
-    from mcp2026.canary.live import CanaryRouter
+    from mcp2026.serve.canary import CanaryRouter
 
 log = logging.getLogger("mcp2026.serve")
 REQUEST_ID: ContextVar[str] = ContextVar("request_id", default="-")
@@ -139,7 +139,7 @@ def create_app(
 ) -> FastAPI:
     """``gate``: what pressure mode switches (a QuantGate, a KVPolicyGate); None observes only. The
     traffic config's ``gate: off`` disables the pressure rule. ``canary``: a second engine serving a sticky
-    share of the tenants (mcp2026.canary.live); None serves everything from ``async_engine``."""
+    share of the tenants (mcp2026.serve.canary); None serves everything from ``async_engine``."""
     config = config or ServeConfig()
     if tenants is None:
         tenants = TenantRegistry.from_yaml(config.tenants_file) if config.tenants_file else TenantRegistry()

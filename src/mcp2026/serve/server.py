@@ -24,8 +24,8 @@ from mcp2026.serve.config import ServeConfig, load_quant_spec
 from mcp2026.serve.traffic import Gate, KVPolicyGate, ObserveGate
 
 if TYPE_CHECKING:
-    from mcp2026.canary.live import CanaryRouter
     from mcp2026.pipeline import Pipeline
+    from mcp2026.serve.canary import CanaryRouter
 
 log = logging.getLogger("mcp2026.serve")
 
@@ -98,7 +98,7 @@ def build_server(
     candidate configuration, which serves ``canary.candidate_share`` of the tenants."""
     candidate = None
     if serve_config.canary.candidate is not None:
-        from mcp2026.canary.live import build_router, read_candidate
+        from mcp2026.serve.canary import build_router, read_candidate
 
         candidate = read_candidate(serve_config.canary)  # a bad candidate YAML fails before any model loads
     pipe, compute = load_pipeline(serve_config, engine_config)
@@ -106,7 +106,11 @@ def build_server(
         serve_config = dataclasses.replace(serve_config, model_name=pipe.loaded.source.stem)
     async_engine = AsyncEngine(pipe.engine, warmup=serve_config.warmup, compute_thread=compute)
     gate = pick_gate(serve_config.traffic.gate, pipe, serve_config.traffic.pressure_kv_sparsity)
-    canary = None if candidate is None else build_router(serve_config, pipe, async_engine, candidate)
+    canary = (
+        None
+        if candidate is None
+        else build_router(serve_config, pipe, async_engine, load_pipeline, candidate)
+    )
     return make_server(async_engine, pipe.tokenizer, serve_config, log_level, gate, canary)
 
 

@@ -9,9 +9,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from mcp2026.bench.canary_run import CanaryResult
 from mcp2026.bench.report import Table, machine_info, machine_line, markdown_table, project_root
 from mcp2026.canary.bandwidth import ASSUMPTIONS
-from mcp2026.canary.run import CanaryResult
 
 LABELS = {
     "p99_ttft_change": "P99 TTFT change",

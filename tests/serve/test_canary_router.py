@@ -13,11 +13,11 @@ import torch
 from fastapi.testclient import TestClient
 
 from mcp2026.canary.config import CanaryConfig
-from mcp2026.canary.live import CanaryRouter
 from mcp2026.config import EngineConfig, KVConfig, ModelConfig
 from mcp2026.engine.async_engine import AsyncEngine
 from mcp2026.engine.engine import LLMEngine
 from mcp2026.serve.app import create_app
+from mcp2026.serve.canary import CanaryRouter
 from mcp2026.serve.config import ServeConfig
 from mcp2026.serve.tenants import Tenant, TenantRegistry
 

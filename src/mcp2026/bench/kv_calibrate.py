@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from mcp2026.bench.kv_config import PROMPT_CHUNK
+from mcp2026.bench.kv_measure import lockstep_group_size, measurement_engine
+from mcp2026.bench.quality import compare_quality_many
 from mcp2026.kv.codecs import IDENTITY_CODECS
 from mcp2026.kv.compressor import KVCompressor
 from mcp2026.kv.eviction import POLICIES
 from mcp2026.kv.layer_weights import FILE_KIND, fingerprint
-from mcp2026.kv.measure import compare_quality_many, lockstep_group_size, measurement_engine
 
 CHUNK = (
     32  # as ``mcp2026 bench kv`` (its default --chunk-size): the prompt half in PROMPT_CHUNK chunks, then 32
@@ -118,7 +119,7 @@ def probe_layers(
         for t, tokens in enumerate(texts):
             results = compare_quality_many(ref, engines, tokens, len(tokens) // 2, PROMPT_CHUNK, CHUNK)
             for layer, r in zip(layers, results):
-                probes[t][layer] = 100.0 * r.ppl_increase
+                probes[t][layer] = 100.0 * r.delta_ppl
             if advance is not None:
                 advance()
         del engines

@@ -1,4 +1,4 @@
-"""engine.attention: a staged codec's prefill chunk read apart (sealed context + each query's own staged block,
+"""models.attention: a staged codec's prefill chunk read apart (sealed context + each query's own staged block,
 merged by log-sum-exp) against one softmax over both key sets."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcp2026.engine.attention import _split_staged_attention
+from mcp2026.models.attention import _split_staged_attention
 
 
 def _use_path(path: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list:
     """Route _split_staged_attention's own-block merge to the compiled kernel (spied: the calls are
     returned) or to the torch ops."""
-    from mcp2026.engine import attention
+    from mcp2026.models import attention
 
     calls: list = []
     if path == "torch":
@@ -95,7 +95,7 @@ def test_the_kernel_merge_equals_the_torch_merge_in_bf16(kernels, monkeypatch, r
 def test_this_torch_reads_staged_chunks_apart_on_the_cpu():
     """The CPU flash kernel returns log-sum-exps and maps 9 query heads onto 3 KV heads here (checked once
     per process against plain math); where it did not, staged chunks would take the one-call path."""
-    from mcp2026.engine.attention import reads_staged_apart
+    from mcp2026.models.attention import reads_staged_apart
 
     assert reads_staged_apart(torch.device("cpu"))
     assert not reads_staged_apart(torch.device("meta"))

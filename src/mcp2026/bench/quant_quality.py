@@ -1,15 +1,13 @@
-"""Quality of a quantized model: perplexity and KL divergence against the unquantized model.
-
-Scored as llama.cpp's ``llama-perplexity`` does: the text is cut into windows of ``n_ctx`` (512) tokens,
-each run from scratch, and only the second half of each window is scored (positions n_ctx/2 .. n_ctx-2
-predicting the next token), so every scored token has at least n_ctx/2 tokens of context; KLD is the
-mean over scored tokens of KL(p_reference || p_quantized). Text: held-out ShareGPT conversations (the
-calibration split never overlaps it).
+"""The quantization quality benchmark (``mcp2026 bench quality``): PPL and KLD against the unquantized model on
+held-out ShareGPT windows (``bench.quality.evaluate``, scored as llama.cpp's ``llama-perplexity``) for uniform
+int8 / int4 plans, the llama.cpp-style role mixture, the DQG at fixed budgets and a ΔPPL-vs-bits curve.
 """
 
 from __future__ import annotations
 
-import math
+import copy
+import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,128 +16,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-N_CTX = 512
+from mcp2026.bench.quality import evaluate, reference_logprobs
+from mcp2026.kernels import cpu
+from mcp2026.loading.loader import load_model
+from mcp2026.quant import dqg, recipe
+from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, calibration_samples
+from mcp2026.quant.linear import GEMV_MAX_ROWS, QuantLinear
+from mcp2026.quant.perplexity import N_CTX, evaluation_windows
+from mcp2026.quant.plan import LayerQuantSpec, QuantPlan, layer_bits, linear_modules
+from mcp2026.quant.recipe import uniform_plan
 
 
-@dataclass(frozen=True)
-class QualityResult:
-    ppl: float
-    nll: float  # mean negative log-likelihood (nats/token)
-    num_tokens: int  # scored tokens
-    kld: float | None = None  # mean KL(reference || model), nats/token
-    kld_p99: float | None = None
-    top1_agreement: float | None = None  # share of scored tokens where both argmaxes agree
-    reference_ppl: float | None = None
-    delta_ppl: float | None = None  # relative: ppl / reference_ppl - 1
-    delta_ppl_stderr: float | None = None  # of ln(ppl / reference_ppl), from per-token differences
-
-    def to_dict(self) -> dict[str, float | int | None]:
-        return dict(self.__dict__)
-
-
-# ---- windows ---------------------------------------------------------------------------------------
-def windows_from_tokens(
-    tokens: Sequence[int], n_ctx: int = N_CTX, num_windows: int | None = None, bos_token_id: int | None = None
-) -> list[Tensor]:
-    """Consecutive non-overlapping windows of ``n_ctx`` tokens (a short tail is dropped); with
-    ``bos_token_id`` the first token of each window is replaced by BOS, as llama.cpp does."""
-    ids = torch.as_tensor(list(tokens), dtype=torch.long)
-    count = len(ids) // n_ctx if num_windows is None else min(num_windows, len(ids) // n_ctx)
-    windows = [ids[i * n_ctx : (i + 1) * n_ctx].clone() for i in range(count)]
-    if bos_token_id is not None:
-        for w in windows:
-            w[0] = bos_token_id
-    return windows
-
-
-def evaluation_windows(tokenizer, num_windows: int, n_ctx: int = N_CTX, seed: int = 0) -> list[Tensor]:
-    """``num_windows`` windows of held-out ShareGPT text (the evaluation split), fixed by ``seed``."""
-    from mcp2026.quant.calibrate import sharegpt_texts
-
-    tokens: list[int] = []
-    for text in sharegpt_texts("evaluation", seed):
-        tokens.extend(tokenizer.encode(text, add_special_tokens=False))
-        if len(tokens) >= num_windows * n_ctx:
-            break
-    bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos", False) else None
-    return windows_from_tokens(tokens, n_ctx, num_windows, bos)
-
-
-# ---- metrics ---------------------------------------------------------------------------------------
-def nll_of(logprobs: Tensor, targets: Tensor) -> Tensor:
-    """(S, V) log-probabilities, (S,) targets -> (S,) negative log-likelihoods."""
-    return -logprobs.float().gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
-def kld_of(reference_logprobs: Tensor, logprobs: Tensor) -> Tensor:
-    """(S, V) each -> (S,) KL(reference || model) = sum_v p_ref (log p_ref - log p)."""
-    ref = reference_logprobs.float()
-    return (ref.exp() * (ref - logprobs.float())).sum(-1).clamp_min(0.0)
-
-
-@torch.inference_mode()
-def scored_logprobs(model: nn.Module, window: Tensor) -> tuple[Tensor, Tensor]:
-    """Log-probabilities (S, V) at the scored positions of one window, and their targets (S,)."""
-    device = next(model.parameters()).device
-    ids = window.to(device)
-    n = len(ids)
-    hidden = model(ids, torch.arange(n, device=device))  # (n, H)
-    logits = model.compute_logits(hidden[scored_positions(n)])  # (S, V)
-    return torch.log_softmax(logits.float(), dim=-1).cpu(), scored_targets(window)
-
-
-def reference_logprobs(model: nn.Module, windows: Sequence[Tensor]) -> list[Tensor]:
-    return [scored_logprobs(model, w)[0] for w in windows]
-
-
-def scored_positions(n: int) -> slice:
-    """The positions of an ``n``-token window whose next-token predictions are scored: its second half."""
-    return slice(n // 2, n - 1)
-
-
-def scored_targets(window: Tensor) -> Tensor:
-    """The tokens the scored positions of ``window`` predict (what ``scored_logprobs`` returns with them)."""
-    return window[len(window) // 2 + 1 :]
-
-
-def evaluate(
-    model: nn.Module | Callable[[Tensor], Tensor],
-    windows: Sequence[Tensor],
-    reference: Sequence[Tensor] | nn.Module | None = None,
-) -> QualityResult:
-    """Perplexity of ``model`` on ``windows``; with ``reference`` (the unquantized model, or its
-    ``reference_logprobs`` for these windows) also KLD, top-1 agreement and the perplexity change.
-    ``model`` may also be a function from a window to its scored log-probabilities (a peer engine)."""
-    nlls, ref_nlls, klds, agree = [], [], [], []
-    for i, window in enumerate(windows):
-        if isinstance(model, nn.Module):
-            logprobs, targets = scored_logprobs(model, window)
-        else:
-            logprobs, targets = model(window), scored_targets(window)
-        nlls.append(nll_of(logprobs, targets))
-        if reference is None:
-            continue
-        ref = scored_logprobs(reference, window)[0] if isinstance(reference, nn.Module) else reference[i]
-        ref_nlls.append(nll_of(ref, targets))
-        klds.append(kld_of(ref, logprobs))
-        agree.append(ref.argmax(-1) == logprobs.argmax(-1))
-    nll = torch.cat(nlls).double()
-    result = {"ppl": math.exp(nll.mean().item()), "nll": nll.mean().item(), "num_tokens": nll.numel()}
-    if reference is not None:
-        ref_nll, kld = torch.cat(ref_nlls).double(), torch.cat(klds).double()
-        diff = nll - ref_nll
-        result.update(
-            kld=kld.mean().item(),
-            kld_p99=torch.quantile(kld, 0.99).item() if kld.numel() > 1 else kld.max().item(),
-            top1_agreement=torch.cat(agree).double().mean().item(),
-            reference_ppl=math.exp(ref_nll.mean().item()),
-            delta_ppl=math.exp(diff.mean().item()) - 1,
-            delta_ppl_stderr=(diff.std() / math.sqrt(diff.numel())).item() if diff.numel() > 1 else 0.0,
-        )
-    return QualityResult(**result)
-
-
-# ---- the quality benchmark -------------------------------------------------------------------------
 def use_more_bits(layer: int, num_layers: int) -> bool:
     """llama.cpp's rule (``use_more_bits`` in llama-quant.cpp): the first and last eighth of the layers and
     every third layer in between get the wider type for attn_v and ffn_down."""
@@ -151,8 +38,6 @@ def role_mixture_plan(model: nn.Module, base, high=None):
     """The llama.cpp-style fixed mixture by tensor role. NOTE: our attention projections are fused, so
     attn_v is the v rows of ``qkv_proj``; a plan is per module, so the whole qkv_proj (q and k rows too)
     takes the wider type there - more bits than llama.cpp spends, counted in the plan's bits/weight."""
-    from mcp2026.quant.plan import LayerQuantSpec, QuantPlan
-    from mcp2026.quant.recipe import uniform_plan
 
     high = high or LayerQuantSpec("int8")
     num_layers = len(model.layers)
@@ -189,7 +74,6 @@ class QualityBench:
 
 def _symmetric_family(layers):
     """The DQG's options when int4 must be symmetric: zero points only as pre-compensation of flagged layers."""
-    import dataclasses
 
     out = {}
     for name, lo in layers.items():
@@ -205,8 +89,6 @@ def _symmetric_family(layers):
 
 
 def _fixed_plans(model):
-    from mcp2026.quant.plan import LayerQuantSpec
-    from mcp2026.quant.recipe import uniform_plan
 
     plans = {"int8": uniform_plan(model, LayerQuantSpec("int8"))}
     for sym in (True, False):
@@ -226,8 +108,6 @@ def as_decode_steps(model: nn.Module) -> int:
     """Make every quantized linear of ``model`` process its input in decode-sized row chunks, so a
     teacher-forced evaluation measures the kernels generation runs (the GEMVs take <= GEMV_MAX_ROWS rows).
     Returns the number of linears changed."""
-    from mcp2026.quant.linear import GEMV_MAX_ROWS, QuantLinear
-    from mcp2026.quant.plan import linear_modules
 
     changed = 0
     for _, module in linear_modules(model):
@@ -246,7 +126,6 @@ def bf16_row(
 ) -> dict[str, Any]:
     """Our model loaded in bf16, weights and activations: what ``dtype="auto"`` runs on CPUs with fast bf16
     (and CUDA), against the fp32 reference on the same windows."""
-    from mcp2026.loading.loader import load_model
 
     model = load_model(model_path, torch.bfloat16).model
     return {"plan": BF16_PLAN, "family": "dtype", "bits": 16.0, "mib": None,
@@ -264,12 +143,6 @@ def run_quality_bench(
     g32/64/128), the llama.cpp-style role mixture, the DQG at fixed budgets and at the mixture's bits,
     and a ΔPPL-vs-bits curve of DQG budgets. Quantized models run the real kernels. ``peer_rows``: given
     the windows and the reference log-probabilities, other engines' rows and lines about peers skipped."""
-    import copy
-
-    from mcp2026.loading.loader import load_model
-    from mcp2026.quant import dqg, recipe
-    from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, calibration_samples
-    from mcp2026.quant.plan import layer_bits
 
     loaded = load_model(model_path)
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -336,7 +209,6 @@ def run_quality_bench(
 
 
 def _kernel_note() -> str:
-    from mcp2026.kernels import cpu
 
     return "our int4/int8 GEMVs" if cpu.load() is not None else f"unavailable, {cpu.unavailable_reason()}"
 
@@ -365,15 +237,13 @@ def _markdown(rows, header: str, notes: Sequence[str] = ()) -> str:
 
 
 def _write(bench: QualityBench, out_dir: str) -> str | None:
-    import json
-    from pathlib import Path
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "quality.json").write_text(json.dumps(bench.rows, indent=1))
     (out / "quality.md").write_text(bench.markdown + "\n")
     try:
-        import matplotlib
+        import matplotlib  # optional: without it the run writes no plot
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

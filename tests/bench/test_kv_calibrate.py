@@ -7,11 +7,11 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from mcp2026.bench.kv_calibrate import CalibrationConfig, calibrate, probe_layers, weights_from_probes
+from mcp2026.bench.kv_measure import measurement_engine
 from mcp2026.cli import app
-from mcp2026.kv.calibrate import CalibrationConfig, calibrate, probe_layers, weights_from_probes
 from mcp2026.kv.compressor import KVCompressor
 from mcp2026.kv.layer_weights import auto_weights, parse_layer_weights, read_weights_file
-from mcp2026.kv.measure import iter_logits, measurement_engine
 from mcp2026.loading.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -42,9 +42,7 @@ def test_a_probe_evicts_in_its_layer_exactly_as_the_uniform_engine_and_nowhere_e
     probe.evictor.probe_layer = 0
     nkv, tokens = tiny.config.num_kv_heads, random_text(tiny)
     checked = 0
-    for (start, _), _ in zip(
-        iter_logits(uniform, tokens, 128, 64, 16, "a"), iter_logits(probe, tokens, 128, 64, 16, "b")
-    ):
+    for (start, _), _ in zip(uniform.score(tokens, 128, 64, 16, "a"), probe.score(tokens, 128, 64, 16, "b")):
         n = len(uniform.kv_manager.block_table("a"))
         end = start + (64 if start < 128 else 16)
         whole = list(range(-(-end // 16)))  # every block so far
@@ -126,7 +124,7 @@ def test_bad_weights_files(tmp_path):
 def test_calibration_texts_from_a_file(tmp_path, default_model_path):
     from types import SimpleNamespace
 
-    from mcp2026.kv.calibrate import calibration_texts
+    from mcp2026.bench.kv_calibrate import calibration_texts
     from mcp2026.loading.tokenizer import Tokenizer
 
     loaded = SimpleNamespace(tokenizer=Tokenizer.from_gguf(default_model_path), config=None)

@@ -1,4 +1,4 @@
-"""One arm of a canary: a serve YAML (model, dtype, quant plan, KV policy, scheduler) built into a pipeline
+"""One arm of the offline canary: a serve YAML (model, dtype, quant plan, KV policy, scheduler) built into a pipeline
 exactly as ``mcp2026 serve --config`` builds it, so the canary measures what would be deployed."""
 
 from __future__ import annotations
@@ -8,11 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mcp2026.bench.workloads import tokenizer_id
 from mcp2026.config import EngineConfig
 from mcp2026.pipeline import Pipeline
-from mcp2026.serve.config import ServeConfig, load_quant_spec, load_serve_yaml
-
-BASELINE, CANDIDATE = "baseline", "candidate"
+from mcp2026.serve.canary import read_arm_config
+from mcp2026.serve.config import ServeConfig
+from mcp2026.serve.server import build_pipeline
 
 
 @dataclass
@@ -49,28 +50,14 @@ class Arm:
         }
 
 
-def read_arm_config(path: str | Path) -> tuple[ServeConfig, EngineConfig]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such configuration file (a serve YAML, see examples/canary/)")
-    serve, engine = load_serve_yaml(path)
-    if serve.quant is not None:
-        load_quant_spec(serve.quant)  # a bad quant YAML (any section) fails here, before any model loads
-    return serve, engine
-
-
 def build_arm(name: str, path: str | Path, configs: tuple[ServeConfig, EngineConfig] | None = None) -> Arm:
     """``configs``: the YAML already read by ``read_arm_config`` (check every file before loading models)."""
-    from mcp2026.serve.server import build_pipeline
-
     serve, engine_config = configs or read_arm_config(path)
     return Arm(name, Path(path), serve, engine_config, build_pipeline(serve, engine_config))
 
 
 def check_comparable(baseline: Arm, candidate: Arm) -> None:
     """Both arms must read the same token ids the same way: same vocabulary and tokenizer."""
-    from mcp2026.bench.workloads import tokenizer_id
-
     b, c = baseline.pipeline.loaded, candidate.pipeline.loaded
     if b.config.vocab_size != c.config.vocab_size:
         raise ValueError(

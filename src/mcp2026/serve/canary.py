@@ -20,12 +20,13 @@ import hashlib
 import json
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mcp2026.canary.arms import BASELINE, CANDIDATE
+from mcp2026 import hardware
 from mcp2026.canary.bandwidth import BandwidthEstimate, estimate_bandwidth
-from mcp2026.canary.config import CanaryConfig
+from mcp2026.canary.config import BASELINE, CANDIDATE, CanaryConfig
 from mcp2026.canary.gate import (
     ACCURACY,
     LATENCY,
@@ -35,10 +36,12 @@ from mcp2026.canary.gate import (
     evaluate_gate,
 )
 from mcp2026.canary.stats import p99, percentile_change_interval
+from mcp2026.config import EngineConfig
+from mcp2026.engine.async_engine import AsyncEngine
+from mcp2026.serve.canary_metrics import attach_canary_metrics
+from mcp2026.serve.config import ServeConfig, load_quant_spec, load_serve_yaml
 
 if TYPE_CHECKING:
-    from mcp2026.engine.async_engine import AsyncEngine
-    from mcp2026.serve.config import ServeConfig
     from mcp2026.serve.metrics import ServerMetrics
     from mcp2026.serve.tenants import Tenant
 
@@ -223,15 +226,21 @@ class CanaryRouter:
     # ---- metrics --------------------------------------------------------------------------------
     def attach(self, metrics: ServerMetrics) -> None:
         """Per-arm histograms and the verdict gauges on the server's own registry."""
-        from mcp2026.canary.live_metrics import attach_canary_metrics
-
         attach_canary_metrics(self, metrics.registry, metrics.model)
+
+
+def read_arm_config(path: str | Path) -> tuple[ServeConfig, EngineConfig]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such configuration file (a serve YAML, see examples/canary/)")
+    serve, engine = load_serve_yaml(path)
+    if serve.quant is not None:
+        load_quant_spec(serve.quant)  # a bad quant YAML (any section) fails here, before any model loads
+    return serve, engine
 
 
 def read_candidate(config: CanaryConfig) -> tuple[Any, Any]:
     """The candidate's serve YAML (and the offline report, if named), checked before any model loads."""
-    from mcp2026.canary.arms import read_arm_config
-
     if config.candidate is None:
         raise ValueError("the live canary needs a candidate serve YAML (--canary-config)")
     if config.offline_report:
@@ -243,14 +252,12 @@ def build_router(
     serve_config: ServeConfig,
     baseline_pipe: Any,
     baseline_engine: AsyncEngine,
-    candidate_configs: tuple[Any, Any] | None = None,
+    load_pipeline: Callable[[ServeConfig, EngineConfig], tuple[Any, Any]],
+    candidate_configs: tuple[ServeConfig, EngineConfig] | None = None,
 ) -> CanaryRouter:
-    """Load the candidate named by ``serve_config.canary.candidate`` next to the baseline. ``candidate_configs``:
-    what ``read_candidate`` returned (read before the baseline loaded)."""
-    from mcp2026 import hardware
-    from mcp2026.engine.async_engine import AsyncEngine
-    from mcp2026.serve.server import load_pipeline
-
+    """Load the candidate named by ``serve_config.canary.candidate`` next to the baseline, with ``load_pipeline``
+    (``serve.server.load_pipeline``: a pipeline and its engine thread). ``candidate_configs``: what
+    ``read_candidate`` returned (read before the baseline loaded)."""
     config = serve_config.canary
     candidate_serve, candidate_engine_config = candidate_configs or read_candidate(config)
     pipe, compute = load_pipeline(candidate_serve, candidate_engine_config)  # its own engine thread

@@ -18,12 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mcp2026.bench.canary_arms import Arm, build_arm, check_comparable
 from mcp2026.canary.accuracy import AccuracyResult, held_out_windows, measure_accuracy
-from mcp2026.canary.arms import BASELINE, CANDIDATE, Arm, build_arm, check_comparable, read_arm_config
 from mcp2026.canary.bandwidth import BandwidthEstimate, estimate_bandwidth
-from mcp2026.canary.config import read_thresholds_file
+from mcp2026.canary.config import BASELINE, CANDIDATE, read_thresholds_file
 from mcp2026.canary.gate import ACCURACY, LATENCY, GateResult, Measurement, Thresholds, evaluate_gate
 from mcp2026.canary.stats import percentile, percentile_change_interval
+from mcp2026.serve.canary import read_arm_config
 
 OK_FINISH = ("stop", "length")
 

@@ -4,7 +4,7 @@ each release metric's status and value, per-arm P99s and bandwidth utilisation (
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -13,14 +13,12 @@ from prometheus_client.registry import Collector
 from mcp2026.canary.gate import STATUS_VALUES, VERDICTS
 from mcp2026.canary.stats import p99
 
-if TYPE_CHECKING:
-    from mcp2026.canary.live import CanaryRouter
-
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
-def attach_canary_metrics(router: CanaryRouter, registry: CollectorRegistry, model: str) -> None:
-    """Register the canary's series on the server's registry; the arms feed their histograms."""
+def attach_canary_metrics(router: Any, registry: CollectorRegistry, model: str) -> None:
+    """Register the canary's series on the server's registry (``router``: a ``serve.canary.CanaryRouter``,
+    which imports this module); the arms feed their histograms."""
     ttft = Histogram(
         "mcp2026_canary_time_to_first_token_seconds",
         "Time to first token per canary arm",
@@ -51,7 +49,7 @@ def attach_canary_metrics(router: CanaryRouter, registry: CollectorRegistry, mod
 
 
 class _CanaryCollector(Collector):
-    def __init__(self, router: CanaryRouter, model: str) -> None:
+    def __init__(self, router: Any, model: str) -> None:
         self.router = router
         self.model = model
 

@@ -1,4 +1,4 @@
-"""``mcp2026 kv calibrate``: per-layer KV budgets measured for a model (kv.calibrate), written as a file that
+"""``mcp2026 kv calibrate``: per-layer KV budgets measured for a model (bench.kv_calibrate), written as a file that
 ``--kv-layer-weights FILE`` / ``layer_weights: FILE`` take, or installed for ``layer_weights="auto"``."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def calibrate(
     on 2 CPU cores."""
     from rich.progress import Progress
 
-    from mcp2026.kv.calibrate import CalibrationConfig, calibrate
+    from mcp2026.bench.kv_calibrate import CalibrationConfig, calibrate
     from mcp2026.kv.layer_weights import calibrations_dir, fingerprint
     from mcp2026.loading.loader import load_model
     from mcp2026.pipeline import DTYPES

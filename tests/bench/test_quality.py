@@ -1,4 +1,4 @@
-"""Quality metrics: llama.cpp-style windows, perplexity and KLD on synthetic logits, the role mixture."""
+"""Quality metrics: perplexity and KLD on synthetic logits (llama.cpp-style windows), the role mixture."""
 
 from __future__ import annotations
 
@@ -8,18 +8,10 @@ import pytest
 import torch
 from torch import nn
 
+from mcp2026.bench.quality import QualityResult, evaluate, kld_of, reference_logprobs
+from mcp2026.bench.quant_quality import BF16_PLAN, as_decode_steps, bf16_row, role_mixture_plan, use_more_bits
+from mcp2026.quant.perplexity import nll_of, perplexity, windows_from_tokens
 from mcp2026.quant.plan import LayerQuantSpec
-from mcp2026.quant.quality import (
-    BF16_PLAN,
-    bf16_row,
-    evaluate,
-    kld_of,
-    nll_of,
-    reference_logprobs,
-    role_mixture_plan,
-    use_more_bits,
-    windows_from_tokens,
-)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,19 +32,13 @@ class FixedLogits(nn.Module):
         return hidden.float()
 
 
-def test_windows_and_bos():
-    windows = windows_from_tokens(list(range(1, 1100)), n_ctx=512, bos_token_id=0)
-    assert len(windows) == 2 and all(len(w) == 512 for w in windows)
-    assert windows[0][0] == 0 and windows[1][0] == 0 and windows[1][1] == 514
-    assert len(windows_from_tokens(range(2000), 512, num_windows=1)) == 1
-
-
 def test_uniform_logits_give_perplexity_equal_to_vocab_size():
     vocab = 50
     windows = windows_from_tokens(torch.randint(vocab, (1024,)).tolist(), 256)
     result = evaluate(FixedLogits(vocab), windows)
     assert result.ppl == pytest.approx(vocab, rel=1e-6)
     assert result.num_tokens == 4 * (256 // 2 - 1)  # 4 windows: second halves, minus the last position
+    assert perplexity(FixedLogits(vocab), windows) == result.ppl  # the DQG's check scores the same tokens
 
 
 def test_identical_model_has_zero_kld_and_full_agreement():
@@ -117,7 +103,6 @@ def test_role_mixture_plan(tiny_llama_dir):
 
 def test_as_decode_steps_feeds_quantized_linears_decode_sized_chunks(monkeypatch):
     from mcp2026.quant import linear as qlinear
-    from mcp2026.quant.quality import as_decode_steps
 
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32))
     model[0] = qlinear.Int4Linear.from_linear(model[0], LayerQuantSpec("int4"), torch.bfloat16)
@@ -135,3 +120,10 @@ def test_as_decode_steps_feeds_quantized_linears_decode_sized_chunks(monkeypatch
     assert max(rows_seen) <= qlinear.GEMV_MAX_ROWS and sum(rows_seen) == 21
     assert chunked.shape == whole.shape
     assert ((chunked - whole).norm() / whole.norm()).item() < 0.02  # int8 vs bf16 activations
+
+
+def test_quality_result_dict_has_after_prompt_fields_only_with_a_prompt():
+    windowed = QualityResult(2.0, math.log(2.0), 10)
+    assert "ppl_after_prompt" not in windowed.to_dict()
+    lockstep = QualityResult(2.0, math.log(2.0), 10, num_tokens_after_prompt=4, ppl_after_prompt=2.5)
+    assert lockstep.to_dict()["ppl_after_prompt"] == 2.5

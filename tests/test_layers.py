@@ -1,0 +1,177 @@
+"""The folders are the architecture: imports point down the layers, and nothing imports in a circle.
+
+Every import in src/mcp2026 counts (module level, inside functions, under ``TYPE_CHECKING``): a lower layer
+that needs to call up takes a callable or a small Protocol instead. Packages on one layer may import each
+other, but never both ways round, and no two modules anywhere may import each other, directly or not.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "mcp2026"
+
+# Top to bottom; a package or top-level module imports only from its own layer or the layers below.
+# cli_errors is the typer commands' shared error handler (it needs only errors, typer and rich).
+# "mcp2026" is the package's own __init__: the public facade, importable from nowhere inside.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("mcp2026", "cli"),
+    ("serve", "canary", "doctor", "bench"),
+    ("pipeline", "compiler"),
+    ("engine",),
+    ("loading",),
+    ("kv", "quant", "models"),
+    ("kernels",),
+    ("config", "types", "errors", "hardware", "cli_errors", "sharegpt"),
+)
+RANK = {unit: len(LAYERS) - i for i, layer in enumerate(LAYERS) for unit in layer}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(SRC.rglob("*.py"))}
+
+
+def unit_of(module: str) -> str:
+    """The package (or top-level module) a module belongs to: what the layer table names."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _targets(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The mcp2026 modules an import statement loads (``from pkg import mod`` names the module)."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = module.split(".") if MODULES[module].name == "__init__.py" else module.split(".")[:-1]
+            base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+        names = [
+            f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names
+        ]
+    out = []
+    for name in names:
+        while name not in MODULES and "." in name:
+            name = name.rsplit(".", 1)[0]
+        if name in MODULES and name != module:
+            out.append(name)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = defaultdict(set)
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                graph[module].update(_targets(module, node))
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one node (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    nodes = sorted(set(graph) | {t for ts in graph.values() for t in ts})
+    for root in nodes:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def _edges_within(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+    members = set(component)
+    return [f"{a} -> {b}" for a in component for b in sorted(graph.get(a, ())) if b in members]
+
+
+def test_every_unit_has_a_layer():
+    missing = sorted({unit_of(m) for m in MODULES} - set(RANK))
+    assert not missing, f"add these to LAYERS in {Path(__file__).name}: {missing}"
+
+
+def test_imports_point_down():
+    graph = import_graph()
+    upward = [
+        f"{a} ({unit_of(a)}) -> {b} ({unit_of(b)})"
+        for a, targets in sorted(graph.items())
+        for b in sorted(targets)
+        if RANK.get(unit_of(b), 0) > RANK.get(unit_of(a), 0)
+    ]
+    assert not upward, "imports pointing up the layers:\n" + "\n".join(upward)
+
+
+def test_no_cycles_between_packages():
+    graph = import_graph()
+    units: dict[str, set[str]] = defaultdict(set)
+    for a, targets in graph.items():
+        units[unit_of(a)].update(unit_of(b) for b in targets if unit_of(b) != unit_of(a))
+    found = cycles(units)
+    assert not found, "package cycles:\n" + "\n".join(
+        f"{c}: " + ", ".join(_edges_within(units, c)) for c in found
+    )
+
+
+def test_no_cycles_between_modules():
+    graph = import_graph()
+    found = cycles(graph)
+    assert not found, "module cycles:\n" + "\n".join(
+        f"{c}:\n  " + "\n  ".join(_edges_within(graph, c)) for c in found
+    )
+
+
+@pytest.mark.parametrize(
+    ("graph", "expected"),
+    [
+        ({"a": {"b"}, "b": {"a"}}, [["a", "b"]]),
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
+        ({"a": {"b"}, "b": {"c"}}, []),
+    ],
+)
+def test_cycles_finds_strongly_connected_components(graph, expected):
+    assert sorted(cycles(graph)) == expected
+
+
+def test_targets_resolve_relative_and_package_imports():
+    node = ast.parse("from mcp2026.kv import manager").body[0]
+    assert _targets("mcp2026.engine.engine", node) == ["mcp2026.kv.manager"]
+    node = ast.parse("from mcp2026.kv.manager import KVCacheManager").body[0]
+    assert _targets("mcp2026.engine.engine", node) == ["mcp2026.kv.manager"]
