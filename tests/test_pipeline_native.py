@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from mcp2026 import Pipeline, SamplingParams
+from mcp2026.bench.quality import evaluate
 from mcp2026.kernels import ops as kernel_ops
 from mcp2026.loading.loader import load_model, weight_bytes
 from mcp2026.quant.block_linear import BlockEmbedding, BlockLinear
-from mcp2026.quant.quality import evaluate, evaluation_windows
+from mcp2026.quant.perplexity import evaluation_windows
 
 pytestmark = [
     pytest.mark.slow,
