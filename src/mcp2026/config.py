@@ -80,7 +80,7 @@ class QuantConfig:
 
     ``target_precision`` "fp32"/"bf16"/"fp16" means no weight quantization (the activation dtype);
     "int8"/"int4"/"fp8" quantize every linear; "auto" lets the DQG pick per layer within a budget.
-    ``enable_dtss`` and ``max_kv_cache_shards`` are forwarded to the KV cache (design notes' DTSS).
+    ``enable_dtss`` and ``max_kv_cache_shards`` are forwarded to the KV cache (DTSS: kv/dtss.py).
     """
 
     target_precision: str = "auto"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 PROMPT_CHUNK = 256  # prefill chunk of the prompt half (memory: every engine holds one chunk of logits)
-DECODE_SPARSITY = 0.7  # the "70% eviction" for the decode-speed comparison
+DECODE_SPARSITY = 0.7  # "70% eviction", the setting the decode-speed target is stated for
 MAX_CONTEXT = 8192
 TEXTS = ("sharegpt", "random")
 

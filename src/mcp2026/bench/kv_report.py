@@ -1,4 +1,4 @@
-"""Tables, targets and notes of ``mcp2026 bench kv``: the issue's targets with PASS/MISS next to the
+"""Tables, targets and notes of ``mcp2026 bench kv``: the product's targets with PASS/MISS next to the
 measured value (or "not measured" when that part did not run).
 """
 
@@ -15,7 +15,7 @@ from mcp2026.bench.report import Table
 
 @dataclass(frozen=True)
 class Target:
-    """One of the issue's targets: ``config``'s ``metric`` must be >= (``at_least``) or <= ``bound``."""
+    """One of the product's targets: ``config``'s ``metric`` must be >= (``at_least``) or <= ``bound``."""
 
     config: str
     metric: str
@@ -229,7 +229,7 @@ def _memory_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
 
 def _decode_table(config: KVBenchConfig, decode: dict[str, Any]) -> Table:
     speeds, evict = decode["tok_per_s"], decode["evict_config"]
-    prefill = decode.get("prefill_tok_per_s")  # runs before session 21 timed decode only
+    prefill = decode.get("prefill_tok_per_s")  # older run JSONs timed decode only
 
     def row(name: str, target: str) -> list[Any]:
         cells = [name, speeds[name], f"{decode['vs_uncompressed'][name]:.2f}x"]

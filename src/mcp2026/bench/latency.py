@@ -1,4 +1,4 @@
-"""Single-stream latency (issue 2): greedy decode tok/s (128 new tokens, EOS ignored) and 512-token prefill
+"""Single-stream latency: greedy decode tok/s (128 new tokens, EOS ignored) and 512-token prefill
 tok/s of one model, ours vs HF transformers (and llama.cpp when installed) on the same weights and token ids,
 in one process. Engines alternate within every repeat (ours, HF, ours, HF, ...); warm-up rounds are excluded;
 the reported figure is the median over repeats.
@@ -292,7 +292,7 @@ def _agreement(records: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def _table(aggregates: dict[str, Any], config: LatencyConfig, decode_prompt_len: int) -> Table:
-    """Ratios against HF fp32, the baseline the issue targets are stated in (all pairs are in aggregates)."""
+    """Ratios against HF fp32, the baseline the targets are stated in (all pairs are in aggregates)."""
     medians = aggregates["median_tok_per_s"]
     ref = medians.get("hf/fp32")
     rows = []

@@ -1,4 +1,4 @@
-"""Offline throughput (issue 3): N requests (default 200 ShareGPT, sampled as vLLM's ``bench serve``) on our
+"""Offline throughput: N requests (default 200 ShareGPT, sampled as vLLM's ``bench serve``) on our
 engine (all added at once, continuous batching) vs HF transformers ``generate`` in static batches of 16
 (left padding), same process, same token ids, same output lengths, greedy, EOS ignored.
 

@@ -671,7 +671,7 @@ def endpoint_aggregates(
 
 # A share of prompt tokens from a server's prefix cache above which a run says so: a workload without shared
 # prefixes gets that only from prompts the server saw before (an earlier run with the same seed), which makes
-# its TTFT a cache hit's, not a prefill's. Session 11 saw 1.01x-1.56x goodput for the same command that way.
+# its TTFT a cache hit's, not a prefill's.
 PREFIX_CACHE_NOTE_SHARE = 0.1
 
 

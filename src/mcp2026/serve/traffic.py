@@ -1,4 +1,4 @@
-"""Live traffic profile and the pressure-mode rule that drives the runtime gate (our design notes).
+"""Live traffic profile and the pressure-mode rule that drives the runtime gate.
 
 Profile ``<pct_long_ctx, qps_burst, err_rate_5m, avg_latency>``: the share of long-context prompts among
 recent arrivals; the arrival rate as an EWMA of the observed Poisson rate per tick,
