@@ -114,7 +114,8 @@ def serve(
     from contextlib import nullcontext
 
     from mcp2026.bench.report import render_markdown, shell_join, write_run
-    from mcp2026.bench.serve import ServeBenchConfig, bench_serve, parse_goodput, parse_peers
+    from mcp2026.bench.serve import bench_serve
+    from mcp2026.bench.serve_config import ServeBenchConfig, parse_goodput, parse_peers
     from mcp2026.bench.workloads import workload_burstiness
 
     try:
