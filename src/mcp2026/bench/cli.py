@@ -7,12 +7,27 @@ from __future__ import annotations
 
 import sys
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from mcp2026.bench.figures import write_report
+from mcp2026.bench.latency import LatencyConfig, run_latency
+from mcp2026.bench.offline import OfflineConfig, run_offline
+from mcp2026.bench.quality_run import quality_run
+from mcp2026.bench.report import (
+    project_root,
+    read_run,
+    render_markdown,
+    shell_join,
+    update_benchmarks_md,
+    write_run,
+)
+from mcp2026.bench.sweep_grid import parse_list
 from mcp2026.cli_errors import err, user_errors
 
 bench_app = typer.Typer(
@@ -42,7 +57,6 @@ ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="sho
 def _progress(enabled: bool) -> Any:
     if not enabled:
         return nullcontext(None)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     return Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err
@@ -50,8 +64,6 @@ def _progress(enabled: bool) -> Any:
 
 
 def _finish(run: Any, out_dir: Path | None, write_docs: bool, section: str) -> Path:
-    from mcp2026.bench.report import render_markdown, update_benchmarks_md, write_run
-
     markdown = render_markdown(run)
     out.print(markdown, markup=False, highlight=False)
     path = write_run(run, out_dir)
@@ -81,7 +93,6 @@ def latency(
     progress: ProgressOpt = True,
 ) -> None:
     """Single-stream decode and prefill tok/s: ours vs HF transformers (interleaved, median of repeats)."""
-    from mcp2026.bench.latency import LatencyConfig, run_latency
 
     dtypes = tuple(d.strip() for d in dtype.split(",") if d.strip())
     formats = tuple(w.strip() for w in weights.split(",") if w.strip())
@@ -118,7 +129,6 @@ def offline(
     progress: ProgressOpt = True,
 ) -> None:
     """Offline throughput: all requests at once on our engine vs HF static batches, same prompts."""
-    from mcp2026.bench.offline import OfflineConfig, run_offline
 
     config = OfflineConfig(
         model=model,
@@ -158,7 +168,6 @@ def report(
 ) -> None:
     """Print earlier runs' summaries; write report.md with plots (latency CDFs, throughput vs rate,
     Pareto fronts, bit plan heatmap, KV usage over time)."""
-    from mcp2026.bench.report import read_run, render_markdown
 
     loaded = [(path.stem, read_run(path)) for path in runs]
     for path, (_, run) in zip(runs, loaded):
@@ -166,8 +175,7 @@ def report(
         out.print(render_markdown(run), markup=False, highlight=False)
     if no_plots:
         return
-    from mcp2026.bench.bitplan import read_layer_bits
-    from mcp2026.bench.figures import write_report
+    from mcp2026.bench.bitplan import read_layer_bits  # defer: torch
 
     layer_bits = {plan.name: read_layer_bits(plan, model)} if plan else None
     folder = plots or runs[0].with_name(f"{runs[0].stem}-report")
@@ -210,13 +218,9 @@ def quality(
 ) -> None:
     """Perplexity and KLD of quantized plans (int8, int4, role mixture, DQG budgets) vs full precision,
     with HF transformers and llama.cpp scored on the same windows."""
-    from functools import partial
 
-    from mcp2026.bench.quality_peers import PEERS, peer_quality_rows
-    from mcp2026.bench.quality_run import quality_run
-    from mcp2026.bench.report import project_root, shell_join, update_benchmarks_md, write_run
-    from mcp2026.bench.sweep_grid import parse_list
-    from mcp2026.quant.quality import QualityBenchSettings, run_quality_bench
+    from mcp2026.bench.quality_peers import PEERS, peer_quality_rows  # defer: torch
+    from mcp2026.quant.quality import QualityBenchSettings, run_quality_bench  # defer: torch
 
     peers = tuple(p for p in parse_list(peer) if p != "none")
     if set(peers) - set(PEERS):
@@ -245,10 +249,10 @@ def quality(
 
 def _register_commands() -> None:
     """Commands kept in their own modules (they import nothing heavy at module level)."""
-    from mcp2026.bench.headline_cli import headline
-    from mcp2026.bench.kv_cli import kv
-    from mcp2026.bench.plugin_cli import plugin
-    from mcp2026.bench.sweep_cli import sweep
+    from mcp2026.bench.headline_cli import headline  # cycle: it imports bench.cli
+    from mcp2026.bench.kv_cli import kv  # cycle: it imports bench.cli
+    from mcp2026.bench.plugin_cli import plugin  # cycle: it imports bench.cli
+    from mcp2026.bench.sweep_cli import sweep  # cycle: it imports bench.cli
 
     bench_app.command("sweep")(sweep)
     bench_app.command("plugin")(plugin)

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
+from mcp2026.bench.headline import headline_markdown
+from mcp2026.bench.report import BenchRun, project_root, read_benchmarks_section, update_benchmarks_md
 from mcp2026.cli_errors import err, user_errors
 
 if TYPE_CHECKING:
@@ -18,7 +20,6 @@ if TYPE_CHECKING:
 
 def load_run(path: Path) -> BenchRun:
     """A ``BenchRun`` from ``path``; ValueError naming the file when it is not a run JSON."""
-    from mcp2026.bench.report import BenchRun
 
     try:
         data = json.loads(Path(path).read_text())
@@ -57,9 +58,7 @@ def headline(
     ] = True,
 ) -> None:
     """The headline table (ours vs HF transformers, llama.cpp, vLLM) from the newest run of each kind."""
-    from mcp2026.bench.cli import out
-    from mcp2026.bench.headline import headline_markdown
-    from mcp2026.bench.report import project_root, read_benchmarks_section, update_benchmarks_md
+    from mcp2026.bench.cli import out  # cycle: bench.cli imports this module
 
     if runs:
         loaded = [load_run(path) for path in runs]

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from mcp2026.bench.kv_config import make_config
 from mcp2026.bench.sweep_grid import parse_list
 from mcp2026.cli_errors import err, user_errors
 
@@ -128,9 +129,8 @@ def kv(
 ) -> None:
     """KV compression: ΔPPL / KLD per codec and eviction policy, retrieval agreement, KV bytes and max
     concurrent sequences, decode tok/s with eviction, each vs uncompressed in the same engine."""
-    from mcp2026.bench.cli import _finish, _progress
-    from mcp2026.bench.kv import run_kv
-    from mcp2026.bench.kv_config import make_config
+    from mcp2026.bench.cli import _finish, _progress  # cycle: bench.cli imports this module
+    from mcp2026.bench.kv import run_kv  # defer: torch
 
     config = make_config(
         quick,

@@ -14,8 +14,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import numpy as np
 
+from mcp2026.bench.kv_usage import sample_kv_usage
 from mcp2026.bench.serve_config import ServeBenchConfig
 from mcp2026.bench.serve_metrics import RequestResult
 from mcp2026.bench.workloads import BenchRequest
@@ -122,7 +124,6 @@ class LoadGenerator:
         """``_stream``, sent once more when the server closed the connection before any response: a pooled
         keep-alive connection it had just closed as idle (llama-server does after 5 s), so the request never
         reached it. Counted in ``retries``; anything after a response has started is a failure."""
-        import httpx
 
         try:
             await self._stream(client, plan, result)
@@ -216,7 +217,6 @@ class LoadGenerator:
         request ``start - 1`` (with ``duration_s``: until that many seconds have passed; a request still
         waiting for a concurrency slot then is not sent, and the next phase starts at the first such one).
         Returns once every sent request has ended."""
-        import httpx
 
         config = self.config
         if not requests:
@@ -254,8 +254,6 @@ class LoadGenerator:
             stop_sampling = asyncio.Event()
             sampler = None
             if config.kv_sample_s:  # its own connection: never one a request is waiting for
-                from mcp2026.bench.kv_usage import sample_kv_usage
-
                 sampler = asyncio.create_task(
                     sample_kv_usage(config.base_url, self.headers, config.kv_sample_s, t0, stop_sampling)
                 )

@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from mcp2026.bench.plugins import PluginContext, available_plugins, load_plugin, run_plugin
+from mcp2026.bench.report import shell_join
 from mcp2026.cli_errors import err, user_errors
 
 
@@ -38,9 +40,7 @@ def plugin(
     out_dir: Annotated[Path | None, typer.Option("--out", help="folder for the run (default: runs/)")] = None,
 ) -> None:
     """Run a custom benchmark plugin (init, then run returning named numbers) and record it like the others."""
-    from mcp2026.bench.cli import _finish, out
-    from mcp2026.bench.plugins import PluginContext, available_plugins, load_plugin, run_plugin
-    from mcp2026.bench.report import shell_join
+    from mcp2026.bench.cli import _finish, out  # cycle: bench.cli imports this module
 
     if list_plugins:
         found = available_plugins()

@@ -16,17 +16,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
+import httpx
+
 from mcp2026.bench.load_generator import LoadGenerator
+from mcp2026.bench.report import BenchRun, Table, machine_info
 from mcp2026.bench.serve_config import OURS, ServeBenchConfig
 from mcp2026.bench.serve_endpoints import discover_model, probe_peer, server_state
 from mcp2026.bench.serve_metrics import endpoint_aggregates, prefix_cache_notes, token_source_notes
 from mcp2026.bench.serve_side_by_side import bench_side_by_side
-from mcp2026.bench.workloads import BenchRequest
+from mcp2026.bench.workloads import BenchRequest, describe
 
 
 def summary_table(metrics: dict[str, Any], config: ServeBenchConfig) -> Any:
-    from mcp2026.bench.report import Table
-
     rows: list[list[Any]] = [
         ["successful requests", metrics["completed"]],
         ["failed requests", metrics["failed"]],
@@ -63,8 +64,6 @@ def bench_serve(
     With ``config.peers``: the same workload against ours and each reachable peer, interleaved (see
     ``bench_side_by_side``). ``progress``: a rich Progress (or None); ``count_tokens``: output tokens of a
     response whose server reports no usage; ``log``: one-line messages (a peer skipped)."""
-    from mcp2026.bench.report import BenchRun, machine_info
-    from mcp2026.bench.workloads import describe
 
     model = config.model or discover_model(config)
     skipped: dict[str, str] = {}
@@ -73,8 +72,6 @@ def bench_serve(
         try:
             peers.append(replace(peer, model=probe_peer(peer, config.timeout_s)))
         except Exception as e:  # noqa: BLE001 - an unreachable peer is skipped, the run goes on
-            import httpx
-
             if not isinstance(e, (httpx.HTTPError, ValueError)):
                 raise
             skipped[peer.name] = f"{type(e).__name__}: {e}"

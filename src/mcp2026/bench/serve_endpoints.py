@@ -7,13 +7,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import httpx
+
 from mcp2026.bench.kv_usage import prometheus_values
 from mcp2026.bench.serve_config import PeerEndpoint, ServeBenchConfig
 
 
 def discover_model(config: ServeBenchConfig) -> str:
     """The first model id the endpoint lists."""
-    import httpx
 
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     response = httpx.get(f"{config.base_url}/v1/models", headers=headers, timeout=30)
@@ -27,7 +28,6 @@ def discover_model(config: ServeBenchConfig) -> str:
 def server_state(base_url: str, timeout_s: float = 10.0) -> dict[str, Any]:
     """Our server's engine after a run, from /metrics: waits up to ``timeout_s`` for it to go idle (no
     request running or waiting, no KV block held). ``idle`` False means something leaked or hangs."""
-    import httpx
 
     names = {
         "mcp2026_num_requests_running": "num_running",
@@ -48,7 +48,6 @@ def server_state(base_url: str, timeout_s: float = 10.0) -> dict[str, Any]:
 def probe_peer(peer: PeerEndpoint, timeout_s: float = 30.0) -> str:
     """The model id to send to ``peer``: its own, or the first its /v1/models lists. Raises an httpx error
     when it does not answer, ValueError when it answers without a model."""
-    import httpx
 
     response = httpx.get(f"{peer.base_url}/v1/models", timeout=min(timeout_s, 10.0))
     response.raise_for_status()

@@ -11,6 +11,7 @@ from typing import Any
 
 from mcp2026.bench.kv_usage import join_phases
 from mcp2026.bench.load_generator import LoadGenerator, PhaseResult
+from mcp2026.bench.report import BenchRun, Table, machine_info
 from mcp2026.bench.serve_config import OURS, ServeBenchConfig
 from mcp2026.bench.serve_endpoints import server_state
 from mcp2026.bench.serve_metrics import (
@@ -19,7 +20,7 @@ from mcp2026.bench.serve_metrics import (
     prefix_cache_notes,
     token_source_notes,
 )
-from mcp2026.bench.workloads import BenchRequest
+from mcp2026.bench.workloads import BenchRequest, describe
 
 RATIO_PREFIXES = ("mean_", "median_", "p")
 
@@ -129,8 +130,6 @@ def bench_side_by_side(
     phases. Disconnecting clients, malformed requests and ``check_server`` apply to ours only. Aggregates:
     ours at the top level (as a single run), every endpoint's under ``endpoints``, ours / peer under
     ``ratios`` and per round under ``round_ratios``, the phases under ``phases``."""
-    from mcp2026.bench.report import BenchRun, machine_info
-    from mcp2026.bench.workloads import describe
 
     if config.model is None:
         raise ValueError("bench_side_by_side needs config.model (bench_serve resolves it)")
@@ -240,7 +239,6 @@ def _fmt_ratio(value: float | None) -> str:
 
 def side_by_side_table(aggregates: dict[str, Any], config: ServeBenchConfig) -> Any:
     """A row per metric: each endpoint's value, and ours / peer after each peer."""
-    from mcp2026.bench.report import Table
 
     endpoints = aggregates["endpoints"]
     peers = [p.name for p in config.peers]
@@ -274,8 +272,6 @@ def side_by_side_table(aggregates: dict[str, Any], config: ServeBenchConfig) -> 
 
 
 def phases_table(phases: Sequence[dict[str, Any]]) -> Any:
-    from mcp2026.bench.report import Table
-
     rows = [
         [
             p["phase"],

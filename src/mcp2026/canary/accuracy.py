@@ -137,7 +137,7 @@ def measure_accuracy(
 
 def held_out_windows(tokenizer: Any, num_windows: int, n_ctx: int, seed: int = 0) -> list[torch.Tensor]:
     """Windows of held-out ShareGPT text (never in the calibration split nor the sampled workload)."""
-    from mcp2026.quant.quality import evaluation_windows
+    from mcp2026.quant.quality import evaluation_windows  # defer: torch
 
     if tokenizer is None:
         raise ValueError(

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mcp2026.bench.workloads import tokenizer_id
 from mcp2026.config import EngineConfig
 from mcp2026.pipeline import Pipeline
 from mcp2026.serve.config import ServeConfig, load_quant_spec, load_serve_yaml
@@ -61,7 +62,7 @@ def read_arm_config(path: str | Path) -> tuple[ServeConfig, EngineConfig]:
 
 def build_arm(name: str, path: str | Path, configs: tuple[ServeConfig, EngineConfig] | None = None) -> Arm:
     """``configs``: the YAML already read by ``read_arm_config`` (check every file before loading models)."""
-    from mcp2026.serve.server import build_pipeline
+    from mcp2026.serve.server import build_pipeline  # defer: torch
 
     serve, engine_config = configs or read_arm_config(path)
     return Arm(name, Path(path), serve, engine_config, build_pipeline(serve, engine_config))
@@ -69,7 +70,6 @@ def build_arm(name: str, path: str | Path, configs: tuple[ServeConfig, EngineCon
 
 def check_comparable(baseline: Arm, candidate: Arm) -> None:
     """Both arms must read the same token ids the same way: same vocabulary and tokenizer."""
-    from mcp2026.bench.workloads import tokenizer_id
 
     b, c = baseline.pipeline.loaded, candidate.pipeline.loaded
     if b.config.vocab_size != c.config.vocab_size:

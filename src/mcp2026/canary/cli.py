@@ -55,8 +55,8 @@ def canary(
 ) -> None:
     """Release gate: run two configurations on the same requests (interleaved) and decide PROMOTE / HOLD /
     ROLLBACK from P99 latency change, accuracy delta and memory bandwidth utilisation."""
-    from mcp2026.canary.report import render_markdown, write_report
-    from mcp2026.canary.run import CanarySettings, run_canary
+    from mcp2026.canary.report import render_markdown, write_report  # defer: torch
+    from mcp2026.canary.run import CanarySettings, run_canary  # defer: torch
 
     if baseline is None or candidate is None:
         raise ValueError("give --baseline A.yaml and --candidate B.yaml (serve YAMLs, see examples/canary/)")

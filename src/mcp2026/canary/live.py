@@ -223,14 +223,14 @@ class CanaryRouter:
     # ---- metrics --------------------------------------------------------------------------------
     def attach(self, metrics: ServerMetrics) -> None:
         """Per-arm histograms and the verdict gauges on the server's own registry."""
-        from mcp2026.canary.live_metrics import attach_canary_metrics
+        from mcp2026.canary.live_metrics import attach_canary_metrics  # defer: numpy
 
         attach_canary_metrics(self, metrics.registry, metrics.model)
 
 
 def read_candidate(config: CanaryConfig) -> tuple[Any, Any]:
     """The candidate's serve YAML (and the offline report, if named), checked before any model loads."""
-    from mcp2026.canary.arms import read_arm_config
+    from mcp2026.canary.arms import read_arm_config  # defer: torch
 
     if config.candidate is None:
         raise ValueError("the live canary needs a candidate serve YAML (--canary-config)")
@@ -247,9 +247,9 @@ def build_router(
 ) -> CanaryRouter:
     """Load the candidate named by ``serve_config.canary.candidate`` next to the baseline. ``candidate_configs``:
     what ``read_candidate`` returned (read before the baseline loaded)."""
-    from mcp2026 import hardware
-    from mcp2026.engine.async_engine import AsyncEngine
-    from mcp2026.serve.server import load_pipeline
+    from mcp2026 import hardware  # defer: torch
+    from mcp2026.engine.async_engine import AsyncEngine  # defer: torch
+    from mcp2026.serve.server import load_pipeline  # defer: torch
 
     config = serve_config.canary
     candidate_serve, candidate_engine_config = candidate_configs or read_candidate(config)

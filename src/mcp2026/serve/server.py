@@ -71,7 +71,7 @@ def build_pipeline(serve_config: ServeConfig, engine_config: EngineConfig) -> Pi
     """The model ``serve_config`` names, quantized as its ``quant`` YAML asks (its calibration and dqg
     sections included: the plan ``mcp2026 compile`` of that YAML would choose), on an engine with
     ``engine_config``'s KV cache, KV compressor and scheduler: what a server with these configs runs."""
-    from mcp2026.pipeline import Pipeline
+    from mcp2026.pipeline import Pipeline  # defer: torch
 
     return Pipeline(
         model=serve_config.model,
@@ -98,7 +98,7 @@ def build_server(
     candidate configuration, which serves ``canary.candidate_share`` of the tenants."""
     candidate = None
     if serve_config.canary.candidate is not None:
-        from mcp2026.canary.live import build_router, read_candidate
+        from mcp2026.canary.live import build_router, read_candidate  # defer: torch
 
         candidate = read_candidate(serve_config.canary)  # a bad candidate YAML fails before any model loads
     pipe, compute = load_pipeline(serve_config, engine_config)
