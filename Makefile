@@ -36,7 +36,7 @@ format: setup
 test: lint
 	$(BIN)/python -m pytest -q
 
-# Headline numbers into docs/benchmarks.md (run on a quiet machine; 19 minutes on the 2 cores of session 13).
+# Headline numbers into docs/benchmarks.md (run on a quiet machine; about 20 minutes on 2 cores).
 # The quality table (`make bench-quality`, ~16 minutes) and the serving rows (examples/bench_peers/run_serving.sh,
 # ~25 minutes, peers set up by hand) are separate; the headline keeps their rows until they are rerun.
 bench: setup

@@ -21,7 +21,7 @@ reach to the power P; ``sensitivity:T1+T2`` weights calibrated from ``only:L`` p
 sensitivity probe; several specs separated by ``;`` run one after another, each variant's metrics then named
 ``<variant>@<spec>``; not for the oracles and Ada-KV, which do not keep per layer), variants
 (comma list, default all):
-``block-global`` one block ranking shared by every layer and KV head (the engine before session 9),
+``block-global`` one block ranking shared by every layer and KV head (the simplest rule, for comparison),
 ``block-lane`` an H2O block ranking per (layer, KV head), ``token-lane`` per lane and token,
 ``token-window`` sinks + a recent window of 97% of the budget, per token (StreamingLLM);
 ``block-split`` / ``token-split`` the engine's ``heavy_hitter`` rule (decayed scores relative to uniform, the

@@ -6,7 +6,7 @@ text, against the same model with full-precision K/V. docs/kv-cache.md quotes it
 
 Variants (``--param variants=a,b``; default all): ``kivi16`` / ``kivi64`` keys per channel over 16 / 64-token
 groups (a partial last group stays full precision, as the engine's staging), values per token in groups of 32
-/ 64 channels (the engine's ``int4`` / ``int4-g64`` layouts before session 18); ``tok64`` keys and values per token, one group per
+/ 64 channels (``int4`` / ``int4-g64`` with fp16 scales); ``tok64`` keys and values per token, one group per
 head (64 channels: what reaches 3.56x at any block size); ``rot-tok64`` / ``rot-tok32`` the same keys after an
 orthonormal Hadamard rotation (QuaRot, arXiv:2404.00456: rotating spreads outlier channels over the head;
 queries would be rotated alike, so scores are unchanged) with values per token in groups of 64 / 32;

@@ -77,7 +77,7 @@ class QuantConfig:
 
     ``target_precision`` "fp32"/"bf16"/"fp16" means no weight quantization (the activation dtype);
     "int8"/"int4"/"fp8" quantize every linear; "auto" lets the DQG pick per layer within a budget.
-    ``enable_dtss`` and ``max_kv_cache_shards`` are forwarded to the KV cache (design notes' DTSS).
+    ``enable_dtss`` and ``max_kv_cache_shards`` are forwarded to the KV cache (DTSS: kv/dtss.py).
     """
 
     target_precision: str = "auto"
@@ -234,13 +234,11 @@ class SchedulerConfig:
         512  # a prefill chunk larger than this is split to keep decodes flowing (see long_prefill_ms)
     )
     # ... unless the engine's measured prefill rate says a chunk of a multiple of it still runs within this many
-    # ms: the split point follows the hardware. 1000 ms is the 512 tokens where the threshold was set (2-core
-    # AVX2, ~500 prefill tokens/s) and 1024 with the int4 GEMM on a Zen 4 EPYC (~1100-1200 tokens/s), where a
-    # 1000-token prompt then goes in one step (its TTFT with 4 sequences decoding, /tmp script: 0.93-1.08 s in two
-    # chunks, 0.83-0.90 s in one). None: the threshold alone.
+    # ms: the split point follows the hardware (a faster prefill takes larger chunks, so a long prompt needs fewer
+    # steps while decodes still get a step at least every ~second). None: the threshold alone.
     long_prefill_ms: float | None = 1000.0
     # "sjf" only: a second of waiting counts as this many prompt tokens, so a prompt is overtaken by shorter ones
-    # for at most (its length - theirs) / this seconds (1000: ~1 ms per token; prefill here runs ~400 tokens/s)
+    # for at most (its length - theirs) / this seconds (1000: ~1 ms per token, the order of a CPU's prefill rate)
     aging_tokens_per_s: float = 1000.0
 
     def __post_init__(self) -> None:

@@ -44,7 +44,7 @@ def cpu_model() -> str:
 
 
 def has_fast_bf16() -> bool:
-    """bf16 matmuls are only fast with AVX512-BF16 or AMX on CPU (elsewhere ~6x slower than fp32 here)."""
+    """bf16 matmuls are only fast with AVX512-BF16 or AMX on CPU (elsewhere several times slower than fp32)."""
     if torch.cuda.is_available():
         return True
     flags = cpu_flags()

@@ -7,6 +7,8 @@ import pytest
 from mcp2026.bench.report import (
     BenchRun,
     Table,
+    project_root,
+    read_benchmarks_section,
     read_run,
     render_markdown,
     update_benchmarks_md,
@@ -71,3 +73,15 @@ def test_update_benchmarks_md_replaces_only_its_section(tmp_path):
     assert path.read_text() == before  # idempotent
     with pytest.raises(ValueError, match="section"):
         update_benchmarks_md("bad name!", "x", path)
+
+
+# The sections `make bench` and `make bench-quality` rewrite with --write-docs (latency, both offline runs, kv,
+# quality, then the headline): a missing marker would make the writer append a second table instead.
+WRITTEN_SECTIONS = ("latency", "offline-batched-decode-32", "offline-sharegpt", "kv", "quality", "headline")
+
+
+@pytest.mark.parametrize("section", WRITTEN_SECTIONS)
+def test_the_docs_keep_every_section_the_writers_replace(section):
+    text = (project_root() / "docs" / "benchmarks.md").read_text()
+    assert text.count(f"<!-- bench:{section} -->") == 1 and text.count(f"<!-- /bench:{section} -->") == 1
+    assert read_benchmarks_section(section).strip()

@@ -8,14 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from mcp2026.bench.serve import (
-    LoadGenerator,
-    RequestResult,
-    ServeBenchConfig,
-    compute_metrics,
-    parse_goodput,
-    robustness_summary,
-)
+from mcp2026.bench.load_generator import LoadGenerator
+from mcp2026.bench.serve_config import ServeBenchConfig, parse_goodput
+from mcp2026.bench.serve_metrics import RequestResult, compute_metrics, robustness_summary
 from mcp2026.bench.workloads import BenchRequest
 
 

@@ -17,19 +17,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from typer.testing import CliRunner
 
-from mcp2026.bench.serve import (
-    OURS,
-    LoadGenerator,
-    PeerEndpoint,
-    ServeBenchConfig,
-    bench_serve,
-    block_bounds,
-    compute_ratios,
-    parse_peers,
-    phase_schedule,
-    round_ratios,
-)
+from mcp2026.bench.load_generator import LoadGenerator
+from mcp2026.bench.serve import bench_serve
 from mcp2026.bench.serve_cli import serve_app
+from mcp2026.bench.serve_config import OURS, PeerEndpoint, ServeBenchConfig, parse_peers
+from mcp2026.bench.serve_side_by_side import block_bounds, compute_ratios, phase_schedule, round_ratios
 from mcp2026.bench.workloads import BenchRequest
 
 LOG_LOCK = threading.Lock()
@@ -391,7 +383,7 @@ def test_latency_cdfs_get_a_series_per_endpoint():
 def test_a_request_the_server_dropped_before_any_response_is_sent_again():
     """A keep-alive connection the server closes as the request goes out (llama-server closes idle ones after
     5 s) never reached it: sent once more and counted. A response cut after it started is a failure."""
-    from mcp2026.bench.serve import LoadGenerator, endpoint_aggregates, token_source_notes
+    from mcp2026.bench.serve_metrics import endpoint_aggregates, token_source_notes
 
     with FakeServer("llama", [], 0.001, "llama") as peer:
         config = ServeBenchConfig(base_url=peer.url, max_concurrency=1)
@@ -409,7 +401,6 @@ def test_a_request_the_server_dropped_before_any_response_is_sent_again():
 
 def test_ours_empty_finishing_chunk_is_a_token():
     """Ours skips chunks without text but always sends the last token's, finish_reason set, usage apart."""
-    from mcp2026.bench.serve import LoadGenerator
 
     log: list[dict] = []
     with FakeServer("ours", log, 0.001, "ours", silent=True) as ours:

@@ -9,8 +9,9 @@ import pytest
 from serve_helpers import MODEL, live_server
 from typer.testing import CliRunner
 
-from mcp2026.bench.serve import ServeBenchConfig, bench_serve
+from mcp2026.bench.serve import bench_serve
 from mcp2026.bench.serve_cli import serve_app
+from mcp2026.bench.serve_config import ServeBenchConfig
 from mcp2026.bench.workloads import BenchRequest
 
 

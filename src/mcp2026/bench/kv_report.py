@@ -1,4 +1,4 @@
-"""Tables, targets and notes of ``mcp2026 bench kv``: the issue's targets with PASS/MISS next to the
+"""Tables, targets and notes of ``mcp2026 bench kv``: the product's targets with PASS/MISS next to the
 measured value (or "not measured" when that part did not run).
 """
 
@@ -11,11 +11,12 @@ from typing import Any
 
 from mcp2026.bench.kv_config import PROMPT_CHUNK, KVBenchConfig
 from mcp2026.bench.report import Table
+from mcp2026.kv.layer_weights import AUTO, auto_weights
 
 
 @dataclass(frozen=True)
 class Target:
-    """One of the issue's targets: ``config``'s ``metric`` must be >= (``at_least``) or <= ``bound``."""
+    """One of the product's targets: ``config``'s ``metric`` must be >= (``at_least``) or <= ``bound``."""
 
     config: str
     metric: str
@@ -198,7 +199,7 @@ def _llama_cpp_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
 
 
 def _blocks(block_size: int | None) -> str:
-    from mcp2026.kv.codecs import describe_default_block_sizes
+    from mcp2026.kv.codecs import describe_default_block_sizes  # defer: torch
 
     return (
         f"block size {block_size}"
@@ -229,7 +230,7 @@ def _memory_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
 
 def _decode_table(config: KVBenchConfig, decode: dict[str, Any]) -> Table:
     speeds, evict = decode["tok_per_s"], decode["evict_config"]
-    prefill = decode.get("prefill_tok_per_s")  # runs before session 21 timed decode only
+    prefill = decode.get("prefill_tok_per_s")  # older run JSONs timed decode only
 
     def row(name: str, target: str) -> list[Any]:
         cells = [name, speeds[name], f"{decode['vs_uncompressed'][name]:.2f}x"]
@@ -286,7 +287,7 @@ def notes(config: KVBenchConfig, loaded: Any, retrieval: dict | None, grid: list
             "fp8 on CPU: stored as e4m3 and converted on read (no fp8 arithmetic); saves memory only."
         )
     if config.dtype == "bf16":
-        from mcp2026 import hardware
+        from mcp2026 import hardware  # defer: torch
 
         if not hardware.has_fast_bf16():
             notes.append("bf16 on a CPU without AVX512-BF16/AMX: emulated, several times slower than fp32")
@@ -302,7 +303,6 @@ def notes(config: KVBenchConfig, loaded: Any, retrieval: dict | None, grid: list
 
 def _auto_layer_weights(loaded: Any, grid: list) -> str | None:
     """What ``layer_weights="auto"`` (a policy row without a layer_weights option) meant on this model."""
-    from mcp2026.kv.layer_weights import AUTO, auto_weights
 
     policies = sorted({kv.policy for _, kv in grid if kv.evicts and kv.layer_weights == AUTO})
     if not policies:

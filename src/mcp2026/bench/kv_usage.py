@@ -44,7 +44,7 @@ async def sample_kv_usage(
     """Poll ``base_url``'s ``/metrics`` every ``interval_s`` until ``stop`` is set, on a connection of its
     own: {"metric", "t_s", "share"} with times from ``t0`` (perf_counter), or None when the server exposes
     no known gauge."""
-    import httpx
+    import httpx  # defer: httpx
 
     times: list[float] = []
     shares: list[float] = []

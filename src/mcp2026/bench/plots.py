@@ -31,8 +31,8 @@ class ParetoPoint:
 
 
 def _figure(width: float = 7.0, height: float = 4.5, ncols: int = 1) -> tuple[Any, Any]:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # defer: matplotlib
+    from matplotlib.figure import Figure  # defer: matplotlib
 
     fig = Figure(figsize=(width, height))
     FigureCanvasAgg(fig)

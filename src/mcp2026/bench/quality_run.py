@@ -8,7 +8,7 @@ from typing import Any
 
 from mcp2026.bench.report import BenchRun, Table, format_value, machine_info
 
-# The plans the headline shows: the claims (int8 near-lossless, the DQG at its budgets against
+# The plans the headline shows: the claims the product makes (int8 near-lossless, the DQG at its budgets against
 # uniform int4 and the llama.cpp-style role mixture at the same bits).
 HEADLINE_FIXED = ("int8", "int4 sym g32", "int4 asym g32")
 

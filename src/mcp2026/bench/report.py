@@ -62,9 +62,9 @@ def _version(dist: str) -> str | None:
 
 def machine_info() -> dict[str, Any]:
     """What the numbers depend on: CPU and its SIMD flags, cores, memory, library versions, git commit."""
-    import torch
+    import torch  # defer: torch
 
-    from mcp2026 import hardware
+    from mcp2026 import hardware  # defer: torch
 
     flags = hardware.cpu_flags()
     return {

@@ -41,7 +41,7 @@ class Band:
 
 @dataclass(frozen=True)
 class Thresholds:
-    """The decision matrix (defaults from our design notes) and how much evidence a decision needs."""
+    """The decision matrix (defaults: docs/canary.md) and how much evidence a decision needs."""
 
     latency_safe_ms: float = 15.0  # P99 change, candidate minus baseline: <= safe
     latency_trip_ms: float = 30.0  # > trip

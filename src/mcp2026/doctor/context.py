@@ -46,7 +46,7 @@ class DoctorContext:
     # ---- the model, inspected once -----------------------------------------------------------------
     @cached_property
     def _model_files(self) -> ModelFiles | MCPError:
-        from mcp2026.loading.loader import default_model_path
+        from mcp2026.loading.loader import default_model_path  # defer: torch
 
         try:
             return inspect_model(self.model.expanduser() if self.model else default_model_path())
@@ -102,7 +102,7 @@ class DoctorContext:
     @property
     def activation_dtype(self) -> torch.dtype:
         """The dtype the server would load the weights in (``Pipeline``'s rule)."""
-        from mcp2026.pipeline import resolve_dtype
+        from mcp2026.pipeline import resolve_dtype  # defer: torch
 
         try:
             quant = self.quant_config

@@ -142,7 +142,7 @@ def build_cache(ctx: DoctorContext, num_blocks: int = 2) -> PagedKVCache:
 
 
 def check_kv_layout(ctx: DoctorContext) -> list[CheckResult]:
-    from mcp2026.loading.loader import MAX_ROPE_POSITIONS
+    from mcp2026.loading.loader import MAX_ROPE_POSITIONS  # defer: torch
 
     if (skip := ctx.needs_model("cache layout")) is not None:
         return [skip]

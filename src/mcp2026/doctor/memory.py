@@ -28,8 +28,8 @@ def kv_pool_bytes(
 ) -> tuple[int, int]:
     """(blocks, bytes) of the KV pool the engine would allocate once the weights are loaded: the fraction
     rule takes its share of the memory still available then. ValueError when it holds no full sequence."""
-    from mcp2026.kv.sizing import kv_block_bytes, plan_kv_blocks
-    from mcp2026.loading.loader import MAX_ROPE_POSITIONS
+    from mcp2026.kv.sizing import kv_block_bytes, plan_kv_blocks  # defer: torch
+    from mcp2026.loading.loader import MAX_ROPE_POSITIONS  # defer: torch
 
     max_len = min(engine.scheduler.max_model_len or cfg.max_position_embeddings, MAX_ROPE_POSITIONS)
     codec = engine.kv_compressor.make_codec() if engine.kv_compressor is not None else None

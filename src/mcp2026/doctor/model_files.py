@@ -100,11 +100,11 @@ def _inspect_gguf(path: Path) -> ModelFiles:
 
 
 def _inspect_folder(path: Path) -> ModelFiles:
-    from mcp2026.loading import hf
+    from mcp2026.loading import hf  # defer: torch
 
     artifact = (path / "mcp2026_artifact.json").is_file()
     if artifact:
-        from mcp2026.quant.artifact import WEIGHTS_FILE, read_metadata
+        from mcp2026.quant.artifact import WEIGHTS_FILE, read_metadata  # defer: torch
 
         raw = dict(read_metadata(path)["model_config"])
         files = [path / WEIGHTS_FILE]
@@ -130,9 +130,9 @@ def inspect_model(path: Path) -> ModelFiles:
 
 def model_config(files: ModelFiles) -> ModelConfig:
     """The ModelConfig the loader would build; UnsupportedArchitectureError / ModelLoadError otherwise."""
-    from mcp2026.loading import gguf as gguf_loading
-    from mcp2026.loading import hf
-    from mcp2026.models.registry import resolve_architecture
+    from mcp2026.loading import gguf as gguf_loading  # defer: torch
+    from mcp2026.loading import hf  # defer: torch
+    from mcp2026.models.registry import resolve_architecture  # defer: torch
 
     if files.gguf is not None:
         return gguf_loading.config_from_gguf(files.gguf, str(files.path))

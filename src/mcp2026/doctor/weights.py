@@ -38,8 +38,8 @@ def _cache_key(files: ModelFiles) -> str:
 
 def measure_layer_stats(path: Path) -> dict[str, LayerStats]:
     """Load the model in fp32 and take every linear layer's weight statistics."""
-    from mcp2026.loading.loader import load_model
-    from mcp2026.quant.stats import model_weight_stats
+    from mcp2026.loading.loader import load_model  # defer: torch
+    from mcp2026.quant.stats import model_weight_stats  # defer: torch
 
     stats = model_weight_stats(load_model(path).model)
     return {

@@ -327,8 +327,7 @@ class AsyncEngine:
     def _warm_up(self) -> None:
         """One request through the whole path before /readyz: a prefill long enough to take the prefill GEMMs
         and attention (their first calls allocate buffers and build oneDNN primitives), then decode steps. A
-        one-token warm-up left that to the first real prompts: on the Zen 5 machine the first 396-token
-        request took ~150-300 ms longer than the next (throwaway script)."""
+        one-token warm-up would leave that cost to the first real prompts."""
         bos = self.engine.model_config.bos_token_id
         token = bos if bos is not None and bos < self.engine.model_config.vocab_size else 0
         num_tokens = max(1, min(WARMUP_PROMPT_TOKENS, self.engine.max_model_len - 4))

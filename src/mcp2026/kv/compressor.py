@@ -1,5 +1,5 @@
-"""``KVCompressor``: the user-facing KV compression config (codec + eviction policy + budget), as in our
-design notes: ``Pipeline(kv=KVCompressor(dtype="int8", policy="heavy_hitter", sparsity_ratio=0.7))``.
+"""``KVCompressor``: the user-facing KV compression config (codec + eviction policy + budget):
+``Pipeline(kv=KVCompressor(dtype="int8", policy="heavy_hitter", sparsity_ratio=0.7))``.
 
 It is a frozen, validated dataclass; ``inject`` applies it to an existing pipeline or engine (the KV cache is
 rebuilt), ``from_dict`` / ``from_yaml`` read it from configs. The engine turns it into a ``KVCodec`` for the

@@ -1,4 +1,4 @@
-"""Debug checks for KV compression (our design notes): shapes unchanged by a codec, round-trip error per
+"""Debug checks for KV compression: shapes unchanged by a codec, round-trip error per
 layer against a relative threshold (``max_error``), and pool fragmentation. ``LLMEngine.kv_debug_report()``
 collects them; ``mcp2026 doctor`` reads that report.
 """

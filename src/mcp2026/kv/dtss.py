@@ -1,4 +1,4 @@
-"""DTSS (dynamic tensor slicing scheduler, from our design notes): under host/GPU memory pressure the
+"""DTSS (dynamic tensor slicing scheduler): under host/GPU memory pressure the
 engine takes whole KV shards offline (preempting the requests whose blocks live there and returning the
 shard's memory to the OS), and brings them back when the pressure passes. Hysteresis avoids flapping.
 """

@@ -39,14 +39,14 @@ FINGERPRINT = (
     "max_position_embeddings",
 )
 
-# SmolLM2-135M(-Instruct), 30 layers. "smollm2-135m" (session 25, the default under "auto"): `mcp2026 kv calibrate
+# SmolLM2-135M(-Instruct), 30 layers. "smollm2-135m" (the default under "auto"): `mcp2026 kv calibrate
 # --texts 2` (heavy_hitter at 70%, two 2k held-out ShareGPT texts at seed 1, disjoint from all four of the kv
 # bench's seed-0 texts; docs/data/kv-calibration-smollm2-135m.json has every probe). On the bench's four 2k texts,
 # all held out: ΔPPL +2.50% pooled (uniform +13.7%). L18 and L20, the layers that copy what a question asks for,
-# get the most. "smollm2-135m-sim" (session 24): the same rule in the eviction simulation, `sensitivity:0+1` of
+# get the most. "smollm2-135m-sim": the same rule in the eviction simulation, `sensitivity:0+1` of
 # `mcp2026 bench plugin examples/bench_plugins/kv_eviction_sim.py:EvictionSimulation --dtype fp32 --param
 # defer_prompt=1 --param variants=block-split --param text=0+1+2+3 --param 'layer_budget=sensitivity:0+1'`,
-# calibrated on the bench's texts 0 and 1 (+2.82% pooled); kept so that session 24's figures can be rerun.
+# calibrated on the bench's texts 0 and 1 (+2.82% pooled); kept to rerun comparisons against it.
 PRESETS: dict[str, tuple[float, ...]] = {
     "smollm2-135m": (
         0.145733,

@@ -1,6 +1,6 @@
 """Physical KV storage for the paged cache: per layer, K and V planes indexed by block, stored by a codec.
 
-Planar layout (all K, then all V, as in our design notes): every plane of the codec (data, scales, zero
+Planar layout (all K, then all V): every plane of the codec (data, scales, zero
 points) is one contiguous (num_layers, num_blocks, num_kv_heads, *chunk) tensor; a chunk is one head of one
 block (``block_size`` tokens). Head-major chunks let a read gather (sequence, head, block) chunks straight into
 (B, nkv, L, hd): the attention matmuls then run on contiguous operands, with no transpose of K or V.

@@ -208,7 +208,7 @@ def _prefill_attention(
     if out is not None:
         return out
     # 4-D inputs on purpose: with 3-D ones PyTorch's CPU dispatcher falls back to the math kernel
-    # (materialised scores, ~4x slower at 512 tokens); with a batch dim it takes the flash kernel.
+    # (materialised scores, several times slower at prefill lengths); with a batch dim it takes the flash kernel.
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         k[None],

@@ -330,7 +330,7 @@ def candidates(device: str | torch.device = "cpu") -> tuple[str, ...]:
 
 
 def clamp_bits(bits: float, candidates: Sequence[str], strict: bool = False) -> str:
-    """The design notes' clampBitwidth: the candidate format whose weight width is nearest to ``bits``
+    """clampBitwidth: the candidate format whose weight width is nearest to ``bits``
     (ties go to the wider one; equal widths keep the order of ``candidates``). Warns naming both when the
     width differs; ``strict`` raises instead, listing the candidates."""
     if not candidates:

@@ -1,6 +1,6 @@
 """Dynamic Quantization Gate: choose a weight format per linear layer from measurements.
 
-Analytic mode (the design notes): ``b* = ceil(log2(1 + sigma/eps))`` per layer, clamped to the backend's
+Analytic mode: ``b* = ceil(log2(1 + sigma/eps))`` per layer, clamped to the backend's
 candidate formats. Measured mode: for each layer and candidate spec (int8, int4 g32/64/128 symmetric or
 with zero points, plus pre-compensated variants: zero point, MSE clipping, AWQ scaling) the output error
 on calibration rows, weighted per output channel by the diagonal empirical Fisher (an estimate of the KL
@@ -360,7 +360,7 @@ def allocate(layers: Mapping[str, LayerOptions], budget: float, unit: str = "bit
 
 # ---- analytic mode ----------------------------------------------------------------------------------
 def analytic_bits(sigma: float, eps: float) -> int:
-    """The design notes' ``b* = ceil(log2(1 + sigma / eps))``."""
+    """The analytic bit width ``b* = ceil(log2(1 + sigma / eps))``: enough levels to resolve ``eps`` at ``sigma``."""
     if sigma < 0 or eps <= 0:
         raise ValueError(f"need sigma >= 0 and eps > 0, got sigma={sigma}, eps={eps}")
     return max(1, math.ceil(math.log2(1 + sigma / eps)))

@@ -1,8 +1,8 @@
 """Per-layer weight statistics and per-input-channel activation statistics for the DQG.
 
-Weights: sigma, Fisher-Pearson skewness, excess kurtosis, outlier ratio, absmax; the design notes'
+Weights: sigma, Fisher-Pearson skewness, excess kurtosis, outlier ratio, absmax; the
 pre-compensation trigger is |skew| > 0.8 or kurtosis > 5. Activations: forward pre-hooks on linears
-accumulate per-input-channel absmax and second moment, as an EMA (the notes' decay 0.999 per batch)
+accumulate per-input-channel absmax and second moment, as an EMA (decay 0.999 per batch)
 and as exact means over everything seen.
 """
 

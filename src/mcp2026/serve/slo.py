@@ -2,7 +2,7 @@
 
 Outcomes go into a sliding window of time buckets (default 5 min in 30 buckets). Closed: everything is
 admitted; when at least ``min_requests`` outcomes are in the window and the bad share passes ``threshold``
-(design notes: 5%), the breaker opens. Open: requests below ``bypass_priority`` (more urgent tenants) still
+(default 5%), the breaker opens. Open: requests below ``bypass_priority`` (more urgent tenants) still
 enter, others get 429 with Retry-After, for ``open_s``. Half-open: up to ``num_probes`` requests probe at a
 time; ``num_probes`` good outcomes close it (and clear the window), one bad outcome opens it again.
 """

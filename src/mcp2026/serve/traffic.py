@@ -1,4 +1,4 @@
-"""Live traffic profile and the pressure-mode rule that drives the runtime gate (our design notes).
+"""Live traffic profile and the pressure-mode rule that drives the runtime gate.
 
 Profile ``<pct_long_ctx, qps_burst, err_rate_5m, avg_latency>``: the share of long-context prompts among
 recent arrivals; the arrival rate as an EWMA of the observed Poisson rate per tick,
@@ -10,6 +10,7 @@ any of them falls past its (looser) off threshold, never sooner than ``min_dwell
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -194,8 +195,6 @@ class KVPolicyGate:
     name = "kv"
 
     def __init__(self, evictor: Any, pressure_sparsity: float) -> None:
-        import dataclasses
-
         self.evictor = evictor
         quality = evictor.budget
         sparsity = max(pressure_sparsity, quality.sparsity_ratio or 0.0)

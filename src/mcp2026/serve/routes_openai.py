@@ -1,0 +1,109 @@
+"""The OpenAI-compatible routes: GET /v1/models, POST /v1/completions and POST /v1/chat/completions (both stream
+as SSE when asked), each behind the tenant's API key; with a live canary, a request goes to the arm its sticky
+key picks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Depends, FastAPI, Request
+
+from mcp2026.serve.errors import APIError
+from mcp2026.serve.generation import GenerationService, Job
+from mcp2026.serve.metrics import ServerMetrics
+from mcp2026.serve.middleware import REQUEST_ID, log
+from mcp2026.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from mcp2026.serve.responses import (
+    chat_body,
+    chat_chunk,
+    complete,
+    completion_body,
+    completion_chunk,
+    stream,
+    until_disconnect,
+)
+from mcp2026.serve.tenants import Tenant, TenantRegistry
+
+if TYPE_CHECKING:
+    from mcp2026.canary.live import CanaryRouter
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503)
+}
+
+
+def api_key_of(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key")
+
+
+def add_openai_routes(
+    app: FastAPI,
+    service: GenerationService,
+    tenants: TenantRegistry,
+    metrics: ServerMetrics,
+    canary: CanaryRouter | None,
+) -> None:
+    def tenant_of(request: Request) -> Tenant:
+        tenant = tenants.authenticate(api_key_of(request))
+        if tenant is None:
+            metrics.observe_rejected("unknown", 401)
+            raise APIError(
+                401, "invalid or missing API key (send Authorization: Bearer KEY)", code="invalid_api_key"
+            )
+        return tenant
+
+    def route_to_arm(job: Job, request: Request, tenant: Tenant) -> None:
+        if canary is not None:
+            host = request.client.host if request.client else None
+            job.arm = canary.route(canary.sticky_key(tenant, api_key_of(request), host, tenants.is_open))
+
+    @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
+    async def models(tenant: Tenant = Depends(tenant_of)) -> ModelList:
+        return ModelList(data=[ModelCard(id=service.model_name, max_model_len=service.max_model_len)])
+
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    async def completions(
+        body: CompletionRequest, request: Request, tenant: Tenant = Depends(tenant_of)
+    ) -> Any:
+        service.check_model(body.model)
+        service.check_ready()
+        prompts, texts = service.completion_prompts(body)
+        job = service.make_job("completion", body, prompts, body.max_tokens, body.logprobs, tenant)
+        job.echo_texts = texts if body.echo else None
+        route_to_arm(job, request, tenant)
+        log.info(
+            "request %s: %s, %d choices, tenant %s", REQUEST_ID.get(), job.id, len(job.choices), tenant.name
+        )
+        if body.stream:
+            return stream(service, job, completion_chunk, body.include_usage)
+        try:
+            return await until_disconnect(request, complete(service, job, completion_body))
+        finally:
+            service.release(job)
+
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def chat_completions(
+        body: ChatCompletionRequest, request: Request, tenant: Tenant = Depends(tenant_of)
+    ) -> Any:
+        service.check_model(body.model)
+        service.check_ready()
+        prompt = service.chat_prompt(body)
+        job = service.make_job("chat", body, [prompt], body.requested_max_tokens, body.num_logprobs, tenant)
+        route_to_arm(job, request, tenant)
+        log.info(
+            "request %s: %s, %d choices, tenant %s", REQUEST_ID.get(), job.id, len(job.choices), tenant.name
+        )
+        if body.stream:
+            return stream(service, job, chat_chunk, body.include_usage)
+        try:
+            return await until_disconnect(request, complete(service, job, chat_body))
+        finally:
+            service.release(job)
