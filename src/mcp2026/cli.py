@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from mcp2026.cli_errors import err, user_errors
-from mcp2026.config import EngineConfig
-from mcp2026.serve.config import ServeConfig, kv_compressor_from_options, load_serve_yaml
-from mcp2026.types import SamplingParams
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="mcp2026: Model-Centric Pipeline inference engine"
@@ -43,7 +37,8 @@ def generate(
     stats: Annotated[bool, typer.Option("--stats/--no-stats", help="print speed after the answer")] = True,
 ) -> None:
     """Stream a completion of PROMPT to the terminal."""
-    from mcp2026.pipeline import Pipeline  # defer: torch
+    from mcp2026.pipeline import Pipeline
+    from mcp2026.types import SamplingParams
 
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
@@ -177,8 +172,12 @@ def serve(
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, models, metrics)."""
+    import dataclasses
+    import logging
 
-    from mcp2026.serve.server import build_server  # defer: torch
+    from mcp2026.config import EngineConfig
+    from mcp2026.serve.config import ServeConfig, kv_compressor_from_options, load_serve_yaml
+    from mcp2026.serve.server import build_server
 
     serve_config, engine_config = load_serve_yaml(config) if config else (ServeConfig(), EngineConfig())
     given = {
@@ -235,7 +234,7 @@ def compile_cmd(
 
 
 def _register_bench() -> None:
-    from mcp2026.bench.cli import bench_app  # cycle: bench.cli imports this module
+    from mcp2026.bench.cli import bench_app
 
     try:  # the load generator lives in its own module (it needs httpx)
         from mcp2026.bench.serve_cli import serve as bench_serve

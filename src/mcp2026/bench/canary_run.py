@@ -95,6 +95,8 @@ def merged_thresholds(arm_configs: list[Any], thresholds_file: str | None) -> Th
 
 
 def _requests(settings: CanarySettings, arm: Arm, max_model_len: int) -> list[Any]:
+    from mcp2026.bench.workloads import BenchRequest, WorkloadSpec, load_workload
+
     spec = WorkloadSpec(
         settings.workload, settings.num_prompts, settings.seed, settings.input_len, settings.output_len
     )
@@ -114,6 +116,8 @@ def _requests(settings: CanarySettings, arm: Arm, max_model_len: int) -> list[An
 
 
 def _warm_up(engine: Any) -> None:
+    from mcp2026.types import SamplingParams
+
     vocab = engine.model_config.vocab_size
     prompt = [(7 * i + 3) % vocab for i in range(1, 33)]  # not workload text: the prefix cache stays cold
     engine.generate([prompt, prompt[::-1]], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -121,6 +125,7 @@ def _warm_up(engine: Any) -> None:
 
 def run_block(engine: Any, requests: list[Any], arm: str, block: int) -> list[dict[str, Any]]:
     """Submit every request of the block at once, step to completion; one record per request."""
+    from mcp2026.types import SamplingParams
 
     ids = {
         engine.add_request(r.prompt_token_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True)): r
@@ -235,7 +240,8 @@ def latency_measurements(
 
 
 def run_canary(settings: CanarySettings, say: Callable[[str], None] = lambda _m: None) -> CanaryResult:
-    from mcp2026 import hardware  # defer: torch
+    from mcp2026 import hardware
+    from mcp2026.bench.workloads import describe
 
     t0 = time.perf_counter()
     configs = [read_arm_config(settings.baseline), read_arm_config(settings.candidate)]

@@ -58,6 +58,7 @@ def latency(
     progress: ProgressOpt = True,
 ) -> None:
     """Single-stream decode and prefill tok/s: ours vs HF transformers (interleaved, median of repeats)."""
+    from mcp2026.bench.latency import LatencyConfig, run_latency
 
     dtypes = tuple(d.strip() for d in dtype.split(",") if d.strip())
     formats = tuple(w.strip() for w in weights.split(",") if w.strip())
@@ -94,6 +95,7 @@ def offline(
     progress: ProgressOpt = True,
 ) -> None:
     """Offline throughput: all requests at once on our engine vs HF static batches, same prompts."""
+    from mcp2026.bench.offline import OfflineConfig, run_offline
 
     config = OfflineConfig(
         model=model,
@@ -133,6 +135,7 @@ def report(
 ) -> None:
     """Print earlier runs' summaries; write report.md with plots (latency CDFs, throughput vs rate,
     Pareto fronts, bit plan heatmap, KV usage over time)."""
+    from mcp2026.bench.report import read_run, render_markdown
 
     loaded = [(path.stem, read_run(path)) for path in runs]
     for path, (_, run) in zip(runs, loaded):
@@ -140,7 +143,8 @@ def report(
         out.print(render_markdown(run), markup=False, highlight=False)
     if no_plots:
         return
-    from mcp2026.bench.bitplan import read_layer_bits  # defer: torch
+    from mcp2026.bench.bitplan import read_layer_bits
+    from mcp2026.bench.figures import write_report
 
     layer_bits = {plan.name: read_layer_bits(plan, model)} if plan else None
     folder = plots or runs[0].with_name(f"{runs[0].stem}-report")
@@ -183,6 +187,7 @@ def quality(
 ) -> None:
     """Perplexity and KLD of quantized plans (int8, int4, role mixture, DQG budgets) vs full precision,
     with HF transformers and llama.cpp scored on the same windows."""
+    from functools import partial
 
     from mcp2026.bench.quality_peers import PEERS, peer_quality_rows
     from mcp2026.bench.quality_run import quality_run

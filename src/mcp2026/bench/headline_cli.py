@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
@@ -13,9 +13,14 @@ from rich.markup import escape
 from mcp2026.bench.cli_common import out
 from mcp2026.cli_errors import err, user_errors
 
+if TYPE_CHECKING:
+    from mcp2026.bench.report import BenchRun
+
 
 def load_run(path: Path) -> BenchRun:
     """A ``BenchRun`` from ``path``; ValueError naming the file when it is not a run JSON."""
+    from mcp2026.bench.report import BenchRun
+
     try:
         data = json.loads(Path(path).read_text())
         if not isinstance(data, dict) or not isinstance(data.get("kind"), str):
@@ -59,9 +64,7 @@ def headline(
     if runs:
         loaded = [load_run(path) for path in runs]
     else:
-        folder = (
-            runs_dir if runs_dir is not None else report.project_root() / "runs"
-        )  # looked up on use: tests move it
+        folder = runs_dir if runs_dir is not None else project_root() / "runs"
         if not folder.is_dir():
             raise ValueError(f"no runs folder {folder} (give run JSON files or --runs-dir)")
         loaded = []

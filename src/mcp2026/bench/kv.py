@@ -1,4 +1,4 @@
-"""``mcp2026 bench kv``: what KV compression costs in quality and buys in memory and speed.
+"""``mcp2026 bench kv`` (issue 5): what KV compression costs in quality and buys in memory and speed.
 
 Quality: each sequence (held-out ShareGPT conversations, concatenated) is teacher-forced through the engine's
 real paged path (``LLMEngine.score``) for the uncompressed reference and every config in lockstep: the first half
@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mcp2026.bench import kv_retrieval as kr
 from mcp2026.bench.kv_config import (
     DECODE_SPARSITY,
     PROMPT_CHUNK,
@@ -33,11 +32,7 @@ from mcp2026.bench.kv_config import (
 )
 from mcp2026.bench.kv_measure import lockstep_group_size, measurement_engine
 from mcp2026.bench.kv_report import notes, tables, targets
-from mcp2026.bench.kv_retrieval import ANSWER_TOKENS
 from mcp2026.bench.report import BenchRun, machine_info
-from mcp2026.bench.weights import quant_config
-from mcp2026.bench.workloads import WorkloadSpec, load_workload
-from mcp2026.config import DEFAULT_BLOCK_SIZE
 from mcp2026.kv.manager import cdiv
 
 
@@ -47,6 +42,7 @@ def token_sequences(
 ) -> list[list[int]]:
     """``num`` sequences of ``length`` tokens: held-out ShareGPT conversations (the ``long`` workload's
     stream), or uniform random ids for ``text="random"`` and models without a tokenizer."""
+    from mcp2026.bench.workloads import WorkloadSpec, load_workload
 
     if text == "sharegpt" and tokenizer is not None:
         spec = WorkloadSpec("long", num, seed, output_len=1, min_context_len=length, max_context_len=length)
@@ -57,9 +53,9 @@ def token_sequences(
 
 def unavailable_codecs(codecs: Sequence[str], block_size: int | None = None) -> dict[str, str]:
     """Codecs whose encode/decode does not run on this device (e.g. no float8 conversion): name -> why."""
-    import torch  # defer: torch
+    import torch
 
-    from mcp2026.kv.codecs import make_codec  # defer: torch
+    from mcp2026.kv.codecs import make_codec
 
     missing = {}
     for name in codecs:
@@ -83,7 +79,7 @@ class Speed:
 
 
 def _probe(engine: Any, prompt: int, chunk: int) -> Speed:
-    import torch  # defer: torch
+    import torch
 
     def chunk_times(num_tokens: int, chunk_size: int) -> list[float]:
         ids = torch.randint(engine.model_config.vocab_size, (num_tokens,)).tolist()
@@ -103,6 +99,7 @@ def estimate_seconds(
 ) -> dict[str, float]:
     """Forward passes x probed speed. Attention growth with context and eviction scoring are not included,
     so the real run takes longer."""
+    from mcp2026.bench.kv_retrieval import ANSWER_TOKENS
 
     n, p = config.context_tokens, config.prompt_len
     one_pass = p * speed.per_token + cdiv(n - p, config.chunk_size) * speed.per_chunk
@@ -160,6 +157,7 @@ class _Context:
 
 def _group_size(ctx: _Context, num_tests: int) -> int:
     """Test engines per lockstep pass, so that pools and one chunk of logits each fit a share of memory."""
+    from mcp2026.config import DEFAULT_BLOCK_SIZE
 
     block_size = ctx.config.block_size or DEFAULT_BLOCK_SIZE  # blocks of the model's dtype: the largest pool
     return lockstep_group_size(ctx.loaded, block_size, ctx.config.context_tokens, PROMPT_CHUNK, num_tests)
@@ -214,8 +212,8 @@ def _quality(
 def _llama_cpp_kv(ctx: _Context, sequences: list[list[int]]) -> dict[str, dict[str, float]] | None:
     """llama.cpp's KV types on the same sequences (bench.kv_peer), pooled as our rows; None (with a note)
     where llama-cpp-python or a GGUF file is missing."""
-    from mcp2026.bench.kv_peer import kv_type_bytes_ratio, llama_cpp_kv_quality  # defer: torch
-    from mcp2026.bench.peers import PeerUnavailable  # defer: torch
+    from mcp2026.bench.kv_peer import kv_type_bytes_ratio, llama_cpp_kv_quality
+    from mcp2026.bench.peers import PeerUnavailable
 
     config = ctx.config
     try:
@@ -227,6 +225,8 @@ def _llama_cpp_kv(ctx: _Context, sequences: list[list[int]]) -> dict[str, dict[s
 
 
 def _retrieval(ctx: _Context) -> dict[str, Any]:
+    from mcp2026.bench import kv_retrieval as kr
+
     config, loaded = ctx.config, ctx.loaded
     vocab = loaded.config.vocab_size
     # Text mode needs a tokenizer and real text; otherwise prompts are token ids.
@@ -330,9 +330,10 @@ def _decode(ctx: _Context) -> dict[str, Any]:
     task = ctx.progress.add_task("decode", total=len(configs)) if ctx.progress is not None else None
     loaded = ctx.loaded
     if config.decode_weights:  # a second copy of the model, quantized (the first stays the quality reference)
-        from mcp2026.loading.loader import load_model  # defer: torch
-        from mcp2026.pipeline import DTYPES  # defer: torch
-        from mcp2026.quant.recipe import quantize_loaded  # defer: torch
+        from mcp2026.bench.weights import quant_config
+        from mcp2026.loading.loader import load_model
+        from mcp2026.pipeline import DTYPES
+        from mcp2026.quant.recipe import quantize_loaded
 
         loaded = load_model(config.model, dtype=DTYPES[config.dtype])
         quantize_loaded(loaded, quant_config(config.decode_weights), progress=False)
@@ -378,7 +379,7 @@ def run_kv(
     config: KVBenchConfig | None = None, progress: Any = None, say: Callable[[str], None] | None = None
 ) -> BenchRun:
     """Run every part; ``say`` gets one-line status messages (the time estimate, skipped codecs)."""
-    import torch  # defer: torch
+    import torch
 
     from mcp2026.bench.kv_measure import kv_bytes_per_token
     from mcp2026.loading.loader import load_model

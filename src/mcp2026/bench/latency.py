@@ -1,4 +1,4 @@
-"""Single-stream latency: greedy decode tok/s (128 new tokens, EOS ignored) and 512-token prefill
+"""Single-stream latency (issue 2): greedy decode tok/s (128 new tokens, EOS ignored) and 512-token prefill
 tok/s of one model, ours vs HF transformers (and llama.cpp when installed) on the same weights and token ids,
 in one process. Engines alternate within every repeat (ours, HF, ours, HF, ...); warm-up rounds are excluded;
 the reported figure is the median over repeats.
@@ -16,9 +16,6 @@ from typing import Any
 
 from mcp2026.bench.report import BenchRun, Table, machine_info
 from mcp2026.bench.weights import check_weights, quant_config
-from mcp2026.bench.workloads import WorkloadSpec, load_workload
-from mcp2026.config import KVConfig
-from mcp2026.types import SamplingParams
 
 DECODE_PROMPT = "Write a short story about a robot who learns to paint, in about two hundred words."
 ENGINE_LABELS = {"mcp2026": "mcp2026", "hf": "HF transformers", "llama.cpp": "llama.cpp"}
@@ -79,7 +76,8 @@ class Contender:
 
 
 def _ours(pipe: Any, dtype: str) -> Contender:
-    from mcp2026.bench.peers import GenerationTiming  # defer: torch
+    from mcp2026.bench.peers import GenerationTiming
+    from mcp2026.types import SamplingParams
 
     engine = pipe.engine
 
@@ -100,7 +98,7 @@ def _ours(pipe: Any, dtype: str) -> Contender:
 
 
 def _hf(hf: Any, dtype: str) -> Contender:
-    from mcp2026.bench.peers import hf_decode_latency, hf_prefill  # defer: torch
+    from mcp2026.bench.peers import hf_decode_latency, hf_prefill
 
     return Contender(
         "hf", dtype, lambda ids, n: hf_decode_latency(hf, ids, n), lambda ids: hf_prefill(hf, ids)
@@ -108,7 +106,7 @@ def _hf(hf: Any, dtype: str) -> Contender:
 
 
 def _llama_cpp(llm: Any) -> Contender:
-    from mcp2026.bench.peers import llama_cpp_decode_latency, llama_cpp_prefill  # defer: torch
+    from mcp2026.bench.peers import llama_cpp_decode_latency, llama_cpp_prefill
 
     return Contender(
         "llama.cpp",
@@ -119,6 +117,8 @@ def _llama_cpp(llm: Any) -> Contender:
 
 
 def _prompts(pipe: Any, config: LatencyConfig) -> tuple[list[int], list[int]]:
+    from mcp2026.bench.workloads import WorkloadSpec, load_workload
+
     tokenizer = pipe.tokenizer
     vocab = pipe.loaded.config.vocab_size
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
@@ -294,7 +294,7 @@ def _agreement(records: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def _table(aggregates: dict[str, Any], config: LatencyConfig, decode_prompt_len: int) -> Table:
-    """Ratios against HF fp32, the baseline the targets are stated in (all pairs are in aggregates)."""
+    """Ratios against HF fp32, the baseline the issue targets are stated in (all pairs are in aggregates)."""
     medians = aggregates["median_tok_per_s"]
     ref = medians.get("hf/fp32")
     rows = []

@@ -109,6 +109,8 @@ def sweep(
         run = run_sweep(config, points, bar, command=command)
     path = finish_run(run, out_dir, False, "sweep")
     if plots:
+        from mcp2026.bench.figures import write_report
+
         report, figures = write_report([(path.stem, run)], path.with_name(f"{path.stem}-report"))
         err.print(f"[dim]wrote {report} with {len(figures.paths)} plots[/]")
         for reason in figures.skipped:

@@ -100,8 +100,8 @@ def _judge_request(name: str, reason: str, usable: list[str], ctx: DoctorContext
     if quant is None or quant.target_precision in usable:
         return passed(name, reason, **details)
     fmt, strict = quant.target_precision, quant.strict
-    from mcp2026.quant.backend import clamp_bits  # defer: torch
-    from mcp2026.quant.plan import WEIGHT_BITS  # defer: torch
+    from mcp2026.quant.backend import clamp_bits
+    from mcp2026.quant.plan import WEIGHT_BITS
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -113,8 +113,8 @@ def _judge_request(name: str, reason: str, usable: list[str], ctx: DoctorContext
 
 
 def check_quant_kernels(ctx: DoctorContext) -> CheckResult:
-    from mcp2026.quant.linear import LINEAR_FORMATS  # defer: torch
-    from mcp2026.quant.plan import FORMATS  # defer: torch
+    from mcp2026.quant.linear import LINEAR_FORMATS
+    from mcp2026.quant.plan import FORMATS
 
     name = "quant kernels"
     kernels = {fmt: LINEAR_FORMATS[fmt].kernel_on(ctx.device) for fmt in FORMATS}
@@ -124,7 +124,7 @@ def check_quant_kernels(ctx: DoctorContext) -> CheckResult:
         have = [f for f, k in kernels.items() if k is not None]
         reason = f"real kernels on {ctx.device}: {', '.join(have)}{none}; speed not measured (--quick)"
         return _judge_request(name, reason, have, ctx, kernels=kernels)
-    from mcp2026.quant.backend import probe  # defer: torch
+    from mcp2026.quant.backend import probe
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -163,7 +163,7 @@ def check_quant_kernels(ctx: DoctorContext) -> CheckResult:
 
 def check_fused_kernels(ctx: DoctorContext) -> CheckResult:
     """Our C++ decode kernels (kernels/cpu_decode.cpp): built and cached, or why the engine falls back."""
-    from mcp2026.kernels import cpu  # defer: torch
+    from mcp2026.kernels import cpu
 
     name = "fused kernels"
     if ctx.device.type != "cpu":

@@ -71,7 +71,7 @@ def build_pipeline(serve_config: ServeConfig, engine_config: EngineConfig) -> Pi
     """The model ``serve_config`` names, quantized as its ``quant`` YAML asks (its calibration and dqg
     sections included: the plan ``mcp2026 compile`` of that YAML would choose), on an engine with
     ``engine_config``'s KV cache, KV compressor and scheduler: what a server with these configs runs."""
-    from mcp2026.pipeline import Pipeline  # defer: torch
+    from mcp2026.pipeline import Pipeline
 
     return Pipeline(
         model=serve_config.model,
