@@ -228,7 +228,8 @@ def _serve_rates(
     notes: list[str],
     compute_thread: ComputeThread | None = None,
 ) -> list[dict[str, Any]]:
-    from mcp2026.bench.serve import ServeBenchConfig, bench_serve
+    from mcp2026.bench.serve import bench_serve
+    from mcp2026.bench.serve_config import ServeBenchConfig
 
     rows = []
     with running_server(pipe, point.serve, compute_thread=compute_thread) as (url, model_id):

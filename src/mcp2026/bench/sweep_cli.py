@@ -66,7 +66,7 @@ def sweep(
 ) -> None:
     """Serve each configuration at each request rate; table, Pareto fronts and plots."""
     from mcp2026.bench.report import shell_join
-    from mcp2026.bench.serve import parse_goodput
+    from mcp2026.bench.serve_config import parse_goodput
     from mcp2026.bench.sweep import SweepConfig, run_sweep
     from mcp2026.bench.sweep_grid import GridAxes, build_grid, parse_list
     from mcp2026.bench.workloads import workload_burstiness
