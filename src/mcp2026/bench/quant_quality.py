@@ -18,8 +18,10 @@ from torch import Tensor, nn
 
 from mcp2026.bench.quality import evaluate, reference_logprobs
 from mcp2026.kernels import cpu
-from mcp2026.loading.loader import load_model
+from mcp2026.loading.loader import load_model, weight_bytes
+from mcp2026.pipeline import native_weights_blocker
 from mcp2026.quant import dqg, recipe
+from mcp2026.quant.block_linear import BlockLinear
 from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, calibration_samples
 from mcp2026.quant.linear import GEMV_MAX_ROWS, QuantLinear
 from mcp2026.quant.perplexity import N_CTX, evaluation_windows
@@ -132,6 +134,29 @@ def bf16_row(
             **evaluate(model, windows, reference).to_dict()}  # fmt: skip
 
 
+STORED_PLAN = "GGUF as stored (the default path)"
+
+
+def stored_row(
+    model_path: str | Path | None, windows: Sequence[Tensor], reference: Sequence[Tensor]
+) -> dict[str, Any] | None:
+    """The GGUF run as it is stored (what ``Pipeline()`` runs: its block formats on our block GEMM, activations
+    in int8 per 32 values), against the fp32 reference, which is the same file dequantized; None where the
+    model is not a GGUF or the kernels are missing."""
+    if native_weights_blocker(model_path, "auto", None, "cpu") is not None:
+        return None
+    loaded = load_model(model_path, torch.float32, native=True)
+    bits = 8 * weight_bytes(loaded.model) / _parameter_count(loaded.model)
+    return {"plan": STORED_PLAN, "family": "stored", "bits": bits, "mib": weight_bytes(loaded.model) / 2**20,
+            **evaluate(loaded.model, windows, reference).to_dict()}  # fmt: skip
+
+
+def _parameter_count(model: torch.nn.Module) -> int:
+    """Weights of the linears and the token table as the model uses them (a tied table once)."""
+    seen = {id(m): m for m in model.modules() if isinstance(m, BlockLinear | torch.nn.Linear)}
+    return sum(m.in_features * m.out_features for m in seen.values())
+
+
 def run_quality_bench(
     model_path=None,
     settings: QualityBenchSettings = QualityBenchSettings(),
@@ -184,6 +209,9 @@ def run_quality_bench(
         rows += more
     if wanted(BF16_PLAN):
         rows.append(bf16_row(model_path, windows, reference))
+    stored = stored_row(model_path, windows, reference) if wanted(STORED_PLAN) else None
+    if stored is not None:
+        rows.append(stored)
     with _progress(progress) as bar:
         task = bar.add_task("evaluating plans", total=len(plans))
         for name, (plan, scales, family) in plans.items():
