@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from mcp2026.bench.cli import bench_app
 from mcp2026.cli_errors import err, user_errors
 from mcp2026.config import EngineConfig
 from mcp2026.serve.config import ServeConfig, kv_compressor_from_options, load_serve_yaml
@@ -212,8 +213,6 @@ def compile_cmd(
 
 
 def _register_bench() -> None:
-    from mcp2026.bench.cli import bench_app  # cycle: bench.cli imports this module
-
     try:  # the load generator lives in its own module (it needs httpx)
         from mcp2026.bench.serve_cli import serve as bench_serve
 
