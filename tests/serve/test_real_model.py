@@ -19,6 +19,19 @@ from serve_helpers import free_port
 pytestmark = pytest.mark.slow
 
 
+def _wait_in_flight(url: str, timeout_s: float = 30.0) -> None:
+    """Until the engine holds a request (running or waiting): a SIGTERM before that has nothing to drain, and a
+    request that reaches the engine after the drain finds it stopped."""
+    deadline = time.monotonic() + timeout_s
+    names = ("mcp2026_num_requests_running", "mcp2026_num_requests_waiting")
+    while time.monotonic() < deadline:
+        lines = httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
+        if any(float(line.split()[-1]) for line in lines if line.startswith(names)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no request reached the engine within {timeout_s} s")
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
@@ -89,7 +102,7 @@ def test_serve_cli_real_model(tmp_path):
 
         thread = threading.Thread(target=stream)
         thread.start()
-        time.sleep(0.5)
+        _wait_in_flight(url)
         children = _children(proc.pid)
         proc.send_signal(signal.SIGTERM)
         thread.join(60)
