@@ -104,3 +104,21 @@ def test_generate_streams_with_default_model():
     assert "Traceback" not in result.stderr
     assert result.stdout.strip()
     assert "tokens, finish=" in result.stderr
+
+
+def test_info_says_which_path_a_gguf_runs(tmp_path: Path):
+    from gguf_files import write_tiny_gguf
+
+    from mcp2026.kernels import cpu
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_K", v_type="Q6_K")
+
+    def table_text(*args: str) -> str:  # the rows' words, whatever the table wrapped
+        result = CliRunner().invoke(app, ["info", str(path), *args])
+        assert result.exit_code == 0, result.output
+        return " ".join(result.stdout.replace("│", " ").split())
+
+    if cpu.load() is not None:
+        assert "native: Q4_K, Q6_K as stored, block_gemm" in table_text()
+    floats = table_text("--dtype", "fp32")
+    assert "float float32 (dtype=fp32 asks for float weights)" in floats and "weights in memory" in floats
