@@ -107,9 +107,9 @@ def test_generate_streams_with_default_model():
 
 
 def test_info_says_which_path_a_gguf_runs(tmp_path: Path):
-    from gguf_files import write_tiny_gguf
-
     from mcp2026.kernels import cpu
+
+    from gguf_files import write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_K", v_type="Q6_K")
 
