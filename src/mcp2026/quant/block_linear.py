@@ -195,14 +195,15 @@ class BlockLinear(nn.Module):
     def dequantize_rows(self, rows: Tensor) -> Tensor:
         """fp32 (len(rows), K): the weight rows ``rows`` (an embedding lookup reads the table this way)."""
         tile, col = rows // COLUMN_TILE, rows % COLUMN_TILE
-        t = rows.numel()
-        packed = self.weight[tile]  # (T, K/8 or K/4, 64)
-        per_col = packed.view(t, packed.shape[1], COLUMN_TILE, 4)[torch.arange(t), :, col]  # (T, J, 4)
+        t, picked = rows.numel(), torch.arange(rows.numel())
+        # NOTE: index_select, not weight[tile]: advanced indexing of a uint8 tensor this size takes milliseconds
+        packed = torch.index_select(self.weight, 0, tile)  # (T, K/8 or K/4, 64)
+        per_col = packed.view(t, packed.shape[1], COLUMN_TILE, 4)[picked, :, col]  # (T, J, 4)
         if self.bits == 4:
             u = torch.stack([per_col & 0xF, per_col >> 4], dim=2).reshape(t, self.in_features)
         else:
             u = per_col.reshape(t, self.in_features)
-        so = self.scales_offsets[tile][torch.arange(t), :, :, col]  # (T, G, 2)
+        so = torch.index_select(self.scales_offsets, 0, tile)[picked, :, :, col]  # (T, G, 2)
         g = self.group_size
         w = u.float().view(t, -1, g) * so[..., 0:1] + so[..., 1:2]
         return w.view(t, self.in_features)
