@@ -132,6 +132,21 @@ def usable_cpu_count() -> int:
     return count if quota is None else min(count, max(1, int(quota)))
 
 
+def release_free_heap() -> bool:
+    """Hand the heap's free pages back to the OS (glibc ``malloc_trim``); False where there is no glibc.
+
+    Loading a model frees hundreds of MB of temporaries that glibc keeps mapped, so without this a server's
+    resident memory stays at the load's peak for its whole life."""
+    import ctypes  # only here: the libc handle is needed once per load
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        return bool(ctypes.CDLL(name).malloc_trim(0)) if name else False
+    except (OSError, AttributeError):  # musl and other libcs have no malloc_trim
+        return False
+
+
 def peak_rss_reset() -> None:
     """Reset the kernel's peak-RSS mark (VmHWM) so a later read is the peak of what followed."""
     with contextlib.suppress(OSError):

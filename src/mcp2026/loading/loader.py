@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mcp2026 import hardware
 from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
 from mcp2026.loading import gguf as gguf_loading
@@ -146,6 +147,8 @@ def load_model(
         file_format, size = "gguf", source.stat().st_size
     state = fuse_weights(tensors, config, str(source))
     model = _instantiate(config, state, dtype, str(source))
+    del tensors, state
+    hardware.release_free_heap()  # the load's temporaries, freed, back to the OS
     kept = any(isinstance(m, BlockLinear) for m in model.modules())
     return LoadedModel(
         model, config, tokenizer, source, file_format, dict(formats), size, "native" if kept else "float"
