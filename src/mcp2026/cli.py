@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.table import Table
 
+from mcp2026.bench.cli import bench_app
 from mcp2026.cli_errors import err, user_errors
+from mcp2026.config import EngineConfig
+from mcp2026.serve.config import ServeConfig, kv_compressor_from_options, load_serve_yaml
+from mcp2026.types import SamplingParams
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="mcp2026: Model-Centric Pipeline inference engine"
@@ -37,8 +44,7 @@ def generate(
     stats: Annotated[bool, typer.Option("--stats/--no-stats", help="print speed after the answer")] = True,
 ) -> None:
     """Stream a completion of PROMPT to the terminal."""
-    from mcp2026.pipeline import Pipeline
-    from mcp2026.types import SamplingParams
+    from mcp2026.pipeline import Pipeline  # deferred: loads torch; this module stays light for the CLI
 
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
@@ -71,9 +77,9 @@ def info(
     model: Annotated[Path | None, typer.Argument(help="HF folder or .gguf (default: embedded model)")] = None,
 ) -> None:
     """Architecture, parameter count, tensor formats and memory footprint of a model."""
-    from rich.table import Table
-
-    from mcp2026.loading.loader import load_model
+    from mcp2026.loading.loader import (
+        load_model,  # deferred: loads torch; this module stays light for the CLI
+    )
 
     loaded = load_model(model)
     cfg = loaded.config
@@ -150,12 +156,9 @@ def serve(
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, models, metrics)."""
-    import dataclasses
-    import logging
-
-    from mcp2026.config import EngineConfig
-    from mcp2026.serve.config import ServeConfig, kv_compressor_from_options, load_serve_yaml
-    from mcp2026.serve.server import build_server
+    from mcp2026.serve.server import (
+        build_server,  # deferred: loads torch; this module stays light for the CLI
+    )
 
     serve_config, engine_config = load_serve_yaml(config) if config else (ServeConfig(), EngineConfig())
     given = {
@@ -203,7 +206,7 @@ def compile_cmd(
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="progress bars")] = True,
 ) -> None:
     """Calibrate, plan and quantize a model into an artifact folder that loads without recalibrating."""
-    from mcp2026.compiler import compile_model
+    from mcp2026.compiler import compile_model  # deferred: loads torch; this module stays light for the CLI
 
     if config is None or out_dir is None:
         raise ValueError("give --config QUANT.yaml and --out DIR (example configs: examples/quant/*.yaml)")
@@ -212,10 +215,10 @@ def compile_cmd(
 
 
 def _register_bench() -> None:
-    from mcp2026.bench.cli import bench_app
-
     try:  # the load generator lives in its own module (it needs httpx)
-        from mcp2026.bench.serve_cli import serve as bench_serve
+        from mcp2026.bench.serve_cli import (
+            serve as bench_serve,  # optional dependency: its ImportError is handled here
+        )
 
         bench_app.command("serve")(bench_serve)
     except ImportError:

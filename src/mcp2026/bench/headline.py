@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
+from mcp2026.bench.quality_run import delta_text
 from mcp2026.bench.report import BenchRun, format_value, machine_line
 
 KINDS = ("latency", "offline-batched-decode", "offline", "serve", "kv", "quality")
@@ -176,8 +177,6 @@ LLAMA_KV_PEER = {"int8": "q8_0", "int4": "q4_0"}  # our codec -> llama.cpp's cac
 def quality_rows(run: BenchRun) -> list[list[str]]:
     """The plans the run marked for the headline (``aggregates.headline``): ΔPPL ± 1 s.e. and KLD vs the
     unquantized model at the plan's bits/weight (scales and zero points counted)."""
-    from mcp2026.bench.quality_run import delta_text
-
     plans = run.aggregates.get("plans") or {}
     windows = run.config.get("num_windows")
     rows = []

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from mcp2026.bench.weights import check_weights
+
 PROMPT_CHUNK = 256  # prefill chunk of the prompt half (memory: every engine holds one chunk of logits)
 DECODE_SPARSITY = 0.7  # the issue's "70% eviction" for the decode-speed comparison
 MAX_CONTEXT = 8192
@@ -59,7 +61,9 @@ def parse_config(name: str, identity: str, block_size: int | None = None) -> Any
     ``identity``, the model's dtype) or ``int4+heavy_hitter@0.7`` (both) -> KVCompressor. A policy may carry
     KVCompressor fields: ``heavy_hitter@0.7:lookahead_tokens=16:num_anchors=0``. ``block_size`` None: the
     codec's default."""
-    from mcp2026.kv.compressor import KVCompressor
+    from mcp2026.kv.compressor import (
+        KVCompressor,  # deferred: loads torch; this module stays light for the CLI
+    )
 
     codec, evict = _parts(name, identity)
     if evict is None:
@@ -125,7 +129,9 @@ class KVBenchConfig:
             raise ValueError(f"--retrieval-tokens must be >= 64, got {self.retrieval_tokens}")
         if self.budget_gb <= 0:
             raise ValueError(f"--budget-gb must be > 0, got {self.budget_gb}")
-        from mcp2026.kv.compressor import BLOCK_SIZES
+        from mcp2026.kv.compressor import (
+            BLOCK_SIZES,  # deferred: loads torch; this module stays light for the CLI
+        )
 
         if self.block_size is not None and self.block_size not in BLOCK_SIZES:
             raise ValueError(f"--block-size must be one of {BLOCK_SIZES}, got {self.block_size}")
@@ -149,7 +155,9 @@ class KVBenchConfig:
         object.__setattr__(self, "decode_configs", tuple(n.replace(" ", "") for n in self.decode_configs))
         for name in self.decode_configs:
             parse_config(name, self.identity, self.block_size)
-        from mcp2026.bench.kv_peer import LLAMA_KV_TYPES
+        from mcp2026.bench.kv_peer import (
+            LLAMA_KV_TYPES,  # deferred: loads torch; this module stays light for the CLI
+        )
 
         # f16 is the peer's reference, not a type to compare
         unknown = sorted((set(self.llama_cpp_kv) - set(LLAMA_KV_TYPES)) | ({"f16"} & set(self.llama_cpp_kv)))
@@ -159,8 +167,6 @@ class KVBenchConfig:
                 f"reference) or none, got {unknown}"
             )
         if self.decode_weights:
-            from mcp2026.bench.weights import check_weights
-
             check_weights((self.decode_weights,), ("int8", "int4", "fp8"))
 
     @property

@@ -11,6 +11,7 @@ from typing import Any
 
 from mcp2026.bench.kv_config import PROMPT_CHUNK, KVBenchConfig
 from mcp2026.bench.report import Table
+from mcp2026.kv.layer_weights import AUTO, auto_weights
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,9 @@ def _llama_cpp_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
 
 
 def _blocks(block_size: int | None) -> str:
-    from mcp2026.kv.codecs import describe_default_block_sizes
+    from mcp2026.kv.codecs import (
+        describe_default_block_sizes,  # deferred: loads torch; this module stays light for the CLI
+    )
 
     return (
         f"block size {block_size}"
@@ -286,7 +289,7 @@ def notes(config: KVBenchConfig, loaded: Any, retrieval: dict | None, grid: list
             "fp8 on CPU: stored as e4m3 and converted on read (no fp8 arithmetic); saves memory only."
         )
     if config.dtype == "bf16":
-        from mcp2026 import hardware
+        from mcp2026 import hardware  # deferred: loads torch; this module stays light for the CLI
 
         if not hardware.has_fast_bf16():
             notes.append("bf16 on a CPU without AVX512-BF16/AMX: emulated, several times slower than fp32")
@@ -302,8 +305,6 @@ def notes(config: KVBenchConfig, loaded: Any, retrieval: dict | None, grid: list
 
 def _auto_layer_weights(loaded: Any, grid: list) -> str | None:
     """What ``layer_weights="auto"`` (a policy row without a layer_weights option) meant on this model."""
-    from mcp2026.kv.layer_weights import AUTO, auto_weights
-
     policies = sorted({kv.policy for _, kv in grid if kv.evicts and kv.layer_weights == AUTO})
     if not policies:
         return None

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mcp2026.types import SamplingParams
+
 NAMES = (
     "Alice", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ines", "Jonas",
     "Kofi", "Lena", "Marek", "Nadia", "Oskar", "Priya", "Quentin", "Rosa", "Sven", "Tariq",
@@ -91,8 +93,6 @@ def build_prompt(
 def answers(engine: Any, prompts: Sequence[RetrievalPrompt]) -> list[list[int]]:
     """Greedy answers of ``engine``, one prompt at a time: with eviction, what a request keeps depends on
     its prefill chunks, and those on what else is batched; alone, every engine sees the same chunks."""
-    from mcp2026.types import SamplingParams
-
     params = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0)
     out = []
     for p in prompts:

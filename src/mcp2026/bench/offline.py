@@ -22,6 +22,8 @@ from typing import Any
 from mcp2026.bench.report import BenchRun, Table, machine_info
 from mcp2026.bench.weights import check_weights, quant_config
 from mcp2026.bench.workloads import BenchRequest, WorkloadSpec, describe, load_workload
+from mcp2026.config import KVConfig
+from mcp2026.types import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -90,8 +92,6 @@ def run_engine(
 ) -> EngineRun:
     """Add every request at once, step to completion. Per request: TTFT and E2E from the common start.
     ``cache_salt``: prefix-cache salt of this pass (blocks cached by an earlier pass are no hits)."""
-    from mcp2026.types import SamplingParams
-
     task = progress.add_task("mcp2026", total=sum(r.output_len for r in requests)) if progress else None
     start = time.perf_counter()
     for r in requests:
@@ -160,8 +160,6 @@ def combine_passes(passes: list[EngineRun], name: str) -> EngineRun:
 
 
 def _warm_up_ours(engine: Any, vocab_size: int) -> None:
-    from mcp2026.types import SamplingParams
-
     engine.generate(
         [[i % vocab_size for i in range(1, 17)]] * 2, SamplingParams(max_tokens=4, ignore_eos=True)
     )
@@ -179,10 +177,13 @@ def check_fits(requests: list[BenchRequest], max_model_len: int) -> None:
 def run_offline(
     config: OfflineConfig | None = None, progress: Any = None, use_cache: bool = True
 ) -> BenchRun:
-    from mcp2026.bench.bitplan import model_layer_bits
-    from mcp2026.config import KVConfig
-    from mcp2026.hardware import available_memory_bytes
-    from mcp2026.pipeline import Pipeline
+    from mcp2026.bench.bitplan import (
+        model_layer_bits,  # deferred: loads torch; this module stays light for the CLI
+    )
+    from mcp2026.hardware import (
+        available_memory_bytes,  # deferred: loads torch; this module stays light for the CLI
+    )
+    from mcp2026.pipeline import Pipeline  # deferred: loads torch; this module stays light for the CLI
 
     config = config or OfflineConfig()
     notes: list[str] = []
@@ -216,7 +217,7 @@ def run_offline(
     run_ours(0)
     hf_result = None
     if config.peer:
-        from mcp2026.bench import peers
+        from mcp2026.bench import peers  # deferred: loads torch; this module stays light for the CLI
 
         t0 = time.perf_counter()
         try:
@@ -241,7 +242,7 @@ def run_offline(
             )
     ours = runs["mcp2026"]
     if dtype == "bf16":
-        from mcp2026 import hardware
+        from mcp2026 import hardware  # deferred: loads torch; this module stays light for the CLI
 
         if not hardware.has_fast_bf16():
             notes.append("bf16 on a CPU without AVX512-BF16/AMX: emulated, several times slower than fp32")

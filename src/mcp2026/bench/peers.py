@@ -19,7 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from mcp2026 import hardware
 from mcp2026.bench.workloads import BenchRequest
+from mcp2026.loading.loader import default_model_path
 
 
 class PeerUnavailable(RuntimeError):
@@ -53,9 +55,7 @@ class GenerationTiming:
 # ---- HF transformers ------------------------------------------------------------------------------
 def load_hf_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The same weights our loader reads: the default GGUF, a .gguf file, or an HF folder."""
-    from transformers import AutoModelForCausalLM
-
-    from mcp2026.loading.loader import default_model_path
+    from transformers import AutoModelForCausalLM  # heavy dependency, loaded on first use
 
     source = default_model_path() if model is None else Path(model).expanduser()
     if source.is_file():
@@ -109,7 +109,7 @@ def _pad_id(hf: nn.Module) -> int:
 
 def hf_generate(hf: nn.Module, prompts: Sequence[Sequence[int]], new_tokens: int) -> GenerationTiming:
     """Greedy ``generate`` of exactly ``new_tokens`` for every row; prompts left-padded to the longest."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # heavy dependency, loaded on first use
 
     pad = _pad_id(hf)
     width = max(len(p) for p in prompts)
@@ -217,12 +217,9 @@ def load_llama_cpp(
             '(CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python; builds llama.cpp, ~12 min on 2 cores)'
         )
     try:
-        from llama_cpp import Llama
+        from llama_cpp import Llama  # optional dependency: its ImportError is handled here
     except ImportError as e:  # installed without its own dependencies (diskcache, ...), or a broken build
         raise PeerUnavailable(f"llama.cpp peer skipped: llama_cpp does not import ({e})") from None
-
-    from mcp2026 import hardware
-    from mcp2026.loading.loader import default_model_path
 
     path = Path(gguf_path) if gguf_path is not None else default_model_path()
     if path.suffix != ".gguf":

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from mcp2026.bench.report import BenchRun, Table, machine_info
+from mcp2026.bench.workloads import WorkloadSpec, load_workload
 
 if TYPE_CHECKING:
     from mcp2026.bench.workloads import BenchRequest
@@ -49,15 +50,13 @@ class PluginContext:
 
     @cached_property
     def pipeline(self) -> Pipeline:
-        from mcp2026.pipeline import Pipeline
+        from mcp2026.pipeline import Pipeline  # deferred: loads torch; this module stays light for the CLI
 
         return Pipeline(self.model, dtype=self.dtype)
 
     def workload(self, name: str, num_requests: int, **spec: Any) -> list[BenchRequest]:
         """Requests of a registered workload (bench/workloads.py) for this model's tokenizer and vocabulary,
         seeded by ``seed``; ``spec`` sets other WorkloadSpec fields (input_len, output_len, prefix_len)."""
-        from mcp2026.bench.workloads import WorkloadSpec, load_workload
-
         pipe = self.pipeline
         workload = WorkloadSpec(name, num_requests, self.seed, **spec)
         return load_workload(workload, pipe.tokenizer, pipe.loaded.config.vocab_size)

@@ -62,9 +62,9 @@ def _version(dist: str) -> str | None:
 
 def machine_info() -> dict[str, Any]:
     """What the numbers depend on: CPU and its SIMD flags, cores, memory, library versions, git commit."""
-    import torch
+    import torch  # deferred: loads torch; this module stays light for the CLI
 
-    from mcp2026 import hardware
+    from mcp2026 import hardware  # deferred: loads torch; this module stays light for the CLI
 
     flags = hardware.cpu_flags()
     return {

@@ -6,21 +6,29 @@ workload, interleaved, reported as ratios). Register with ``bench_app.command("s
 from __future__ import annotations
 
 import math
+import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from mcp2026.bench.report import render_markdown, shell_join, write_run
+from mcp2026.bench.serve import ServeBenchConfig, bench_serve, parse_goodput, parse_peers
+from mcp2026.bench.workloads import WorkloadSpec, load_workload, workload_burstiness
 from mcp2026.cli_errors import err
+from mcp2026.loading.tokenizer import Tokenizer
 
 out = Console(emoji=False)
 
 
 def load_tokenizer(tokenizer_path: str | None) -> Any:
     """Our tokenizer: the default model's unless ``tokenizer_path`` (a .gguf or an HF folder)."""
-    from mcp2026.loading.loader import default_model_path
-    from mcp2026.loading.tokenizer import Tokenizer
+    from mcp2026.loading.loader import (
+        default_model_path,  # deferred: loads torch; this module stays light for the CLI
+    )
 
     path = Path(tokenizer_path) if tokenizer_path else default_model_path()
     return Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf(path)
@@ -37,8 +45,6 @@ def load_requests(
 ) -> list[Any]:
     """Sample the workload with our tokenizer (``tokenizer``, else ``load_tokenizer(tokenizer_path)``), so
     every engine under test gets the same token ids."""
-    from mcp2026.bench.workloads import WorkloadSpec, load_workload
-
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_path)
     spec = WorkloadSpec(workload, num_prompts, seed, input_len=input_len, output_len=output_len)
     return load_workload(spec, tokenizer)
@@ -110,13 +116,6 @@ def serve(
     ] = None,
 ) -> None:
     """Serving benchmark with vLLM bench-serve metrics: TTFT, TPOT, ITL, E2E, throughput and goodput."""
-    import sys
-    from contextlib import nullcontext
-
-    from mcp2026.bench.report import render_markdown, shell_join, write_run
-    from mcp2026.bench.serve import ServeBenchConfig, bench_serve, parse_goodput, parse_peers
-    from mcp2026.bench.workloads import workload_burstiness
-
     try:
         if more_slos and not goodput:
             raise ValueError(f"unexpected argument(s) {' '.join(more_slos)}: bench serve takes only options")
@@ -146,8 +145,6 @@ def serve(
         raise typer.Exit(2) from None
     bar: Any = nullcontext(None)
     if progress:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         bar = Progress(*columns, console=err)
     command = shell_join(["mcp2026", "bench", "serve", *sys.argv[3:]]) if len(sys.argv) > 2 else ""
@@ -162,7 +159,7 @@ def serve(
                 log=lambda line: err.print(line, style="yellow", markup=False, highlight=False),
             )
     except Exception as e:  # noqa: BLE001 - an unreachable server is one line, not a traceback
-        import httpx
+        import httpx  # optional dependency: its ImportError is handled here
 
         if not isinstance(e, (httpx.HTTPError, ValueError)):
             raise

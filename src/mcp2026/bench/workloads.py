@@ -146,7 +146,7 @@ def tokenizer_id(tokenizer: Any) -> str:
 
 
 def _cache_path(spec: WorkloadSpec, tokenizer: Any, vocab_size: int) -> Path:
-    from mcp2026.hardware import cache_dir
+    from mcp2026.hardware import cache_dir  # deferred: loads torch; this module stays light for the CLI
 
     dataset = Path(spec.dataset_path) if spec.dataset_path else sharegpt_path()
     stat = dataset.stat()

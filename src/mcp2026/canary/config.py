@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from mcp2026.canary.gate import Thresholds
 
 BASELINE, CANDIDATE = "baseline", "candidate"  # the arms' names in reports, metrics and routes
@@ -93,8 +95,6 @@ class CanaryConfig:
 
 def read_thresholds_file(path: str | Path) -> dict[str, float]:
     """A thresholds YAML: the Thresholds keys at the top level or under ``canary:``."""
-    import yaml
-
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}

@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
 
 from mcp2026.cli_errors import err, user_errors
+from mcp2026.doctor.report import exit_code, summary_line, to_json, to_table
 
 
 @user_errors
@@ -41,11 +43,10 @@ def doctor(
 
     The first full run measures the quant kernels, the memory bandwidth and the model's weight
     statistics (tens of seconds on a small CPU); later runs read them from the cache."""
-    from rich.console import Console
-
-    from mcp2026.doctor.checks import run_doctor
-    from mcp2026.doctor.context import DoctorContext
-    from mcp2026.doctor.report import exit_code, summary_line, to_json, to_table
+    from mcp2026.doctor.checks import run_doctor  # deferred: loads torch; this module stays light for the CLI
+    from mcp2026.doctor.context import (
+        DoctorContext,  # deferred: loads torch; this module stays light for the CLI
+    )
 
     if ca_bundle is not None and not ca_bundle.is_file():
         raise FileNotFoundError(f"--ca-bundle {ca_bundle}: no such file")

@@ -100,11 +100,14 @@ def _inspect_gguf(path: Path) -> ModelFiles:
 
 
 def _inspect_folder(path: Path) -> ModelFiles:
-    from mcp2026.loading import hf
+    from mcp2026.loading import hf  # deferred: loads torch; this module stays light for the CLI
 
     artifact = (path / "mcp2026_artifact.json").is_file()
     if artifact:
-        from mcp2026.quant.artifact import WEIGHTS_FILE, read_metadata
+        from mcp2026.quant.artifact import (  # deferred: loads torch; this module stays light for the CLI
+            WEIGHTS_FILE,
+            read_metadata,
+        )
 
         raw = dict(read_metadata(path)["model_config"])
         files = [path / WEIGHTS_FILE]
@@ -130,9 +133,13 @@ def inspect_model(path: Path) -> ModelFiles:
 
 def model_config(files: ModelFiles) -> ModelConfig:
     """The ModelConfig the loader would build; UnsupportedArchitectureError / ModelLoadError otherwise."""
-    from mcp2026.loading import gguf as gguf_loading
-    from mcp2026.loading import hf
-    from mcp2026.models.registry import resolve_architecture
+    from mcp2026.loading import (
+        gguf as gguf_loading,  # deferred: loads torch; this module stays light for the CLI
+    )
+    from mcp2026.loading import hf  # deferred: loads torch; this module stays light for the CLI
+    from mcp2026.models.registry import (
+        resolve_architecture,  # deferred: loads torch; this module stays light for the CLI
+    )
 
     if files.gguf is not None:
         return gguf_loading.config_from_gguf(files.gguf, str(files.path))

@@ -10,9 +10,12 @@ import ssl
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
+
 from mcp2026.doctor import tls
 from mcp2026.doctor.context import DoctorContext
 from mcp2026.doctor.result import CheckResult, failed, passed, skipped, warned
+from mcp2026.serve.tenants import TenantRegistry
 
 PROBE_TIMEOUT_S = 3.0
 _LISTEN, _BOUND = "0A", "07"  # /proc/net/tcp socket states
@@ -137,8 +140,6 @@ def check_tls(ctx: DoctorContext) -> list[CheckResult]:
 
 # ---- tenants ---------------------------------------------------------------------------------------------
 def check_tenants(ctx: DoctorContext) -> CheckResult:
-    from mcp2026.serve.tenants import TenantRegistry
-
     name = "tenants"
     path = ctx.serve.tenants_file
     if path is None:
@@ -166,8 +167,6 @@ def _message(response) -> str:
 
 
 def check_readiness(ctx: DoctorContext) -> CheckResult:
-    import httpx
-
     name = "readiness"
     if not ctx.url:
         return skipped(name, "give --url http://host:port to probe a running server")

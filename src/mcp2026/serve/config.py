@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import yaml
+
 from mcp2026.canary.config import CanaryConfig
 from mcp2026.config import EngineConfig, KVConfig, QuantConfig, SchedulerConfig
 from mcp2026.serve.slo import BreakerConfig
@@ -76,8 +78,6 @@ class ServeConfig:
 
 def load_serve_yaml(path: str | Path) -> tuple[ServeConfig, EngineConfig]:
     """Read a serve YAML: ServeConfig keys at the top level; ``kv:``, ``scheduler:``, ``breaker:`` sections."""
-    import yaml
-
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
@@ -104,7 +104,9 @@ def load_serve_yaml(path: str | Path) -> tuple[ServeConfig, EngineConfig]:
     try:
         kv_compressor = None
         if compressor:
-            from mcp2026.kv.compressor import KVCompressor
+            from mcp2026.kv.compressor import (
+                KVCompressor,  # optional dependency: its ImportError is handled here
+            )
 
             kv_compressor = KVCompressor.from_dict(compressor)
         engine = EngineConfig(KVConfig(**kv), SchedulerConfig(**scheduler), kv_compressor=kv_compressor)
@@ -124,7 +126,9 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
 def load_quant_spec(path: str | Path) -> CompileSpec:
     """A quant YAML as ``mcp2026 compile`` reads it: the QuantConfig and its ``calibration:`` and ``dqg:``
     sections (``Pipeline(config=spec)`` quantizes exactly as compile does). Bad keys or values: ValueError."""
-    from mcp2026.quant.compile_cli import load_spec
+    from mcp2026.quant.compile_cli import (
+        load_spec,  # deferred: loads torch; this module stays light for the CLI
+    )
 
     return load_spec(path)
 
@@ -149,8 +153,12 @@ def kv_compressor_from_options(
     base = engine.kv_compressor
     if dtype is None and policy is None and sparsity_ratio is None and layer_weights is None:
         return base
-    from mcp2026.kv.codecs import default_block_size
-    from mcp2026.kv.compressor import KVCompressor
+    from mcp2026.kv.codecs import (
+        default_block_size,  # deferred: loads torch; this module stays light for the CLI
+    )
+    from mcp2026.kv.compressor import (
+        KVCompressor,  # deferred: loads torch; this module stays light for the CLI
+    )
 
     if base is not None:
         fields = base.to_dict()

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 
 @dataclass(frozen=True)
 class Tenant:
@@ -113,8 +115,6 @@ class TenantRegistry:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> TenantRegistry:
-        import yaml
-
         path = Path(path)
         try:
             raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}

@@ -10,6 +10,7 @@ any of them falls past its (looser) off threshold, never sooner than ``min_dwell
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -194,8 +195,6 @@ class KVPolicyGate:
     name = "kv"
 
     def __init__(self, evictor: Any, pressure_sparsity: float) -> None:
-        import dataclasses
-
         self.evictor = evictor
         quality = evictor.budget
         sparsity = max(pressure_sparsity, quality.sparsity_ratio or 0.0)
