@@ -16,7 +16,9 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "mcp2026"
 
 # Top to bottom; a package or top-level module imports only from its own layer or the layers below.
-# cli_errors is the typer commands' shared error handler (it needs only errors, typer and rich).
+# cli_errors is the typer commands' shared error handler (it needs only errors, typer and rich); sharegpt
+# locates and splits the ShareGPT text that calibration (quant) and evaluation (bench) both read; compiler is
+# `mcp2026 compile`'s load -> quantize -> save, beside the pipeline.
 # "mcp2026" is the package's own __init__: the public facade, importable from nowhere inside.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("mcp2026", "cli"),

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import platform
+import resource
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -38,7 +40,6 @@ def cpu_model() -> str:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
 
     return platform.processor() or platform.machine()
 
@@ -160,7 +161,6 @@ def peak_rss_bytes() -> int:
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

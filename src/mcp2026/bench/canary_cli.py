@@ -55,8 +55,14 @@ def canary(
 ) -> None:
     """Release gate: run two configurations on the same requests (interleaved) and decide PROMOTE / HOLD /
     ROLLBACK from P99 latency change, accuracy delta and memory bandwidth utilisation."""
-    from mcp2026.bench.canary_report import render_markdown, write_report
-    from mcp2026.bench.canary_run import CanarySettings, run_canary
+    from mcp2026.bench.canary_report import (  # deferred: loads torch; this module stays light for the CLI
+        render_markdown,
+        write_report,
+    )
+    from mcp2026.bench.canary_run import (  # deferred: loads torch; this module stays light for the CLI
+        CanarySettings,
+        run_canary,
+    )
 
     if baseline is None or candidate is None:
         raise ValueError("give --baseline A.yaml and --candidate B.yaml (serve YAMLs, see examples/canary/)")

@@ -18,13 +18,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mcp2026 import hardware
 from mcp2026.bench.canary_arms import Arm, build_arm, check_comparable
+from mcp2026.bench.workloads import BenchRequest, WorkloadSpec, describe, load_workload
 from mcp2026.canary.accuracy import AccuracyResult, held_out_windows, measure_accuracy
 from mcp2026.canary.bandwidth import BandwidthEstimate, estimate_bandwidth
 from mcp2026.canary.config import BASELINE, CANDIDATE, read_thresholds_file
 from mcp2026.canary.gate import ACCURACY, LATENCY, GateResult, Measurement, Thresholds, evaluate_gate
 from mcp2026.canary.stats import percentile, percentile_change_interval
 from mcp2026.serve.canary import read_arm_config
+from mcp2026.types import SamplingParams
 
 OK_FINISH = ("stop", "length")
 
@@ -95,8 +98,6 @@ def merged_thresholds(arm_configs: list[Any], thresholds_file: str | None) -> Th
 
 
 def _requests(settings: CanarySettings, arm: Arm, max_model_len: int) -> list[Any]:
-    from mcp2026.bench.workloads import BenchRequest, WorkloadSpec, load_workload
-
     spec = WorkloadSpec(
         settings.workload, settings.num_prompts, settings.seed, settings.input_len, settings.output_len
     )
@@ -116,8 +117,6 @@ def _requests(settings: CanarySettings, arm: Arm, max_model_len: int) -> list[An
 
 
 def _warm_up(engine: Any) -> None:
-    from mcp2026.types import SamplingParams
-
     vocab = engine.model_config.vocab_size
     prompt = [(7 * i + 3) % vocab for i in range(1, 33)]  # not workload text: the prefix cache stays cold
     engine.generate([prompt, prompt[::-1]], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -125,8 +124,6 @@ def _warm_up(engine: Any) -> None:
 
 def run_block(engine: Any, requests: list[Any], arm: str, block: int) -> list[dict[str, Any]]:
     """Submit every request of the block at once, step to completion; one record per request."""
-    from mcp2026.types import SamplingParams
-
     ids = {
         engine.add_request(r.prompt_token_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True)): r
         for r in requests
@@ -240,9 +237,6 @@ def latency_measurements(
 
 
 def run_canary(settings: CanarySettings, say: Callable[[str], None] = lambda _m: None) -> CanaryResult:
-    from mcp2026 import hardware
-    from mcp2026.bench.workloads import describe
-
     t0 = time.perf_counter()
     configs = [read_arm_config(settings.baseline), read_arm_config(settings.candidate)]
     thresholds = merged_thresholds(configs, settings.thresholds_file)

@@ -6,6 +6,7 @@ the table, write runs/<time>-<kind>.json + .md, optionally refresh docs/benchmar
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Annotated
 
@@ -22,10 +23,23 @@ from mcp2026.bench.cli_common import (
     out,
     progress_bars,
 )
+from mcp2026.bench.figures import write_report
 from mcp2026.bench.headline_cli import headline
 from mcp2026.bench.kv_cli import kv
+from mcp2026.bench.latency import LatencyConfig, run_latency
+from mcp2026.bench.offline import OfflineConfig, run_offline
 from mcp2026.bench.plugin_cli import plugin
+from mcp2026.bench.quality_run import quality_run
+from mcp2026.bench.report import (
+    project_root,
+    read_run,
+    render_markdown,
+    shell_join,
+    update_benchmarks_md,
+    write_run,
+)
 from mcp2026.bench.sweep_cli import sweep
+from mcp2026.bench.sweep_grid import parse_list
 from mcp2026.cli_errors import err, user_errors
 
 bench_app = typer.Typer(
@@ -58,8 +72,6 @@ def latency(
     progress: ProgressOpt = True,
 ) -> None:
     """Single-stream decode and prefill tok/s: ours vs HF transformers (interleaved, median of repeats)."""
-    from mcp2026.bench.latency import LatencyConfig, run_latency
-
     dtypes = tuple(d.strip() for d in dtype.split(",") if d.strip())
     formats = tuple(w.strip() for w in weights.split(",") if w.strip())
     config = LatencyConfig(model, dtypes, new_tokens, prefill_tokens, repeats, warmup, peer, seed, formats)
@@ -95,8 +107,6 @@ def offline(
     progress: ProgressOpt = True,
 ) -> None:
     """Offline throughput: all requests at once on our engine vs HF static batches, same prompts."""
-    from mcp2026.bench.offline import OfflineConfig, run_offline
-
     config = OfflineConfig(
         model=model,
         workload=workload,
@@ -135,16 +145,15 @@ def report(
 ) -> None:
     """Print earlier runs' summaries; write report.md with plots (latency CDFs, throughput vs rate,
     Pareto fronts, bit plan heatmap, KV usage over time)."""
-    from mcp2026.bench.report import read_run, render_markdown
-
     loaded = [(path.stem, read_run(path)) for path in runs]
     for path, (_, run) in zip(runs, loaded):
         out.print(f"## {path.name}\n", markup=False)
         out.print(render_markdown(run), markup=False, highlight=False)
     if no_plots:
         return
-    from mcp2026.bench.bitplan import read_layer_bits
-    from mcp2026.bench.figures import write_report
+    from mcp2026.bench.bitplan import (
+        read_layer_bits,  # deferred: loads torch; this module stays light for the CLI
+    )
 
     layer_bits = {plan.name: read_layer_bits(plan, model)} if plan else None
     folder = plots or runs[0].with_name(f"{runs[0].stem}-report")
@@ -187,13 +196,14 @@ def quality(
 ) -> None:
     """Perplexity and KLD of quantized plans (int8, int4, role mixture, DQG budgets) vs full precision,
     with HF transformers and llama.cpp scored on the same windows."""
-    from functools import partial
-
-    from mcp2026.bench.quality_peers import PEERS, peer_quality_rows
-    from mcp2026.bench.quality_run import quality_run
-    from mcp2026.bench.quant_quality import QualityBenchSettings, run_quality_bench
-    from mcp2026.bench.report import project_root, shell_join, update_benchmarks_md, write_run
-    from mcp2026.bench.sweep_grid import parse_list
+    from mcp2026.bench.quality_peers import (  # deferred: loads torch; this module stays light for the CLI
+        PEERS,
+        peer_quality_rows,
+    )
+    from mcp2026.bench.quant_quality import (  # deferred: loads torch; this module stays light for the CLI
+        QualityBenchSettings,
+        run_quality_bench,
+    )
 
     peers = tuple(p for p in parse_list(peer) if p != "none")
     if set(peers) - set(PEERS):

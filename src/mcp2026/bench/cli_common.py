@@ -9,7 +9,9 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from mcp2026.bench.report import render_markdown, update_benchmarks_md, write_run
 from mcp2026.cli_errors import err
 
 out = Console(soft_wrap=True, emoji=False)  # markdown lines must not be wrapped
@@ -34,7 +36,6 @@ ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="sho
 def progress_bars(enabled: bool) -> Any:
     if not enabled:
         return nullcontext(None)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     return Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err
@@ -42,8 +43,6 @@ def progress_bars(enabled: bool) -> Any:
 
 
 def finish_run(run: Any, out_dir: Path | None, write_docs: bool, section: str) -> Path:
-    from mcp2026.bench.report import render_markdown, update_benchmarks_md, write_run
-
     markdown = render_markdown(run)
     out.print(markdown, markup=False, highlight=False)
     path = write_run(run, out_dir)

@@ -5,22 +5,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from rich.markup import escape
 
+from mcp2026.bench import report
 from mcp2026.bench.cli_common import out
+from mcp2026.bench.headline import headline_markdown
+from mcp2026.bench.report import BenchRun, read_benchmarks_section, update_benchmarks_md
 from mcp2026.cli_errors import err, user_errors
-
-if TYPE_CHECKING:
-    from mcp2026.bench.report import BenchRun
 
 
 def load_run(path: Path) -> BenchRun:
     """A ``BenchRun`` from ``path``; ValueError naming the file when it is not a run JSON."""
-    from mcp2026.bench.report import BenchRun
-
     try:
         data = json.loads(Path(path).read_text())
         if not isinstance(data, dict) or not isinstance(data.get("kind"), str):
@@ -58,13 +56,10 @@ def headline(
     ] = True,
 ) -> None:
     """The headline table (ours vs HF transformers, llama.cpp, vLLM) from the newest run of each kind."""
-    from mcp2026.bench.headline import headline_markdown
-    from mcp2026.bench.report import project_root, read_benchmarks_section, update_benchmarks_md
-
     if runs:
         loaded = [load_run(path) for path in runs]
     else:
-        folder = runs_dir if runs_dir is not None else project_root() / "runs"
+        folder = runs_dir if runs_dir is not None else report.project_root() / "runs"  # looked up per call
         if not folder.is_dir():
             raise ValueError(f"no runs folder {folder} (give run JSON files or --runs-dir)")
         loaded = []

@@ -22,6 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
+from mcp2026.bench import kv_retrieval as kr
 from mcp2026.bench.kv_config import (
     DECODE_SPARSITY,
     PROMPT_CHUNK,
@@ -30,10 +33,29 @@ from mcp2026.bench.kv_config import (
     config_name,
     parse_config,
 )
-from mcp2026.bench.kv_measure import lockstep_group_size, measurement_engine
+from mcp2026.bench.kv_measure import (
+    bounds_peak,
+    context_speeds,
+    kv_bytes_per_token,
+    lockstep_group_size,
+    max_concurrent_sequences,
+    measurement_engine,
+)
+from mcp2026.bench.kv_peer import kv_type_bytes_ratio, llama_cpp_kv_quality
 from mcp2026.bench.kv_report import notes, tables, targets
+from mcp2026.bench.kv_retrieval import ANSWER_TOKENS
+from mcp2026.bench.peers import PeerUnavailable
+from mcp2026.bench.quality import compare_quality_many
 from mcp2026.bench.report import BenchRun, machine_info
+from mcp2026.bench.weights import quant_config
+from mcp2026.bench.workloads import WorkloadSpec, load_workload
+from mcp2026.config import DEFAULT_BLOCK_SIZE
+from mcp2026.kv.codecs import make_codec
 from mcp2026.kv.manager import cdiv
+from mcp2026.kv.sizing import kv_block_bytes
+from mcp2026.loading.loader import load_model
+from mcp2026.pipeline import DTYPES
+from mcp2026.quant.recipe import quantize_loaded
 
 
 # ---- pieces -------------------------------------------------------------------------------------------
@@ -42,8 +64,6 @@ def token_sequences(
 ) -> list[list[int]]:
     """``num`` sequences of ``length`` tokens: held-out ShareGPT conversations (the ``long`` workload's
     stream), or uniform random ids for ``text="random"`` and models without a tokenizer."""
-    from mcp2026.bench.workloads import WorkloadSpec, load_workload
-
     if text == "sharegpt" and tokenizer is not None:
         spec = WorkloadSpec("long", num, seed, output_len=1, min_context_len=length, max_context_len=length)
         return [r.prompt_token_ids for r in load_workload(spec, tokenizer, vocab_size)]
@@ -53,10 +73,6 @@ def token_sequences(
 
 def unavailable_codecs(codecs: Sequence[str], block_size: int | None = None) -> dict[str, str]:
     """Codecs whose encode/decode does not run on this device (e.g. no float8 conversion): name -> why."""
-    import torch
-
-    from mcp2026.kv.codecs import make_codec
-
     missing = {}
     for name in codecs:
         codec = make_codec(name)
@@ -79,8 +95,6 @@ class Speed:
 
 
 def _probe(engine: Any, prompt: int, chunk: int) -> Speed:
-    import torch
-
     def chunk_times(num_tokens: int, chunk_size: int) -> list[float]:
         ids = torch.randint(engine.model_config.vocab_size, (num_tokens,)).tolist()
         times, t0 = [], time.perf_counter()
@@ -99,8 +113,6 @@ def estimate_seconds(
 ) -> dict[str, float]:
     """Forward passes x probed speed. Attention growth with context and eviction scoring are not included,
     so the real run takes longer."""
-    from mcp2026.bench.kv_retrieval import ANSWER_TOKENS
-
     n, p = config.context_tokens, config.prompt_len
     one_pass = p * speed.per_token + cdiv(n - p, config.chunk_size) * speed.per_chunk
     retrieval = (
@@ -157,8 +169,6 @@ class _Context:
 
 def _group_size(ctx: _Context, num_tests: int) -> int:
     """Test engines per lockstep pass, so that pools and one chunk of logits each fit a share of memory."""
-    from mcp2026.config import DEFAULT_BLOCK_SIZE
-
     block_size = ctx.config.block_size or DEFAULT_BLOCK_SIZE  # blocks of the model's dtype: the largest pool
     return lockstep_group_size(ctx.loaded, block_size, ctx.config.context_tokens, PROMPT_CHUNK, num_tests)
 
@@ -166,9 +176,6 @@ def _group_size(ctx: _Context, num_tests: int) -> int:
 def _quality(
     ctx: _Context, ref: Any, grid: list[tuple[str, Any]], sequences: list[list[int]], group: int
 ) -> dict:
-    from mcp2026.bench.quality import compare_quality_many
-    from mcp2026.kv.sizing import kv_block_bytes
-
     config, model = ctx.config, ctx.loaded.config
     dtype = next(ctx.loaded.model.parameters()).dtype
     task = (
@@ -212,9 +219,6 @@ def _quality(
 def _llama_cpp_kv(ctx: _Context, sequences: list[list[int]]) -> dict[str, dict[str, float]] | None:
     """llama.cpp's KV types on the same sequences (bench.kv_peer), pooled as our rows; None (with a note)
     where llama-cpp-python or a GGUF file is missing."""
-    from mcp2026.bench.kv_peer import kv_type_bytes_ratio, llama_cpp_kv_quality
-    from mcp2026.bench.peers import PeerUnavailable
-
     config = ctx.config
     try:
         results = llama_cpp_kv_quality(config.model, sequences, config.prompt_len, config.llama_cpp_kv)
@@ -225,8 +229,6 @@ def _llama_cpp_kv(ctx: _Context, sequences: list[list[int]]) -> dict[str, dict[s
 
 
 def _retrieval(ctx: _Context) -> dict[str, Any]:
-    from mcp2026.bench import kv_retrieval as kr
-
     config, loaded = ctx.config, ctx.loaded
     vocab = loaded.config.vocab_size
     # Text mode needs a tokenizer and real text; otherwise prompts are token ids.
@@ -288,8 +290,6 @@ def _retrieval(ctx: _Context) -> dict[str, Any]:
 
 def _memory(ctx: _Context) -> dict[str, dict[str, float]]:
     """KV bytes per token and sequences of ``concurrent_len`` tokens a ``budget_gb`` pool holds."""
-    from mcp2026.bench.kv_measure import bounds_peak, kv_bytes_per_token, max_concurrent_sequences
-
     config, model = ctx.config, ctx.loaded.config
     dtype = next(ctx.loaded.model.parameters()).dtype
     codecs = [c for c in config.codecs if c not in ctx.skipped]
@@ -318,8 +318,6 @@ def _memory(ctx: _Context) -> dict[str, dict[str, float]]:
 
 
 def _decode(ctx: _Context) -> dict[str, Any]:
-    from mcp2026.bench.kv_measure import context_speeds
-
     config = ctx.config
     evict = config_name(config.decode_policy, DECODE_SPARSITY)
     names = dict.fromkeys((evict, *config.decode_configs))
@@ -330,11 +328,6 @@ def _decode(ctx: _Context) -> dict[str, Any]:
     task = ctx.progress.add_task("decode", total=len(configs)) if ctx.progress is not None else None
     loaded = ctx.loaded
     if config.decode_weights:  # a second copy of the model, quantized (the first stays the quality reference)
-        from mcp2026.bench.weights import quant_config
-        from mcp2026.loading.loader import load_model
-        from mcp2026.pipeline import DTYPES
-        from mcp2026.quant.recipe import quantize_loaded
-
         loaded = load_model(config.model, dtype=DTYPES[config.dtype])
         quantize_loaded(loaded, quant_config(config.decode_weights), progress=False)
     engines = {}
@@ -379,12 +372,6 @@ def run_kv(
     config: KVBenchConfig | None = None, progress: Any = None, say: Callable[[str], None] | None = None
 ) -> BenchRun:
     """Run every part; ``say`` gets one-line status messages (the time estimate, skipped codecs)."""
-    import torch
-
-    from mcp2026.bench.kv_measure import kv_bytes_per_token
-    from mcp2026.loading.loader import load_model
-    from mcp2026.pipeline import DTYPES
-
     config = config or KVBenchConfig()
     say = say or (lambda _message: None)
     t_start = time.perf_counter()

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from mcp2026.bench.kv import token_sequences
 from mcp2026.bench.kv_config import PROMPT_CHUNK
 from mcp2026.bench.kv_measure import lockstep_group_size, measurement_engine
 from mcp2026.bench.quality import compare_quality_many
@@ -81,7 +82,6 @@ def calibration_texts(loaded: Any, config: CalibrationConfig) -> list[list[int]]
                 f"{n}); give a longer file, or fewer --texts / --context-tokens"
             )
         return [ids[i * n : (i + 1) * n] for i in range(config.num_texts)]
-    from mcp2026.bench.kv import token_sequences
 
     vocab = loaded.config.vocab_size
     return token_sequences(

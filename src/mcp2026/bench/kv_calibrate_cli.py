@@ -11,9 +11,11 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
 from mcp2026.cli_errors import err, user_errors
+from mcp2026.kv.layer_weights import calibrations_dir, fingerprint
 
 kv_app = typer.Typer(no_args_is_help=True, help="KV cache tools: per-layer budget calibration")
 
@@ -56,12 +58,14 @@ def calibrate(
     """Measure each layer's sensitivity to eviction on this model (only that layer evicts, ΔPPL against the
     uncompressed cache) and derive per-layer budget weights from it. SmolLM2-135M, two 2k texts: 7.5 minutes
     on 2 CPU cores."""
-    from rich.progress import Progress
-
-    from mcp2026.bench.kv_calibrate import CalibrationConfig, calibrate
-    from mcp2026.kv.layer_weights import calibrations_dir, fingerprint
-    from mcp2026.loading.loader import load_model
-    from mcp2026.pipeline import DTYPES
+    from mcp2026.bench.kv_calibrate import (  # deferred: loads torch; this module stays light for the CLI
+        CalibrationConfig,
+        calibrate,
+    )
+    from mcp2026.loading.loader import (
+        load_model,  # deferred: loads torch; this module stays light for the CLI
+    )
+    from mcp2026.pipeline import DTYPES  # deferred: loads torch; this module stays light for the CLI
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

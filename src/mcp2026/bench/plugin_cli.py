@@ -9,6 +9,8 @@ from typing import Annotated
 import typer
 
 from mcp2026.bench.cli_common import finish_run, out
+from mcp2026.bench.plugins import PluginContext, available_plugins, load_plugin, run_plugin
+from mcp2026.bench.report import shell_join
 from mcp2026.cli_errors import err, user_errors
 
 
@@ -39,9 +41,6 @@ def plugin(
     out_dir: Annotated[Path | None, typer.Option("--out", help="folder for the run (default: runs/)")] = None,
 ) -> None:
     """Run a custom benchmark plugin (init, then run returning named numbers) and record it like the others."""
-    from mcp2026.bench.plugins import PluginContext, available_plugins, load_plugin, run_plugin
-    from mcp2026.bench.report import shell_join
-
     if list_plugins:
         found = available_plugins()
         for plugin_name, target in sorted(found.items()):

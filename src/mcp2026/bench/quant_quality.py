@@ -274,7 +274,7 @@ def _write(bench: QualityBench, out_dir: str) -> str | None:
         import matplotlib  # optional: without it the run writes no plot
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional dependency: its ImportError is handled here
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -21,6 +21,7 @@ import torch
 
 from mcp2026.canary.gate import ACCURACY, Measurement, Thresholds
 from mcp2026.canary.stats import ppl_change_interval
+from mcp2026.quant.perplexity import evaluation_windows
 
 BLOCK_TOKENS = 32  # scored tokens per bootstrap block
 
@@ -136,8 +137,6 @@ def measure_accuracy(
 
 def held_out_windows(tokenizer: Any, num_windows: int, n_ctx: int, seed: int = 0) -> list[torch.Tensor]:
     """Windows of held-out ShareGPT text (never in the calibration split nor the sampled workload)."""
-    from mcp2026.quant.perplexity import evaluation_windows
-
     if tokenizer is None:
         raise ValueError(
             "accuracy runs on held-out text, which needs a tokenizer; this model has none "

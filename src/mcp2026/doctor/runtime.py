@@ -12,6 +12,11 @@ import torch
 from mcp2026 import hardware
 from mcp2026.doctor.context import DoctorContext
 from mcp2026.doctor.result import CheckResult, Status, failed, passed, skipped, warned
+from mcp2026.hardware import default_activation_dtype
+from mcp2026.kernels import cpu
+from mcp2026.quant.backend import clamp_bits, probe
+from mcp2026.quant.linear import LINEAR_FORMATS
+from mcp2026.quant.plan import FORMATS, WEIGHT_BITS
 
 MIN_PYTHON = (3, 10)
 MIN_TORCH = (2, 5)  # pyproject's lower bound
@@ -57,7 +62,6 @@ def check_cpu_isa(ctx: DoctorContext) -> CheckResult:
     groups = ARM_ISA if machine in ("aarch64", "arm64") else X86_ISA
     present = [g for g, names in groups.items() if any(n in flags for n in names)]
     absent = [g for g in groups if g not in present]
-    from mcp2026.hardware import default_activation_dtype
 
     act = str(default_activation_dtype("cpu")).removeprefix("torch.")
     details = {"cpu": hardware.cpu_model(), "present": present, "absent": absent, "activation_dtype": act}
@@ -100,8 +104,6 @@ def _judge_request(name: str, reason: str, usable: list[str], ctx: DoctorContext
     if quant is None or quant.target_precision in usable:
         return passed(name, reason, **details)
     fmt, strict = quant.target_precision, quant.strict
-    from mcp2026.quant.backend import clamp_bits
-    from mcp2026.quant.plan import WEIGHT_BITS
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -113,9 +115,6 @@ def _judge_request(name: str, reason: str, usable: list[str], ctx: DoctorContext
 
 
 def check_quant_kernels(ctx: DoctorContext) -> CheckResult:
-    from mcp2026.quant.linear import LINEAR_FORMATS
-    from mcp2026.quant.plan import FORMATS
-
     name = "quant kernels"
     kernels = {fmt: LINEAR_FORMATS[fmt].kernel_on(ctx.device) for fmt in FORMATS}
     missing = [f for f, k in kernels.items() if k is None]
@@ -124,7 +123,6 @@ def check_quant_kernels(ctx: DoctorContext) -> CheckResult:
         have = [f for f, k in kernels.items() if k is not None]
         reason = f"real kernels on {ctx.device}: {', '.join(have)}{none}; speed not measured (--quick)"
         return _judge_request(name, reason, have, ctx, kernels=kernels)
-    from mcp2026.quant.backend import probe
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -163,8 +161,6 @@ def check_quant_kernels(ctx: DoctorContext) -> CheckResult:
 
 def check_fused_kernels(ctx: DoctorContext) -> CheckResult:
     """Our C++ decode kernels (kernels/cpu_decode.cpp): built and cached, or why the engine falls back."""
-    from mcp2026.kernels import cpu
-
     name = "fused kernels"
     if ctx.device.type != "cpu":
         return skipped(name, f"CPU kernels; the server runs on {ctx.device}")

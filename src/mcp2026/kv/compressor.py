@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from mcp2026.config import ModelConfig
 from mcp2026.kv.codecs import CODECS, KVCodec, default_block_size, describe_default_block_sizes, make_codec
 from mcp2026.kv.eviction import POLICIES, EvictionBudget, KVEvictor, make_policy
@@ -197,8 +199,6 @@ class KVCompressor:
     @classmethod
     def from_yaml(cls, source: str | Path) -> KVCompressor:
         """From a YAML file (or YAML text): the mapping itself, or under a top-level ``kv:`` key."""
-        import yaml
-
         try:
             is_file = Path(source).is_file()
         except OSError:  # YAML text too long to be a file name

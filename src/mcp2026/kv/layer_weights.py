@@ -167,7 +167,7 @@ FILE_KIND = "mcp2026.kv-layer-weights"
 
 def calibrations_dir() -> Path:
     """Where ``mcp2026 kv calibrate --install`` puts files for ``"auto"`` (under ``MCP2026_CACHE_DIR``)."""
-    from mcp2026.hardware import cache_dir
+    from mcp2026.hardware import cache_dir  # deferred: loads torch; this module stays light for the CLI
 
     return cache_dir() / "kv-layer-weights"
 

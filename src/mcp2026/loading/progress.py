@@ -6,13 +6,14 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
 
 @contextmanager
 def load_progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
     if not sys.stderr.isatty() or total < 50:
         yield lambda n: None
         return
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn())
     with Progress(*columns, transient=True) as progress:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from mcp2026.errors import ModelLoadError
@@ -82,8 +83,6 @@ def save_artifact(out_dir: str | Path, loaded, result, quant_config=None) -> Pat
 
     ``loaded``: the LoadedModel it came from; ``result``: a dqg.DQGResult (or a bare QuantPlan).
     """
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not is_artifact(out):
         raise ValueError(f"{out}: exists and is not empty (and not an artifact); choose another --out")

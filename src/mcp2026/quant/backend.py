@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
+from rich.table import Table
 from torch import nn
 
 from mcp2026 import hardware
@@ -106,8 +107,6 @@ class BackendReport:
         return cls(**data)
 
     def to_table(self):
-        from rich.table import Table
-
         batches = list(self.baseline_us)
         table = Table(
             title=f"{self.description} ({self.device}, {self.num_threads} threads, act {self.activation_dtype})"

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import Tensor, nn
 
 from mcp2026.quant.stats import ActivationStats, ActivationStatsCollector
@@ -151,9 +153,6 @@ def _linear_names(model: nn.Module) -> list[str]:
 
 
 def _progress(enabled: bool):
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     return Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=Console(stderr=True), transient=True, disable=not enabled,

@@ -13,6 +13,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from mcp2026.config import QuantConfig
 from mcp2026.quant.calibrate import CalibrationSettings
 from mcp2026.quant.dqg import DQGSettings
@@ -96,8 +98,6 @@ def parse_spec(data: Any, source: str = "<yaml>") -> CompileSpec:
 
 
 def load_spec(path: str | Path) -> CompileSpec:
-    import yaml
-
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")

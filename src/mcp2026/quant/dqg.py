@@ -11,16 +11,19 @@ each layer's lower convex hull of (cost, error) - the Lagrangian knapsack soluti
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from rich.table import Table
 from torch import Tensor, nn
 
 from mcp2026.errors import MCPError
-from mcp2026.quant.calibrate import Calibration
+from mcp2026.quant.backend import clamp_bits
+from mcp2026.quant.calibrate import Calibration, _progress
 from mcp2026.quant.linear import correction_bias, fake_quantize, search_act_scale, split_rows
 from mcp2026.quant.plan import DENSE_FORMATS, INT4_GROUP_SIZES, LayerQuantSpec, QuantPlan, high_row_count
 from mcp2026.quant.stats import WeightStats, weight_stats
@@ -271,8 +274,6 @@ def measure_options(
     progress: bool = True,
 ) -> dict[str, LayerOptions]:
     """Every candidate spec's measured error for every calibrated nn.Linear (the expensive part)."""
-    from mcp2026.quant.calibrate import _progress
-
     tied = tied_linears(model)
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n in calib.layers]
     result = {}
@@ -382,8 +383,6 @@ def analytic_choice(
 ) -> dict[str, tuple[int, Option]]:
     """b* per layer from its output sigma, clamped to the nearest candidate format; the option measured
     for that format (int4: ``group_size`` or the largest group the layer allows)."""
-    from mcp2026.quant.backend import clamp_bits
-
     chosen = {}
     for name, lo in layers.items():
         bits = analytic_bits(lo.out_sigma, eps[name])
@@ -495,13 +494,9 @@ class DQGResult:
         }  # fmt: skip
 
     def to_json(self) -> str:
-        import json
-
         return json.dumps(self.to_dict(), indent=1, default=float)
 
     def to_table(self):
-        from rich.table import Table
-
         title = f"DQG {self.mode} plan {self.plan.plan_id}: {self.budget}"
         if self.choices:
             title += f" -> {self.avg_bits:.3f} bits/weight, est. error {self.predicted_error:.4g}"

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields, is_dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
+from rich.table import Table
 from torch import nn
 
 # Bits per stored weight value, before scales and zero points.
@@ -299,8 +300,6 @@ class QuantPlan:
     def to_table(self, stats: Mapping[str, Any] | None = None):
         """A rich Table: one row per rule, or one row per layer in ``stats`` (name -> WeightStats or dict)
         with its resolved spec and the statistics as extra columns."""
-        from rich.table import Table
-
         table = Table(title=f"QuantPlan {self.plan_id}")
         spec_columns = ("format", "group", "sym", "clip", "act_scale")
         if stats is None:

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from mcp2026.config import QuantConfig
-from mcp2026.quant import dqg
+from mcp2026.quant import backend, dqg
+from mcp2026.quant.backend import clamp_bits
 from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, calibration_samples
 from mcp2026.quant.dqg import BudgetError, DQGResult, DQGSettings
 from mcp2026.quant.gate import QuantGate
@@ -34,8 +35,6 @@ def hardware_candidates(device: str | torch.device = "cpu") -> tuple[tuple[str, 
     formats with a real kernel count as candidates, and the int kernels run in bf16, where they are
     known to be fast (the cached probes of quiet runs on AVX2 and AVX-512 machines agree).
     """
-    from mcp2026.quant import backend
-
     device = torch.device(device)
     report = backend.probe(device)
     if device.type != "cpu" or report.load_avg <= backend.BUSY_LOAD:
@@ -52,8 +51,6 @@ def hardware_candidates(device: str | torch.device = "cpu") -> tuple[tuple[str, 
 def resolve_format(fmt: str, candidates: Sequence[str], strict: bool, device: str = "cpu") -> str:
     """``fmt`` itself when this device runs it fast, else the nearest candidate by weight width (the
     notes' clampBitwidth) with a warning naming both; ``strict`` raises listing the candidates."""
-    from mcp2026.quant.backend import clamp_bits
-
     if fmt in candidates:
         return fmt
     usable = [c for c in candidates if c in QUANT_FORMATS] or list(candidates)

@@ -19,12 +19,13 @@ import uvicorn
 from mcp2026.config import EngineConfig
 from mcp2026.engine.async_engine import AsyncEngine
 from mcp2026.engine.compute_thread import ComputeThread
+from mcp2026.pipeline import Pipeline
 from mcp2026.serve.app import create_app
+from mcp2026.serve.canary import build_router, read_candidate
 from mcp2026.serve.config import ServeConfig, load_quant_spec
 from mcp2026.serve.traffic import Gate, KVPolicyGate, ObserveGate
 
 if TYPE_CHECKING:
-    from mcp2026.pipeline import Pipeline
     from mcp2026.serve.canary import CanaryRouter
 
 log = logging.getLogger("mcp2026.serve")
@@ -71,8 +72,6 @@ def build_pipeline(serve_config: ServeConfig, engine_config: EngineConfig) -> Pi
     """The model ``serve_config`` names, quantized as its ``quant`` YAML asks (its calibration and dqg
     sections included: the plan ``mcp2026 compile`` of that YAML would choose), on an engine with
     ``engine_config``'s KV cache, KV compressor and scheduler: what a server with these configs runs."""
-    from mcp2026.pipeline import Pipeline
-
     return Pipeline(
         model=serve_config.model,
         config=load_quant_spec(serve_config.quant) if serve_config.quant else None,
@@ -98,8 +97,6 @@ def build_server(
     candidate configuration, which serves ``canary.candidate_share`` of the tenants."""
     candidate = None
     if serve_config.canary.candidate is not None:
-        from mcp2026.serve.canary import build_router, read_candidate
-
         candidate = read_candidate(serve_config.canary)  # a bad candidate YAML fails before any model loads
     pipe, compute = load_pipeline(serve_config, engine_config)
     if serve_config.model_name is None:
