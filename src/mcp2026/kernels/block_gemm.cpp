@@ -17,6 +17,12 @@
 
 torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so);
 
+// Rows from which CPUs without VNNI run a float GEMM on the dequantized weight instead (block_gemm), for weights
+// up to kDequantMaxElements: a vocabulary projection stays on the int8 path rather than hold a float copy of
+// itself (a thread's buffer keeps the largest weight it dequantized).
+constexpr int64_t kDequantMinRows = 32;
+constexpr int64_t kDequantMaxElements = int64_t{1} << 22;
+
 namespace {
 
 #ifdef MCP_INT4_VNNI
@@ -150,6 +156,33 @@ void scalar_gemm(const uint8_t* w, const float* so, int bits, int64_t G, const Q
   });
 }
 
+// The whole weight as fp32 (N, K): scale * u + offset, tile by tile (reads the packed bytes in order).
+void dequantize_tiles(const uint8_t* w, const float* so, int bits, int64_t G, int64_t K, int64_t N, float* out) {
+  const int64_t ngrp = K / G, per_vector = bits == 4 ? 8 : 4, vectors = K / per_vector;
+  at::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* wt = w + t * vectors * 64;
+      const float* st = so + t * ngrp * 2 * kColTile;
+      for (int64_t j = 0; j < vectors; ++j)
+        for (int64_t c = 0; c < kColTile; ++c) {
+          float* row = out + (t * kColTile + c) * K;
+          for (int64_t e = 0; e < 4; ++e) {
+            const uint8_t byte = wt[j * 64 + 4 * c + e];
+            const int64_t k = j * per_vector + e;
+            const float* sg = st + (k / G) * 2 * kColTile + c;
+            if (bits == 4) {
+              const float* sh = st + ((k + 4) / G) * 2 * kColTile + c;
+              row[k] = sg[0] * static_cast<float>(byte & 0x0F) + sg[kColTile];
+              row[k + 4] = sh[0] * static_cast<float>(byte >> 4) + sh[kColTile];
+            } else {
+              row[k] = sg[0] * static_cast<float>(byte) + sg[kColTile];
+            }
+          }
+        }
+    }
+  });
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 inline __m256i splat_dword(const int8_t* p) {
   int32_t v;
@@ -242,6 +275,17 @@ torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const 
               "groups must be 32 weights (or 16 with byte values)");
 #ifdef MCP_INT4_VNNI
   if (bits == 4) return int4_gemm(x, wp, so);
+#else
+  // Without VNNI the int8 dot products cost several instructions per 32 values, and from a few dozen rows a
+  // float GEMM over the weight dequantized once per call is faster (a prefill chunk, a large batch): both the
+  // fused and the per-op paths come through here, so a row's result depends only on its step's row count.
+  if (M >= kDequantMinRows && N * K <= kDequantMaxElements && x.scalar_type() == torch::kFloat) {
+    thread_local torch::Tensor buffer;
+    if (!buffer.defined() || buffer.numel() < N * K) buffer = torch::empty({N * K}, x.options());
+    auto w = buffer.narrow(0, 0, N * K).view({N, K});
+    dequantize_tiles(wp.data_ptr<uint8_t>(), so.data_ptr<float>(), bits, G, K, N, w.data_ptr<float>());
+    return at::matmul(x, w.t());
+  }
 #endif
   const auto xc = x.contiguous();
   QuantizedRows xr;
@@ -273,6 +317,24 @@ torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const 
 #endif
 #endif
   return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
+}
+
+// The row count from which block_gemm runs the float GEMM (0: never, on VNNI builds) for a weight of n x k.
+int64_t block_float_gemm_min_rows(int64_t n, int64_t k) {
+#ifdef MCP_INT4_VNNI
+  return 0;
+#else
+  return n * k <= kDequantMaxElements ? kDequantMinRows : 0;
+#endif
+}
+
+// The weight as the kernel holds it, fp32 (N, K) (tests; the float GEMM path of CPUs without VNNI).
+torch::Tensor block_dequant(const torch::Tensor& wp, const torch::Tensor& so, int64_t K) {
+  const int64_t N = wp.size(0) * kColTile;
+  const int bits = wp.size(1) * 8 == K ? 4 : 8;
+  auto out = torch::empty({N, K}, so.options());
+  dequantize_tiles(wp.data_ptr<uint8_t>(), so.data_ptr<float>(), bits, K / so.size(1), K, N, out.data_ptr<float>());
+  return out;
 }
 
 // The portable loop over the same layouts, on any CPU (tests hold the SIMD paths against it).

@@ -1760,6 +1760,8 @@ torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& wp, const t
 // block_gemm.cpp
 torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so);
 torch::Tensor block_gemm_reference(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so);
+torch::Tensor block_dequant(const torch::Tensor& wp, const torch::Tensor& so, int64_t K);
+int64_t block_float_gemm_min_rows(int64_t n, int64_t k);
 
 // ---- decode-sized decoder layers in two calls ------------------------------------------------------------
 // A layer's ops between the attention reads, composed here from the kernels above, so a decode step pays one
@@ -2066,6 +2068,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm", &int8_gemm, "int8 weights x int8-quantized activations, prefill-sized inputs (VNNI)");
   m.def("block_gemm", &block_gemm, "stored block quantization (scale * u + offset per group) x int8 activations");
   m.def("block_gemm_reference", &block_gemm_reference, "block_gemm as a portable scalar loop (for tests)");
+  m.def("block_dequant", &block_dequant, "a block GEMM weight as fp32 (N, K)");
+  m.def("block_float_gemm_min_rows", &block_float_gemm_min_rows,
+        "rows from which block_gemm runs a float GEMM on the dequantized weight (0: never)");
   m.def("int8_gemm_pack", &int8_gemm_pack, "int8 (N, K) weights -> the int8 GEMM's column tiles (+128)");
   m.def("dense_linear", &dense_linear, "float weights: our GEMV for decode-sized inputs, else at::linear",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
