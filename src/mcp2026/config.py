@@ -185,8 +185,17 @@ class KVConfig:
     dtss_high_free_fraction: float = 0.15
     dtss_check_interval_steps: int = 8
     enable_prefix_caching: bool = True
+    # Cached prefix blocks no request holds are kept up to this many GB; past it the least recently used go back
+    # to the free list, whose most recently freed blocks are reused first. The pool is reserved address space,
+    # committed as blocks are first written: without a bound, a server caching every finished prompt would write
+    # (and keep resident) every block of its pool in turn. None: keep cached blocks until the pool runs out.
+    prefix_cache_gb: float | None = 0.25
 
     def __post_init__(self) -> None:
+        _require(
+            self.prefix_cache_gb is None or self.prefix_cache_gb >= 0,
+            f"KVConfig.prefix_cache_gb must be >= 0 or None, got {self.prefix_cache_gb}",
+        )
         _require(
             self.block_size is None or self.block_size in (8, 16, 32, 64, 128),
             f"KVConfig.block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}",

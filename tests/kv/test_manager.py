@@ -210,3 +210,19 @@ def test_only_full_computed_blocks_are_registered():
     a.num_computed_tokens = 8
     kv.cache_full_blocks(a)
     assert kv.cache.num_cached_blocks == 2
+
+
+def test_parked_blocks_past_the_cap_go_back_to_be_reused_first():
+    """Finished prompts stay cached only up to the cap; the rest return to the free list, whose freshly freed
+    blocks are handed out next, so a server keeps writing the same blocks instead of every block of its pool."""
+    kv = KVCacheManager(BS, 32, max_parked_blocks=2)
+    a = Req("a", list(range(17)))  # 4 full blocks + 1
+    admit_and_compute(kv, a)
+    first = kv.block_table("a")
+    kv.free(a)
+    assert kv.num_evictable_blocks == 2 and kv.pool.num_parked_blocks == 2
+    kv.check_integrity()
+    b = Req("b", list(range(100, 109)))
+    admit_and_compute(kv, b)
+    assert set(kv.block_table("b")) <= set(first)  # reused, no fresh block touched
+    kv.check_integrity()

@@ -120,6 +120,11 @@ class LLMEngine:
             num_blocks,
             num_shards=kv.max_kv_cache_shards,
             enable_prefix_caching=kv.enable_prefix_caching,
+            max_parked_blocks=(
+                None
+                if kv.prefix_cache_gb is None
+                else int(kv.prefix_cache_gb * 1e9 * num_blocks / self.cache.nbytes)
+            ),
         )
         self.evictor = (
             compressor.make_evictor(self.kv_manager, self.max_model_len, self.cache) if compressor else None

@@ -50,11 +50,15 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         *,
         hash_fn: HashFn = hash_block,
+        max_parked_blocks: int | None = None,
     ) -> None:
+        """``max_parked_blocks``: cached blocks no request holds kept at most (None: until the pool runs out);
+        past it the least recently used are evicted to the free list (``KVConfig.prefix_cache_gb`` says why)."""
         if block_size < 1:
             raise ValueError(f"KVCacheManager.block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.max_parked_blocks = max_parked_blocks
         self.pool = BlockPool(num_blocks, num_shards)
         self.cache = PrefixCache(hash_fn)
         self._tables: dict[str, list[int]] = {}
@@ -204,6 +208,12 @@ class KVCacheManager:
                 self.cache.remove(b)
         for b in self.pool.free(blocks, park=cached):
             self.cache.set_evictable(b)
+        if self.max_parked_blocks is not None:
+            while self.pool.num_parked_blocks > self.max_parked_blocks:
+                victim = self.cache.pop_evictable()
+                if victim is None:
+                    break
+                self.pool.reclaim([victim])
 
     # --- registration --------------------------------------------------------------------------------------
     def cache_full_blocks(self, request: KVRequest) -> None:
