@@ -74,7 +74,7 @@ def info(
     """Architecture, parameter count, tensor formats, the weights path and kernels it runs, memory footprint."""
     from rich.table import Table
 
-    from mcp2026.loading.loader import load_model, weight_bytes
+    from mcp2026.loading.loader import load_model, parameter_count, weight_bytes
     from mcp2026.pipeline import native_weights_blocker, resolve_dtype
     from mcp2026.quant.block_linear import BlockLinear, block_kernel
 
@@ -92,7 +92,7 @@ def info(
     table = Table(title=str(loaded.source), show_header=False)
     rows = [
         ("architecture", cfg.architecture),
-        ("parameters", f"{_parameter_count(loaded.model, cfg) / 1e6:.1f} M"),
+        ("parameters", f"{parameter_count(loaded.model) / 1e6:.1f} M"),
         ("layers / hidden / ffn", f"{cfg.num_layers} / {cfg.hidden_size} / {cfg.intermediate_size}"),
         ("heads (q / kv) x dim", f"{cfg.num_heads} / {cfg.num_kv_heads} x {cfg.head_dim}"),
         ("vocab", str(cfg.vocab_size)),
@@ -112,15 +112,6 @@ def info(
 
 def _name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _parameter_count(model, cfg) -> int:
-    """Weights counted as the model defines them (a table tied to the lm_head once), whatever their storage."""
-    per_layer = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    per_layer += cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
-    per_layer += 2 * cfg.hidden_size
-    embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-    return cfg.num_layers * per_layer + embeddings + cfg.hidden_size
 
 
 @app.command()

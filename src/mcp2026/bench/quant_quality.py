@@ -18,10 +18,9 @@ from torch import Tensor, nn
 
 from mcp2026.bench.quality import evaluate, reference_logprobs
 from mcp2026.kernels import cpu
-from mcp2026.loading.loader import load_model, weight_bytes
+from mcp2026.loading.loader import load_model, parameter_count, weight_bytes
 from mcp2026.pipeline import native_weights_blocker
 from mcp2026.quant import dqg, recipe
-from mcp2026.quant.block_linear import BlockLinear
 from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, calibration_samples
 from mcp2026.quant.linear import GEMV_MAX_ROWS, QuantLinear
 from mcp2026.quant.perplexity import N_CTX, evaluation_windows
@@ -146,15 +145,9 @@ def stored_row(
     if native_weights_blocker(model_path, "auto", None, "cpu") is not None:
         return None
     loaded = load_model(model_path, torch.float32, native=True)
-    bits = 8 * weight_bytes(loaded.model) / _parameter_count(loaded.model)
+    bits = 8 * weight_bytes(loaded.model) / parameter_count(loaded.model)
     return {"plan": STORED_PLAN, "family": "stored", "bits": bits, "mib": weight_bytes(loaded.model) / 2**20,
             **evaluate(loaded.model, windows, reference).to_dict()}  # fmt: skip
-
-
-def _parameter_count(model: torch.nn.Module) -> int:
-    """Weights of the linears and the token table as the model uses them (a tied table once)."""
-    seen = {id(m): m for m in model.modules() if isinstance(m, BlockLinear | torch.nn.Linear)}
-    return sum(m.in_features * m.out_features for m in seen.values())
 
 
 def run_quality_bench(

@@ -74,23 +74,6 @@ void block_rows(const uint8_t* wp, const float* so, const QuantizedRows& xr, con
   });
 }
 
-// dx * sum(xq) per group of 16: each 32-block's sum split in halves (groups of 32 use quantize_rows' sums).
-std::vector<float> half_block_sums(const QuantizedRows& xr, int64_t M, int64_t K) {
-  const int64_t nblk = K / 32;
-  std::vector<float> sums(M * nblk * 2);
-  for (int64_t i = 0; i < M * nblk; ++i) {
-    const int8_t* q = xr.q.data() + i * 32;
-    int32_t lo = 0, hi = 0;
-    for (int k = 0; k < 16; ++k) {
-      lo += q[k];
-      hi += q[16 + k];
-    }
-    sums[2 * i] = xr.scale[i] * static_cast<float>(lo);
-    sums[2 * i + 1] = xr.scale[i] * static_cast<float>(hi);
-  }
-  return sums;
-}
-
 template <int G>
 void block_gemm_run(const QuantizedRows& xr, const float* dxs, const uint8_t* w, const float* s, int64_t M,
                     int64_t K, float* out, int64_t N) {
@@ -300,8 +283,8 @@ torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const 
   if (G == 32) {
     block_gemm_run<32>(xr, xr.sum.data(), w, s, M, K, op, N);
   } else {
-    const auto sums = half_block_sums(xr, M, K);
-    block_gemm_run<16>(xr, sums.data(), w, s, M, K, op, N);
+    const GroupSums gs = group_sums(xr, M, K, 16);
+    block_gemm_run<16>(xr, gs.dxs.data(), w, s, M, K, op, N);
   }
 #else
   const GroupSums gs = group_sums(xr, M, K, G);

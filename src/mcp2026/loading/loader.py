@@ -63,6 +63,16 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(seen.values())
 
 
+def parameter_count(model: nn.Module) -> int:
+    """Weights as the model defines them, whatever their storage: a stored-block matrix counts its N x K values,
+    a float tensor its elements; each once (a tied table), the rope tables not."""
+    blocks = {id(m): m for m in model.modules() if isinstance(m, BlockLinear)}
+    inside = {id(t) for m in blocks.values() for t in m.buffers()}
+    tensors = {id(t): t for n, t in model.named_parameters() if not n.startswith("rope.")}
+    floats = sum(t.numel() for i, t in tensors.items() if i not in inside)
+    return floats + sum(m.in_features * m.out_features for m in blocks.values())
+
+
 def _attach_blocks(model: nn.Module, blocks: dict[str, BlockWeights], config: ModelConfig) -> None:
     """Swap the modules whose weights stayed in their stored blocks for BlockLinear / BlockEmbedding."""
     dtype = model.norm.weight.dtype
