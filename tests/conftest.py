@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU, the Triton kernels run under Triton's interpreter (tests/kernels/test_gpu_kernels.py); it is
+# chosen when triton is first imported, which any test module may do, so it is set before all of them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def save_tiny_hf(path: Path, arch: str = "llama", tie: bool = False, seed: int = 0, **overrides) -> Path:

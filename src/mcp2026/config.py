@@ -284,8 +284,15 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # KV codec and eviction policy (``kv.compressor.KVCompressor``); None stores KV as the model's dtype.
     kv_compressor: BlockSizedCompressor | None = None
+    # On CUDA, decode-only steps of up to this many sequences replay a captured graph of the whole forward
+    # (``engine.decode_graphs``); 0 runs every step eagerly. Capped by ``scheduler.max_num_seqs``.
+    cuda_graph_max_batch: int = 256
 
     def __post_init__(self) -> None:
+        _require(
+            self.cuda_graph_max_batch >= 0,
+            f"EngineConfig.cuda_graph_max_batch must be >= 0 (0 = off), got {self.cuda_graph_max_batch}",
+        )
         compressor = self.kv_compressor
         if compressor is not None and self.kv.block_size not in (None, compressor.block_size):
             raise ValueError(

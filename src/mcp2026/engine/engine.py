@@ -141,6 +141,11 @@ class LLMEngine:
             self.evictor.scoring if self.evictor else None,
             self.evictor.layer_pages if self.evictor else None,
         )
+        if self.device.type == "cuda" and self.config.cuda_graph_max_batch:
+            max_batch = min(self.config.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
+            reason = self.runner.enable_decode_graphs(max_batch, self.max_model_len)
+            if reason:
+                log.info("decode steps run eagerly, without CUDA graphs: %s", reason)
         self.sampler = Sampler()
         eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or model_config.eos_token_ids)
         self.eos_token_ids = eos

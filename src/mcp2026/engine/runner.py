@@ -14,6 +14,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from mcp2026.engine.decode_graphs import DecodeGraphs, graphable
 from mcp2026.engine.output import ScheduledChunk, SchedulerOutput
 from mcp2026.kernels import ops
 from mcp2026.kv.eviction import ScoringSpec, StepScores
@@ -48,10 +49,27 @@ class ModelRunner:
         self.scoring = scoring or ScoringSpec()
         # decode attention by the fused kernel (blocks read in place, quantized ones decoded as they are read,
         # int4's staged tails included) where the storage and device allow
-        self.fused_decode = (cache.reads_in_place or cache.quantized_kernel_kind > 0) and (
-            ops.decode_kernel_available(cache.device, cache.dtype)
+        # (the GPU kernel reads plain float blocks and sums no per-block scores)
+        readable = (
+            cache.reads_in_place and not self.scoring.decode
+            if cache.device.type == "cuda"
+            else cache.reads_in_place or cache.quantized_kernel_kind > 0
         )
+        self.fused_decode = readable and ops.decode_kernel_available(cache.device, cache.dtype)
         self._scores: list[StepScores] = []
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> str | None:
+        """Run decode-only steps of up to ``max_batch`` sequences through ``DecodeGraphs`` (``capture=False``:
+        the same buffers, eagerly). Returns why not where this runner's cache or kernels cannot."""
+        if not graphable(self.cache):
+            return "the KV cache is quantized, staged or per-layer (graphs need plain K/V rows in one pool)"
+        if not self.fused_decode:
+            return "no decode kernel reads the paged blocks in place here (on CUDA: pip install triton)"
+        if self.scoring.decode:
+            return "the eviction policy scores every decode step's attention"
+        self.graphs = DecodeGraphs(self.model, self.cache, max_batch, max_model_len, capture=capture)
+        return None
 
     def take_scores(self) -> list[StepScores]:
         """Block attention mass of the steps run since the last call (empty unless scoring is on)."""
@@ -305,6 +323,8 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput, all_logits: bool = False) -> tuple[list[str], torch.Tensor]:
         """Run the step; returns the request ids that sample and their logits (N, V) float32, in that order.
         ``all_logits`` (teacher-forced evaluation): logits of every token, (T, V) in chunk order, and no ids."""
+        if self.graphs is not None and not all_logits and self.graphs.accepts(output.chunks):
+            return [c.request_id for c in output.chunks], self.graphs.run(output.chunks)
         decodes = [c for c in output.chunks if len(c.token_ids) == 1 and c.start_pos > 0]
         prefills = [c for c in output.chunks if not (len(c.token_ids) == 1 and c.start_pos > 0)]
         chunks = decodes + prefills

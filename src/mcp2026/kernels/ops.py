@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mcp2026.kernels import cpu
+from mcp2026.kernels import cpu, gpu
 
 # Decode steps of at most this many rows run each layer as two compiled calls (models/llama.py). The
 # elementwise kernels serve every size: past 64 rows they split rows across threads, and at a 512-token prefill
@@ -25,14 +25,11 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 def kernels_for(*tensors: torch.Tensor) -> Any | None:
     """The compiled kernels when every tensor suits them (CPU, fp32/bf16) and no gradient is being recorded.
     Called several times per layer and step: plain attribute checks only (``t.device`` allocates)."""
-    module = cpu.load()
-    if module is None:
-        return None
     grad = torch.is_grad_enabled()
-    for t in tensors:
+    for t in tensors:  # checked first: a GPU process never builds the CPU kernels
         if not t.is_cpu or t.dtype not in _KERNEL_DTYPES or (grad and t.requires_grad):
             return None
-    return module
+    return cpu.load()
 
 
 def vnni_gemm_kernels(x: torch.Tensor) -> Any | None:
@@ -137,6 +134,9 @@ def add_rms_norm(
     k = kernels_for(residual, weight, *(() if x is None else (x,))) if fusable else None
     if k is not None:
         return k.add_rms_norm(residual, x, weight, eps, residual.dtype), residual
+    g = gpu.kernels_for(residual, weight) if fusable and residual.is_cuda else None
+    if g is not None and (x is None or (x.is_cuda and x.dim() == 2 and x.stride(-1) == 1)):
+        return g.add_rms_norm(residual, x, weight, eps), residual
     if x is not None:
         residual = residual + x
     return F.rms_norm(residual, (residual.shape[-1],), weight, eps), residual
@@ -147,6 +147,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     k = kernels_for(gate_up) if gate_up.dim() == 2 else None
     if k is not None:
         return k.silu_mul(gate_up, gate_up.dtype)
+    g = (
+        gpu.kernels_for(gate_up)
+        if gate_up.is_cuda and gate_up.dim() == 2 and gate_up.stride(-1) == 1
+        else None
+    )
+    if g is not None:
+        return g.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -154,6 +161,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """Rotate x (T, heads, hd) in place (rotate-half convention) and return it; None when not fusable,
     so the caller runs its torch version."""
+    if x.is_cuda:
+        g = (
+            gpu.kernels_for(x, cos, sin)
+            if x.stride(-1) == 1 and cos.stride(-1) == sin.stride(-1) == 1
+            else None
+        )
+        return None if g is None else g.rope_(x, cos, sin)
     if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
         return None
     k = kernels_for(x, cos)
@@ -173,7 +187,12 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """q (B, nh, hd) pre-scaled; caches (num_blocks, nkv, bs, hd); tables (B, nb) live block ids in order;
     lengths (B,) tokens to attend. ``mass`` (B, nkv, nb) float32: each block's attention per KV head (summed over
-    its query heads) is added to it (eviction scores). Only called when ``decode_kernel_available`` said yes."""
+    its query heads) is added to it (eviction scores; CPU only). Only called when ``decode_kernel_available``
+    said yes."""
+    if q.is_cuda:
+        if mass is not None:
+            raise ValueError("the GPU decode kernel does not sum attention per block (eviction scores)")
+        return gpu.load().paged_decode_attention(q, k_cache, v_cache, tables, lengths)
     return cpu.load().paged_decode_attention(q, k_cache, v_cache, tables, lengths, mass)
 
 
@@ -197,6 +216,10 @@ def paged_decode_attention_quantized(
 
 
 def decode_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode attention on ``device`` reads the paged blocks in place with one of our kernels (on the
+    GPU: plain float blocks only, no per-block scores)."""
+    if device.type == "cuda":
+        return gpu.decode_available(device, dtype)
     return device.type == "cpu" and dtype in _KERNEL_DTYPES and cpu.load() is not None
 
 

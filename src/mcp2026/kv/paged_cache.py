@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mcp2026.kernels import gpu as kernel_gpu
 from mcp2026.kernels import ops as kernel_ops
 from mcp2026.kv.codecs import (
     Fp8PerToken,
@@ -459,10 +460,19 @@ class PagedKVCache:
         Not on steps the error monitor measures: it needs the encoded planes (a staged tail is never measured)."""
         if k.stride(-1) != 1 or v.stride(-1) != 1:
             return False
+        hd = self.head_dim
+        if k.is_cuda:  # the GPU kernels write raw rows (a strided K/V view in one launch, not four)
+            gpu_kernels = kernel_gpu.kernels_for(k, v)
+            if gpu_kernels is None or not self._raw or plan.rows is None or plan.is_monitored:
+                return False
+            k_rows = self._at(self.k_planes["x"], layer).view(-1, hd)
+            gpu_kernels.write_kv_rows(
+                k_rows, self._at(self.v_planes["x"], layer).view(-1, hd), plan.rows, k, v
+            )
+            return True
         kernels = kernel_ops.kernels_for(k, v)
         if kernels is None:
             return False
-        hd = self.head_dim
         if plan.rows is not None and not plan.is_monitored:
             if self._raw:
                 k_rows, v_rows = (

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mcp2026.kernels import gpu as kernel_gpu
 from mcp2026.kernels import ops as kernel_ops
 from mcp2026.quant.plan import DENSE_FORMATS, LayerQuantSpec, high_row_count, linear_modules
 
@@ -434,7 +435,7 @@ class QuantLinear(nn.Module):
 
     def _drop_kernel_copies(self) -> None:
         """Forget what was derived from the weights for the kernels (GEMV layouts, the fused-layer handle)."""
-        for key in ("_gemv", "_gemm", "_gemv_scales", "_fused"):
+        for key in ("_gemv", "_gemm", "_gemv_scales", "_fused", "_cuda"):
             self.__dict__.pop(key, None)
 
     def _clip(self, w: Tensor) -> float | Tensor:
@@ -499,7 +500,9 @@ class Int8Linear(QuantLinear):
 
     @classmethod
     def kernel_on(cls, device):
-        return "aten._weight_int8pack_mm" if device.type in ("cpu", "cuda", "mps") else None
+        if device.type == "cuda":
+            return "triton int8 weight-only matmul" if kernel_gpu.load() is not None else None
+        return "aten._weight_int8pack_mm" if device.type in ("cpu", "mps") else None
 
     def _load(self, w):
         self._drop_kernel_copies()
@@ -511,6 +514,11 @@ class Int8Linear(QuantLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if x2.is_cuda:
+            gpu = kernel_gpu.kernels_for(x2)
+            if gpu is None:
+                raise RuntimeError(f"int8 weights on {x2.device} need our Triton kernel: pip install triton")
+            return self._output(gpu.int8_matmul(self._input(x2).contiguous(), self.weight, self.scales), x)
         if self.gemm_shape_ok():
             kernels = kernel_ops.vnni_gemm_kernels(x2)
             if kernels is not None:  # AVX-512 VNNI: our int8 x int8 GEMM at every row count (see INT8_GEMM)
@@ -574,6 +582,8 @@ class Int4Linear(QuantLinear):
 
     @classmethod
     def kernel_on(cls, device):
+        if device.type == "cuda":  # torch's tinygemm kernel: Ampere and newer
+            return "aten._weight_int4pack_mm" if torch.cuda.get_device_capability(device) >= (8, 0) else None
         return "aten._weight_int4pack_mm_for_cpu" if device.type == "cpu" else None
 
     def _load(self, w):
@@ -593,6 +603,11 @@ class Int4Linear(QuantLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if x2.is_cuda:  # bf16 activations and scales: the only dtype torch's CUDA kernel takes
+            y = torch.ops.aten._weight_int4pack_mm(
+                self._input(x2).contiguous(), self.cuda_weights(), self.spec.group_size, self.scales_and_zeros
+            )
+            return self._output(y, x)
         kernels = kernel_ops.vnni_gemm_kernels(x2)
         if kernels is not None:  # AVX-512 VNNI: our int4 x int8 GEMM at every row count (see INT4_GEMM)
             return self._output(kernels.int4_gemm(self._scaled(x2), *self.gemm_weights()), x)
@@ -621,6 +636,17 @@ class Int4Linear(QuantLinear):
             self._input(x), self.weight, self.spec.group_size, self.scales_and_zeros
         )
         return self._output(y, x)
+
+    def cuda_weights(self) -> Tensor:
+        """The weights in the layout of torch's CUDA int4 kernel (two values per byte, even k in the high
+        nibble, then tiled by ``_convert_weight_to_int4pack``), built on first use from the CPU layout."""
+        packed = self.__dict__.get("_cuda")
+        if packed is None:
+            q = unpack_int4(self.weight.cpu(), self.out_features, self.in_features).to(torch.uint8)
+            pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(self.weight.device)
+            inner_k_tiles = 8 if self.in_features % 1024 == 0 else 4 if self.in_features % 512 == 0 else 2
+            packed = self.__dict__["_cuda"] = torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles)
+        return packed
 
     def _dequant_buffer(self, dtype: torch.dtype) -> Tensor:
         return kernel_ops.scratch((self.out_features, self.in_features), dtype)

@@ -1,0 +1,126 @@
+"""The Triton kernels (kernels/gpu_*.py) against the torch ops they replace, run by Triton's interpreter on
+CPU tensors (fp32 and fp16: the interpreter computes through numpy, which has no bf16)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+# before triton is imported and the kernels are defined: they become interpreted functions
+os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+from mcp2026.kernels import gpu_attention, gpu_fused  # noqa: E402
+from mcp2026.models.layers import RotaryEmbedding  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16]
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-3}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_x", [True, False])
+def test_add_rms_norm_matches_torch(dtype, with_x):
+    g = torch.Generator().manual_seed(0)
+    residual = torch.randn(5, 96, generator=g).to(dtype)
+    x = torch.randn(5, 96, generator=g).to(dtype) if with_x else None
+    weight = torch.rand(96, generator=g).to(dtype) + 0.5
+    expected_res = residual + x if with_x else residual.clone()
+    expected = F.rms_norm(expected_res.float(), (96,), weight.float(), 1e-5)
+    out = gpu_fused.add_rms_norm(residual, x, weight, 1e-5)
+    assert torch.equal(residual, expected_res)  # updated in place, rounded like torch's add
+    torch.testing.assert_close(out.float(), expected, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch(dtype):
+    gate_up = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(1)).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    torch.testing.assert_close(gpu_fused.silu_mul(gate_up).float(), F.silu(gate) * up, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_in_place_matches_torch_on_a_strided_view(dtype):
+    rope = RotaryEmbedding(32, 64, 10000.0, None)
+    positions = torch.tensor([0, 5, 17, 63])
+    qkv = torch.randn(4, 7 * 32 + 40, generator=torch.Generator().manual_seed(2)).to(dtype)
+    qk = qkv[:, : 7 * 32].view(4, 7, 32)  # rows strided by the fused qkv width
+    cos, sin = rope.table(positions, torch.float32)
+    expected = rope.apply(qk.float(), cos, sin)
+    tail = qkv[:, 7 * 32 :].clone()
+    gpu_fused.rope_(qk, cos.to(dtype), sin.to(dtype))
+    torch.testing.assert_close(qk.float(), expected, **_tol(dtype))
+    assert torch.equal(qkv[:, 7 * 32 :], tail)  # the v columns are not touched
+
+
+def test_write_kv_rows_scatters_strided_tokens():
+    nkv, hd = 2, 16
+    k_rows = torch.full((40, hd), float("nan"))
+    v_rows = torch.full((40, hd), float("nan"))
+    kv = torch.randn(3, 2 * nkv * hd + 8, generator=torch.Generator().manual_seed(3))
+    k = kv[:, : nkv * hd].view(3, nkv, hd)
+    v = kv[:, nkv * hd : 2 * nkv * hd].view(3, nkv, hd)
+    rows = torch.tensor([7, 8, 20, 21, 33, 2])
+    gpu_fused.write_kv_rows(k_rows, v_rows, rows, k, v)
+    torch.testing.assert_close(k_rows[rows], k.reshape(-1, hd))
+    torch.testing.assert_close(v_rows[rows], v.reshape(-1, hd))
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[rows] = False
+    assert k_rows[untouched].isnan().all() and v_rows[untouched].isnan().all()
+
+
+def _reference_decode(q, k_cache, v_cache, tables, lengths):
+    """Plain softmax attention over each sequence's first ``length`` tokens, gathered through its table."""
+    out = []
+    nh, nkv = q.shape[1], k_cache.shape[1]
+    for b in range(q.shape[0]):
+        n = int(lengths[b])
+        k = k_cache[tables[b]].transpose(0, 1).flatten(1, 2)[:, :n].float()  # (nkv, n, hd)
+        v = v_cache[tables[b]].transpose(0, 1).flatten(1, 2)[:, :n].float()
+        k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
+        probs = torch.softmax(q[b].float().unsqueeze(1) @ k.transpose(-1, -2), dim=-1)
+        out.append((probs @ v).squeeze(1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_paged_decode_attention_matches_reference(dtype, splits):
+    g = torch.Generator().manual_seed(4)
+    num_blocks, nkv, bs, hd, nh = 40, 3, 16, 32, 9
+    k_cache = torch.randn(num_blocks, nkv, bs, hd, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, nkv, bs, hd, generator=g).to(dtype)
+    lengths = torch.tensor([1, 16, 17, 150, 97])
+    width = 10
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in lengths])
+    q = (torch.randn(len(lengths), nh, hd, generator=g) / hd**0.5).to(dtype)
+    out = gpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lengths, splits=splits)
+    expected = _reference_decode(q, k_cache, v_cache, tables, lengths)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, **_tol(dtype))
+
+
+def test_split_count_follows_the_batch():
+    assert gpu_attention.num_splits(1, 3) == gpu_attention.MAX_SPLITS
+    assert gpu_attention.num_splits(256, 3) == 1
+    assert 1 <= gpu_attention.num_splits(16, 3) <= gpu_attention.MAX_SPLITS
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 5, 70])
+def test_int8_matmul_matches_dequantized_weights(dtype, m):
+    from mcp2026.kernels import gpu_int8
+
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randint(-127, 128, (100, 96), generator=g, dtype=torch.int8)
+    scales = torch.rand(100, generator=g) / 100
+    x = torch.randn(m, 96, generator=g).to(dtype)
+    expected = x.float() @ (weight.float() * scales[:, None]).t()
+    out = gpu_int8.int8_matmul(x, weight, scales)
+    assert out.shape == (m, 100) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, **_tol(dtype))
