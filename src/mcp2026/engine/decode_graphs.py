@@ -93,20 +93,20 @@ class DecodeGraphs:
         )
 
     def _fill(self, decodes: Sequence[ScheduledChunk], bucket: int) -> None:
-        ids, positions, lengths = (self._views[k][0] for k in ("ids", "positions", "lengths"))
-        rows = self._views["rows"][0].reshape(self.max_batch, self.num_kv_heads)
-        tables = self._views["tables"][0].reshape(self.max_batch, self.width)
         bs, nkv = self.block_size, self.num_kv_heads
-        heads = np.arange(nkv, dtype=np.int64)
-        for b in range(bucket):
-            c = decodes[min(b, len(decodes) - 1)]  # padding repeats the last sequence
-            slot = c.kv_start
-            ids[b] = c.token_ids[0]
-            positions[b] = c.start_pos
-            lengths[b] = slot + 1
-            table = c.block_table[: slot // bs + 1]
-            tables[b, : len(table)] = table
-            rows[b] = (table[-1] * nkv + heads) * bs + slot % bs
+        chunks = list(decodes) + [decodes[-1]] * (bucket - len(decodes))  # padding repeats the last sequence
+        slots = np.fromiter((c.kv_start for c in chunks), np.int64, bucket)
+        self._views["ids"][0][:bucket] = [c.token_ids[0] for c in chunks]
+        self._views["positions"][0][:bucket] = [c.start_pos for c in chunks]
+        self._views["lengths"][0][:bucket] = slots + 1
+        tables = self._views["tables"][0].reshape(self.max_batch, self.width)
+        last = np.empty(bucket, np.int64)  # the block each new token lands in
+        for b, c in enumerate(chunks):
+            n = int(slots[b]) // bs + 1
+            tables[b, :n] = c.block_table[:n]
+            last[b] = c.block_table[n - 1]
+        rows = self._views["rows"][0].reshape(self.max_batch, nkv)
+        rows[:bucket] = (last[:, None] * nkv + np.arange(nkv)) * bs + (slots % bs)[:, None]
         end = self._tables_offset + bucket * self.width
         self._dev[:end].copy_(self._host[:end], non_blocking=True)
 

@@ -207,6 +207,10 @@ def _prefill_attention(
     out = None if offset is None else ops.prefill_attention(q, k, v, offset)
     if out is not None:
         return out
+    gqa = True
+    if q.is_cuda and k.shape[0] != q.shape[1]:  # CUDA's flash kernel takes equal head counts only (GQA: math)
+        group = q.shape[1] // k.shape[0]
+        k, v, gqa = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0), False
     # 4-D inputs on purpose: with 3-D ones PyTorch's CPU dispatcher falls back to the math kernel
     # (materialised scores, several times slower at prefill lengths); with a batch dim it takes the flash kernel.
     out = F.scaled_dot_product_attention(
@@ -216,7 +220,7 @@ def _prefill_attention(
         attn_mask=mask,
         is_causal=mask is None,
         scale=1.0,
-        enable_gqa=True,
+        enable_gqa=gqa,
     )
     return out[0].transpose(0, 1)
 
