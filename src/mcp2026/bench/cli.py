@@ -234,3 +234,23 @@ bench_app.command("sweep")(sweep)
 bench_app.command("plugin")(plugin)
 bench_app.command("kv")(kv)
 bench_app.command("headline")(headline)
+
+
+@bench_app.command("gpu")
+@user_errors
+def gpu(
+    out: Annotated[Path | None, typer.Option(help="write the JSON results here too")] = None,
+    docs: Annotated[Path | None, typer.Option(help="rewrite this markdown file's gpu-check section")] = None,
+    quick: Annotated[bool, typer.Option(help="skip the 256-sequence and quantized runs")] = False,
+) -> None:
+    """The GPU check: exactness against HF transformers and speed beside it on one CUDA GPU (SmolLM2-135M's
+    shape, random weights, built in the run: no network, no model file)."""
+    from mcp2026.bench import gpu_check  # deferred: loads torch and transformers
+
+    gpu_check.main(
+        [
+            *(["--out", str(out)] if out else []),
+            *(["--docs", str(docs)] if docs else []),
+            *(["--quick"] if quick else []),
+        ]
+    )

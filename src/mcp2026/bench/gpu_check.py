@@ -42,7 +42,12 @@ TINY = {**SHAPE, "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
 START, END = "<!-- gpu-check:start -->", "<!-- gpu-check:end -->"
 BLOCKS = 12288  # KV pool: 256 sequences x 256 tokens is 4096 blocks of 16; the rest is headroom
-_where = {"device": "cuda", "shape": SHAPE}  # set by run()
+_where = {"device": "cuda", "shape": SHAPE, "scale": 1}  # set by run()
+
+
+def _n(size: int) -> int:
+    """A length or count of the check; an eighth of it for the tiny CPU run."""
+    return size // _where["scale"]
 
 
 def build_checkpoint(path: Path, seed: int = 0) -> Path:
@@ -162,24 +167,27 @@ def _decode_ms(eng: LLMEngine, prompt: list[int], new_tokens: int) -> float:
 
 @torch.inference_mode()
 def batch1_decode(path: Path, loaded: LoadedModel, hf: torch.nn.Module) -> dict[str, Any]:
-    prompt = _prompts(1, 128, seed=2)[0]
+    prompt = _prompts(1, _n(128), seed=2)[0]
     result = {}
     for name, graphs in (("ours_graphs", True), ("ours_eager", False)):
         eng = engine(loaded, max_seqs=8, graphs=graphs)
         _decode_ms(eng, prompt, 32)  # warm-up: kernels compiled, the graph captured
-        result[f"{name}_ms_per_token"] = _decode_ms(eng, prompt, 256)
+        result[f"{name}_ms_per_token"] = _decode_ms(eng, prompt, _n(256))
     ids = torch.tensor([prompt], device=_where["device"])
-    hf_gen = dict(max_new_tokens=256, min_new_tokens=256, do_sample=False, cache_implementation="static")
+    hf_gen = dict(
+        max_new_tokens=_n(256), min_new_tokens=_n(256), do_sample=False, cache_implementation="static"
+    )
     hf.generate(ids, **hf_gen)  # the same call once before: whatever HF compiles for it is not timed
-    result["hf_static_ms_per_token_incl_prefill"] = 1e3 * _timed(lambda: hf.generate(ids, **hf_gen)) / 256
+    result["hf_static_ms_per_token_incl_prefill"] = 1e3 * _timed(lambda: hf.generate(ids, **hf_gen)) / _n(256)
     return result
 
 
 @torch.inference_mode()
 def batched(loaded: LoadedModel, hf: torch.nn.Module, num_seqs: int, hf_too: bool) -> dict[str, Any]:
     """``num_seqs`` x (128 in, 128 out): output tokens per second of the whole run."""
-    prompts = _prompts(num_seqs, 128, seed=3)
-    params = SamplingParams(max_tokens=128, ignore_eos=True)
+    num_seqs, new = _n(num_seqs), _n(128)
+    prompts = _prompts(num_seqs, _n(128), seed=3)
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
     eng = engine(loaded)
     eng.generate(prompts[:8], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     eng.generate(prompts, params)  # captures the buckets this run meets
@@ -191,19 +199,19 @@ def batched(loaded: LoadedModel, hf: torch.nn.Module, num_seqs: int, hf_too: boo
     steps.update(
         {k: round(getattr(st, k), 1) for k in ("prefill_ms", "decode_ms", "sample_ms", "detokenize_ms")}
     )
-    result = {"ours_output_tok_s": num_seqs * 128 / seconds, "ours_step_ms_totals": steps}
+    result = {"ours_output_tok_s": num_seqs * new / seconds, "ours_step_ms_totals": steps}
     if hf_too:
         ids = torch.tensor(prompts, device=_where["device"])
-        gen = dict(max_new_tokens=128, min_new_tokens=128, do_sample=False, cache_implementation="static")
+        gen = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, cache_implementation="static")
         hf.generate(ids, **gen)  # the same call once before: whatever HF compiles for it is not timed
-        result["hf_static_output_tok_s"] = num_seqs * 128 / _timed(lambda: hf.generate(ids, **gen))
+        result["hf_static_output_tok_s"] = num_seqs * new / _timed(lambda: hf.generate(ids, **gen))
     return result
 
 
 @torch.inference_mode()
 def prefill(loaded: LoadedModel, hf: torch.nn.Module) -> dict[str, Any]:
     """8 x 2048-token prompts, one token each: prompt tokens per second."""
-    prompts = _prompts(8, 2048, seed=4)
+    prompts = _prompts(8, _n(2048), seed=4)
     eng = engine(loaded, max_seqs=8, budget=16384)
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     eng.generate(prompts, one)
@@ -211,14 +219,14 @@ def prefill(loaded: LoadedModel, hf: torch.nn.Module) -> dict[str, Any]:
     ids = torch.tensor(prompts, device=_where["device"])
     hf(ids[:1, :128])
     hf_seconds = min(_timed(lambda: hf(ids, logits_to_keep=1)) for _ in range(3))
-    return {"ours_tok_s": 8 * 2048 / seconds, "hf_forward_tok_s": 8 * 2048 / hf_seconds}
+    return {"ours_tok_s": 8 * _n(2048) / seconds, "hf_forward_tok_s": 8 * _n(2048) / hf_seconds}
 
 
 @torch.inference_mode()
 def quantized_decode(path: Path) -> dict[str, Any]:
     """Batch-1 decode with every linear in int8 / int4 / fp8 (bf16 activations), and each kernel checked
     against its own dequantized weights on one random input (relative error of the layer's output)."""
-    prompt = _prompts(1, 128, seed=5)[0]
+    prompt = _prompts(1, _n(128), seed=5)[0]
     result: dict[str, Any] = {}
     for fmt, extra in (("int8", {}), ("int4", {"group_size": 32}), ("fp8", {})):
         try:
@@ -234,7 +242,7 @@ def quantized_decode(path: Path) -> dict[str, Any]:
                     worst = max(worst, ((got - ref).norm() / ref.norm()).item())
             eng = engine(loaded, max_seqs=8)
             _decode_ms(eng, prompt, 32)
-            result[fmt] = {"ms_per_token": _decode_ms(eng, prompt, 256), "kernel_rel_error": worst}
+            result[fmt] = {"ms_per_token": _decode_ms(eng, prompt, _n(256)), "kernel_rel_error": worst}
         except Exception as error:  # noqa: BLE001 - one format failing must not hide the others' figures
             result[fmt] = {"error": f"{type(error).__name__}: {error}"[:300]}
     return result
@@ -271,7 +279,7 @@ def run(quick: bool = False, tiny: bool = False) -> dict[str, Any]:
     the CPU (how tests exercise the check without a GPU; its figures mean nothing)."""
     if not tiny and not torch.cuda.is_available():
         raise SystemExit("the GPU check needs a CUDA GPU (torch.cuda.is_available() is False)")
-    _where.update(device="cpu" if tiny else "cuda", shape=TINY if tiny else SHAPE)
+    _where.update(device="cpu" if tiny else "cuda", shape=TINY if tiny else SHAPE, scale=8 if tiny else 1)
     results: dict[str, Any] = {"environment": environment()}
     with tempfile.TemporaryDirectory() as tmp:
         path = build_checkpoint(Path(tmp) / "smollm2-135m-shape")

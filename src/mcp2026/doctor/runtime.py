@@ -13,7 +13,7 @@ from mcp2026 import hardware
 from mcp2026.doctor.context import DoctorContext
 from mcp2026.doctor.result import CheckResult, Status, failed, passed, skipped, warned
 from mcp2026.hardware import default_activation_dtype
-from mcp2026.kernels import cpu
+from mcp2026.kernels import cpu, gpu
 from mcp2026.quant.backend import clamp_bits, probe
 from mcp2026.quant.linear import LINEAR_FORMATS
 from mcp2026.quant.plan import FORMATS, WEIGHT_BITS
@@ -84,16 +84,23 @@ def check_cuda(ctx: DoctorContext) -> CheckResult:
     devices = []
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
+        free, _ = torch.cuda.mem_get_info(i)
         devices.append(
             {
                 "name": props.name,
                 "capability": f"sm{props.major}{props.minor}",
                 "memory_bytes": props.total_memory,
+                "free_bytes": free,
             }
         )
     listing = "; ".join(
-        f"{d['name']} {d['capability']}, {d['memory_bytes'] / 2**30:.0f} GiB" for d in devices
+        f"{d['name']} {d['capability']}, {d['free_bytes'] / 2**30:.0f} of {d['memory_bytes'] / 2**30:.0f} GiB free"
+        for d in devices
     )
+    if ctx.device.type == "cuda" and ctx.device.index is None and not devices:
+        return failed(
+            "cuda", "the server is set to run on CUDA but no device is visible", "check CUDA_VISIBLE_DEVICES"
+        )
     return passed(
         "cuda", f"{len(devices)} device(s): {listing}; the server runs on {ctx.device}", devices=devices
     )
@@ -162,6 +169,15 @@ def check_quant_kernels(ctx: DoctorContext) -> CheckResult:
 def check_fused_kernels(ctx: DoctorContext) -> CheckResult:
     """Our C++ decode kernels (kernels/cpu_decode.cpp): built and cached, or why the engine falls back."""
     name = "fused kernels"
+    if ctx.device.type == "cuda":  # the Triton kernels: decode attention over paged blocks, fused layer ops
+        status = gpu.status()
+        if gpu.load() is None:
+            return warned(
+                name,
+                f"GPU kernels {status}; decode gathers the KV blocks and runs eagerly, without CUDA graphs",
+                "pip install triton",
+            )
+        return passed(name, f"GPU kernels: {status} (paged decode attention, fused norms/RoPE, CUDA graphs)")
     if ctx.device.type != "cpu":
         return skipped(name, f"CPU kernels; the server runs on {ctx.device}")
     if not cpu.enabled_by_env():

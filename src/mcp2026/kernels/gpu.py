@@ -28,7 +28,6 @@ def _load() -> Any | None:
 
     return SimpleNamespace(
         int8_matmul=gpu_int8.int8_matmul,
-        fp8_rows=gpu_int8.fp8_rows,
         add_rms_norm=gpu_fused.add_rms_norm,
         silu_mul=gpu_fused.silu_mul,
         rope_=gpu_fused.rope_,

@@ -59,26 +59,3 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, IEEE=x.dtype == torch.float32,
     )  # fmt: skip
     return y
-
-
-@triton.jit
-def _fp8_rows_kernel(x_ptr, q_ptr, s_ptr, n, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0) / FP8_MAX, 1e-12)
-    tl.store(q_ptr + row * stride_q + cols, (x / scale).to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row, scale)
-
-
-def fp8_rows(x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of x (M, K) scaled into e4m3 by its own absolute maximum: (q (M, K) fp8, scales (M, 1) fp32),
-    one launch (torch's amax, divide and cast are four)."""
-    m, k = x.shape
-    q = torch.empty(m, k, dtype=fp8_dtype, device=x.device)
-    scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    _fp8_rows_kernel[(m,)](
-        x, q, scales, k, x.stride(0), q.stride(0), FP8_MAX=fp8_max, BLOCK=triton.next_power_of_2(k)
-    )
-    return q, scales

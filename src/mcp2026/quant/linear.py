@@ -702,12 +702,8 @@ class Fp8Linear(QuantLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = self._input(x)
-        gpu = kernel_gpu.kernels_for(x2) if x2.dim() == 2 and x2.stride(-1) == 1 else None
-        if gpu is not None:  # the same per-row scaling in one launch
-            x8, x_scale = gpu.fp8_rows(x2, FP8_DTYPE, FP8_MAX)
-        else:
-            x_scale = (x2.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)  # (M, 1)
-            x8 = (x2 / x_scale).to(FP8_DTYPE)
+        x_scale = (x2.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)  # (M, 1)
+        x8 = (x2 / x_scale).to(FP8_DTYPE)
         y = torch._scaled_mm(
             x8, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale, out_dtype=self.compute_dtype
         )
