@@ -23,8 +23,6 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Tracer
 
-    from mcp2026.serve.generation import Job
-
 INSTALL_HINT = "pip install 'mcp2026[otel]'"
 TRACED_PATH_PREFIX = "/v1/"  # probes and /metrics scrapes would bury the requests in noise
 
@@ -99,9 +97,10 @@ class Tracing:
     def from_endpoint(cls, endpoint: str) -> Tracing:
         return cls.with_exporter(otlp_exporter(endpoint))
 
-    def record(self, job: Job, model_name: str) -> None:
-        """Attributes of the finished job on the current request span, and one set of child spans per
-        choice. Called by GenerationService.release inside the request's context."""
+    def record(self, job: Any, model_name: str) -> None:
+        """Attributes of the finished ``job`` (a serve.generation Job, not imported: generation imports us)
+        on the current request span, and one set of child spans per choice. Called by GenerationService.release
+        inside the request's context."""
         from opentelemetry import trace  # defer: optional dependency
 
         span = trace.get_current_span()
@@ -146,7 +145,7 @@ def _phases(choice: Any) -> Sequence[tuple[str, float, float, dict[str, Any]]]:
     return phases
 
 
-def _job_attributes(job: Job, model_name: str) -> dict[str, Any]:
+def _job_attributes(job: Any, model_name: str) -> dict[str, Any]:
     choices = job.choices
     params = job.params[0]
     arrival = min(c.timing.arrival_time for c in choices)
