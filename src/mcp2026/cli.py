@@ -127,6 +127,11 @@ def serve(
     ssl_certfile: Annotated[Path | None, typer.Option(help="TLS certificate (PEM)")] = None,
     ssl_keyfile: Annotated[Path | None, typer.Option(help="TLS private key (PEM)")] = None,
     dtype: Annotated[str | None, typer.Option(help="auto | fp32 | bf16")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu (default) | cuda | cuda:N")] = None,
+    otlp_traces_endpoint: Annotated[
+        str | None,
+        typer.Option(help="send OpenTelemetry request spans to this OTLP endpoint (needs mcp2026[otel])"),
+    ] = None,
     served_model_name: Annotated[str | None, typer.Option(help="the model id clients send")] = None,
     quant: Annotated[
         Path | None, typer.Option("--quant", help="quant YAML (as for compile): quantize the weights at load")
@@ -179,6 +184,8 @@ def serve(
         "ssl_certfile": ssl_certfile,
         "ssl_keyfile": ssl_keyfile,
         "dtype": dtype,
+        "device": device,
+        "otlp_traces_endpoint": otlp_traces_endpoint,
         "model_name": served_model_name,
         "quant": quant,
     }

@@ -80,6 +80,7 @@ def live_server(
     config: ServeConfig | None = None,
     tenants: TenantRegistry | None = None,
     num_blocks: int = NUM_BLOCKS,
+    tracing: object = None,
     **scheduler,
 ) -> Iterator[Live]:
     engine_config = EngineConfig(KVConfig(block_size=16, num_blocks=num_blocks), SchedulerConfig(**scheduler))
@@ -87,7 +88,7 @@ def live_server(
     engine = LLMEngine(model.model, model.config, tokenizer, engine_config)
     async_engine = AsyncEngine(engine)
     config = config or ServeConfig(model_name=MODEL)
-    app = create_app(async_engine, tokenizer, config, tenants)
+    app = create_app(async_engine, tokenizer, config, tenants, tracing=tracing)
     port = free_port()
     server = GracefulServer(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"), async_engine, config

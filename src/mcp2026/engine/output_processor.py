@@ -32,6 +32,7 @@ class RequestOutput:
     arrival_time: float = 0.0  # perf_counter seconds
     first_token_time: float | None = None
     finish_time: float | None = None
+    detokenize_s: float = 0.0  # summed wall time of its incremental detokenizing so far
 
 
 @dataclass
@@ -48,6 +49,7 @@ class RequestState:
     first_token_time: float | None = None
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    detokenize_s: float = 0.0
 
     @property
     def params(self) -> SamplingParams:
@@ -78,7 +80,9 @@ class OutputProcessor:
         if is_stop_token and num_out > params.min_tokens:
             return "stop"
         if state.detokenizer is not None:
+            t0 = time.perf_counter()
             state.text += state.detokenizer.push(token_id)
+            state.detokenize_s += time.perf_counter() - t0
             if params.stop and num_out > params.min_tokens and self._truncate_at_stop(state):
                 return "stop"
         if num_out >= params.max_tokens:
@@ -100,7 +104,9 @@ class OutputProcessor:
     ) -> RequestOutput:
         finished = finish_reason is not None
         if finished and state.detokenizer is not None and finish_reason not in ("stop",):
+            t0 = time.perf_counter()
             state.text += state.detokenizer.flush()
+            state.detokenize_s += time.perf_counter() - t0
         # Hold back a tail that could be the start of a stop string, until it is decided.
         hold = 0 if finished or not state.params.stop else max(len(s) for s in state.params.stop) - 1
         visible = max(state.num_streamed_chars, len(state.text) - hold)
@@ -132,4 +138,5 @@ class OutputProcessor:
             arrival_time=state.arrival_time,
             first_token_time=state.first_token_time,
             finish_time=state.finish_time,
+            detokenize_s=state.detokenize_s,
         )

@@ -30,6 +30,7 @@ from mcp2026.serve.traffic import Gate, ObserveGate, PressureController
 
 if TYPE_CHECKING:
     from mcp2026.serve.canary import CanaryRouter
+    from mcp2026.serve.tracing import Tracing
 
 
 def create_app(
@@ -39,10 +40,12 @@ def create_app(
     tenants: TenantRegistry | None = None,
     gate: Gate | None = None,
     canary: CanaryRouter | None = None,
+    tracing: Tracing | None = None,
 ) -> FastAPI:
     """``gate``: what pressure mode switches (a QuantGate, a KVPolicyGate); None observes only. The
     traffic config's ``gate: off`` disables the pressure rule. ``canary``: a second engine serving a sticky
-    share of the tenants (mcp2026.serve.canary); None serves everything from ``async_engine``."""
+    share of the tenants (mcp2026.serve.canary); None serves everything from ``async_engine``. ``tracing``:
+    where request spans go (mcp2026.serve.tracing); None: ``config.otlp_traces_endpoint``'s, or no tracing."""
     config = config or ServeConfig()
     if tenants is None:
         tenants = TenantRegistry.from_yaml(config.tenants_file) if config.tenants_file else TenantRegistry()
@@ -54,7 +57,12 @@ def create_app(
     app.state.metrics = service.metrics
     app.state.canary = canary
     install_error_handlers(app)
-    _add_middleware(app, config)
+    if tracing is None and config.otlp_traces_endpoint is not None:
+        from mcp2026.serve.tracing import Tracing  # defer: OpenTelemetry is an optional dependency
+
+        tracing = Tracing.from_endpoint(config.otlp_traces_endpoint)
+    service.tracing = tracing
+    _add_middleware(app, config, tracing)
     add_ops_routes(app, async_engine, service, service.metrics, canary)
     add_openai_routes(app, service, tenants, service.metrics, canary)
     return app
@@ -123,7 +131,11 @@ def _lifespan(
     return lifespan
 
 
-def _add_middleware(app: FastAPI, config: ServeConfig) -> None:
+def _add_middleware(app: FastAPI, config: ServeConfig, tracing: Tracing | None) -> None:
+    if tracing is not None:
+        from mcp2026.serve.tracing import TracingMiddleware  # defer: OpenTelemetry is an optional dependency
+
+        app.add_middleware(TracingMiddleware, tracing=tracing)
     if config.cors_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -36,6 +36,7 @@ class ServeConfig:
     model: str | None = None  # HF folder or .gguf; None = the embedded default model
     model_name: str | None = None  # the id clients send as "model"; None = the model file's stem
     dtype: str = "auto"
+    device: str = "cpu"  # "cuda" (or "cuda:N") runs the model on that GPU
     quant: str | None = None  # quant YAML, all of it as `mcp2026 compile` reads it; None = weights as stored
     host: str = "127.0.0.1"
     port: int = 8000
@@ -56,6 +57,7 @@ class ServeConfig:
     drain_timeout_s: float = 30.0
     warmup: bool = True  # /readyz only after one request went through the engine
     canary: CanaryConfig = field(default_factory=CanaryConfig)  # release-gate thresholds, live canary
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry spans to this OTLP endpoint; None: no tracing
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins))
@@ -66,6 +68,15 @@ class ServeConfig:
         for name in ("slo_ttft_ms", "slo_tpot_ms", "drain_timeout_s"):
             value = getattr(self, name)
             _require(value > 0, f"ServeConfig.{name} must be > 0, got {value}")
+        _require(
+            self.device == "cpu" or self.device.startswith("cuda"),
+            f"ServeConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}",
+        )
+        _require(
+            self.otlp_traces_endpoint is None
+            or self.otlp_traces_endpoint.startswith(("http://", "https://")),
+            f"ServeConfig.otlp_traces_endpoint must be an http(s):// URL, got {self.otlp_traces_endpoint!r}",
+        )
         _require(
             (self.ssl_certfile is None) == (self.ssl_keyfile is None),
             "ServeConfig: give both ssl_certfile and ssl_keyfile, or neither",

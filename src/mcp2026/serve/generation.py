@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mcp2026.engine.async_engine import AsyncEngine, RequestTiming
 from mcp2026.engine.output_processor import RequestOutput
@@ -31,6 +31,9 @@ from mcp2026.serve.slo import STATE_VALUES, BreakerOpen, CircuitBreaker
 from mcp2026.serve.tenants import RateLimitExceeded, Tenant, TenantRegistry
 from mcp2026.serve.traffic import PressureController, TrafficProfile
 from mcp2026.types import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from mcp2026.serve.tracing import Tracing
 
 log = logging.getLogger("mcp2026.serve")
 
@@ -52,6 +55,7 @@ class Choice:
     error: str | None = None
     first_token_time: float | None = None
     last_output_time: float | None = None
+    detokenize_s: float = 0.0
 
     def update(self, out: RequestOutput) -> None:
         self.text += out.delta_text
@@ -59,6 +63,7 @@ class Choice:
         self.num_cached_tokens = out.num_cached_tokens
         self.logprobs += out.delta_logprobs or []
         self.first_token_time = self.first_token_time or out.first_token_time
+        self.detokenize_s = out.detokenize_s
         if out.finished:
             self.finish_reason = out.finish_reason
             self.error = out.error
@@ -114,6 +119,7 @@ class GenerationService:
         self.breaker = CircuitBreaker(config.breaker, self._on_breaker_change)
         self.traffic = TrafficProfile(config.traffic)
         self.pressure: PressureController | None = None  # set by create_app when a gate is configured
+        self.tracing: Tracing | None = None  # set by create_app when tracing is on; None costs nothing
         self._token_text_cache: dict[int, str] = {}
 
     @property
@@ -315,6 +321,8 @@ class GenerationService:
             )
             if job.arm is not None:
                 job.arm.observe(c.finish_reason or "abort", ttft_s, e2e_s)
+        if self.tracing is not None:
+            self.tracing.record(job, self.model_name)
 
     def _slo_outcome(self, job: Job) -> bool | None:
         """True if the job failed or missed an SLO, False if it met them, None if it was cut short."""

@@ -27,6 +27,7 @@ from mcp2026.serve.traffic import Gate, KVPolicyGate, ObserveGate
 
 if TYPE_CHECKING:
     from mcp2026.serve.canary import CanaryRouter
+    from mcp2026.serve.tracing import Tracing
 
 log = logging.getLogger("mcp2026.serve")
 
@@ -76,6 +77,7 @@ def build_pipeline(serve_config: ServeConfig, engine_config: EngineConfig) -> Pi
         model=serve_config.model,
         config=load_quant_spec(serve_config.quant) if serve_config.quant else None,
         dtype=serve_config.dtype,
+        device=serve_config.device,
         kv=engine_config.kv_compressor,
         scheduler=engine_config.scheduler,
         kv_config=engine_config.kv,
@@ -95,6 +97,11 @@ def build_server(
     """Load the model ``serve_config`` names (quantized as its ``quant`` YAML asks, KV compressed as
     ``engine_config.kv_compressor`` asks) and wrap it in a server; with ``canary.candidate`` also the
     candidate configuration, which serves ``canary.candidate_share`` of the tenants."""
+    tracing = None
+    if serve_config.otlp_traces_endpoint is not None:  # a missing SDK fails before any model loads
+        from mcp2026.serve.tracing import Tracing  # defer: OpenTelemetry is an optional dependency
+
+        tracing = Tracing.from_endpoint(serve_config.otlp_traces_endpoint)
     candidate = None
     if serve_config.canary.candidate is not None:
         candidate = read_candidate(serve_config.canary)  # a bad candidate YAML fails before any model loads
@@ -108,7 +115,7 @@ def build_server(
         if candidate is None
         else build_router(serve_config, pipe, async_engine, load_pipeline, candidate)
     )
-    return make_server(async_engine, pipe.tokenizer, serve_config, log_level, gate, canary)
+    return make_server(async_engine, pipe.tokenizer, serve_config, log_level, gate, canary, tracing)
 
 
 def pick_gate(mode: str, pipe: object, pressure_kv_sparsity: float) -> Gate | None:
@@ -136,8 +143,9 @@ def make_server(
     log_level: str = "info",
     gate: Gate | None = None,
     canary: CanaryRouter | None = None,
+    tracing: Tracing | None = None,
 ) -> GracefulServer:
-    app = create_app(async_engine, tokenizer, serve_config, gate=gate, canary=canary)
+    app = create_app(async_engine, tokenizer, serve_config, gate=gate, canary=canary, tracing=tracing)
     config = uvicorn.Config(
         app,
         host=serve_config.host,
