@@ -97,6 +97,12 @@ def _fixed_plans(model):
             plans[f"int4 {'sym' if sym else 'asym'} g{g}"] = uniform_plan(
                 model, LayerQuantSpec("int4", g, sym)
             )
+    # llama.cpp keeps the output projection wider than the body (Q8_0 here, Q6_K where its width allows):
+    # these rows are its Q4_1 / Q4_0 files' layout, the same-bits comparison with them
+    for sym, peer in ((True, "Q4_0"), (False, "Q4_1")):
+        body = uniform_plan(model, LayerQuantSpec("int4", 32, sym)).to_dict()
+        name = f"int4 {'sym' if sym else 'asym'} g32, lm_head int8 (llama.cpp {peer}'s layout)"
+        plans[name] = QuantPlan({"lm_head": LayerQuantSpec("int8"), **body})
     for sym in (True, False):
         base = LayerQuantSpec("int4", 64, sym)
         plans[f"llama.cpp-style mixture ({'sym' if sym else 'asym'} g64 + int8)"] = role_mixture_plan(
