@@ -9,7 +9,14 @@ import torch
 from torch import nn
 
 from mcp2026.bench.quality import QualityResult, evaluate, kld_of, reference_logprobs
-from mcp2026.bench.quant_quality import BF16_PLAN, as_decode_steps, bf16_row, role_mixture_plan, use_more_bits
+from mcp2026.bench.quant_quality import (
+    BF16_PLAN,
+    as_decode_steps,
+    bf16_row,
+    role_mixture_plan,
+    use_more_bits,
+    wide_output_plan,
+)
 from mcp2026.quant.perplexity import nll_of, perplexity, windows_from_tokens
 from mcp2026.quant.plan import LayerQuantSpec
 
@@ -99,6 +106,16 @@ def test_role_mixture_plan(tiny_llama_dir):
     assert plan.spec_for("layers.1.mlp.gate_up_proj") == LayerQuantSpec("int4", 64, symmetric=True)
     assert plan.spec_for("layers.0.attn.qkv_proj").format == "int4"
     assert 4.5 < plan.avg_bits_per_weight(model) < 8
+
+
+def test_wide_output_plan_keeps_the_lm_head_in_int8(tiny_llama_dir):
+    from mcp2026.loading.loader import load_model
+
+    model = load_model(tiny_llama_dir).model
+    body = LayerQuantSpec("int4", 32, symmetric=True)
+    plan = wide_output_plan(model, body)
+    assert plan.spec_for("lm_head") == LayerQuantSpec("int8")
+    assert plan.spec_for("layers.0.mlp.down_proj") == body
 
 
 def test_as_decode_steps_feeds_quantized_linears_decode_sized_chunks(monkeypatch):

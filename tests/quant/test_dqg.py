@@ -15,9 +15,9 @@ from mcp2026.config import QuantConfig
 from mcp2026.loading.loader import load_model
 from mcp2026.quant import dqg, recipe
 from mcp2026.quant.calibrate import CalibrationSettings, calibrate, calibration_samples
-from mcp2026.quant.linear import fake_quantize
 from mcp2026.quant.perplexity import windows_from_tokens
 from mcp2026.quant.plan import LayerQuantSpec
+from mcp2026.quant.quantizer import fake_quantize
 from mcp2026.quant.stats import weight_stats
 
 FORMATS = ("fp32", "int8", "int4")
@@ -273,7 +273,7 @@ def test_lm_head_split_options_are_measured_and_applied(measured):
             assert o.error <= plain.error
     corrected = next(o for o in splits if o.variant == "bias_corr")
     # the DQG measures splits from per-row error columns; the same error straight from the module's weights:
-    from mcp2026.quant.linear import correction_bias
+    from mcp2026.quant.quantizer import correction_bias
 
     w = model.lm_head.weight.detach()
     calib = measured[2]

@@ -13,18 +13,20 @@ from mcp2026.quant.linear import (
     Int8Linear,
     SplitRowsLinear,
     build_linear,
-    dequantize_groupwise_int4,
-    dequantize_per_channel_int8,
-    fake_quantize,
     int4pack_block_rows,
     pack_int4,
     quantize_,
-    quantize_groupwise_int4,
-    quantize_per_channel_int8,
-    search_act_scale,
     unpack_int4,
 )
 from mcp2026.quant.plan import FORMATS, LayerQuantSpec, QuantPlan, high_row_count
+from mcp2026.quant.quantizer import (
+    dequantize_groupwise_int4,
+    dequantize_per_channel_int8,
+    fake_quantize,
+    quantize_groupwise_int4,
+    quantize_per_channel_int8,
+    search_act_scale,
+)
 
 
 def _linear(in_features: int, out_features: int, bias: bool = True, seed: int = 0) -> nn.Linear:
@@ -102,10 +104,15 @@ def test_int4_quantize_round_trip_error_within_half_step(symmetric):
     q, scales, zeros = quantize_groupwise_int4(w, 32, symmetric)
     assert q.max() <= 15 and scales.shape == zeros.shape == (32, 4)
     err = (dequantize_groupwise_int4(q, scales, zeros, 32) - w).abs().reshape(32, 4, 32)
-    # bf16 rounding of scale/zero may push a group edge up to ~1% of a step outside the grid
-    assert (err <= scales[..., None] * 0.51 + 1e-6).all()
-    if symmetric:
+    step = scales.abs()[..., None]
+    if symmetric:  # Q4_0's levels -8..7: the group's peak is on -8, a value near minus the peak clips to +7
         assert torch.all(zeros == 0)
+        peak = w.reshape(32, 4, 32).abs().amax(-1, keepdim=True)
+        inside = w.reshape(32, 4, 32).abs() <= 7 * step
+        assert (err[inside] <= (step * 0.51 + 1e-6).expand_as(err)[inside]).all()
+        assert (err <= peak - 7 * step + step * 0.01 + 1e-6).all()
+    else:  # bf16 rounding of scale/zero may push a group edge up to ~1% of a step outside the grid
+        assert (err <= step * 0.51 + 1e-6).all()
 
 
 def test_int4_asymmetric_reproduces_weights_already_on_the_grid():
@@ -195,8 +202,8 @@ def test_mse_clipping_reduces_error_on_heavy_tailed_weights(symmetric):
     clipped = LayerQuantSpec("int4", group_size=32, symmetric=symmetric, clip_ratio="mse")
     err_plain = ((fake_quantize(w, plain) - w) ** 2).mean()
     err_clipped = ((fake_quantize(w, clipped) - w) ** 2).mean()
-    # measured: asymmetric 0.977x, symmetric 0.85x of the unclipped error
-    assert err_clipped < (0.99 if not symmetric else 0.9) * err_plain
+    # measured: asymmetric 0.90x, symmetric 0.94x of the unclipped error (clipping and least-squares grids)
+    assert err_clipped < (0.92 if not symmetric else 0.96) * err_plain
 
 
 def test_activation_aware_scaling_reduces_output_error():

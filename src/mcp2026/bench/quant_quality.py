@@ -50,6 +50,13 @@ def role_mixture_plan(model: nn.Module, base, high=None):
     return QuantPlan({**rules, **uniform_plan(model, base).to_dict()})
 
 
+def wide_output_plan(model: nn.Module, body: LayerQuantSpec) -> QuantPlan:
+    """``body`` for every linear but the output projection, which is int8: the layout of llama.cpp's files,
+    which never store the output in 4 bits (Q8_0 when the width is not a multiple of 256, else Q6_K), so
+    the comparison with its Q4_1 / Q4_0 at the same bits."""
+    return QuantPlan({"lm_head": LayerQuantSpec("int8"), **uniform_plan(model, body).to_dict()})
+
+
 @dataclass(frozen=True)
 class QualityBenchSettings:
     num_windows: int = 20
@@ -97,6 +104,9 @@ def _fixed_plans(model):
             plans[f"int4 {'sym' if sym else 'asym'} g{g}"] = uniform_plan(
                 model, LayerQuantSpec("int4", g, sym)
             )
+    for sym, peer in ((True, "Q4_0"), (False, "Q4_1")):
+        name = f"int4 {'sym' if sym else 'asym'} g32, lm_head int8 (llama.cpp {peer}'s layout)"
+        plans[name] = wide_output_plan(model, LayerQuantSpec("int4", 32, sym))
     for sym in (True, False):
         base = LayerQuantSpec("int4", 64, sym)
         plans[f"llama.cpp-style mixture ({'sym' if sym else 'asym'} g64 + int8)"] = role_mixture_plan(

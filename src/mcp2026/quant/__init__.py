@@ -1,5 +1,6 @@
-"""Weight quantization: what the device runs fast (backend), quantized linears (linear), per-layer
-plans (plan) and the statistics the DQG decides from (stats). Names load lazily on first use."""
+"""Weight quantization: what the device runs fast (backend), the quantization math (quantizer), quantized
+linears (linear), per-layer plans (plan) and the statistics the DQG decides from (stats). Names load lazily
+on first use."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ _EXPORTS = {
     "backend": ("BackendReport", "BenchSettings", "FormatReport", "candidates", "clamp_bits", "default_activation_dtype", "probe"),
     "linear": (
         "LINEAR_FORMATS", "QuantLinear", "DenseLinear", "Int8Linear", "Int4Linear", "Fp8Linear", "quantize_",
-        "quantize_per_channel_int8", "dequantize_per_channel_int8", "quantize_groupwise_int4",
-        "dequantize_groupwise_int4", "pack_int4", "unpack_int4", "fake_quantize", "mse_clip_ratios", "search_act_scale",
+        "pack_int4", "unpack_int4",
+    ),
+    "quantizer": (
+        "quantize_per_channel_int8", "dequantize_per_channel_int8", "quantize_groupwise_int4", "search_groupwise_int4",
+        "dequantize_groupwise_int4", "fake_quantize", "mse_clip_ratios", "search_act_scale",
     ),
     "plan": ("FORMATS", "LayerQuantSpec", "QuantPlan"),
     "stats": ("ActivationStats", "ActivationStatsCollector", "WeightStats", "model_weight_stats", "weight_stats"),

@@ -24,8 +24,8 @@ from torch import Tensor, nn
 from mcp2026.errors import MCPError
 from mcp2026.quant.backend import clamp_bits
 from mcp2026.quant.calibrate import Calibration, _progress
-from mcp2026.quant.linear import correction_bias, fake_quantize, search_act_scale, split_rows
 from mcp2026.quant.plan import DENSE_FORMATS, INT4_GROUP_SIZES, LayerQuantSpec, QuantPlan, high_row_count
+from mcp2026.quant.quantizer import correction_bias, fake_quantize, search_act_scale, split_rows
 from mcp2026.quant.stats import WeightStats, weight_stats
 
 PRECOMPENSATIONS = ("flagged", "all", "none")

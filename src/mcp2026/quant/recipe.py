@@ -19,9 +19,10 @@ from mcp2026.quant.backend import clamp_bits
 from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, calibration_samples
 from mcp2026.quant.dqg import BudgetError, DQGResult, DQGSettings
 from mcp2026.quant.gate import QuantGate
-from mcp2026.quant.linear import correction_bias, fake_quantize, quantize_
+from mcp2026.quant.linear import quantize_
 from mcp2026.quant.perplexity import perplexity
 from mcp2026.quant.plan import DENSE_FORMATS, WEIGHT_BITS, LayerQuantSpec, QuantPlan
+from mcp2026.quant.quantizer import correction_bias, fake_quantize
 
 QUANT_FORMATS = ("int8", "int4", "fp8")
 FAST_DTYPE = {"int8": torch.bfloat16, "int4": torch.bfloat16}  # see hardware_candidates
