@@ -156,7 +156,7 @@ class GrammarCompiler:
                 return c.compile_regex(spec.regex)
             if spec.grammar is not None:
                 return c.compile_grammar(spec.grammar)
-            choices = " | ".join(json.dumps(choice) for choice in spec.choice or ())
+            choices = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choice or ())
             return c.compile_grammar(f"root ::= {choices}")
         except GrammarError:
             raise

@@ -279,7 +279,7 @@ def _spec(kind: str, value: Any) -> StructuredOutputs:
     if kind == "json_object":
         return StructuredOutputs(json_object=True)
     if kind == "choice":
-        if not value or any(not c for c in value):
+        if not value or any(not c for c in value):  # an empty alternative would let the output be empty
             raise ValueError("choice must be a non-empty list of non-empty strings")
         return StructuredOutputs(choice=tuple(value))
     return StructuredOutputs(**{kind: value})

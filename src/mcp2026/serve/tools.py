@@ -56,11 +56,10 @@ def template_inputs(
     for m in messages:
         m = dict(m)
         for call in m.pop("tool_calls", None) or ():
-            body = {
-                "name": call["function"]["name"],
-                "arguments": json.loads(call["function"]["arguments"] or "{}"),
-            }
-            m["content"] += f"<tool_call>\n{json.dumps(body)}\n</tool_call>"
+            arguments = call["function"]["arguments"]  # a client's string: kept as it is if it is not JSON
+            parsed = _loads(arguments)
+            body = {"name": call["function"]["name"], "arguments": arguments if parsed is None else parsed}
+            m["content"] += f"<tool_call>\n{json.dumps(body, ensure_ascii=False)}\n</tool_call>"
         if m.pop("tool_call_id", None) is not None:
             m["content"] = f"<tool_response>\n{m['content']}\n</tool_response>"
         rendered.append(m)
