@@ -147,7 +147,7 @@ def add_openai_routes(
         service.check_model(body.model)
         tokenizer = service.need_tokenizer("prompt")
         if body.messages is not None:
-            chat = ChatCompletionRequest(
+            chat = ChatCompletionRequest.model_construct(  # the messages are validated already
                 messages=body.messages, add_generation_prompt=body.add_generation_prompt
             )
             ids = service.chat_prompt(chat, check=False)
