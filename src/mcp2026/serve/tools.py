@@ -14,7 +14,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from mcp2026.serve.protocol import ChatCompletionRequest, NamedToolChoice
+from mcp2026.serve.protocol import ChatCompletionRequest
+from mcp2026.serve.protocol_structured import NamedToolChoice
 from mcp2026.types import StructuredOutputs
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
