@@ -15,7 +15,7 @@ import torch
 
 from mcp2026.config import EngineConfig, KVConfig, SchedulerConfig
 from mcp2026.engine.engine import LLMEngine
-from mcp2026.engine.structured import GrammarError, check_schema, unpack_bitmask
+from mcp2026.engine.structured import GrammarError, allocate_bitmask, check_schema, unpack_bitmask
 from mcp2026.types import SamplingParams, StructuredOutputs
 from serve.serve_helpers import smol_tokenizer, tiny_vocab_model
 
@@ -165,3 +165,21 @@ def test_unpack_bitmask_bit_order() -> None:
     assert mask.shape == (2, 80)
     assert mask[0].nonzero().flatten().tolist() == [0, 2, 63, 72]
     assert mask[1].nonzero().flatten().tolist() == [64]
+
+
+def test_matcher_follows_outputs_taken_back(engine: LLMEngine) -> None:
+    vocab = engine.model_config.vocab_size
+    matcher = engine.grammar_compiler().matcher(
+        StructuredOutputs(choice=("abc", "xyz")), engine.eos_token_ids
+    )
+    bitmask = allocate_bitmask(1, vocab)
+
+    def allowed(outputs: list[int]) -> set[int]:
+        matcher.fill_mask(outputs, bitmask, 0)
+        return set(unpack_bitmask(bitmask, vocab)[0].nonzero().flatten().tolist())
+
+    first = allowed([])
+    (x,) = smol_tokenizer().encode("x", add_special_tokens=False)
+    assert x in first
+    assert x not in allowed([x])
+    assert allowed([]) == first  # taken back to the start

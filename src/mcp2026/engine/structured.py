@@ -181,6 +181,9 @@ class GrammarMatcher:
     def fill_mask(self, output_token_ids: Sequence[int], bitmask: Tensor, row: int) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` ((ceil(V / 32),) int32, bit j of word i =
         token 32 i + j), after accepting the outputs not yet seen."""
+        if len(output_token_ids) < self._num_accepted:  # outputs were taken back: so is the grammar's state
+            self._matcher.rollback(self._num_accepted - len(output_token_ids))
+            self._num_accepted = len(output_token_ids)
         for token_id in output_token_ids[self._num_accepted :]:
             if self.error is None and not self._matcher.accept_token(token_id):
                 self.error = f"token {token_id} broke the grammar"  # a sampler bug: the mask forbade it
