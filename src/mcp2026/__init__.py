@@ -18,6 +18,7 @@ __all__ = [
     "KVConfig",
     "SchedulerConfig",
     "SamplingParams",
+    "StructuredOutputs",
     "InferResult",
     "KVCompressor",
 ]
@@ -28,6 +29,7 @@ _LAZY = {
     "KVConfig": "mcp2026.config",
     "SchedulerConfig": "mcp2026.config",
     "SamplingParams": "mcp2026.types",
+    "StructuredOutputs": "mcp2026.types",
     "InferResult": "mcp2026.types",
     "KVCompressor": "mcp2026.kv.compressor",
 }
@@ -35,7 +37,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from mcp2026.config import KVConfig, QuantConfig, SchedulerConfig
     from mcp2026.pipeline import Pipeline
-    from mcp2026.types import InferResult, SamplingParams
+    from mcp2026.types import InferResult, SamplingParams, StructuredOutputs
 
 
 def __getattr__(name: str) -> Any:

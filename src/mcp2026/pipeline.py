@@ -204,8 +204,14 @@ class Pipeline:
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         profile: bool = False,
         chat: bool | None = None,
+        priority: int | Sequence[int] = 0,
+        ttft_deadline_ms: float | None = None,
     ) -> InferResult:
-        """Generate for every input, batched on the engine. Outputs keep the input order."""
+        """Generate for every input, batched on the engine. Outputs keep the input order.
+
+        ``priority`` (one per input, or one for all) and ``ttft_deadline_ms`` reach the scheduler's "priority"
+        and "deadline" policies (``SchedulerConfig.policy``); structured output is ``SamplingParams.structured_outputs``.
+        """
         items = normalize_inputs(inputs)
         if profile:
             hardware.peak_rss_reset()
@@ -220,8 +226,15 @@ class Pipeline:
         )
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} inputs")
+        priorities = list(priority) if isinstance(priority, Sequence) else [priority] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} inputs")
         engine = self.engine
-        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        deadline = None if ttft_deadline_ms is None else time.monotonic() + ttft_deadline_ms / 1e3
+        ids = [
+            engine.add_request(p, sp, priority=pr, ttft_deadline=deadline)
+            for p, sp, pr in zip(prompts, params, priorities)
+        ]
         finals = {}
         while engine.has_unfinished():
             for out in engine.step():

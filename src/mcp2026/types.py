@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as _json  # the field StructuredOutputs.json shadows the module name
 import math
 from dataclasses import dataclass, field
 
@@ -11,6 +12,35 @@ def _check_range(name: str, value: float, low: float, high: float, *, low_open: 
     if not ok or (isinstance(value, float) and math.isnan(value)):
         bracket = "(" if low_open else "["
         raise ValueError(f"SamplingParams.{name} must be in {bracket}{low}, {high}], got {value!r}")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on what a request may generate; exactly one field is set (vLLM's ``structured_outputs``).
+
+    ``json`` is a JSON schema (a dict is serialized to a string, so the params stay hashable and the compiled
+    grammar can be cached by it); ``json_object`` is any JSON object; ``regex`` a regular expression; ``grammar`` an
+    EBNF (GBNF) grammar; ``choice`` one of a few fixed strings.
+    """
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", _json.dumps(self.json, sort_keys=True))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError("StructuredOutputs.choice must be a non-empty list of non-empty strings")
+        kinds = [self.json is not None, self.json_object, self.regex is not None, self.grammar is not None]
+        if sum(kinds) + (self.choice is not None) != 1:
+            raise ValueError(
+                "StructuredOutputs takes exactly one of json, json_object, regex, grammar, choice"
+            )
 
 
 @dataclass(frozen=True)
@@ -36,6 +66,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token; 0 = only the sampled token's
     min_tokens: int = 0
+    structured_outputs: StructuredOutputs | None = None  # a grammar every generated token must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,6 +93,11 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.stop takes at most 16 strings, got {len(self.stop)}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"SamplingParams.min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.structured_outputs is not None and (self.ignore_eos or self.min_tokens):
+            # The grammar ends the output with an end-of-sequence token; both options would forbid it.
+            raise ValueError(
+                "SamplingParams.structured_outputs cannot be combined with ignore_eos or min_tokens"
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -35,6 +35,10 @@ def check_case(case) -> None:
         ("/v1/chat/completions", False),
         ("/v1/chat/completions", True),
         ("/v1/models", False),  # no body or parameters: nothing negative to generate
+        ("/tokenize", False),
+        ("/tokenize", True),
+        ("/detokenize", False),
+        ("/detokenize", True),
     ],
 )
 def test_no_5xx_and_openai_errors(live, path, negative):

@@ -157,9 +157,11 @@ class AsyncEngine:
         cache_salt: str | None = None,
         timing: RequestTiming | None = None,
         tenant: str | None = None,
+        ttft_deadline_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; raises ValueError if the engine rejects the request. Leaving the
-        iteration early (break, cancellation, client disconnect) aborts the request and frees its blocks."""
+        iteration early (break, cancellation, client disconnect) aborts the request and frees its blocks.
+        ``ttft_deadline_s``: the first token is wanted this long after arrival (the "deadline" policy)."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine loop died: {self.dead_error}")
         if not self._is_accepting or self._loop is None:
@@ -178,6 +180,8 @@ class AsyncEngine:
         # with a step) gets to add it, so requests arriving during a step are ordered among themselves.
         arrival = time.monotonic() - (time.perf_counter() - timing.arrival_time)
         keys = {"priority": priority, "cache_salt": cache_salt, "tenant": tenant, "arrival_time": arrival}
+        if ttft_deadline_s is not None:
+            keys["ttft_deadline"] = arrival + ttft_deadline_s
         self._submit(lambda: self._add(request_id, prompt, params, keys, timing, added))
         finished = False
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -27,6 +28,7 @@ from mcp2026.engine.sampler import Sampler, SamplingState
 from mcp2026.engine.scheduler import Scheduler
 from mcp2026.engine.scoring import ScoredChunk, teacher_forced_logits
 from mcp2026.engine.step_timer import StepStats, StepTimer
+from mcp2026.engine.structured import GrammarCompiler
 from mcp2026.kv.debug import fragmentation_report
 from mcp2026.kv.dtss import DTSSController
 from mcp2026.kv.layer_weights import preset_name
@@ -157,6 +159,8 @@ class LLMEngine:
         self.fault_hook: Callable[[ScheduledChunk], None] | None = None  # tests inject failures here
         self.dtss = self._make_dtss(kv)
         self._ids = itertools.count()
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()  # the server builds it from a worker thread, steps use it
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(
@@ -207,13 +211,29 @@ class LLMEngine:
         )
         if arrival_time is not None:
             request.arrival_time = arrival_time
+        grammar = None
+        if (
+            params.structured_outputs is not None
+        ):  # compiled (or a cache hit) before queueing: errors are the caller's
+            grammar = self.grammar_compiler().matcher(params.structured_outputs, self.eos_token_ids)
         sampling = SamplingState.create(
             params, token_ids, eos_token_ids=self.eos_token_ids, device=self.device
         )
+        sampling.grammar = grammar
         sampling.output_token_ids = request.output_token_ids  # one list, appended by the scheduler
         self.scheduler.add_request(request)
         self.states[request_id] = RequestState(request, sampling, self.outputs.new_detokenizer(token_ids))
         return request_id
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler for this model's tokenizer, built on first use."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured output needs the model's tokenizer; this model has none")
+                vocab = self.model_config.vocab_size
+                self._grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
+            return self._grammars
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its blocks (no-op for unknown or finished ids)."""

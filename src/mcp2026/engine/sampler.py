@@ -6,9 +6,9 @@ picks ``argmax(p_i / E_i)`` with ``E_i = -log(u_i) ~ Exp(1)`` (the exponential r
 multinomial sampling), so a seeded request gets the same tokens whether it runs alone or in any batch.
 Greedy rows never touch the generator.
 
-Order per row: repetition penalty (CTRL) -> frequency/presence penalties -> min_tokens stop mask ->
+Order per row: repetition penalty (CTRL) -> frequency/presence penalties -> min_tokens stop mask -> grammar mask ->
 [logprobs are taken here] -> temperature -> min-p -> top-k -> top-p (on the renormalised top-k) -> sample.
-Logprobs are the log_softmax of the logits *after* penalties and the min_tokens mask but *before*
+Logprobs are the log_softmax of the logits *after* penalties and the masks but *before*
 temperature and truncation: the model's (penalised) distribution at temperature 1, whatever the request's
 sampling settings, like vLLM's default of reporting unprocessed rather than truncated logprobs.
 """
@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from mcp2026.engine.structured import GrammarMatcher, allocate_bitmask, unpack_bitmask
 from mcp2026.types import SamplingParams, TokenLogprob
 
 # NOTE: top-p without top-k first looks at this many most likely tokens (a cheap topk); only rows whose
@@ -36,7 +37,8 @@ class SamplingState:
     ``output_token_ids`` is append-only (truncating it is detected; rewriting tokens in place is not).
     ``generator`` is created once per request (seeded from ``params.seed`` if given) on the device of the
     logits; ``eos_token_ids`` are masked, with ``stop_token_ids``, until ``min_tokens`` tokens exist
-    (eos is not masked when ``ignore_eos``, since it does not stop the request then).
+    (eos is not masked when ``ignore_eos``, since it does not stop the request then). ``grammar`` reads
+    ``output_token_ids`` to catch up before each mask.
     """
 
     params: SamplingParams
@@ -44,6 +46,7 @@ class SamplingState:
     generator: torch.Generator
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()
+    grammar: GrammarMatcher | None = None  # structured output: the tokens allowed next
     _prompt_ids: Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _output_counts: Counter[int] = field(default_factory=Counter, init=False, repr=False, compare=False)
     _num_counted: int = field(default=0, init=False, repr=False, compare=False)
@@ -119,11 +122,12 @@ class Sampler:
         return SampleOutput(token_list, _logprobs(logits, token_ids, token_list, states))
 
     def process_logits(self, logits: Tensor, states: list[SamplingState]) -> Tensor:
-        """Penalties and the min_tokens mask, applied to a copy. These are what logprobs report."""
+        """Penalties, the min_tokens mask and the grammar mask, applied to a copy. Logprobs report these."""
         penalty_rows = [i for i, s in enumerate(states) if s.has_penalties]
         masks = [(i, s.min_tokens_stop_ids) for i, s in enumerate(states)]
         masks = [(i, ids) for i, ids in masks if ids]
-        if not penalty_rows and not masks:
+        grammar_rows = [i for i, s in enumerate(states) if s.grammar is not None]
+        if not penalty_rows and not masks and not grammar_rows:
             return logits
         logits = logits.to(torch.float32, copy=True)
         if penalty_rows:
@@ -133,12 +137,26 @@ class Sampler:
             row_ids = [i for i, ids in masks for _ in ids]
             col_ids = [t for _, ids in masks for t in ids]
             logits[row_ids, col_ids] = float("-inf")
+        if grammar_rows:
+            vocab = logits.shape[1]
+            bitmask = allocate_bitmask(len(grammar_rows), vocab)  # (g, ceil(V / 32)) int32
+            for j, i in enumerate(grammar_rows):
+                states[i].grammar.fill_mask(states[i].output_token_ids, bitmask, j)
+            allowed = unpack_bitmask(bitmask, vocab).to(logits.device)  # (g, V) bool
+            rows = torch.tensor(grammar_rows, device=logits.device)
+            logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
         return logits
 
 
 def _is_plain_greedy(state: SamplingState) -> bool:
     p = state.params
-    return p.is_greedy and p.logprobs is None and not state.has_penalties and not state.min_tokens_stop_ids
+    return (
+        p.is_greedy
+        and p.logprobs is None
+        and state.grammar is None
+        and not state.has_penalties
+        and not state.min_tokens_stop_ids
+    )
 
 
 def _apply_penalties(logits: Tensor, states: list[SamplingState]) -> Tensor:

@@ -137,9 +137,12 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """Render like transformers' ``apply_chat_template(tokenize=False)``."""
+        """Render like transformers' ``apply_chat_template(tokenize=False)``; ``tools`` are OpenAI tool dicts."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template; encode plain text instead")
         if self._compiled is None or self._compiled[0] != self.chat_template:
@@ -148,17 +151,22 @@ class Tokenizer:
         return self._compiled[1].render(
             messages=[dict(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
-            tools=None,  # transformers passes these too; templates test them with `is not none`
+            tools=list(tools)
+            if tools
+            else None,  # templates test it with `is not none`, as transformers passes it
             documents=None,
             **{name: token for name, token in specials.items() if token is not None},
         )
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         # The template writes any BOS itself, so no special tokens are added here (as in transformers).
         return self.encode(
-            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+            self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False
         )
 
     @classmethod

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from mcp2026.engine.async_engine import AsyncEngine, RequestTiming
 from mcp2026.engine.output_processor import RequestOutput
+from mcp2026.engine.structured import GrammarError
 from mcp2026.serve.config import ServeConfig
 from mcp2026.serve.errors import APIError
 from mcp2026.serve.metrics import ServerMetrics
@@ -29,8 +30,9 @@ from mcp2026.serve.protocol import (
 )
 from mcp2026.serve.slo import STATE_VALUES, BreakerOpen, CircuitBreaker
 from mcp2026.serve.tenants import RateLimitExceeded, Tenant, TenantRegistry
+from mcp2026.serve.tools import ToolPlan, template_inputs
 from mcp2026.serve.traffic import PressureController, TrafficProfile
-from mcp2026.types import SamplingParams, TokenLogprob
+from mcp2026.types import SamplingParams, StructuredOutputs, TokenLogprob
 
 if TYPE_CHECKING:
     from mcp2026.serve.tracing import Tracing
@@ -81,6 +83,9 @@ class Job:
     num_logprobs: int | None
     estimated_tokens: int
     echo_texts: list[str] | None = None
+    tools: ToolPlan | None = None  # chat with tools: outputs are parsed into tool_calls
+    priority: int = 0  # added to the tenant's priority
+    ttft_deadline_s: float | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     choices: list[Choice] = field(default_factory=list)
     is_released: bool = False
@@ -145,9 +150,9 @@ class GenerationService:
             state = "shutting down" if self.is_draining else "not ready yet"
             raise APIError(503, f"the server is {state}; retry later", code="not_ready", retry_after_s=1)
 
-    def _need_tokenizer(self) -> Any:
+    def need_tokenizer(self, param: str = "prompt") -> Any:
         if self.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer: send prompts as token id lists", param="prompt")
+            raise APIError(400, "this model has no tokenizer: send prompts as token id lists", param=param)
         return self.tokenizer
 
     def check_prompt(self, ids: list[int], param: str) -> None:
@@ -169,7 +174,7 @@ class GenerationService:
         prompts, texts = [], []
         for p in req.prompts():
             if isinstance(p, str):
-                ids, text = self._need_tokenizer().encode(p), p
+                ids, text = self.need_tokenizer().encode(p), p
             else:
                 ids = list(p)
                 text = self.tokenizer.decode(ids) if req.echo and self.tokenizer is not None else ""
@@ -178,15 +183,32 @@ class GenerationService:
             texts.append(text)
         return prompts, texts
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        tokenizer = self._need_tokenizer()
+    def chat_prompt(
+        self, req: ChatCompletionRequest, plan: ToolPlan | None = None, check: bool = True
+    ) -> list[int]:
+        tokenizer = self.need_tokenizer()
         messages = [m.as_template_message() for m in req.messages]
+        messages, tools = template_inputs(plan, messages, getattr(tokenizer, "chat_template", None))
         try:
-            ids = tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
+            ids = tokenizer.encode_chat(
+                messages, add_generation_prompt=req.add_generation_prompt, tools=tools
+            )
         except Exception as e:  # noqa: BLE001 - a template that rejects the conversation is the client's 400
             raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from None
-        self.check_prompt(ids, "messages")
+        if check:
+            self.check_prompt(ids, "messages")
         return ids
+
+    async def check_structured(self, spec: StructuredOutputs | None, param: str | None) -> None:
+        """Compile the constraint before queueing (a cache hit later): what cannot be enforced is a 400."""
+        if spec is None:
+            return
+        self.need_tokenizer()
+        try:
+            compiler = await asyncio.to_thread(self.engine.engine.grammar_compiler)
+            await asyncio.to_thread(compiler.compile, spec)
+        except GrammarError as e:
+            raise APIError(400, f"{param}: {e}", param=param) from None
 
     # ---- admission ------------------------------------------------------------------------------
     def make_job(
@@ -197,6 +219,7 @@ class GenerationService:
         max_tokens: int | None,
         num_logprobs: int | None,
         tenant: Tenant,
+        structured: StructuredOutputs | None = None,
     ) -> Job:
         if req.n > self.config.max_n:
             raise APIError(400, f"n must be <= {self.config.max_n}, got {req.n}", param="n")
@@ -215,7 +238,8 @@ class GenerationService:
         for p in prompts:
             limit = self.max_model_len - len(p)
             for i in range(req.n):
-                params.append(req.sampling_params(min(max_tokens or limit, limit), num_logprobs, i))
+                max_new = min(max_tokens or limit, limit)
+                params.append(req.sampling_params(max_new, num_logprobs, i, structured))
         estimated = num_tokens + (max_tokens or 0) * num_requests
         try:
             self.tenants.acquire(tenant, estimated)
@@ -234,6 +258,8 @@ class GenerationService:
         )
         job.choices = [Choice(i, i // req.n, len(prompts[i // req.n])) for i in range(num_requests)]
         job.is_probe = is_probe
+        job.priority = req.priority
+        job.ttft_deadline_s = None if req.ttft_deadline_ms is None else req.ttft_deadline_ms / 1e3
         self.traffic.observe_arrival(max(len(p) for p in prompts))
         self.update_pressure()
         return job
@@ -252,10 +278,11 @@ class GenerationService:
                     job.prompts[choice.prompt_index],
                     job.params[choice.index],
                     f"{job.id}-{choice.index}",
-                    priority=job.tenant.priority,
+                    priority=job.tenant.priority + job.priority,
                     cache_salt=job.tenant.cache_salt,
                     timing=choice.timing,
                     tenant=job.tenant.name,
+                    ttft_deadline_s=job.ttft_deadline_s,
                 )
                 async for out in stream:
                     queue.put_nowait((choice, out))

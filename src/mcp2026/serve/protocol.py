@@ -2,7 +2,8 @@
 
 Field ranges are checked here, so a bad value is a 400 naming the field before the engine sees it.
 Unknown fields are ignored, as OpenAI-compatible servers do. ``top_k``, ``min_p``, ``repetition_penalty``,
-``ignore_eos``, ``min_tokens`` and ``stop_token_ids`` are extensions (vLLM's names).
+``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``structured_outputs``, ``guided_*`` and ``priority`` are
+extensions (vLLM's names); ``ttft_deadline_ms`` is ours.
 """
 
 from __future__ import annotations
@@ -12,9 +13,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from mcp2026.types import SamplingParams
+from mcp2026.serve.protocol_structured import (
+    NamedToolChoice,
+    ResponseFormat,
+    StructuredOutputsField,
+    ToolCall,
+    ToolDefinition,
+    constraint_of,
+)
+from mcp2026.types import SamplingParams, StructuredOutputs
 
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_TOOLS = 128
 TokenIds = list[Annotated[int, Field(ge=0, lt=1 << 31)]]
 
 
@@ -44,6 +54,33 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    logit_bias: dict[str, float] | None = None  # refused when set: not implemented
+    best_of: int | None = None  # refused above 1: not implemented
+    cache_salt: str | None = None  # refused: each tenant's salt comes from the server's tenant config
+    priority: int = Field(0, ge=0, le=1000)  # added to the tenant's priority; higher runs later
+    ttft_deadline_ms: float | None = Field(
+        None, gt=0, le=3.6e6
+    )  # first token wanted within (deadline policy)
+
+    @field_validator("logit_bias", "cache_salt")
+    @classmethod
+    def _not_supported(cls, value: Any, info: Any) -> None:
+        if value:
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return None
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: int | None) -> None:
+        if value is not None and value != 1:
+            raise ValueError("best_of is not supported by this server (only 1)")
+        return None
 
     @field_validator("stop")
     @classmethod
@@ -55,7 +92,43 @@ class _SamplingFields(BaseModel):
             raise ValueError("stop strings must not be empty")
         return stops
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+    def structured_spec(self) -> tuple[StructuredOutputs | None, str | None]:
+        """The request's constraint and the field that set it; a 400 when two fields set one."""
+        found: list[tuple[StructuredOutputs, str]] = []
+        so = self.structured_outputs
+        if so is not None:
+            fields = {"json": so.json_, "json_object": so.json_object or None, "regex": so.regex}
+            fields |= {"choice": so.choice, "grammar": so.grammar}
+            fields = {k: v for k, v in fields.items() if v is not None}
+            if len(fields) != 1:
+                raise ValueError(
+                    "structured_outputs takes exactly one of json, json_object, regex, choice, grammar"
+                )
+            ((key, value),) = fields.items()
+            found.append((constraint_of(key, value), "structured_outputs"))
+        for key in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{key}")
+            if value is not None:
+                found.append((constraint_of(key, value), f"guided_{key}"))
+        found += self._response_format_spec()
+        if len(found) > 1:
+            names = ", ".join(name for _, name in found)
+            raise ValueError(f"give one structured output constraint, got {names}")
+        if found and (self.ignore_eos or self.min_tokens):
+            raise ValueError(f"{found[0][1]} cannot be combined with ignore_eos or min_tokens")
+        return found[0] if found else (None, None)
+
+    def _response_format_spec(self) -> list[tuple[StructuredOutputs, str]]:
+        spec = self.response_format.spec() if self.response_format is not None else None
+        return [(spec, "response_format")] if spec is not None else []
+
+    def sampling_params(
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        choice: int,
+        structured: StructuredOutputs | None = None,
+    ) -> SamplingParams:
         """The engine's parameters for choice ``choice`` of this request (seeds differ per choice)."""
         return SamplingParams(
             max_tokens=max_tokens,
@@ -72,6 +145,7 @@ class _SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             min_tokens=min(self.min_tokens, max_tokens),
+            structured_outputs=structured,
         )
 
     @property
@@ -125,17 +199,35 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call this is the result of
 
-    def as_template_message(self) -> dict[str, str]:
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
+
+    def as_template_message(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
-
-
-class ResponseFormat(BaseModel):
-    type: Literal["text"]
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -144,13 +236,23 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or ()]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(
+                    f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools"
+                )
+        elif self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
         return self
 
     @property
@@ -214,6 +316,7 @@ class ChatLogprobs(BaseModel):
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -235,6 +338,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -251,6 +355,41 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """``/tokenize``: a prompt, or chat messages rendered through the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: TokenIds
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

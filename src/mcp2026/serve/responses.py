@@ -20,6 +20,7 @@ from mcp2026.engine.output_processor import RequestOutput
 from mcp2026.serve.errors import APIError
 from mcp2026.serve.generation import Choice, GenerationService, Job
 from mcp2026.serve.middleware import REQUEST_ID, log
+from mcp2026.serve.tools import parse_tool_calls
 
 
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
@@ -88,16 +89,29 @@ def completion_body(service: GenerationService, job: Job) -> dict:
 
 
 def chat_body(service: GenerationService, job: Job) -> dict:
-    choices = [
-        {
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": None if job.num_logprobs is None else service.chat_logprobs(c.logprobs).model_dump(),
-            "finish_reason": c.finish_reason,
-        }
-        for c in job.choices
-    ]
+    choices = []
+    for c in job.choices:
+        content, calls, finish_reason = _tool_calls(job, c)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        logprobs = None if job.num_logprobs is None else service.chat_logprobs(c.logprobs).model_dump()
+        choices.append(
+            {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        )
     return _envelope(service, job, "chat.completion", choices) | {"usage": job.usage()}
+
+
+def _tool_calls(job: Job, choice: Choice) -> tuple[str | None, list[dict], str | None]:
+    """(content, tool calls, finish reason) of a finished chat choice. Only a complete output is parsed: one
+    cut by max_tokens stays text with finish_reason "length". A named tool_choice finishes with "stop", as
+    OpenAI does; a call the model chose (or was required to make) with "tool_calls"."""
+    if job.tools is None or choice.finish_reason != "stop":
+        return choice.text, [], choice.finish_reason
+    content, calls = parse_tool_calls(job.tools, choice.text)
+    if not calls:
+        return choice.text, [], choice.finish_reason
+    return content, calls, "stop" if job.tools.mode == "named" else "tool_calls"
 
 
 def _envelope(service: GenerationService, job: Job, kind: str, choices: list[dict]) -> dict:
@@ -169,11 +183,21 @@ def chat_chunk(
 ) -> dict | None:
     if not out.delta_text and not out.finished and not out.delta_logprobs and not is_first:
         return None
+    finish_reason = out.finish_reason
     delta: dict[str, Any] = {"content": out.delta_text}
+    if job.tools is not None:  # the text is parsed once complete: it arrives with the last chunk
+        delta = {}
+        if out.finished:
+            content, calls, finish_reason = _tool_calls(job, choice)
+            delta = {"content": content} if not calls else {"content": content, "tool_calls": _indexed(calls)}
     if is_first:
         delta["role"] = "assistant"
     logprobs = None
     if job.num_logprobs is not None and out.delta_logprobs:
         logprobs = service.chat_logprobs(out.delta_logprobs).model_dump()
-    c = {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}
+    c = {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return _envelope(service, job, "chat.completion.chunk", [c])
+
+
+def _indexed(calls: list[dict]) -> list[dict]:
+    return [{"index": i, **call} for i, call in enumerate(calls)]
