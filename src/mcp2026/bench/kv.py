@@ -1,4 +1,4 @@
-"""``mcp2026 bench kv`` (issue 5): what KV compression costs in quality and buys in memory and speed.
+"""``mcp2026 bench kv``: what KV compression costs in quality and buys in memory and speed.
 
 Quality: each sequence (held-out ShareGPT conversations, concatenated) is teacher-forced through the engine's
 real paged path (``LLMEngine.score``) for the uncompressed reference and every config in lockstep: the first half

@@ -1,4 +1,4 @@
-"""Single-stream latency (issue 2): greedy decode tok/s (128 new tokens, EOS ignored) and 512-token prefill
+"""Single-stream latency: greedy decode tok/s (128 new tokens, EOS ignored) and 512-token prefill
 tok/s of one model, ours vs HF transformers (and llama.cpp when installed) on the same weights and token ids,
 in one process. Engines alternate within every repeat (ours, HF, ours, HF, ...); warm-up rounds are excluded;
 the reported figure is the median over repeats.

@@ -53,7 +53,7 @@ def _check_int4_shape(out_features: int, in_features: int, group_size: int) -> N
 # take batched decode and mixed steps up to a row limit per format, and larger inputs run dequantize + fp32
 # GEMM. Measured once with a throwaway microbenchmark (2 threads, one layer's linears; no repo command): int8
 # GEMV 14.7 vs dequantize + GEMM 27.4 ms at 128 rows, 35 vs 25 at 256 (limit 128); int4 GEMV after its
-# vectorized scales (session 6) 9.4 / 16.7 / 24.4 / 32.4 ms at 128 / 256 / 384 / 512 rows against 11.6 / 18.9 /
+# vectorized scales 9.4 / 16.7 / 24.4 / 32.4 ms at 128 / 256 / 384 / 512 rows against 11.6 / 18.9 /
 # 25.2 / 32.8 (fp32 weights 9.9 / 16.7 / 22.7 / 30.4). Limit 256: above it the gain is within noise, and the
 # GEMV quantizes activations to int8 (~+0.3 points of ΔPPL, docs/benchmarks.md "Quality through the decode
 # kernels"), so prefill chunks stay on float activations where the GEMV buys nothing.
@@ -63,14 +63,14 @@ INT4_GEMV_BATCH_MAX_ROWS = 256
 DEQUANT_MIN_ROWS = GEMV_BATCH_MAX_ROWS + 1
 INT4_DEQUANT_MIN_ROWS = INT4_GEMV_BATCH_MAX_ROWS + 1
 # On AVX512-BF16 CPUs torch's int4 kernel computes in bf16, and a dequantize to bf16 (into a reused buffer) +
-# one bf16 GEMM beats it from about 20 rows. Measured on an AMX Xeon (session 11, AVX-512 dequantize, 2 threads,
+# one bf16 GEMM beats it from about 20 rows. Measured on an AMX Xeon (AVX-512 dequantize, 2 threads,
 # throwaway script, the int4 serving config, whole prefill steps without prefix-cache hits, two passes): at
 # 16 / 24 / 32 / 48 / 64 tokens 42-43 / 44-45 / 47-49 / 53-54 / 58-64 ms this way, 34-38 / 49-53 / 59-64 /
 # 63-88 / 110-116 ms through torch's kernel; a 16-sequence decode step 85 against 69 ms; decode steps of 24 /
 # 32 / 48 sequences (256-token prompts, 64-sequence config) 76-78 / 75-82 / 91-103 against 79-83 / 98-100 /
 # 137-145 ms. A row's last bits can change where its step crosses this limit, as at the GEMV's. (On one layer's
 # linears with weights in cache the crossover is ~12 rows; in a step the bf16 copy makes a round trip through
-# memory.) Session 10, AVX512-BF16 EPYC, older dequantize: 576 -> 3072 at 128 / 512 rows 1.8 / 5.7 ms against
+# memory.) On an AVX512-BF16 EPYC, older dequantize: 576 -> 3072 at 128 / 512 rows 1.8 / 5.7 ms against
 # 3.7 / 14.3; the crossover there was not re-measured.
 INT4_BF16_DEQUANT_MIN_ROWS = 20
 # INT4_GEMM: with AVX-512 VNNI, our int4 GEMM (kernels/int4_gemm.cpp) takes every row count: the activations
