@@ -56,9 +56,8 @@ def test_padded_buckets_generate_what_eager_steps_do(tiny, num_prompts):
     engine = make_engine(tiny, graphs=True)
     got = [o.token_ids for o in engine.generate(ps, GREEDY)]
     assert got == expected
-    graphs = engine.runner.graphs
-    assert graphs.num_replays == 0  # eager mode never replays; every decode went through _fill/_forward
-    assert engine.stats.num_steps > 0
+    # the decode steps went through the graph buffers (and, padded, still generated the eager tokens)
+    assert engine.runner.graphs.num_runs == GREEDY.max_tokens - 1
 
 
 def test_graph_logits_equal_eager_logits_with_padding(tiny):
@@ -79,7 +78,7 @@ def test_graph_logits_equal_eager_logits_with_padding(tiny):
     torch.testing.assert_close(engines[1].cache.v, engines[0].cache.v, rtol=0, atol=0)
 
 
-def test_prefill_steps_and_large_batches_run_eagerly(tiny):
+def test_prefill_steps_run_eagerly(tiny):
     engine = make_engine(tiny, graphs=True, max_num_seqs=4)
     graphs = engine.runner.graphs
     engine.add_request([5, 6, 7], GREEDY)

@@ -106,9 +106,10 @@ def test_paged_decode_attention_matches_reference(dtype, splits):
 
 
 def test_split_count_follows_the_batch():
-    assert gpu_attention.num_splits(1, 3) == gpu_attention.MAX_SPLITS
-    assert gpu_attention.num_splits(256, 3) == 1
-    assert 1 <= gpu_attention.num_splits(16, 3) <= gpu_attention.MAX_SPLITS
+    assert gpu_attention.num_splits(1, 3, 132) == gpu_attention.MAX_SPLITS
+    assert gpu_attention.num_splits(256, 3, 132) == 1
+    assert 1 <= gpu_attention.num_splits(16, 3, 132) <= gpu_attention.MAX_SPLITS
+    assert gpu_attention.num_splits(8, 3, 16) < gpu_attention.num_splits(8, 3, 132)  # a smaller GPU, fewer
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -113,3 +113,10 @@ def live_server(
         server.should_exit = True
         thread.join(15)
         assert not thread.is_alive(), "the test server did not stop"
+
+
+def openai_client(url: str, timeout: float = 30):
+    """The official openai client for a live server at ``url`` (no retries: a failure shows at once)."""
+    import openai  # a dev dependency only these tests use
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import openai
 import pytest
-from serve_helpers import live_server
+from serve_helpers import live_server, openai_client
 
 MODEL = "tiny"
 NO_EOS = {"ignore_eos": True}
@@ -18,7 +17,7 @@ def live():
 
 @pytest.fixture(scope="module")
 def client(live):
-    with openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=30) as c:
+    with openai_client(live.url, timeout=30) as c:
         yield c
 
 

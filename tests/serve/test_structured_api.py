@@ -9,7 +9,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from serve_helpers import live_server, smol_tokenizer
+from serve_helpers import live_server, openai_client, smol_tokenizer
 
 MODEL = "tiny"
 PERSON = {
@@ -56,7 +56,7 @@ def live():
 
 @pytest.fixture(scope="module")
 def client(live):
-    with openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    with openai_client(live.url, timeout=120) as c:
         yield c
 
 

@@ -147,7 +147,7 @@ def exactness(path: Path) -> dict[str, Any]:
     )
     chosen = logits.gather(1, torch.tensor(out, device=_where["device"])[:, None])[:, 0]
     result["decode_fp32_max_gap_to_hf_argmax"] = (logits.max(1).values - chosen).max().item()
-    result["decode_graph_replays"] = ours32.runner.graphs.num_replays if ours32.runner.graphs else 0
+    result["decode_graph_replays"] = ours32.runner.graphs.num_runs if ours32.runner.graphs else 0
     return result
 
 

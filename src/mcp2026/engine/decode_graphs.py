@@ -1,6 +1,6 @@
 """Decode steps replayed from CUDA graphs: the whole forward of a decode-only step (every layer, attention
 and the lm_head included) captured once per batch-size bucket, so a step costs one graph launch instead of
-hundreds of kernel launches issued from Python.
+hundreds of kernel launches, each started from Python.
 
 A graph replays fixed addresses and shapes, so each step's inputs go into persistent buffers: token ids,
 positions, KV lengths, the rows each new K/V lands in, and block tables padded to the longest context the
@@ -77,7 +77,7 @@ class DecodeGraphs:
         self._tables_offset = total - sizes["tables"]
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
         self._pool = None
-        self.num_replays = 0
+        self.num_runs = 0  # steps run through the buffers (graph replays, or eager ones with capture=False)
 
     def bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
@@ -143,11 +143,11 @@ class DecodeGraphs:
         """The step's logits (B, V) float32, row i for ``decodes[i]``: valid until the next ``run``."""
         bucket = self.bucket(len(decodes))
         self._fill(decodes, bucket)
+        self.num_runs += 1
         if not self.capture:
             return self._forward(bucket)[: len(decodes)]
         if bucket not in self._graphs:
             self._capture(bucket)
         graph, logits = self._graphs[bucket]
         graph.replay()
-        self.num_replays += 1
         return logits[: len(decodes)]

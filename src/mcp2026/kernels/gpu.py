@@ -21,7 +21,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @functools.cache
-def _load() -> Any | None:
+def load() -> Any | None:
+    """The kernels, or None where Triton is not installed or MCP2026_KERNELS=0."""
     if not cpu.enabled_by_env() or importlib.util.find_spec("triton") is None:
         return None
     from mcp2026.kernels import gpu_attention, gpu_fused, gpu_int8
@@ -34,11 +35,6 @@ def _load() -> Any | None:
         write_kv_rows=gpu_fused.write_kv_rows,
         paged_decode_attention=gpu_attention.paged_decode_attention,
     )
-
-
-def load() -> Any | None:
-    """The kernels, or None where Triton is not installed or MCP2026_KERNELS=0."""
-    return _load()
 
 
 def status() -> str:
@@ -56,7 +52,7 @@ def kernels_for(*tensors: torch.Tensor) -> Any | None:
     """The kernels when every tensor is a CUDA float tensor and no gradient is being recorded. Called several
     times per layer: plain attribute checks. (Tests run the kernels on CPU tensors under Triton's interpreter,
     TRITON_INTERPRET=1, calling them directly.)"""
-    module = _load()
+    module = load()
     if module is None:
         return None
     grad = torch.is_grad_enabled()
@@ -68,4 +64,4 @@ def kernels_for(*tensors: torch.Tensor) -> Any | None:
 
 def decode_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether decode attention on ``device`` reads paged blocks in place with our kernel."""
-    return device.type == "cuda" and dtype in _DTYPES and _load() is not None
+    return device.type == "cuda" and dtype in _DTYPES and load() is not None

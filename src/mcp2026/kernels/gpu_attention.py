@@ -11,6 +11,8 @@ CUDA graph captured once replays for any lengths up to the table's width.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -104,9 +106,14 @@ def _decode_merge_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def num_splits(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
-    """Ranges per sequence: enough programs to cover the GPU's multiprocessors about twice at small batches,
-    one range per sequence once the batch alone fills them."""
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def num_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
+    """Ranges per sequence: enough programs to cover the GPU's ``num_sms`` multiprocessors about twice at small
+    batches, one range per sequence once the batch alone fills them."""
     want = -(-2 * num_sms // max(batch * num_kv_heads, 1))
     return max(1, min(MAX_SPLITS, triton.next_power_of_2(want)))
 
@@ -129,7 +136,7 @@ def paged_decode_attention(
     if k_cache.stride(-1) != 1 or q.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("the GPU decode kernel needs the last dimension contiguous, K and V laid out alike")
     group = num_heads // num_kv_heads
-    splits = splits or num_splits(batch, num_kv_heads)
+    splits = splits or num_splits(batch, num_kv_heads, _multiprocessors(q.device))
     acc = torch.empty(batch, num_heads, splits, head_dim, device=q.device, dtype=torch.float32)
     ml = torch.empty(batch, num_heads, splits, 2, device=q.device, dtype=torch.float32)
     _decode_split_kernel[(batch, num_kv_heads, splits)](

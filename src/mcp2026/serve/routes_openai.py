@@ -83,6 +83,19 @@ def add_openai_routes(
     async def models(tenant: Tenant = Depends(tenant_of)) -> ModelList:
         return ModelList(data=[ModelCard(id=service.model_name, max_model_len=service.max_model_len)])
 
+    async def respond(job, body, request: Request, tenant: Tenant, chunk, whole) -> Any:
+        """A job made from either endpoint: routed to its canary arm, then streamed or answered whole."""
+        route_to_arm(job, request, tenant)
+        log.info(
+            "request %s: %s, %d choices, tenant %s", REQUEST_ID.get(), job.id, len(job.choices), tenant.name
+        )
+        if body.stream:
+            return stream(service, job, chunk, body.include_usage)
+        try:
+            return await until_disconnect(request, complete(service, job, whole))
+        finally:
+            service.release(job)
+
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(
         body: CompletionRequest, request: Request, tenant: Tenant = Depends(tenant_of)
@@ -94,16 +107,7 @@ def add_openai_routes(
         await service.check_structured(spec, param)
         job = service.make_job("completion", body, prompts, body.max_tokens, body.logprobs, tenant, spec)
         job.echo_texts = texts if body.echo else None
-        route_to_arm(job, request, tenant)
-        log.info(
-            "request %s: %s, %d choices, tenant %s", REQUEST_ID.get(), job.id, len(job.choices), tenant.name
-        )
-        if body.stream:
-            return stream(service, job, completion_chunk, body.include_usage)
-        try:
-            return await until_disconnect(request, complete(service, job, completion_body))
-        finally:
-            service.release(job)
+        return await respond(job, body, request, tenant, completion_chunk, completion_body)
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(
@@ -131,16 +135,7 @@ def add_openai_routes(
             "chat", body, [prompt], body.requested_max_tokens, body.num_logprobs, tenant, spec
         )
         job.tools = plan
-        route_to_arm(job, request, tenant)
-        log.info(
-            "request %s: %s, %d choices, tenant %s", REQUEST_ID.get(), job.id, len(job.choices), tenant.name
-        )
-        if body.stream:
-            return stream(service, job, chat_chunk, body.include_usage)
-        try:
-            return await until_disconnect(request, complete(service, job, chat_body))
-        finally:
-            service.release(job)
+        return await respond(job, body, request, tenant, chat_chunk, chat_body)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest, tenant: Tenant = Depends(tenant_of)) -> TokenizeResponse:
