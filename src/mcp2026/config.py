@@ -15,6 +15,9 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM)."""
@@ -35,8 +38,15 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: bias on q/k/v
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Sliding-window attention: a query at position p sees keys p - sliding_window + 1 .. p. ``layer_types``
+    # names each layer "sliding_attention" or "full_attention" (HF's names); None with a window set means every
+    # layer slides (Mistral).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.layer_types is not None:  # a list when read back from JSON
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
         for name in (
             "vocab_size",
             "hidden_size",
@@ -56,6 +66,31 @@ class ModelConfig:
         )
         _require(self.rms_norm_eps > 0, f"model config: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         _require(self.rope_theta > 0, f"model config: rope_theta must be > 0, got {self.rope_theta}")
+        _require(
+            self.sliding_window is None or self.sliding_window > 0,
+            f"model config: sliding_window must be > 0 or None, got {self.sliding_window}",
+        )
+        if self.layer_types is not None:
+            _require(
+                len(self.layer_types) == self.num_layers,
+                f"model config: layer_types names {len(self.layer_types)} layers, the model has {self.num_layers}",
+            )
+            unknown = set(self.layer_types) - set(LAYER_TYPES)
+            _require(
+                not unknown, f"model config: layer_types {sorted(unknown)} unknown; known: {LAYER_TYPES}"
+            )
+            _require(
+                self.sliding_window is not None or "sliding_attention" not in self.layer_types,
+                "model config: layer_types has sliding_attention layers but sliding_window is not set",
+            )
+
+    def attention_window(self, layer: int) -> int | None:
+        """How many positions (itself included) a query of ``layer`` sees; None: the whole context."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @property
     def num_params(self) -> int:

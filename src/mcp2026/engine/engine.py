@@ -77,8 +77,17 @@ class LLMEngine:
             cap_cpu_threads()
         self.max_model_len = min(
             self.config.scheduler.max_model_len or model_config.max_position_embeddings,
-            int(model.rope.cos.shape[0]),
+            model.max_positions,
         )
+        windows = [model_config.attention_window(i) for i in range(model_config.num_layers)]
+        smallest_window = min((w for w in windows if w is not None), default=None)
+        if smallest_window is not None and self.max_model_len > smallest_window:
+            # the paged attention reads whole contexts: within the window that is exactly what the layer sees
+            log.warning(
+                "%s has sliding-window layers (%d positions): sequences are capped at that length",
+                model_config.architecture, smallest_window,
+            )  # fmt: skip
+            self.max_model_len = smallest_window
         compressor = self.config.kv_compressor
         if compressor is not None:  # layer_weights="auto" -> this model's calibrated set, or uniform
             resolved = compressor.for_model(model_config)

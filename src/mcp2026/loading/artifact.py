@@ -15,7 +15,6 @@ from torch import nn
 from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
 from mcp2026.loading.tokenizer import Tokenizer
-from mcp2026.models.layers import RotaryEmbedding
 from mcp2026.models.registry import build_model
 from mcp2026.quant.artifact import WEIGHTS_FILE, read_metadata
 from mcp2026.quant.linear import (
@@ -85,7 +84,7 @@ def load_artifact(
         model.lm_head.weight = model.embed_tokens.weight
     _repack_int4(model, metadata.get("int4_pack_block_rows", LEGACY_INT4_BLOCK_ROWS))
     max_positions = min(config.max_position_embeddings, max_rope_positions)
-    model.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+    model.init_rope(max_positions)
     if dtype is not None:
         for module in model.modules():
             if not isinstance(module, QuantLinear):

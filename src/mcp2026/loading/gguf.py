@@ -20,7 +20,7 @@ from mcp2026.loading.gguf_blocks import BLOCK_FORMATS, read_blocks
 from mcp2026.loading.gguf_file import GGUFFile, GGUFFormatError, GGUFTensorInfo
 from mcp2026.loading.names import GGUF_GLOBAL_NAMES, GGUF_LAYER, GGUF_LAYER_NAMES, Weight, map_name
 from mcp2026.loading.progress import load_progress
-from mcp2026.models.registry import resolve_architecture
+from mcp2026.models.registry import family_of, resolve_architecture
 from mcp2026.quant.block_linear import BlockWeights, packable
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ def config_from_gguf(reader: GGUFFile, source: str) -> ModelConfig:
             attention_bias="blk.0.attn_q.bias" in names,
             bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
+            **family_of(arch).gguf_config(get),
         )
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent GGUF metadata: {e}") from None
@@ -108,7 +109,10 @@ def _unpermute_rows(rows: int, n_heads: int) -> torch.Tensor:
 
 
 def _heads_of(ours: str, config: ModelConfig) -> int | None:
-    """The head count whose rotary permutation a q or k tensor carries; None for the others."""
+    """The head count whose rotary permutation a q or k tensor carries; None for the others (and for every
+    tensor of a family llama.cpp stores unpermuted)."""
+    if not family_of(config.architecture).gguf_rope_permuted:
+        return None
     if ours.endswith(("q.weight", "q.bias")):
         return config.num_heads
     if ours.endswith(("k.weight", "k.bias")):
@@ -161,9 +165,10 @@ def load_gguf_tensors(
     """Every tensor under our name: float ``dtype`` tensors, or with ``native`` the block-quantized matrices as
     ``BlockWeights`` (their stored values, exactly; see ``keeps_blocks``)."""
     tensors: dict[str, Weight] = {}
+    layer_names = {**GGUF_LAYER_NAMES, **family_of(config.architecture).gguf_layer_names}
     with load_progress(f"loading {Path(source).name}", len(reader.tensors)) as advance:
         for t in reader.tensors:
-            ours = map_name(t.name, GGUF_LAYER, GGUF_LAYER_NAMES, GGUF_GLOBAL_NAMES)
+            ours = map_name(t.name, GGUF_LAYER, layer_names, GGUF_GLOBAL_NAMES, config.architecture)
             advance(1)
             if ours is None:
                 continue

@@ -13,7 +13,7 @@ from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
 from mcp2026.loading.names import HF_GLOBAL_NAMES, HF_LAYER, HF_LAYER_NAMES, map_name
 from mcp2026.loading.progress import load_progress
-from mcp2026.models.registry import resolve_architecture
+from mcp2026.models.registry import family_of, resolve_architecture
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -58,6 +58,7 @@ def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
             attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+            **family_of(arch).hf_config(raw),
         )
     except KeyError as e:
         raise ModelLoadError(f"{source}: config.json lacks required field {e.args[0]!r}") from None
@@ -80,9 +81,10 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_hf_tensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_hf_tensors(folder: Path, dtype: torch.dtype, config: ModelConfig) -> dict[str, torch.Tensor]:
     """All weights under our intermediate names, converted to ``dtype``."""
     tensors: dict[str, torch.Tensor] = {}
+    layer_names = {**HF_LAYER_NAMES, **family_of(config.architecture).hf_layer_names}
     files = weight_files(folder)
     handles = []
     for f in files:
@@ -96,7 +98,7 @@ def load_hf_tensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]
     with load_progress(f"loading {folder.name}", total) as advance:
         for f, handle in handles:
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                ours = map_name(name, HF_LAYER, HF_LAYER_NAMES, HF_GLOBAL_NAMES)
+                ours = map_name(name, HF_LAYER, layer_names, HF_GLOBAL_NAMES, config.architecture)
                 try:
                     t = handle.get_tensor(name)
                 except Exception as e:

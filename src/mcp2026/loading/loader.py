@@ -16,7 +16,6 @@ from mcp2026.errors import ModelLoadError
 from mcp2026.loading import gguf as gguf_loading
 from mcp2026.loading import hf as hf_loading
 from mcp2026.loading.names import Weight, check_shapes, fuse_weights
-from mcp2026.models.layers import RotaryEmbedding
 from mcp2026.models.registry import build_model
 from mcp2026.quant.block_linear import BlockEmbedding, BlockLinear, BlockWeights
 
@@ -113,7 +112,7 @@ def _instantiate(config: ModelConfig, state: dict[str, Weight], dtype: torch.dty
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     max_positions = min(config.max_position_embeddings, MAX_ROPE_POSITIONS)
-    model.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+    model.init_rope(max_positions)
     model = model.to(dtype).eval().requires_grad_(False)
     _attach_blocks(model, blocks, config)
     return model
@@ -138,7 +137,7 @@ def load_model(
     if source.is_dir():
         raw = hf_loading.read_json(source / "config.json")
         config = hf_loading.config_from_hf(raw, str(source / "config.json"))
-        tensors = hf_loading.load_hf_tensors(source, dtype)
+        tensors = hf_loading.load_hf_tensors(source, dtype, config)
         formats = Counter(str(t.dtype).removeprefix("torch.") for t in tensors.values())
         tokenizer = None
         if (source / "tokenizer.json").exists():

@@ -9,6 +9,7 @@ import torch
 
 from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
+from mcp2026.models.registry import family_of
 from mcp2026.quant.block_linear import BlockWeights
 
 Weight = torch.Tensor | BlockWeights  # a float tensor, or a file's stored blocks kept as they are
@@ -59,7 +60,9 @@ GGUF_GLOBAL_NAMES = {
 IGNORED = re.compile(r"(rotary_emb\.inv_freq|rope_freqs\.weight)$")
 
 
-def map_name(name: str, layer_re: re.Pattern, layer_names: dict, global_names: dict) -> str | None:
+def map_name(
+    name: str, layer_re: re.Pattern, layer_names: dict, global_names: dict, architecture: str = "Llama-family"
+) -> str | None:
     """Our intermediate name ("layers.3.q.weight"), or None for ignored tensors; unknown -> error."""
     if IGNORED.search(name):
         return None
@@ -68,7 +71,7 @@ def map_name(name: str, layer_re: re.Pattern, layer_names: dict, global_names: d
     m = layer_re.match(name)
     if m and m.group(2) in layer_names:
         return f"layers.{m.group(1)}.{layer_names[m.group(2)]}"
-    raise ModelLoadError(f"unexpected tensor {name!r}: not part of a Llama-family decoder")
+    raise ModelLoadError(f"unexpected tensor {name!r}: not part of a {architecture} decoder")
 
 
 def _cat_rows(parts: list[Weight]) -> Weight:
@@ -107,6 +110,7 @@ def fuse_weights(tensors: dict[str, Weight], config: ModelConfig, source: str) -
             "mlp.down_proj.weight",
             "input_layernorm.weight",
             "post_attention_layernorm.weight",
+            *family_of(config.architecture).layer_tensors,
         ):
             out[p + key] = take(key)
     for key in ("embed_tokens.weight", "norm.weight"):

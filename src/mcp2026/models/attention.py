@@ -350,11 +350,30 @@ def _split_staged_attention(
     return out.transpose(0, 1).to(q.dtype)
 
 
+def sliding_mask(num_queries: int, num_keys: int, window: int, device: torch.device) -> torch.Tensor:
+    """(T, S) additive: query i (at key position S - T + i) sees the ``window`` keys ending at itself."""
+    q_pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
+    k_pos = torch.arange(num_keys, device=device)[None, :]
+    visible = (k_pos <= q_pos) & (k_pos > q_pos - window)
+    return torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
+
+
 def attention(
-    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx: ForwardContext,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q: (T, nh, hd) already scaled by 1/sqrt(hd); k, v: (T, nkv, hd) -> (T, nh, hd)."""
+    """q: (T, nh, hd) already scaled by 1/sqrt(hd); k, v: (T, nkv, hd) -> (T, nh, hd).
+
+    ``window``: a sliding-window layer's span (``ModelConfig.attention_window``); over the paged cache the
+    engine keeps every sequence within the smallest window (its max_model_len), so there it changes nothing."""
     if ctx.cache is None:
+        if window is not None and window < q.shape[0]:
+            mask = sliding_mask(q.shape[0], q.shape[0], window, q.device).to(q.dtype)
+            return _prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), mask, None)
         return _prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), None)
     meta, cache = ctx.meta, ctx.cache
     cache.write(layer, meta.write, k, v)

@@ -16,6 +16,7 @@ from mcp2026.config import ModelConfig
 from mcp2026.kernels import ops
 from mcp2026.models import fused_linear
 from mcp2026.models.attention import ForwardContext, attention
+from mcp2026.models.family import ModelFamily
 from mcp2026.models.layers import Linear, RMSNorm, RotaryEmbedding
 from mcp2026.quant.linear import gemv_rows
 
@@ -146,9 +147,16 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rope = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+        self.init_rope(config.max_position_embeddings)
+
+    def init_rope(self, max_positions: int) -> None:
+        """(Re)build the rotary tables for positions 0 .. max_positions - 1 (loaders cap the config's length)."""
+        c = self.config
+        self.rope = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling)
+
+    @property
+    def max_positions(self) -> int:
+        return int(self.rope.cos.shape[0])
 
     @property
     def attention_scale(self) -> float:
@@ -176,3 +184,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+
+FAMILY = ModelFamily(LlamaForCausalLM)

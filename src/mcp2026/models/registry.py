@@ -6,16 +6,17 @@ from torch import nn
 
 from mcp2026.config import ModelConfig
 from mcp2026.errors import UnsupportedArchitectureError
-from mcp2026.models.llama import LlamaForCausalLM
+from mcp2026.models import llama
+from mcp2026.models.family import ModelFamily
 
 # HF config.json "architectures" entries and GGUF general.architecture values -> implementation.
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
+MODEL_REGISTRY: dict[str, ModelFamily] = {
+    "LlamaForCausalLM": llama.FAMILY,
+    "MistralForCausalLM": llama.FAMILY,
+    "Qwen2ForCausalLM": llama.FAMILY,
+    "llama": llama.FAMILY,
+    "mistral": llama.FAMILY,
+    "qwen2": llama.FAMILY,
 }
 
 
@@ -31,5 +32,9 @@ def resolve_architecture(names: list[str] | str, source: str) -> str:
     )
 
 
+def family_of(architecture: str) -> ModelFamily:
+    return MODEL_REGISTRY[architecture]
+
+
 def build_model(config: ModelConfig) -> nn.Module:
-    return MODEL_REGISTRY[config.architecture](config)
+    return MODEL_REGISTRY[config.architecture].model(config)
