@@ -187,3 +187,5 @@ class LlamaForCausalLM(nn.Module):
 
 
 FAMILY = ModelFamily(LlamaForCausalLM)
+# Qwen2 is this decoder with q/k/v biases (a config field); its GGUF q/k rows are stored unpermuted.
+QWEN2_FAMILY = ModelFamily(LlamaForCausalLM, gguf_rope_permuted=False)

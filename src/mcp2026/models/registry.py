@@ -13,10 +13,10 @@ from mcp2026.models.family import ModelFamily
 MODEL_REGISTRY: dict[str, ModelFamily] = {
     "LlamaForCausalLM": llama.FAMILY,
     "MistralForCausalLM": llama.FAMILY,
-    "Qwen2ForCausalLM": llama.FAMILY,
+    "Qwen2ForCausalLM": llama.QWEN2_FAMILY,
     "llama": llama.FAMILY,
     "mistral": llama.FAMILY,
-    "qwen2": llama.FAMILY,
+    "qwen2": llama.QWEN2_FAMILY,
 }
 
 
