@@ -16,7 +16,14 @@ if not torch.cuda.is_available():
 
 def save_tiny_hf(path: Path, arch: str = "llama", tie: bool = False, seed: int = 0, **overrides) -> Path:
     """A random-weight HF folder (config.json + model.safetensors) built with transformers."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     common = dict(
@@ -33,6 +40,8 @@ def save_tiny_hf(path: Path, arch: str = "llama", tie: bool = False, seed: int =
     common.update(overrides)
     if arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     # Random init gives tiny logits; scale norms so differences would show.

@@ -1,4 +1,4 @@
-"""One Llama-family decoder for Llama 2/3, Mistral, Qwen2 (qkv bias) and SmolLM.
+"""One Llama-family decoder for Llama 2/3, Mistral (sliding window), Qwen2 (qkv bias) and SmolLM.
 
 Loaders hand over fused weights: q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``, so a
 layer runs four matmuls. The attention scale is folded into the q rows at load time.
@@ -28,6 +28,7 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
+        self.window = config.attention_window(layer_idx)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
@@ -50,7 +51,7 @@ class LlamaAttention(nn.Module):
             qk = rope.apply(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = attention(self.layer_idx, q, k, v, ctx)  # (T, nh, hd)
+        out = attention(self.layer_idx, q, k, v, ctx, self.window)  # (T, nh, hd)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -122,7 +123,7 @@ class LlamaDecoderLayer(nn.Module):
             residual, x, norm1.weight, norm1.eps, linears[0], cos, sin,
             attn.num_heads, attn.num_kv_heads, attn.head_dim,
         )  # fmt: skip
-        out = attention(attn.layer_idx, q, k, v, ctx)
+        out = attention(attn.layer_idx, q, k, v, ctx, attn.window)
         h = kernels.layer_attn_out_mlp(out, residual, linears[1], norm2.weight, norm2.eps, *linears[2:])
         return h, residual
 
@@ -186,6 +187,23 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
+def _mistral_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    return {"sliding_window": raw.get("sliding_window")}  # every layer slides; None from Mistral v0.2 on
+
+
+def _qwen2_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2 slides only with use_sliding_window, and then only the layers from max_window_layers on."""
+    if not raw.get("use_sliding_window") or not raw.get("sliding_window"):
+        return {}
+    n = int(raw["num_hidden_layers"])
+    first = int(raw.get("max_window_layers", n))
+    types = raw.get("layer_types") or [
+        "sliding_attention" if i >= first else "full_attention" for i in range(n)
+    ]
+    return {"sliding_window": int(raw["sliding_window"]), "layer_types": tuple(types)}
+
+
 FAMILY = ModelFamily(LlamaForCausalLM)
+MISTRAL_FAMILY = ModelFamily(LlamaForCausalLM, hf_config=_mistral_fields)
 # Qwen2 is this decoder with q/k/v biases (a config field); its GGUF q/k rows are stored unpermuted.
-QWEN2_FAMILY = ModelFamily(LlamaForCausalLM, gguf_rope_permuted=False)
+QWEN2_FAMILY = ModelFamily(LlamaForCausalLM, gguf_rope_permuted=False, hf_config=_qwen2_fields)

@@ -12,10 +12,10 @@ from mcp2026.models.family import ModelFamily
 # HF config.json "architectures" entries and GGUF general.architecture values -> implementation.
 MODEL_REGISTRY: dict[str, ModelFamily] = {
     "LlamaForCausalLM": llama.FAMILY,
-    "MistralForCausalLM": llama.FAMILY,
+    "MistralForCausalLM": llama.MISTRAL_FAMILY,
     "Qwen2ForCausalLM": llama.QWEN2_FAMILY,
     "llama": llama.FAMILY,
-    "mistral": llama.FAMILY,
+    "mistral": llama.MISTRAL_FAMILY,
     "qwen2": llama.QWEN2_FAMILY,
 }
 

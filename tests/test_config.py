@@ -1,0 +1,33 @@
+"""ModelConfig's sliding-window fields: which layers slide, and clear errors for inconsistent values."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcp2026.config import ModelConfig
+
+SHAPE = dict(architecture="llama", vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
+             num_heads=4, num_kv_heads=2, head_dim=16)  # fmt: skip
+
+
+def test_attention_window_per_layer():
+    assert ModelConfig(**SHAPE).attention_window(0) is None
+    every = ModelConfig(**SHAPE, sliding_window=8)
+    assert [every.attention_window(i) for i in range(2)] == [8, 8]
+    mixed = ModelConfig(**SHAPE, sliding_window=8, layer_types=["full_attention", "sliding_attention"])
+    assert mixed.layer_types == ("full_attention", "sliding_attention")  # JSON lists become tuples
+    assert [mixed.attention_window(i) for i in range(2)] == [None, 8]
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"sliding_window": 0}, "sliding_window must be > 0"),
+        ({"sliding_window": 8, "layer_types": ("full_attention",)}, "names 1 layers, the model has 2"),
+        ({"sliding_window": 8, "layer_types": ("full_attention", "chunked")}, "'chunked'"),
+        ({"layer_types": ("full_attention", "sliding_attention")}, "sliding_window is not set"),
+    ],
+)
+def test_inconsistent_window_fields_are_named(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**SHAPE, **fields)
