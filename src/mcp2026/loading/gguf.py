@@ -91,7 +91,6 @@ def config_from_gguf(reader: GGUFFile, source: str) -> ModelConfig:
             attention_bias="blk.0.attn_q.bias" in names,
             bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
-            **family_of(arch).gguf_config(get),
         )
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent GGUF metadata: {e}") from None
@@ -165,10 +164,9 @@ def load_gguf_tensors(
     """Every tensor under our name: float ``dtype`` tensors, or with ``native`` the block-quantized matrices as
     ``BlockWeights`` (their stored values, exactly; see ``keeps_blocks``)."""
     tensors: dict[str, Weight] = {}
-    layer_names = {**GGUF_LAYER_NAMES, **family_of(config.architecture).gguf_layer_names}
     with load_progress(f"loading {Path(source).name}", len(reader.tensors)) as advance:
         for t in reader.tensors:
-            ours = map_name(t.name, GGUF_LAYER, layer_names, GGUF_GLOBAL_NAMES, config.architecture)
+            ours = map_name(t.name, GGUF_LAYER, GGUF_LAYER_NAMES, GGUF_GLOBAL_NAMES, config.architecture)
             advance(1)
             if ours is None:
                 continue

@@ -84,7 +84,6 @@ def weight_files(folder: Path) -> list[Path]:
 def load_hf_tensors(folder: Path, dtype: torch.dtype, config: ModelConfig) -> dict[str, torch.Tensor]:
     """All weights under our intermediate names, converted to ``dtype``."""
     tensors: dict[str, torch.Tensor] = {}
-    layer_names = {**HF_LAYER_NAMES, **family_of(config.architecture).hf_layer_names}
     files = weight_files(folder)
     handles = []
     for f in files:
@@ -98,7 +97,7 @@ def load_hf_tensors(folder: Path, dtype: torch.dtype, config: ModelConfig) -> di
     with load_progress(f"loading {folder.name}", total) as advance:
         for f, handle in handles:
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                ours = map_name(name, HF_LAYER, layer_names, HF_GLOBAL_NAMES, config.architecture)
+                ours = map_name(name, HF_LAYER, HF_LAYER_NAMES, HF_GLOBAL_NAMES, config.architecture)
                 try:
                     t = handle.get_tensor(name)
                 except Exception as e:

@@ -9,7 +9,6 @@ import torch
 
 from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
-from mcp2026.models.registry import family_of
 from mcp2026.quant.block_linear import BlockWeights
 
 Weight = torch.Tensor | BlockWeights  # a float tensor, or a file's stored blocks kept as they are
@@ -110,7 +109,6 @@ def fuse_weights(tensors: dict[str, Weight], config: ModelConfig, source: str) -
             "mlp.down_proj.weight",
             "input_layernorm.weight",
             "post_attention_layernorm.weight",
-            *family_of(config.architecture).layer_tensors,
         ):
             out[p + key] = take(key)
     for key in ("embed_tokens.weight", "norm.weight"):

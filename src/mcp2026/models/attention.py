@@ -350,7 +350,7 @@ def _split_staged_attention(
     return out.transpose(0, 1).to(q.dtype)
 
 
-def sliding_mask(num_queries: int, num_keys: int, window: int, device: torch.device) -> torch.Tensor:
+def _sliding_mask(num_queries: int, num_keys: int, window: int, device: torch.device) -> torch.Tensor:
     """(T, S) additive: query i (at key position S - T + i) sees the ``window`` keys ending at itself."""
     q_pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
     k_pos = torch.arange(num_keys, device=device)[None, :]
@@ -372,7 +372,7 @@ def attention(
     engine keeps every sequence within the smallest window (its max_model_len), so there it changes nothing."""
     if ctx.cache is None:
         if window is not None and window < q.shape[0]:
-            mask = sliding_mask(q.shape[0], q.shape[0], window, q.device).to(q.dtype)
+            mask = _sliding_mask(q.shape[0], q.shape[0], window, q.device).to(q.dtype)
             return _prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), mask, None)
         return _prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), None)
     meta, cache = ctx.meta, ctx.cache
