@@ -89,8 +89,19 @@ class _MaskedAttention:
         self.layer_budget = "uniform"  # tokens kept per layer (_layer_budgets)
 
     def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Any
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: Any,
+        window: int | None = None,
     ) -> torch.Tensor:
+        if window is not None:
+            raise ValueError(
+                f"layer {layer} slides over {window} positions; the eviction simulation models full attention "
+                "only: run it on a model without sliding-window layers"
+            )
         st = self.layers[layer]
         t, nh, hd = q.shape
         nkv = k.shape[1]

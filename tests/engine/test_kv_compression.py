@@ -155,7 +155,8 @@ def test_eviction_keeps_positions(tiny, monkeypatch, dtype, atol):
             m[h, 60:, d * 16 : (d + 1) * 16] = False  # queries after the eviction never see those keys
         masks.append(m.repeat_interleave(group, 0))  # (nh, n, n)
 
-    def masked_attention(layer, q, k, v, ctx):
+    def masked_attention(layer, q, k, v, ctx, window=None):
+        assert window is None  # full attention: the masks below are the whole story
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1),
             k.transpose(0, 1).repeat_interleave(group, 0),
@@ -227,7 +228,8 @@ def test_evictor_lanes_match_what_the_model_attends_to(tiny, monkeypatch, policy
                 masks[layer, head, p, start : p + 1] = True
     group = tiny.config.num_heads // nkv
 
-    def masked_attention(layer, q, k, v, ctx):
+    def masked_attention(layer, q, k, v, ctx, window=None):
+        assert window is None  # full attention: the masks below are the whole story
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1),
             k.transpose(0, 1).repeat_interleave(group, 0),

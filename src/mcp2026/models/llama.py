@@ -51,7 +51,7 @@ class LlamaAttention(nn.Module):
             qk = rope.apply(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = attention(self.layer_idx, q, k, v, ctx, self.window)  # (T, nh, hd)
+        out = attention(self.layer_idx, q, k, v, ctx, window=self.window)  # (T, nh, hd)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -123,7 +123,7 @@ class LlamaDecoderLayer(nn.Module):
             residual, x, norm1.weight, norm1.eps, linears[0], cos, sin,
             attn.num_heads, attn.num_kv_heads, attn.head_dim,
         )  # fmt: skip
-        out = attention(attn.layer_idx, q, k, v, ctx, attn.window)
+        out = attention(attn.layer_idx, q, k, v, ctx, window=attn.window)
         h = kernels.layer_attn_out_mlp(out, residual, linears[1], norm2.weight, norm2.eps, *linears[2:])
         return h, residual
 
