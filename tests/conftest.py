@@ -17,12 +17,16 @@ if not torch.cuda.is_available():
 def save_tiny_hf(path: Path, arch: str = "llama", tie: bool = False, seed: int = 0, **overrides) -> Path:
     """A random-weight HF folder (config.json + model.safetensors) built with transformers."""
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     torch.manual_seed(seed)
@@ -42,13 +46,17 @@ def save_tiny_hf(path: Path, arch: str = "llama", tie: bool = False, seed: int =
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**common))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**{"head_dim": 16, **common}))
+    elif arch == "gemma3":
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**{"head_dim": 16, "query_pre_attn_scalar": 24, **common}))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     # Random init gives tiny logits; scale norms so differences would show.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
+            if "norm" in name:  # Gemma's norms scale by 1 + w
+                p.uniform_(-0.5, 0.5) if arch == "gemma3" else p.uniform_(0.5, 1.5)
             elif "bias" in name:
                 p.normal_(0, 0.5)
     model.save_pretrained(path)

@@ -20,7 +20,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM)."""
+    """Shape of a decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM, Gemma 3); what one family implies beyond these
+    fields (Gemma's scaled embeddings and extra norms) lives in its model class."""
 
     architecture: str
     vocab_size: int
@@ -43,6 +44,10 @@ class ModelConfig:
     # layer slides (Mistral).
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # rotary base of the sliding layers (Gemma 3); None: rope_theta
+    qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
+    attention_scale: float | None = None  # query scale; None: 1 / sqrt(head_dim)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma)
 
     def __post_init__(self) -> None:
         if self.layer_types is not None:  # a list when read back from JSON
@@ -70,6 +75,9 @@ class ModelConfig:
             self.sliding_window is None or self.sliding_window > 0,
             f"model config: sliding_window must be > 0 or None, got {self.sliding_window}",
         )
+        for name in ("rope_local_theta", "attention_scale", "final_logit_softcapping"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"model config: {name} must be > 0 or None, got {value}")
         if self.layer_types is not None:
             _require(
                 len(self.layer_types) == self.num_layers,
@@ -92,13 +100,16 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def query_scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
+
     @property
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        per_layer = attn + 3 * h * i + 2 * h
+        per_layer = attn + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         return self.num_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
 
 

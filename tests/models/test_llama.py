@@ -39,8 +39,20 @@ def hf_logits(path, ids: torch.Tensor) -> torch.Tensor:
         ("llama", {"num_key_value_heads": 4, "head_dim": 32}),
         ("mistral", {"sliding_window": 8}),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+        ("qwen3", {}),
+        ("qwen3", {"num_key_value_heads": 1, "tie": True}),
     ],
-    ids=["llama", "tied", "qwen2-bias", "llama3-rope", "mha-headdim", "mistral-window", "qwen2-window"],
+    ids=[
+        "llama",
+        "tied",
+        "qwen2-bias",
+        "llama3-rope",
+        "mha-headdim",
+        "mistral-window",
+        "qwen2-window",
+        "qwen3",
+        "qwen3-mqa-tied",
+    ],  # fmt: skip
 )
 def test_logits_match_hf(tmp_path, arch, kwargs):
     path = save_tiny_hf(tmp_path, arch=arch, **kwargs)

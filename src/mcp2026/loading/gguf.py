@@ -74,7 +74,7 @@ def config_from_gguf(reader: GGUFFile, source: str) -> ModelConfig:
     names = {t.name for t in reader.tensors}
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     try:
-        return ModelConfig(
+        fields: dict[str, Any] = dict(
             architecture=arch,
             vocab_size=int(gguf_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0)),
             hidden_size=hidden,
@@ -89,9 +89,12 @@ def config_from_gguf(reader: GGUFFile, source: str) -> ModelConfig:
             max_position_embeddings=int(get("context_length", 4096)),
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
             bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
         )
+        family_fields = family_of(arch).gguf_config(lambda key: gguf_field(reader, f"{arch}.{key}"))
+        return ModelConfig(**{**fields, **family_fields})
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent GGUF metadata: {e}") from None
 
@@ -164,9 +167,10 @@ def load_gguf_tensors(
     """Every tensor under our name: float ``dtype`` tensors, or with ``native`` the block-quantized matrices as
     ``BlockWeights`` (their stored values, exactly; see ``keeps_blocks``)."""
     tensors: dict[str, Weight] = {}
+    layer_names = {**GGUF_LAYER_NAMES, **family_of(config.architecture).gguf_layer_names}
     with load_progress(f"loading {Path(source).name}", len(reader.tensors)) as advance:
         for t in reader.tensors:
-            ours = map_name(t.name, GGUF_LAYER, GGUF_LAYER_NAMES, GGUF_GLOBAL_NAMES, config.architecture)
+            ours = map_name(t.name, GGUF_LAYER, layer_names, GGUF_GLOBAL_NAMES, config.architecture)
             advance(1)
             if ours is None:
                 continue

@@ -41,7 +41,7 @@ def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         theta, scaling = _rope_params(raw)
         eos = raw.get("eos_token_id")
-        return ModelConfig(
+        fields: dict[str, Any] = dict(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
@@ -58,8 +58,8 @@ def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
             attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
-            **family_of(arch).hf_config(raw),
         )
+        return ModelConfig(**{**fields, **family_of(arch).hf_config(raw)})
     except KeyError as e:
         raise ModelLoadError(f"{source}: config.json lacks required field {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
@@ -84,6 +84,8 @@ def weight_files(folder: Path) -> list[Path]:
 def load_hf_tensors(folder: Path, dtype: torch.dtype, config: ModelConfig) -> dict[str, torch.Tensor]:
     """All weights under our intermediate names, converted to ``dtype``."""
     tensors: dict[str, torch.Tensor] = {}
+    family = family_of(config.architecture)
+    layer_names = {**HF_LAYER_NAMES, **family.hf_layer_names}
     files = weight_files(folder)
     handles = []
     for f in files:
@@ -97,13 +99,15 @@ def load_hf_tensors(folder: Path, dtype: torch.dtype, config: ModelConfig) -> di
     with load_progress(f"loading {folder.name}", total) as advance:
         for f, handle in handles:
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                ours = map_name(name, HF_LAYER, HF_LAYER_NAMES, HF_GLOBAL_NAMES, config.architecture)
+                ours = map_name(name, HF_LAYER, layer_names, HF_GLOBAL_NAMES, config.architecture)
                 try:
                     t = handle.get_tensor(name)
                 except Exception as e:
                     raise ModelLoadError(
                         f"{f}: tensor {name} cannot be read, the file is truncated or corrupted ({e})"
                     ) from None
+                if ours is not None and ours.endswith("norm.weight") and family.hf_norm_offset:
+                    t = t.float() + family.hf_norm_offset  # in float32: 1 + w is not exact in bf16
                 if ours is not None:
                     tensors[ours] = t.to(dtype)
                 advance(1)

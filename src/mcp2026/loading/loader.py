@@ -98,6 +98,12 @@ def _instantiate(config: ModelConfig, state: dict[str, Weight], dtype: torch.dty
         model = build_model(config)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     check_shapes({**state, **blocks}, expected, source)
+    unexpected = sorted((set(state) | set(blocks)) - set(expected))
+    if unexpected:  # e.g. a Gemma norm in a file that calls itself Llama
+        raise ModelLoadError(
+            f"{source}: tensors not part of a {config.architecture} model: {unexpected[:3]}; "
+            "the architecture named by the file does not match its weights"
+        )
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing = (

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 
 import torch
@@ -25,8 +24,12 @@ HF_LAYER_NAMES = {
     "mlp.gate_proj.weight": "gate.weight",
     "mlp.up_proj.weight": "up.weight",
     "mlp.down_proj.weight": "mlp.down_proj.weight",
+    "self_attn.q_norm.weight": "attn.q_norm.weight",
+    "self_attn.k_norm.weight": "attn.k_norm.weight",
     "input_layernorm.weight": "input_layernorm.weight",
     "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "pre_feedforward_layernorm.weight": "pre_feedforward_layernorm.weight",
+    "post_feedforward_layernorm.weight": "post_feedforward_layernorm.weight",
 }
 HF_GLOBAL_NAMES = {
     "model.embed_tokens.weight": "embed_tokens.weight",
@@ -46,6 +49,8 @@ GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "gate.weight",
     "ffn_up.weight": "up.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "attn.q_norm.weight",
+    "attn_k_norm.weight": "attn.k_norm.weight",
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
@@ -85,9 +90,10 @@ def _scaled(w: Weight, factor: float) -> Weight:
 
 
 def fuse_weights(tensors: dict[str, Weight], config: ModelConfig, source: str) -> dict[str, Weight]:
-    """Concatenate q/k/v and gate/up per layer, fold the attention scale into the q rows."""
+    """Concatenate q/k/v and gate/up per layer and fold the query scale into the q rows (into the q norm's
+    weight where heads are normalized first: the norm would undo a scale on the rows)."""
     out: dict[str, Weight] = {}
-    scale = 1.0 / math.sqrt(config.head_dim)
+    scale = config.query_scale()
     for i in range(config.num_layers):
         p = f"layers.{i}."
 
@@ -98,19 +104,18 @@ def fuse_weights(tensors: dict[str, Weight], config: ModelConfig, source: str) -
                 raise ModelLoadError(f"{source}: missing tensor {prefix}{key}") from None
 
         q, k, v = take("q.weight"), take("k.weight"), take("v.weight")
-        out[p + "attn.qkv_proj.weight"] = _cat_rows([_scaled(q, scale), k, v])
+        q_scale = 1.0 if config.qk_norm else scale
+        out[p + "attn.qkv_proj.weight"] = _cat_rows([_scaled(q, q_scale), k, v])
+        if config.qk_norm:
+            out[p + "attn.q_norm.weight"] = take("attn.q_norm.weight") * scale
+            out[p + "attn.k_norm.weight"] = take("attn.k_norm.weight")
         if config.attention_bias:
             out[p + "attn.qkv_proj.bias"] = torch.cat(
-                [take("q.bias") * scale, take("k.bias"), take("v.bias")]
+                [take("q.bias") * q_scale, take("k.bias"), take("v.bias")]
             )
         out[p + "mlp.gate_up_proj.weight"] = _cat_rows([take("gate.weight"), take("up.weight")])
-        for key in (
-            "attn.o_proj.weight",
-            "mlp.down_proj.weight",
-            "input_layernorm.weight",
-            "post_attention_layernorm.weight",
-        ):
-            out[p + key] = take(key)
+        for key in [key for key in tensors if key.startswith(p)]:  # the rest as they are (norms, o, down)
+            out[key] = tensors.pop(key)
     for key in ("embed_tokens.weight", "norm.weight"):
         if key not in tensors:
             raise ModelLoadError(f"{source}: missing tensor {key}")

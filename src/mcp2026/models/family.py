@@ -6,11 +6,9 @@ A family that brings tensors or metadata of its own extends this record and the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
-
-from torch import nn
 
 
 def _no_fields(_: Any) -> dict[str, Any]:
@@ -19,9 +17,18 @@ def _no_fields(_: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ModelFamily:
-    model: type[nn.Module]
+    model: type  # an nn.Module class taking a ModelConfig
     # Whether llama.cpp's converter permuted this family's q/k rows for its interleaved rotary layout (Llama
     # and Mistral yes; families llama.cpp runs with NeoX-style rotary, such as Qwen2 and Gemma, no)
     gguf_rope_permuted: bool = True
     # ModelConfig fields beyond the shared ones, read from config.json
     hf_config: Callable[[dict[str, Any]], dict[str, Any]] = _no_fields
+    # ModelConfig fields beyond the shared ones, from GGUF metadata: called with a getter of the
+    # "{architecture}.{key}" values (None where absent)
+    gguf_config: Callable[[Callable[[str], Any]], dict[str, Any]] = _no_fields
+    # Per-layer tensor names of this family that differ from the shared tables in loading/names.py
+    hf_layer_names: Mapping[str, str] = field(default_factory=dict)
+    gguf_layer_names: Mapping[str, str] = field(default_factory=dict)
+    # Added to every RMSNorm weight of an HF checkpoint: Gemma stores w and scales by (1 + w); its GGUF files
+    # already hold 1 + w (llama.cpp's converter adds it)
+    hf_norm_offset: float = 0.0

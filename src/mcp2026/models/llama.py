@@ -1,12 +1,13 @@
-"""One Llama-family decoder for Llama 2/3, Mistral (sliding window), Qwen2 (qkv bias) and SmolLM.
+"""One Llama-family decoder for Llama 2/3, Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (q/k norms)
+and SmolLM.
 
 Loaders hand over fused weights: q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``, so a
-layer runs four matmuls. The attention scale is folded into the q rows at load time.
+layer runs four matmuls. The attention scale is folded into the q rows at load time (into the q norm's weight
+where heads are normalized).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -33,6 +34,8 @@ class LlamaAttention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -47,6 +50,9 @@ class LlamaAttention(nn.Module):
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads rotated together: one rope pass instead of two (fewer ops per decode step)
         qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         if ops.rope_(qk, cos, sin) is None:
             qk = rope.apply(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -93,6 +99,8 @@ class LlamaDecoderLayer(nn.Module):
     def fused(self, kernels: Any, quant_rows: bool) -> tuple[Any, Any, Any, Any] | None:
         """The four linears as compiled handles when all of them can run inside ``forward_fused``."""
         attn, mlp = self.attn, self.mlp
+        if attn.q_norm is not None:  # the compiled layer has no per-head norm between projection and rotary
+            return None
         modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (self.input_layernorm, self.post_attention_layernorm)
         if fused_linear.hooked(self, attn, mlp, *norms, *modules):
@@ -159,10 +167,6 @@ class LlamaForCausalLM(nn.Module):
     def max_positions(self) -> int:
         return int(self.rope.cos.shape[0])
 
-    @property
-    def attention_scale(self) -> float:
-        return 1.0 / math.sqrt(self.config.head_dim)
-
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext | None = None
     ) -> torch.Tensor:
@@ -184,7 +188,9 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add(residual, x)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def _mistral_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -207,3 +213,9 @@ FAMILY = ModelFamily(LlamaForCausalLM)
 MISTRAL_FAMILY = ModelFamily(LlamaForCausalLM, hf_config=_mistral_fields)
 # Qwen2 is this decoder with q/k/v biases (a config field); its GGUF q/k rows are stored unpermuted.
 QWEN2_FAMILY = ModelFamily(LlamaForCausalLM, gguf_rope_permuted=False, hf_config=_qwen2_fields)
+# Qwen3: q/k norms, no biases; GGUF q/k rows unpermuted like Qwen2's
+QWEN3_FAMILY = ModelFamily(
+    LlamaForCausalLM,
+    gguf_rope_permuted=False,
+    hf_config=lambda raw: {**_qwen2_fields(raw), "qk_norm": True},
+)
