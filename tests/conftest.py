@@ -63,6 +63,15 @@ def save_tiny_hf(path: Path, arch: str = "llama", tie: bool = False, seed: int =
     return path
 
 
+def hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' fp32 logits for one sequence of the model folder at ``path``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids[None]).logits[0]
+
+
 @pytest.fixture
 def one_thread():
     """Tiny models gain nothing from threads, and on a shared 2-core CPU idle OpenMP workers make every

@@ -7,8 +7,7 @@ import torch
 
 from mcp2026.loading.loader import load_model
 
-from conftest import save_tiny_hf
-from test_llama import hf_logits
+from conftest import hf_logits, save_tiny_hf
 
 LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
 

@@ -7,15 +7,7 @@ import torch
 
 from mcp2026.loading.loader import load_model
 
-from conftest import save_tiny_hf
-
-
-def hf_logits(path, ids: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(ids[None]).logits[0]
+from conftest import hf_logits, save_tiny_hf
 
 
 @pytest.mark.parametrize(
