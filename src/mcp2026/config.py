@@ -43,6 +43,9 @@ class ModelConfig:
     # layer slides (Mistral).
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    # Partial rotary (Phi-4-mini rotates 3/4 of each head): how many leading dims of each q/k head rotate, the
+    # rest pass through unrotated; None rotates all head_dim dims.
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.layer_types is not None:  # a list when read back from JSON
@@ -69,6 +72,11 @@ class ModelConfig:
         _require(
             self.sliding_window is None or self.sliding_window > 0,
             f"model config: sliding_window must be > 0 or None, got {self.sliding_window}",
+        )
+        _require(
+            self.rotary_dim is None or (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0),
+            f"model config: rotary_dim must be an even number in (0, head_dim={self.head_dim}] or None (all "
+            f"dims rotate), got {self.rotary_dim}",
         )
         if self.layer_types is not None:
             _require(

@@ -94,10 +94,11 @@ def load_hf_tensors(folder: Path, dtype: torch.dtype, config: ModelConfig) -> di
         except Exception as e:  # safetensors raises its own SafetensorError for truncated/corrupt headers
             raise ModelLoadError(f"{f}: corrupted or truncated safetensors file ({e})") from None
     total = sum(len(list(h.keys())) for _, h in handles)  # noqa: SIM118
+    layer_names = {**HF_LAYER_NAMES, **family_of(config.architecture).hf_layer_names}
     with load_progress(f"loading {folder.name}", total) as advance:
         for f, handle in handles:
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                ours = map_name(name, HF_LAYER, HF_LAYER_NAMES, HF_GLOBAL_NAMES, config.architecture)
+                ours = map_name(name, HF_LAYER, layer_names, HF_GLOBAL_NAMES, config.architecture)
                 try:
                     t = handle.get_tensor(name)
                 except Exception as e:

@@ -7,7 +7,7 @@ A family that brings tensors or metadata of its own extends this record and the 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -25,3 +25,7 @@ class ModelFamily:
     gguf_rope_permuted: bool = True
     # ModelConfig fields beyond the shared ones, read from config.json
     hf_config: Callable[[dict[str, Any]], dict[str, Any]] = _no_fields
+    # Layer tensors this family's checkpoints name differently (the part after the layer prefix -> our name), on
+    # top of the shared maps in loading/names.py; Phi-3 stores q/k/v and gate/up fused ("qkv", "gate_up")
+    hf_layer_names: dict[str, str] = field(default_factory=dict)
+    gguf_layer_names: dict[str, str] = field(default_factory=dict)

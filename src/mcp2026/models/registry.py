@@ -6,7 +6,7 @@ from torch import nn
 
 from mcp2026.config import ModelConfig
 from mcp2026.errors import UnsupportedArchitectureError
-from mcp2026.models import llama
+from mcp2026.models import llama, phi3
 from mcp2026.models.family import ModelFamily
 
 # HF config.json "architectures" entries and GGUF general.architecture values -> implementation.
@@ -14,9 +14,11 @@ MODEL_REGISTRY: dict[str, ModelFamily] = {
     "LlamaForCausalLM": llama.FAMILY,
     "MistralForCausalLM": llama.MISTRAL_FAMILY,
     "Qwen2ForCausalLM": llama.QWEN2_FAMILY,
+    "Phi3ForCausalLM": phi3.FAMILY,
     "llama": llama.FAMILY,
     "mistral": llama.MISTRAL_FAMILY,
     "qwen2": llama.QWEN2_FAMILY,
+    "phi3": phi3.FAMILY,
 }
 
 
