@@ -91,7 +91,9 @@ def test_a_fused_tensor_with_the_wrong_row_count_is_a_shape_error(tmp_path, fuse
     path = save_tiny_phi3(tmp_path)
     name = f"model.layers.1.{fused}.weight"
     _rewrite(path, lambda t: t.__setitem__(name, t[name][:-16].contiguous()))
-    with pytest.raises(ModelLoadError, match=r"has shape \((112|240), 64\) but the config implies (128|256) rows"):
+    with pytest.raises(
+        ModelLoadError, match=r"has shape \((112|240), 64\) but the config implies (128|256) rows"
+    ):
         load_model(path)
 
 
