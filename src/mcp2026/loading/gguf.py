@@ -79,9 +79,8 @@ def config_from_gguf(reader: GGUFFile, source: str) -> ModelConfig:
             "is not supported"
         )
     head_dim = int(gguf_field(reader, f"{arch}.attention.key_length", hidden // heads))
-    rotary_dim = int(
-        gguf_field(reader, f"{arch}.rope.dimension_count", head_dim)
-    )  # < head_dim: partial rotary
+    # the dims of each head llama.cpp rotates; fewer than head_dim: partial rotary (Phi-4-mini)
+    rotary_dim = int(gguf_field(reader, f"{arch}.rope.dimension_count", head_dim))
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     try:
         return ModelConfig(

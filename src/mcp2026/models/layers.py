@@ -96,7 +96,7 @@ class RotaryEmbedding(nn.Module):
         self.half = width // 2
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for the step's positions, (T, 1, rotary_dim); computed once per step, shared by all layers."""
+        """cos/sin rows for the step's positions, (T, 1, rotary_dim); computed once per step for all layers."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@
 Every layer slides over ``sliding_window`` when config.json sets one (as transformers' Phi3 does), and
 Phi-4-mini rotates only the first ``partial_rotary_factor`` of each head. llama.cpp runs Phi-3 with NeoX
 rotary, so its GGUF q/k rows are stored unpermuted; its ``ffn_up`` holds gate then up, as ``gate_up_proj`` does.
+A GGUF's ``attention.sliding_window`` is not applied: llama.cpp runs Phi-3 files without it, and transformers'
+GGUF reader drops it.
 """
 
 from __future__ import annotations
