@@ -1,4 +1,4 @@
-"""ModelConfig's sliding-window fields: which layers slide, and clear errors for inconsistent values."""
+"""ModelConfig's sliding-window and partial-rotary fields: which layers slide, and clear errors for bad values."""
 
 from __future__ import annotations
 
@@ -31,3 +31,12 @@ def test_attention_window_per_layer():
 def test_inconsistent_window_fields_are_named(fields, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig(**SHAPE, **fields)
+
+
+@pytest.mark.parametrize("rotary_dim", [0, 7, 18])
+def test_rotary_dim_must_be_even_and_within_the_head(rotary_dim):
+    with pytest.raises(
+        ValueError, match=rf"rotary_dim must be an even number in \(0, head_dim=16\].*got {rotary_dim}"
+    ):
+        ModelConfig(**SHAPE, rotary_dim=rotary_dim)
+    assert ModelConfig(**SHAPE, rotary_dim=12).rotary_dim == 12

@@ -48,6 +48,9 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
     attention_scale: float | None = None  # query scale; None: 1 / sqrt(head_dim)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma)
+    # Partial rotary (Phi-4-mini rotates 3/4 of each head): how many leading dims of each q/k head rotate, the
+    # rest pass through unrotated; None rotates all head_dim dims.
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.layer_types is not None:  # a list when read back from JSON
@@ -78,6 +81,11 @@ class ModelConfig:
         for name in ("rope_local_theta", "attention_scale", "final_logit_softcapping"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"model config: {name} must be > 0 or None, got {value}")
+        _require(
+            self.rotary_dim is None or (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0),
+            f"model config: rotary_dim must be an even number in (0, head_dim={self.head_dim}] or None (all "
+            f"dims rotate), got {self.rotary_dim}",
+        )
         if self.layer_types is not None:
             _require(
                 len(self.layer_types) == self.num_layers,

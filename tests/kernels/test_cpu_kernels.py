@@ -67,6 +67,21 @@ def test_rope_in_place_on_a_strided_view_matches_rotate_half(kernels, dtype):
     assert torch.equal(qkv[:, 6 * 32 :], v_before)  # v untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_partial_rope_rotates_the_leading_dims_and_passes_the_rest(kernels, dtype):
+    from mcp2026.models.layers import RotaryEmbedding
+
+    rope = RotaryEmbedding(32, 64, 10000.0, None, rotary_dim=24)  # Phi-4-mini's 3/4: pairs (i, i + 12)
+    cos, sin = rope.table(torch.tensor([0, 5, 17]), dtype)
+    qk = torch.randn(3, 6, 32, dtype=dtype)
+    expected = rope.apply(qk.float(), cos.float(), sin.float())
+    before = qk.clone()
+    assert ops.rope_(qk, cos, sin) is qk
+    torch.testing.assert_close(qk.float(), expected, atol=_tol(dtype), rtol=_tol(dtype))
+    assert torch.equal(qk[..., 24:], before[..., 24:])  # the pass-through dims, bit for bit
+    assert not torch.allclose(qk[1:, :, :24], before[1:, :, :24])  # positions 5 and 17 did rotate
+
+
 def _reference_attention(q, k_cache, v_cache, tables, lengths):
     out = []
     bs = k_cache.shape[2]

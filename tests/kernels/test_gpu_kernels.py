@@ -58,6 +58,17 @@ def test_rope_in_place_matches_torch_on_a_strided_view(dtype):
     assert torch.equal(qkv[:, 7 * 32 :], tail)  # the v columns are not touched
 
 
+@pytest.mark.parametrize("head_dim,rotary_dim", [(96, None), (32, 24)], ids=["half-48", "partial-rotary"])
+def test_rope_with_a_half_that_is_not_a_power_of_two(head_dim, rotary_dim):
+    rope = RotaryEmbedding(head_dim, 64, 10000.0, None, rotary_dim)
+    positions = torch.tensor([0, 5, 17, 63])
+    qk = torch.randn(4, 6, head_dim, generator=torch.Generator().manual_seed(4))
+    cos, sin = rope.table(positions, torch.float32)
+    expected = rope.apply(qk, cos, sin)
+    gpu_fused.rope_(qk, cos, sin)
+    torch.testing.assert_close(qk, expected, **_tol(torch.float32))
+
+
 def test_write_kv_rows_scatters_strided_tokens():
     nkv, hd = 2, 16
     k_rows = torch.full((40, hd), float("nan"))

@@ -1074,14 +1074,16 @@ torch::Tensor add_rms_norm(const torch::Tensor& residual, const c10::optional<to
 }
 
 // ---- RoPE (rotate-half convention), in place --------------------------------------------------------------
-// x: (T, heads, hd) with contiguous (heads, hd) rows (any row stride); cos, sin: (T, hd), float32 or x's dtype.
+// x: (T, heads, hd) with contiguous (heads, hd) rows (any row stride); cos, sin: (T, rot), float32 or x's dtype,
+// rot <= hd: the first rot dims of each head rotate (pairs i, i + rot/2), the rest pass through (partial rotary).
 template <typename T, typename C>
-void rope_impl(T* x, int64_t row_stride, const C* cos, const C* sin, int64_t rows, int64_t heads, int64_t hd) {
-  const int64_t half = hd / 2;
+void rope_impl(T* x, int64_t row_stride, const C* cos, const C* sin, int64_t rows, int64_t heads, int64_t hd,
+               int64_t rot) {
+  const int64_t half = rot / 2;
   at::parallel_for(0, rows, kParallelRows, [&](int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
-    const C* c = cos + r * hd;
-    const C* s = sin + r * hd;
+    const C* c = cos + r * rot;
+    const C* s = sin + r * rot;
     for (int64_t h = 0; h < heads; ++h) {
       T* p = x + r * row_stride + h * hd;
       for (int64_t i = 0; i < half; ++i) {
@@ -1101,12 +1103,15 @@ void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin)
   TORCH_CHECK(cos.scalar_type() == sin.scalar_type(), "cos and sin must share a dtype");
   const auto cc = cos.contiguous(), sc = sin.contiguous();
   const int64_t rows = x.size(0), heads = x.size(1), hd = x.size(2);
-  TORCH_CHECK(cc.numel() == rows * hd && sc.numel() == rows * hd, "cos/sin must be (T, hd)");
+  if (rows == 0) return;
+  const int64_t rot = cc.numel() / rows;
+  TORCH_CHECK(cc.numel() == rows * rot && sc.numel() == rows * rot && rot % 2 == 0 && rot <= hd,
+              "cos/sin must be (T, rot) with rot even and <= hd");
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, x.scalar_type(), "rope_x", [&] {
     using T = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, cc.scalar_type(), "rope_cs", [&] {
       rope_impl<T, scalar_t>(x.data_ptr<T>(), x.stride(0), cc.data_ptr<scalar_t>(), sc.data_ptr<scalar_t>(), rows,
-                             heads, hd);
+                             heads, hd, rot);
     });
   });
 }
@@ -1790,7 +1795,8 @@ struct FusedLinear {
 };
 
 // residual (T, H) += x (x absent: residual is the stream already); h = RMSNorm(residual) * norm_w; qkv = h W;
-// RoPE on the q and k heads in place. Returns views q (T, nh, hd), k (T, nkv, hd), v (T, nkv, hd).
+// RoPE on the q and k heads in place (cos/sin (T, rot): partial rotary as in rope_). Returns views q (T, nh, hd),
+// k (T, nkv, hd), v (T, nkv, hd).
 std::vector<torch::Tensor> layer_attn_in(torch::Tensor& residual, const c10::optional<torch::Tensor>& x,
                                          const torch::Tensor& norm_w, double eps, const FusedLinear& qkv,
                                          const torch::Tensor& cos, const torch::Tensor& sin, int64_t nh,

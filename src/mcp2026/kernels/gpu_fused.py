@@ -71,30 +71,36 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rope_kernel(
-    x_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct, stride_st, HALF: tl.constexpr,
+    x_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct, stride_st, HALF: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     h = tl.program_id(1)
-    d = tl.arange(0, HALF)
+    d = tl.arange(0, BLOCK)
+    m = d < HALF  # HALF need not be a power of two (head_dim 96, partial rotary)
     base = x_ptr + t * stride_xt + h * stride_xh
-    x1 = tl.load(base + d).to(tl.float32)
-    x2 = tl.load(base + HALF + d).to(tl.float32)
-    c1 = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * stride_ct + HALF + d).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * stride_st + d).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * stride_st + HALF + d).to(tl.float32)
-    tl.store(base + d, (x1 * c1 - x2 * s1).to(x_ptr.dtype.element_ty))
-    tl.store(base + HALF + d, (x2 * c2 + x1 * s2).to(x_ptr.dtype.element_ty))
+    x1 = tl.load(base + d, mask=m).to(tl.float32)
+    x2 = tl.load(base + HALF + d, mask=m).to(tl.float32)
+    c1 = tl.load(cos_ptr + t * stride_ct + d, mask=m).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_ct + HALF + d, mask=m).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_st + d, mask=m).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_st + HALF + d, mask=m).to(tl.float32)
+    tl.store(base + d, (x1 * c1 - x2 * s1).to(x_ptr.dtype.element_ty), mask=m)
+    tl.store(base + HALF + d, (x2 * c2 + x1 * s2).to(x_ptr.dtype.element_ty), mask=m)
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (T, heads, hd) in place (rotate-half convention) by cos/sin (T, 1, hd); returns x."""
+    """Rotate x (T, heads, hd) in place (rotate-half convention) by cos/sin (T, 1, rot); returns x. With rot < hd
+    (partial rotary) only each head's first rot dims rotate."""
     tokens, heads, head_dim = x.shape
+    rot = cos.shape[-1]
     if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("rope_ needs the head dimension contiguous")
+    if rot % 2 or rot > head_dim:
+        raise ValueError(f"rope_ rotates an even number of dims up to head_dim {head_dim}, got {rot}")
     _rope_kernel[(tokens, heads)](
-        x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), HALF=head_dim // 2
-    )
+        x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), HALF=rot // 2,
+        BLOCK=triton.next_power_of_2(rot // 2),
+    )  # fmt: skip
     return x
 
 

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 # Our names of the matrices a GGUF's stored blocks may stay quantized in (the linears and the token table).
 NATIVE_SUFFIXES = ("q.weight", "k.weight", "v.weight", "o_proj.weight", "gate.weight", "up.weight",
-                   "down_proj.weight", "embed_tokens.weight", "lm_head.weight")  # fmt: skip
+                   "down_proj.weight", "embed_tokens.weight", "lm_head.weight",
+                   "qkv.weight", "gate_up.weight")  # fmt: skip
 
 
 def open_gguf(path: Path) -> GGUFFile:
@@ -72,6 +73,14 @@ def config_from_gguf(reader: GGUFFile, source: str) -> ModelConfig:
     if scaling_type in ("linear",):
         scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     names = {t.name for t in reader.tensors}
+    if "rope_factors_long.weight" in names:
+        raise ModelLoadError(
+            f"{source}: LongRoPE scaling (rope_factors_long/short tensors: Phi-3 128k, Phi-3.5, Phi-4-mini) "
+            "is not supported"
+        )
+    head_dim = int(gguf_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    # the dims of each head llama.cpp rotates; fewer than head_dim: partial rotary (Phi-4-mini)
+    rotary_dim = int(gguf_field(reader, f"{arch}.rope.dimension_count", head_dim))
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     try:
         fields: dict[str, Any] = dict(
@@ -82,7 +91,7 @@ def config_from_gguf(reader: GGUFFile, source: str) -> ModelConfig:
             num_layers=int(get("block_count")),
             num_heads=heads,
             num_kv_heads=int(kv_heads),
-            head_dim=int(gguf_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+            head_dim=head_dim,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
@@ -92,6 +101,7 @@ def config_from_gguf(reader: GGUFFile, source: str) -> ModelConfig:
             qk_norm="blk.0.attn_q_norm.weight" in names,
             bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
+            rotary_dim=rotary_dim if rotary_dim != head_dim else None,
         )
         family_fields = family_of(arch).gguf_config(lambda key: gguf_field(reader, f"{arch}.{key}"))
         return ModelConfig(**{**fields, **family_fields})

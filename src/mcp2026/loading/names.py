@@ -89,6 +89,41 @@ def _scaled(w: Weight, factor: float) -> Weight:
     return w.scaled(factor) if isinstance(w, BlockWeights) else w * factor
 
 
+def _split_rows(w: Weight, sizes: list[int]) -> list[Weight]:
+    """Consecutive row ranges of ``sizes``; stored blocks stay blocks (each row holds whole blocks along K)."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    if isinstance(w, BlockWeights):
+        return [w.rows(torch.arange(a, a + n)) for a, n in zip(starts, sizes, strict=True)]
+    return list(w.split(sizes, dim=0))
+
+
+def _unfuse(tensors: dict[str, Weight], prefix: str, config: ModelConfig, source: str) -> None:
+    """A layer's fused checkpoint tensors (Phi-3: "qkv" = q, k, v rows; "gate_up" = gate, up rows) split into the
+    parts ``fuse_weights`` reads, so every family goes through one fusing (and one q scaling)."""
+    q = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    ffn = config.intermediate_size
+    for fused, parts, sizes in (
+        ("qkv", ("q", "k", "v"), [q, kv, kv]),
+        ("gate_up", ("gate", "up"), [ffn, ffn]),
+    ):
+        w = tensors.pop(f"{prefix}{fused}.weight", None)
+        if w is None:
+            continue
+        if w.shape[0] != sum(sizes):
+            raise ModelLoadError(
+                f"{source}: tensor {prefix}{fused}.weight has shape {tuple(w.shape)} but the config implies "
+                f"{sum(sizes)} rows ({' + '.join(map(str, sizes))}: {', '.join(parts)}); the config does not "
+                "match the weights"
+            )
+        for part, piece in zip(parts, _split_rows(w, sizes), strict=True):
+            if f"{prefix}{part}.weight" in tensors:
+                raise ModelLoadError(
+                    f"{source}: {prefix.rstrip('.')} has both a fused {fused} weight and a separate {part} weight"
+                )
+            tensors[f"{prefix}{part}.weight"] = piece
+
+
 def fuse_weights(tensors: dict[str, Weight], config: ModelConfig, source: str) -> dict[str, Weight]:
     """Concatenate q/k/v and gate/up per layer and fold the query scale into the q rows (into the q norm's
     weight where heads are normalized first: the norm would undo a scale on the rows)."""
@@ -96,6 +131,7 @@ def fuse_weights(tensors: dict[str, Weight], config: ModelConfig, source: str) -
     scale = config.query_scale()
     for i in range(config.num_layers):
         p = f"layers.{i}."
+        _unfuse(tensors, p, config, source)
 
         def take(key: str, prefix: str = p) -> Weight:
             try:

@@ -26,7 +26,8 @@ class ModelFamily:
     # ModelConfig fields beyond the shared ones, from GGUF metadata: called with a getter of the
     # "{architecture}.{key}" values (None where absent)
     gguf_config: Callable[[Callable[[str], Any]], dict[str, Any]] = _no_fields
-    # Per-layer tensor names of this family that differ from the shared tables in loading/names.py
+    # Layer tensors this family's checkpoints name differently (the part after the layer prefix -> our name), on
+    # top of the shared maps in loading/names.py; Phi-3 stores q/k/v and gate/up fused ("qkv", "gate_up")
     hf_layer_names: Mapping[str, str] = field(default_factory=dict)
     gguf_layer_names: Mapping[str, str] = field(default_factory=dict)
     # Added to every RMSNorm weight of an HF checkpoint: Gemma stores w and scales by (1 + w); its GGUF files

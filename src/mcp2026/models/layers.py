@@ -72,26 +72,38 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin table; ``forward`` rotates q and k at absolute positions."""
+    """Precomputed cos/sin table; ``forward`` rotates q and k at absolute positions.
+
+    ``rotary_dim`` (partial rotary): only each head's first ``rotary_dim`` dims rotate, with frequencies over
+    ``rotary_dim`` as transformers computes them; the tables are (P, rotary_dim) and the other dims pass through."""
 
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        width = rotary_dim or head_dim  # the dims that rotate
+        inv_freq = rope_inv_freq(width, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # (P, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (P, hd)
+        freqs = torch.outer(t, inv_freq)  # (P, width/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (P, width)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-        self.half = head_dim // 2
+        self.half = width // 2
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for the step's positions, (T, 1, hd); computed once per step, shared by all layers."""
+        """cos/sin rows for the step's positions, (T, 1, rotary_dim); computed once per step for all layers."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: (T, heads, hd)
+        # x: (T, heads, hd); cos, sin: (T, 1, rotary_dim)
+        rot = 2 * self.half
+        if rot < x.shape[-1]:
+            return torch.cat((self.apply(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
         x1, x2 = x[..., : self.half], x[..., self.half :]
         rotated = torch.cat((-x2, x1), dim=-1)
         return x * cos + rotated * sin

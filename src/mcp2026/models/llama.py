@@ -161,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
     def init_rope(self, max_positions: int) -> None:
         """(Re)build the rotary tables for positions 0 .. max_positions - 1 (loaders cap the config's length)."""
         c = self.config
-        self.rope = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling)
+        self.rope = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling, c.rotary_dim)
 
     @property
     def max_positions(self) -> int:

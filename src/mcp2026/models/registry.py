@@ -6,7 +6,7 @@ from torch import nn
 
 from mcp2026.config import ModelConfig
 from mcp2026.errors import UnsupportedArchitectureError
-from mcp2026.models import gemma3, llama
+from mcp2026.models import gemma3, llama, phi3
 from mcp2026.models.family import ModelFamily
 
 # HF config.json "architectures" entries and GGUF general.architecture values -> implementation.
@@ -16,11 +16,13 @@ MODEL_REGISTRY: dict[str, ModelFamily] = {
     "Qwen2ForCausalLM": llama.QWEN2_FAMILY,
     "Qwen3ForCausalLM": llama.QWEN3_FAMILY,
     "Gemma3ForCausalLM": gemma3.FAMILY,
+    "Phi3ForCausalLM": phi3.FAMILY,
     "llama": llama.FAMILY,
     "mistral": llama.MISTRAL_FAMILY,
     "qwen2": llama.QWEN2_FAMILY,
     "qwen3": llama.QWEN3_FAMILY,
     "gemma3": gemma3.FAMILY,
+    "phi3": phi3.FAMILY,
 }
 
 
