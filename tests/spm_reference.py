@@ -53,6 +53,8 @@ class ReferenceSpm:
         fragments: list[str | int] = [text] if text else []
         for token_id in self.cut_out:
             content = self.tokens[token_id]
+            if content not in text:
+                continue
             split: list[str | int] = []
             for fragment in fragments:
                 if isinstance(fragment, int):
