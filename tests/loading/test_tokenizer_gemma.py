@@ -57,7 +57,7 @@ def metadata(gguf_path):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(metadata, gguf_path):
+def tokenizer(gguf_path):
     return Tokenizer.from_gguf(gguf_path)
 
 

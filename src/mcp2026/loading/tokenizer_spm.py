@@ -6,6 +6,8 @@ adjacent pair whose concatenation is the highest-scoring vocabulary entry; a cha
 entry becomes <0xNN> byte tokens. A BPE whose merges are every split of every entry into two entries,
 ranked by that entry's score, makes the same choices. Control, unknown and user-defined entries are
 matched whole in the raw text before that (llama.cpp's special-token partition), so they are added tokens.
+NOTE: llama.cpp matches the longest added token first, ``tokenizers`` the leftmost; they differ only where two
+added tokens overlap in the text ("ab" and "bcd" in "abcd"), which no vocabulary we serve has.
 """
 
 from __future__ import annotations
