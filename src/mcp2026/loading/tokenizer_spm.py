@@ -7,7 +7,7 @@ entry becomes <0xNN> byte tokens. A BPE whose merges are every split of every en
 ranked by that entry's score, makes the same choices. Control, unknown and user-defined entries are
 matched whole in the raw text before that (llama.cpp's special-token partition), so they are added tokens.
 NOTE: llama.cpp matches the longest added token first, ``tokenizers`` the leftmost; they differ only where two
-added tokens overlap in the text ("ab" and "bcd" in "abcd"), which no vocabulary we serve has.
+added tokens overlap in the text ("ab" and "bcd" in "abcd"); Gemma 3's added tokens have no such pair.
 """
 
 from __future__ import annotations
