@@ -69,3 +69,11 @@ def test_no_builtin_keeps_no_template(tmp_path):
     assert tokenizer.chat_template is None and builtin_chat_template("llama") is None
     with pytest.raises(ValueError, match="no chat template"):
         tokenizer.apply_chat_template(CONVERSATION)
+
+
+def test_gguf_reader_source_sees_the_architecture(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    path = write_spm_gguf(tmp_path / "reader.gguf", flags={"add_space_prefix": False})
+    tokenizer = Tokenizer.from_gguf(gguf.GGUFReader(path))
+    assert tokenizer.chat_template == BUILTIN_CHAT_TEMPLATES["gemma3"]
+    assert tokenizer.encode("<start_of_turn>user") == Tokenizer.from_gguf(path).encode("<start_of_turn>user")
