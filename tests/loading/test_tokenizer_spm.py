@@ -128,6 +128,9 @@ def test_space_prefix_as_llama_cpp(tmp_path, vocabulary):
         assert tokenizer.encode(text) == [BOS, *reference.encode(text)], text
     for text in ("The fox", " The fox ", "héllo 😀"):  # no added tokens inside: see above
         assert tokenizer.decode(tokenizer.encode(text)) == text
+        stream = IncrementalDetokenizer(tokenizer)  # the decoder strips the prefix space of each window alike
+        streamed = "".join(stream.push(i) for i in tokenizer.encode(text, add_special_tokens=False))
+        assert streamed + stream.flush() == text
 
 
 def test_add_eos_appends_eos(tmp_path):
