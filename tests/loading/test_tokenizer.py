@@ -354,7 +354,8 @@ def test_unknown_pre_warns_and_uses_gpt2(tmp_path, caplog):
     [
         ({"drop": "tokens"}, "tokenizer.ggml.tokens"),
         ({"drop": "merges"}, "tokenizer.ggml.merges"),
-        ({"model": "llama"}, "only byte-level BPE"),
+        ({"model": "llama"}, "tokenizer.ggml.scores"),  # SentencePiece: merges come from the scores
+        ({"model": "t5"}, "supported are 'gpt2'"),
     ],
 )
 def test_malformed_gguf_raises_value_error_naming_file(tmp_path, kwargs, problem):

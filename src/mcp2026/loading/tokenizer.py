@@ -1,9 +1,10 @@
 """Tokenizer: a real ``tokenizers.Tokenizer`` rebuilt from GGUF metadata (or loaded from an HF folder),
 with HF-compatible chat templating and streaming detokenization.
 
-The GGUF rebuild reproduces the model's original pre-tokenizer, chosen by ``tokenizer.ggml.pre`` from
-``PRE_TOKENIZERS`` (the same families as llama.cpp's ``llama-vocab.cpp``); transformers' own GGUF
-conversion splits digits and whitespace differently for e.g. SmolLM2, so we do not use it.
+A byte-level BPE GGUF (``tokenizer.ggml.model`` "gpt2") is rebuilt with the model's original pre-tokenizer,
+chosen by ``tokenizer.ggml.pre`` from ``PRE_TOKENIZERS`` (the same families as llama.cpp's ``llama-vocab.cpp``);
+transformers' own GGUF conversion splits digits and whitespace differently for e.g. SmolLM2, so we do not
+use it. A SentencePiece GGUF ("llama") is rebuilt by ``tokenizer_spm``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from mcp2026.errors import ModelLoadError
+from mcp2026.loading.chat_templates import builtin_chat_template
 from mcp2026.loading.gguf_file import GGUFFile, GGUFFormatError
+from mcp2026.loading.tokenizer_spm import build_spm
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +98,9 @@ PRE_TOKENIZERS: dict[str, BpeFamily] = {
 class Tokenizer:
     """Our wrapper over a ``tokenizers.Tokenizer``: ids in and out, chat prompts, stop tokens.
 
-    ``encode`` prepends ``bos_token_id`` iff ``add_bos`` and ``add_special_tokens``; it never relies on the
-    backend's post-processor, so GGUF and HF sources behave alike. Special-token text inside ``text`` is
-    always matched to its id (as HF does).
+    ``encode`` prepends ``bos_token_id`` iff ``add_bos`` and ``add_special_tokens`` (and appends
+    ``eos_token_ids[0]`` iff ``add_eos`` too); it never relies on the backend's post-processor, so GGUF and
+    HF sources behave alike. Special-token text inside ``text`` is always matched to its id (as HF does).
     """
 
     def __init__(
@@ -108,10 +111,12 @@ class Tokenizer:
         eos_token_ids: Sequence[int],
         add_bos: bool,
         chat_template: str | None,
+        add_eos: bool = False,
     ) -> None:
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.add_bos = add_bos and bos_token_id is not None
+        self.add_eos = add_eos and len(eos_token_ids) > 0
         self.chat_template = chat_template
         markers = _end_of_turn_ids(backend, chat_template)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*eos_token_ids, *markers]))
@@ -131,7 +136,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=False).ids
-        return [self.bos_token_id, *ids] if add_special_tokens and self.add_bos else ids
+        if not add_special_tokens:
+            return ids
+        bos = [self.bos_token_id] if self.add_bos else []
+        return [*bos, *ids, self.eos_token_ids[0]] if self.add_eos else [*bos, *ids]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -171,36 +179,30 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, source: str | os.PathLike[str] | Any) -> Tokenizer:
-        """From a GGUF path (only the metadata is read), a parsed ``GGUFFile`` or a ``gguf.GGUFReader``."""
+        """From a GGUF path (only the metadata is read), a parsed ``GGUFFile`` or a ``gguf.GGUFReader``.
+
+        Without ``tokenizer.chat_template`` the built-in template for ``general.architecture`` is used,
+        where there is one (``chat_templates``)."""
         if isinstance(source, (str, os.PathLike)):
             path, metadata = os.fspath(source), read_gguf_metadata(source)
         elif isinstance(source, GGUFFile):
             path, metadata = str(source.path), source.metadata
         else:
             path = str(getattr(source.data, "filename", "<GGUF reader>"))
-            metadata = {k: f.contents() for k, f in source.fields.items() if k.startswith("tokenizer.")}
+            metadata = {
+                k: f.contents()
+                for k, f in source.fields.items()
+                if k.startswith("tokenizer.") or k == "general.architecture"
+            }
 
         def fail(problem: str) -> TokenizerLoadError:
             return TokenizerLoadError(f"{path}: {problem}")
 
-        kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise fail(f"tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') is supported")
-        tokens, merges = metadata.get("tokenizer.ggml.tokens"), metadata.get("tokenizer.ggml.merges")
+        tokens = metadata.get("tokenizer.ggml.tokens")
         if not tokens:
             raise fail("GGUF has no tokenizer.ggml.tokens field (the vocabulary); cannot build a tokenizer")
-        if merges is None:
-            raise fail("GGUF has no tokenizer.ggml.merges field; a 'gpt2' BPE tokenizer needs its merges")
-        token_types = metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))
-        if len(token_types) != len(tokens):
-            raise fail(f"tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens")
-        pre = metadata.get("tokenizer.ggml.pre")
-        family = PRE_TOKENIZERS.get(pre) if pre is not None else None
-        if family is None:
-            logger.warning(
-                "%s: unknown tokenizer.ggml.pre %r; falling back to the GPT-2 pre-tokenizer", path, pre
-            )
-            family = _GPT2
+        is_spm = metadata.get("tokenizer.ggml.model") == "llama"
+        backend = _gguf_backend(metadata, path, fail)
 
         def token_id(key: str) -> int | None:
             value = metadata.get(key)
@@ -208,13 +210,23 @@ class Tokenizer:
                 raise fail(f"{key} = {value} is outside the vocabulary (size {len(tokens)})")
             return None if value is None else int(value)
 
-        eos_ids = [token_id(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
+        eos_ids = [token_id(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
+        chat_template = metadata.get("tokenizer.chat_template")
+        if chat_template is None:
+            architecture = metadata.get("general.architecture")
+            chat_template = builtin_chat_template(architecture)
+            if chat_template is not None:
+                logger.info(
+                    "%s: no chat template in the file; using the built-in %s template", path, architecture
+                )
+        # NOTE: the add_bos default is llama.cpp's: on for SentencePiece vocabularies, off for byte-level BPE
         return cls(
-            _build_bpe(tokens, merges, token_types, family, fail),
+            backend,
             bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[i for i in eos_ids if i is not None],
-            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
-            chat_template=metadata.get("tokenizer.chat_template"),
+            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", is_spm)),
+            add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+            chat_template=chat_template,
         )
 
     @classmethod
@@ -292,6 +304,40 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens) if ids else ""
+
+
+def _gguf_backend(
+    metadata: Mapping[str, Any], path: str, fail: Callable[[str], Exception]
+) -> tokenizers.Tokenizer:
+    """The ``tokenizers`` backend a GGUF vocabulary describes (``tokenizer.ggml.tokens`` is present)."""
+    kind, tokens = metadata.get("tokenizer.ggml.model"), metadata["tokenizer.ggml.tokens"]
+    token_types = metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    if len(token_types) != len(tokens):
+        raise fail(f"tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens")
+    if kind == "llama":
+        scores = metadata.get("tokenizer.ggml.scores")
+        if scores is None:
+            raise fail(
+                "GGUF has no tokenizer.ggml.scores field; a 'llama' (SentencePiece) vocabulary needs it"
+            )
+        # llama.cpp's default for a SentencePiece vocabulary whose file does not say
+        add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+        return build_spm(tokens, scores, token_types, add_space_prefix=add_space_prefix, fail=fail)
+    if kind != "gpt2":
+        raise fail(
+            f"tokenizer.ggml.model is {kind!r}; supported are 'gpt2' (byte-level BPE) and 'llama' (SentencePiece)"
+        )
+    merges = metadata.get("tokenizer.ggml.merges")
+    if merges is None:
+        raise fail("GGUF has no tokenizer.ggml.merges field; a 'gpt2' BPE tokenizer needs its merges")
+    pre = metadata.get("tokenizer.ggml.pre")
+    family = PRE_TOKENIZERS.get(pre) if pre is not None else None
+    if family is None:
+        logger.warning(
+            "%s: unknown tokenizer.ggml.pre %r; falling back to the GPT-2 pre-tokenizer", path, pre
+        )
+        family = _GPT2
+    return _build_bpe(tokens, merges, token_types, family, fail)
 
 
 def _build_bpe(
