@@ -68,9 +68,7 @@ def config_from_gguf(reader: GGUFFile, source: str) -> ModelConfig:
     kv_heads = get("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):  # per-layer lists appear in some hybrid models
         kv_heads = kv_heads[0]
-    scaling, context = normalized_rope_scaling(
-        _rope_scaling(reader, arch, source), int(get("context_length", 4096)), source
-    )
+    scaling, context = _rope(reader, arch, int(get("context_length", 4096)), source)
     names = {t.name for t in reader.tensors}
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     try:
@@ -108,8 +106,7 @@ YARN_UNMATCHED = {"rope.scaling.yarn_ext_factor": 1.0, "rope.scaling.yarn_log_mu
 
 
 def _rope_scaling(reader: GGUFFile, arch: str, source: str) -> dict[str, Any] | None:
-    """The rope scaling a GGUF's metadata names, or llama.cpp's per-dimension frequency divisors from its
-    ``rope_freqs`` tensor (the converter's form of Llama 3.1 scaling: angle_i = p * base^(-2i/d) / freqs[i])."""
+    """The rope scaling a GGUF's metadata names, under transformers' field names."""
     kind = gguf_field(reader, f"{arch}.rope.scaling.type")
     scaling: dict[str, Any] | None = None
     if kind in ("linear", "yarn"):
@@ -130,15 +127,30 @@ def _rope_scaling(reader: GGUFFile, arch: str, source: str) -> dict[str, Any] | 
                     f"{source}: GGUF metadata {arch}.{key} = {value} is not supported (YaRN runs as transformers "
                     f"computes it, which has no such setting; only {off} is)"
                 )
-    freqs = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
-    if freqs:
-        if scaling is not None:
-            raise ModelLoadError(
-                f"{source}: the GGUF has both {kind} rope scaling and a rope_freqs tensor; only one is supported"
-            )
-        factors = _read_float(reader, freqs[0], source).reshape(-1)
-        scaling = {"rope_type": "freq_factors", "freq_factors": [float(f) for f in factors]}
     return scaling
+
+
+def _rope(reader: GGUFFile, arch: str, context_length: int, source: str) -> tuple[dict[str, Any] | None, int]:
+    """(rope_scaling, context length): the scaling the metadata names, or the file's rope_freqs tensor."""
+    scaling, context = normalized_rope_scaling(_rope_scaling(reader, arch, source), context_length, source)
+    freq_factors = _rope_freqs(reader, source)
+    if freq_factors is None:
+        return scaling, context
+    if scaling is not None:
+        raise ModelLoadError(
+            f"{source}: the GGUF has both {scaling['rope_type']} rope scaling and a rope_freqs tensor; "
+            "only one is supported"
+        )
+    return {"rope_type": "freq_factors", "freq_factors": freq_factors}, context
+
+
+def _rope_freqs(reader: GGUFFile, source: str) -> list[float] | None:
+    """llama.cpp's per-dimension frequency divisors (``rope_freqs``: angle_i = p * base^(-2i/d) / freqs[i]), the
+    form its converter stores Llama 3.1 scaling in; None when the file has none."""
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            return [float(f) for f in _read_float(reader, t, source).reshape(-1)]
+    return None
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
