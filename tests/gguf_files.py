@@ -119,7 +119,11 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_converted_gguf(
-    hf_dir: Path, arch: str, heads: int, kv_heads: int, add_extra: Callable[[gguf.GGUFWriter], None] | None = None
+    hf_dir: Path,
+    arch: str,
+    heads: int,
+    kv_heads: int,
+    add_extra: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> str:
     """The tiny HF model in ``hf_dir`` (save_tiny_hf) written as a GGUF the way llama.cpp's converter writes it
     (``add_extra`` adds the rope scaling keys or tensors a test needs); returns the file's name in ``hf_dir``."""

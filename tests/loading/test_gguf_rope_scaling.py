@@ -98,7 +98,9 @@ def test_unsupported_rope_type_in_gguf_is_a_load_error(tmp_path):
 
     hf_dir = save_tiny_hf(tmp_path)
     name = write_converted_gguf(hf_dir, "llama", heads=4, kv_heads=2, add_extra=add_longrope)
-    expect_one_line_error(hf_dir / name, name, "llama.rope.scaling.type", "'longrope'", ", ".join(HF_ROPE_TYPES))
+    expect_one_line_error(
+        hf_dir / name, name, "llama.rope.scaling.type", "'longrope'", ", ".join(HF_ROPE_TYPES)
+    )
 
 
 def test_yarn_setting_transformers_lacks_is_a_load_error(tmp_path):

@@ -12,6 +12,7 @@ from mcp2026.loading.loader import load_model
 from conftest import save_tiny_hf
 from gguf_files import write_converted_gguf
 
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_gguf_rotary_layout_matches_hf(tmp_path, arch):
     from transformers import AutoModelForCausalLM

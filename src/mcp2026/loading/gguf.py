@@ -112,10 +112,14 @@ def _rope_scaling(reader: GGUFFile, arch: str, source: str) -> dict[str, Any] | 
     if kind in ("linear", "yarn"):
         factor = gguf_field(reader, f"{arch}.rope.scaling.factor")
         if factor is None:
-            raise ModelLoadError(f"{source}: GGUF metadata names {kind} rope scaling but lacks {arch}.rope.scaling.factor")
+            raise ModelLoadError(
+                f"{source}: GGUF metadata names {kind} rope scaling but lacks {arch}.rope.scaling.factor"
+            )
         scaling = {"rope_type": kind, "factor": float(factor)}
     elif kind not in (None, "none"):
-        raise ModelLoadError(f"{source}: GGUF metadata {arch}.rope.scaling.type: {unsupported_rope_type(kind)}")
+        raise ModelLoadError(
+            f"{source}: GGUF metadata {arch}.rope.scaling.type: {unsupported_rope_type(kind)}"
+        )
     if kind == "yarn":
         for key, name in YARN_FIELDS.items():
             if (value := gguf_field(reader, f"{arch}.{key}")) is not None:

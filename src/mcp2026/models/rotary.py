@@ -95,7 +95,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     raise ValueError(f"rope_scaling type {rope_type!r} has no position-independent frequencies")
 
 
-def dynamic_ntk_angles(head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+def dynamic_ntk_angles(
+    head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]
+) -> torch.Tensor:
     """Dynamic NTK rotation angles (P, hd/2): position p uses the base transformers computes for a sequence of
     length max(p + 1, original), theta * (factor * len / original - (factor - 1)) ^ (d / (d - 2)).
 
