@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -95,3 +96,77 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# HF module names -> llama.cpp's per-layer tensor names
+LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert permute for Llama q/k rows (HF rotate-half -> interleaved pairs)."""
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_converted_gguf(
+    hf_dir: Path,
+    arch: str,
+    heads: int,
+    kv_heads: int,
+    add_extra: Callable[[gguf.GGUFWriter], None] | None = None,
+) -> str:
+    """The tiny HF model in ``hf_dir`` (save_tiny_hf) written as a GGUF the way llama.cpp's converter writes it
+    (``add_extra`` adds the rope scaling keys or tensors a test needs); returns the file's name in ``hf_dir``."""
+    from safetensors.torch import load_file  # defer: only the tests that convert need it
+
+    raw = load_file(str(hf_dir / "model.safetensors"))
+    path = hf_dir / f"{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    hidden = raw["model.embed_tokens.weight"].shape[1]
+    for key, value in {
+        "context_length": 512,
+        "embedding_length": hidden,
+        "feed_forward_length": raw["model.layers.0.mlp.up_proj.weight"].shape[0],
+        "block_count": 2,
+        "attention.head_count": heads,
+        "attention.head_count_kv": kv_heads,
+    }.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(byte_tokens(320))
+    writer.add_token_merges(["a b"])
+    writer.add_eos_token_id(2)
+    if add_extra is not None:
+        add_extra(writer)
+    for name, t in raw.items():
+        a = t.float().numpy()
+        if name == "model.embed_tokens.weight":
+            writer.add_tensor("token_embd.weight", a)
+        elif name == "model.norm.weight":
+            writer.add_tensor("output_norm.weight", a)
+        elif name == "lm_head.weight":
+            writer.add_tensor("output.weight", a)
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                a = llama_cpp_permute(a, heads if module.endswith("q_proj") else kv_heads)
+            writer.add_tensor(f"blk.{layer}.{LAYER_NAMES[module]}.{kind}", a)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.name

@@ -1,4 +1,5 @@
-"""ModelConfig's sliding-window and partial-rotary fields: which layers slide, and clear errors for bad values."""
+"""ModelConfig's sliding-window, partial-rotary and rope-scaling fields: which layers slide, and clear errors
+for inconsistent values."""
 
 from __future__ import annotations
 
@@ -40,3 +41,32 @@ def test_rotary_dim_must_be_even_and_within_the_head(rotary_dim):
     ):
         ModelConfig(**SHAPE, rotary_dim=rotary_dim)
     assert ModelConfig(**SHAPE, rotary_dim=12).rotary_dim == 12
+
+
+@pytest.mark.parametrize(
+    "scaling,message",
+    [
+        (
+            {"rope_type": "longrope", "factor": 4.0},
+            r"'longrope' is not supported \(supported: default, linear, ",
+        ),
+        ({"factor": 4.0}, "None is not supported"),
+        ({"rope_type": "yarn", "factor": 4.0}, "'yarn' needs the field 'original_max_position_embeddings'"),
+        ({"rope_type": "linear"}, "'linear' needs the field 'factor'"),
+        ({"rope_type": "linear", "factor": 0}, "factor must be > 0"),
+        ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"rope_type": "freq_factors", "freq_factors": [1.0] * 4}, "must be 8 positive numbers"),
+    ],
+)
+def test_bad_rope_scaling_is_named(scaling, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**SHAPE, rope_scaling=scaling)
+
+
+def test_supported_rope_scalings_are_accepted():
+    for scaling in (
+        {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32},
+        {"rope_type": "freq_factors", "freq_factors": [1.0] * 8},
+    ):
+        assert ModelConfig(**SHAPE, rope_scaling=scaling).rope_scaling == scaling

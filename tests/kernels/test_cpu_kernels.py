@@ -53,7 +53,7 @@ def test_silu_mul_matches_torch(kernels, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_in_place_on_a_strided_view_matches_rotate_half(kernels, dtype):
-    from mcp2026.models.layers import RotaryEmbedding
+    from mcp2026.models.rotary import RotaryEmbedding
 
     rope = RotaryEmbedding(32, 64, 10000.0, None)
     positions = torch.tensor([0, 5, 17])
@@ -69,7 +69,7 @@ def test_rope_in_place_on_a_strided_view_matches_rotate_half(kernels, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_partial_rope_rotates_the_leading_dims_and_passes_the_rest(kernels, dtype):
-    from mcp2026.models.layers import RotaryEmbedding
+    from mcp2026.models.rotary import RotaryEmbedding
 
     rope = RotaryEmbedding(32, 64, 10000.0, None, rotary_dim=24)  # Phi-4-mini's 3/4: pairs (i, i + 12)
     cos, sin = rope.table(torch.tensor([0, 5, 17]), dtype)

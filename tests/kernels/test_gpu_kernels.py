@@ -14,7 +14,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from mcp2026.kernels import gpu_attention, gpu_fused  # noqa: E402
-from mcp2026.models.layers import RotaryEmbedding  # noqa: E402
+from mcp2026.models.rotary import RotaryEmbedding  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16]
 

@@ -134,8 +134,8 @@ def model_config(files: ModelFiles) -> ModelConfig:
     from mcp2026.loading import hf  # defer: torch
     from mcp2026.models.registry import resolve_architecture  # defer: torch
 
-    if files.gguf is not None:
-        return gguf_loading.config_from_gguf(files.gguf, str(files.path))
+    if files.gguf is not None:  # parsed again as the loader does: a rope_freqs tensor's values are config
+        return gguf_loading.config_from_gguf(gguf_loading.open_gguf(files.path), str(files.path))
     raw = dict(files.raw_config or {})
     if files.file_format == "safetensors":
         return hf.config_from_hf(raw, str(files.path / "config.json"))

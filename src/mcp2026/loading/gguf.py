@@ -14,12 +14,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from mcp2026.config import ModelConfig
+from mcp2026.config import ModelConfig, unsupported_rope_type
 from mcp2026.errors import ModelLoadError
 from mcp2026.loading.gguf_blocks import BLOCK_FORMATS, read_blocks
 from mcp2026.loading.gguf_file import GGUFFile, GGUFFormatError, GGUFTensorInfo
 from mcp2026.loading.names import GGUF_GLOBAL_NAMES, GGUF_LAYER, GGUF_LAYER_NAMES, Weight, map_name
 from mcp2026.loading.progress import load_progress
+from mcp2026.loading.rope_scaling import normalized_rope_scaling
 from mcp2026.models.registry import family_of, resolve_architecture
 from mcp2026.quant.block_linear import BlockWeights, packable
 
@@ -54,7 +55,7 @@ def gguf_field(gguf_file: GGUFFile, key: str, default: Any = None) -> Any:
 
 
 def config_from_gguf(reader: GGUFFile, source: str) -> ModelConfig:
-    """Anything with ``metadata`` (dict) and ``tensors`` (with ``name``) will do, e.g. the doctor's header."""
+    """The config a parsed GGUF describes (its rope_freqs tensor, when it has one, is read into rope_scaling)."""
     arch = resolve_architecture(str(gguf_field(reader, "general.architecture", "")), source)
 
     def get(key: str, default: Any = None) -> Any:
@@ -68,10 +69,7 @@ def config_from_gguf(reader: GGUFFile, source: str) -> ModelConfig:
     kv_heads = get("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):  # per-layer lists appear in some hybrid models
         kv_heads = kv_heads[0]
-    scaling = None
-    scaling_type = gguf_field(reader, f"{arch}.rope.scaling.type")
-    if scaling_type in ("linear",):
-        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    scaling, context = _rope(reader, arch, int(get("context_length", 4096)), source)
     names = {t.name for t in reader.tensors}
     if "rope_factors_long.weight" in names:
         raise ModelLoadError(
@@ -95,7 +93,7 @@ def config_from_gguf(reader: GGUFFile, source: str) -> ModelConfig:
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
-            max_position_embeddings=int(get("context_length", 4096)),
+            max_position_embeddings=context,
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
             qk_norm="blk.0.attn_q_norm.weight" in names,
@@ -107,6 +105,69 @@ def config_from_gguf(reader: GGUFFile, source: str) -> ModelConfig:
         return ModelConfig(**{**fields, **family_fields})
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent GGUF metadata: {e}") from None
+
+
+# GGUF yarn keys (as llama.cpp's converter writes them from config.json) -> transformers' rope_scaling fields
+YARN_FIELDS = {
+    "rope.scaling.original_context_length": "original_max_position_embeddings",
+    "rope.scaling.yarn_beta_fast": "beta_fast",
+    "rope.scaling.yarn_beta_slow": "beta_slow",
+    "rope.scaling.yarn_attn_factor": "attention_factor",
+}
+# llama.cpp yarn settings that transformers' YaRN has no field for (with the value that means "off")
+YARN_UNMATCHED = {"rope.scaling.yarn_ext_factor": 1.0, "rope.scaling.yarn_log_multiplier": 0.0}
+
+
+def _rope_scaling(reader: GGUFFile, arch: str, source: str) -> dict[str, Any] | None:
+    """The rope scaling a GGUF's metadata names, under transformers' field names."""
+    kind = gguf_field(reader, f"{arch}.rope.scaling.type")
+    scaling: dict[str, Any] | None = None
+    if kind in ("linear", "yarn"):
+        factor = gguf_field(reader, f"{arch}.rope.scaling.factor")
+        if factor is None:
+            raise ModelLoadError(
+                f"{source}: GGUF metadata names {kind} rope scaling but lacks {arch}.rope.scaling.factor"
+            )
+        scaling = {"rope_type": kind, "factor": float(factor)}
+    elif kind not in (None, "none"):
+        raise ModelLoadError(
+            f"{source}: GGUF metadata {arch}.rope.scaling.type: {unsupported_rope_type(kind)}"
+        )
+    if kind == "yarn":
+        for key, name in YARN_FIELDS.items():
+            if (value := gguf_field(reader, f"{arch}.{key}")) is not None:
+                scaling[name] = value
+        for key, off in YARN_UNMATCHED.items():
+            value = gguf_field(reader, f"{arch}.{key}")
+            if value is not None and float(value) != off:
+                raise ModelLoadError(
+                    f"{source}: GGUF metadata {arch}.{key} = {value} is not supported (YaRN runs as transformers "
+                    f"computes it, which has no such setting; only {off} is)"
+                )
+    return scaling
+
+
+def _rope(reader: GGUFFile, arch: str, context_length: int, source: str) -> tuple[dict[str, Any] | None, int]:
+    """(rope_scaling, context length): the scaling the metadata names, or the file's rope_freqs tensor."""
+    scaling, context = normalized_rope_scaling(_rope_scaling(reader, arch, source), context_length, source)
+    freq_factors = _rope_freqs(reader, source)
+    if freq_factors is None:
+        return scaling, context
+    if scaling is not None:
+        raise ModelLoadError(
+            f"{source}: the GGUF has both {scaling['rope_type']} rope scaling and a rope_freqs tensor; "
+            "only one is supported"
+        )
+    return {"rope_type": "freq_factors", "freq_factors": freq_factors}, context
+
+
+def _rope_freqs(reader: GGUFFile, source: str) -> list[float] | None:
+    """llama.cpp's per-dimension frequency divisors (``rope_freqs``: angle_i = p * base^(-2i/d) / freqs[i]), the
+    form its converter stores Llama 3.1 scaling in; None when the file has none."""
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            return [float(f) for f in _read_float(reader, t, source).reshape(-1)]
+    return None
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -13,6 +13,7 @@ from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
 from mcp2026.loading.names import HF_GLOBAL_NAMES, HF_LAYER, HF_LAYER_NAMES, map_name
 from mcp2026.loading.progress import load_progress
+from mcp2026.loading.rope_scaling import normalized_rope_scaling
 from mcp2026.models.registry import family_of, resolve_architecture
 
 
@@ -25,21 +26,21 @@ def read_json(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
 
 
-def _rope_params(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _rope_params(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None, int]:
+    """(rope theta, rope scaling, context length)."""
     # transformers >= 5 writes "rope_parameters"; older configs "rope_theta" + "rope_scaling".
     params = raw.get("rope_parameters") or {}
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     scaling = raw.get("rope_scaling") or params or None
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    return theta, scaling
+    max_positions = int(raw.get("max_position_embeddings", 4096))
+    return theta, *normalized_rope_scaling(scaling, max_positions, source)
 
 
 def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
     arch = resolve_architecture(raw.get("architectures") or raw.get("model_type") or [], source)
     try:
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-        theta, scaling = _rope_params(raw)
+        theta, scaling, context = _rope_params(raw, source)
         eos = raw.get("eos_token_id")
         fields: dict[str, Any] = dict(
             architecture=arch,
@@ -53,13 +54,18 @@ def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            max_position_embeddings=context,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
         )
-        return ModelConfig(**{**fields, **family_of(arch).hf_config(raw)})
+        family_fields = family_of(arch).hf_config(raw)
+        if "rope_scaling" in family_fields:  # a family's own rotary fields (Gemma 3: per kind of layer)
+            family_fields["rope_scaling"], _ = normalized_rope_scaling(
+                family_fields["rope_scaling"], context, source
+            )
+        return ModelConfig(**{**fields, **family_fields})
     except KeyError as e:
         raise ModelLoadError(f"{source}: config.json lacks required field {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:

@@ -60,7 +60,8 @@ GGUF_GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 
-# Tensors that are not weights of the decoder (precomputed rope tables etc.) are skipped.
+# Tensors that are not weights of the decoder are skipped: HF's precomputed inv_freq, and GGUF's rope_freqs,
+# which config_from_gguf reads into ModelConfig.rope_scaling.
 IGNORED = re.compile(r"(rotary_emb\.inv_freq|rope_freqs\.weight)$")
 
 

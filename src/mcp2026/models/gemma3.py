@@ -19,8 +19,9 @@ from torch import nn
 from mcp2026.config import ModelConfig
 from mcp2026.models.attention import ForwardContext
 from mcp2026.models.family import ModelFamily
-from mcp2026.models.layers import Linear, RMSNorm, RotaryEmbedding
+from mcp2026.models.layers import Linear, RMSNorm
 from mcp2026.models.llama import LlamaAttention, LlamaForCausalLM
+from mcp2026.models.rotary import RotaryEmbedding
 
 
 class GegluMLP(nn.Module):

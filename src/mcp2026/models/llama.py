@@ -18,7 +18,8 @@ from mcp2026.kernels import ops
 from mcp2026.models import fused_linear
 from mcp2026.models.attention import ForwardContext, attention
 from mcp2026.models.family import ModelFamily
-from mcp2026.models.layers import Linear, RMSNorm, RotaryEmbedding
+from mcp2026.models.layers import Linear, RMSNorm
+from mcp2026.models.rotary import RotaryEmbedding
 from mcp2026.quant.linear import gemv_rows
 
 
