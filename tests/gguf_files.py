@@ -109,6 +109,14 @@ LAYER_NAMES = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+# Gemma's converter names its four norms after what they do
+GEMMA3_NORMS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
 }
 
 
@@ -143,6 +151,10 @@ def write_converted_gguf(
     }.items():
         writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    if "model.layers.0.self_attn.q_norm.weight" in raw:  # Qwen3, Gemma 3: head_dim is not hidden / heads
+        writer.add_uint32(
+            f"{arch}.attention.key_length", raw["model.layers.0.self_attn.q_norm.weight"].shape[0]
+        )
     writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
@@ -153,6 +165,8 @@ def write_converted_gguf(
         add_extra(writer)
     for name, t in raw.items():
         a = t.float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            a = a + 1.0  # llama.cpp's Gemma converter stores the (1 + w) its norms scale by
         if name == "model.embed_tokens.weight":
             writer.add_tensor("token_embd.weight", a)
         elif name == "model.norm.weight":
@@ -164,7 +178,8 @@ def write_converted_gguf(
             module, kind = rest.rsplit(".", 1)
             if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 a = llama_cpp_permute(a, heads if module.endswith("q_proj") else kv_heads)
-            writer.add_tensor(f"blk.{layer}.{LAYER_NAMES[module]}.{kind}", a)
+            names = {**LAYER_NAMES, **GEMMA3_NORMS} if arch == "gemma3" else LAYER_NAMES
+            writer.add_tensor(f"blk.{layer}.{names[module]}.{kind}", a)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
