@@ -38,9 +38,7 @@ def check_architecture(ctx: DoctorContext) -> CheckResult:
     try:
         cfg = ctx.model_config()
     except UnsupportedArchitectureError as e:
-        return failed(
-            name, str(e), "use a model of a supported architecture (Llama-family: Llama, Mistral, Qwen2)"
-        )
+        return failed(name, str(e), "use a model of a supported architecture (docs/models.md lists them)")
     except MCPError as e:
         return failed(
             name, str(e), "the model's config is inconsistent: re-export or download the model again"
