@@ -114,12 +114,15 @@ def test_gguf_partial_rotary_from_the_rope_dimension_count(tmp_path):
     assert (logits - _hf(hf_dir)).abs().max().item() < 1e-4
 
 
-def test_gguf_sliding_window_metadata_is_not_applied(tmp_path):
-    """llama.cpp runs Phi-3 GGUFs without their sliding window, and transformers' GGUF reader drops it: so do we."""
+def test_gguf_sliding_window_metadata_is_not_applied(tmp_path, caplog):
+    """llama.cpp runs Phi-3 GGUFs without their sliding window, and transformers' GGUF reader drops it: so do we,
+    and say so."""
     hf_dir = save_tiny_phi3(tmp_path)
     name = _write_gguf(hf_dir, sliding_window=8)
-    logits, loaded = _ours(hf_dir / name)
+    with caplog.at_level("WARNING"):
+        logits, loaded = _ours(hf_dir / name)
     assert loaded.config.sliding_window is None
+    assert "attention.sliding_window=8; it runs with full attention" in caplog.text
     assert (logits - _hf(hf_dir, name)).abs().max().item() < 1e-4
 
 

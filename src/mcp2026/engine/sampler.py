@@ -1,10 +1,9 @@
 """Batched token sampler: penalties, min_tokens, temperature, min-p / top-k / top-p, seeded sampling, logprobs.
 
 Each row of the logits belongs to one request, whose ``SamplingState`` (kept by the engine across steps)
-holds its own ``torch.Generator``. A random row draws exactly V uniforms from that generator per step and
-picks ``argmax(p_i / E_i)`` with ``E_i = -log(u_i) ~ Exp(1)`` (the exponential race, equivalent to
-multinomial sampling), so a seeded request gets the same tokens whether it runs alone or in any batch.
-Greedy rows never touch the generator.
+holds its own ``torch.Generator``. A random row draws one uniform from that generator per step and picks the
+token whose interval of the cumulative distribution holds it (inverse-CDF sampling), so a seeded request gets
+the same tokens whether it runs alone or in any batch. Greedy rows never touch the generator.
 
 Order per row: repetition penalty (CTRL) -> frequency/presence penalties -> min_tokens stop mask -> grammar mask ->
 [logprobs are taken here] -> temperature -> min-p -> top-k -> top-p (on the renormalised top-k) -> sample.
@@ -217,15 +216,17 @@ def _sample_random(logits: Tensor, states: list[SamplingState]) -> Tensor:
         x = _truncate(x, [states[i].params for i in trunc_rows], trunc_rows)
 
     weights = x.exp_()  # unnormalised probs (row max 1); x is always a fresh tensor here
-    noise = torch.empty_like(weights)
+    # Inverse-CDF draw with one uniform per row: a row's draw depends only on its own values and generator
+    # (any batch gives a seeded request the same tokens), and a 262k vocabulary costs one cumulative sum, not
+    # V random numbers. Float64 sums keep the tail's intervals exact enough at that size.
+    cdf = weights.cumsum(dim=-1, dtype=torch.float64)  # (n, V)
+    u = torch.empty(len(states), 1, dtype=torch.float64, device=cdf.device)
     for i, state in enumerate(states):
         gen = state.generator
-        if gen.device == noise.device:
-            noise[i].uniform_(generator=gen)
-        else:
-            noise[i] = torch.empty(vocab, device=gen.device).uniform_(generator=gen).to(noise.device)
-    noise = noise.log_().neg_().clamp_(min=torch.finfo(noise.dtype).tiny)  # Exp(1); never 0
-    return weights.div_(noise).argmax(dim=-1)
+        u[i] = torch.rand(1, generator=gen, dtype=torch.float64, device=gen.device).to(cdf.device)
+    # tokens of zero weight have empty intervals: searching to the right never lands on them
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    return picked.squeeze(1).clamp_(max=vocab - 1)
 
 
 def _truncate(x: Tensor, params: list[SamplingParams], row_ids: list[int]) -> Tensor:

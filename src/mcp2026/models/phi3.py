@@ -9,10 +9,13 @@ GGUF reader drops it.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from mcp2026.models.family import ModelFamily
 from mcp2026.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
 
 
 def _phi3_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -30,10 +33,22 @@ def _phi3_fields(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _gguf_fields(get: Any) -> dict[str, Any]:
+    window = get("attention.sliding_window")
+    if window:
+        log.warning(
+            "this Phi-3 GGUF sets attention.sliding_window=%s; it runs with full attention on every layer, as "
+            "llama.cpp and transformers run Phi-3 GGUFs (the HF checkpoint applies the window)",
+            window,
+        )
+    return {}
+
+
 FAMILY = ModelFamily(
     LlamaForCausalLM,
     gguf_rope_permuted=False,
     hf_config=_phi3_fields,
+    gguf_config=_gguf_fields,
     hf_layer_names={"self_attn.qkv_proj.weight": "qkv.weight", "mlp.gate_up_proj.weight": "gate_up.weight"},
     gguf_layer_names={"attn_qkv.weight": "qkv.weight", "ffn_up.weight": "gate_up.weight"},
 )
