@@ -79,15 +79,6 @@ class LLMEngine:
             self.config.scheduler.max_model_len or model_config.max_position_embeddings,
             model.max_positions,
         )
-        windows = [model_config.attention_window(i) for i in range(model_config.num_layers)]
-        smallest_window = min((w for w in windows if w is not None), default=None)
-        if smallest_window is not None and self.max_model_len > smallest_window:
-            # the paged attention reads whole contexts: within the window that is exactly what the layer sees
-            log.warning(
-                "%s has sliding-window layers (%d positions): sequences are capped at that length",
-                model_config.architecture, smallest_window,
-            )  # fmt: skip
-            self.max_model_len = smallest_window
         compressor = self.config.kv_compressor
         if compressor is not None:  # layer_weights="auto" -> this model's calibrated set, or uniform
             resolved = compressor.for_model(model_config)
@@ -99,6 +90,13 @@ class LLMEngine:
                 )
             compressor = resolved
             self.config = replace(self.config, kv_compressor=compressor)
+        slides = any(model_config.attention_window(i) for i in range(model_config.num_layers))
+        if compressor is not None and compressor.evicts and slides:
+            raise ValueError(
+                f"KV eviction policy {compressor.policy!r} with {model_config.architecture}'s sliding-window "
+                "layers is not supported (the window reads positions, eviction renumbers them): use "
+                "KVCompressor(policy='none'); the sliding layers already read only their window"
+            )
         codec = compressor.make_codec() if compressor is not None else None
         kv = self.config.resolved_kv
         num_blocks = plan_kv_blocks(
