@@ -159,3 +159,15 @@ def test_blocks_behind_every_window_go_back_to_the_pool(tiny):
     fresh = make_engine(tiny)
     fresh._release_window = None
     assert [o.token_ids for o in fresh.generate(prompts, params)] == outputs
+
+
+def test_int4_prefill_reads_its_staged_blocks_alike_apart_or_joined(tiny, monkeypatch):
+    """The CPU reads a staged codec's own blocks apart from the windowed context; elsewhere one SDPA call
+    over both key sets carries the window in its mask. Same numbers either way."""
+    from mcp2026.models import attention
+
+    ids = tokens(NUM_TOKENS)
+    apart = scored(make_engine(tiny, KVCompressor(dtype="int4", block_size=BLOCK)), ids, 30, 7)
+    monkeypatch.setattr(attention, "SPLIT_STAGED_DEVICES", ())
+    joined = scored(make_engine(tiny, KVCompressor(dtype="int4", block_size=BLOCK)), ids, 30, 7)
+    torch.testing.assert_close(apart, joined, atol=1e-5, rtol=1e-5)
