@@ -79,15 +79,6 @@ class LLMEngine:
             self.config.scheduler.max_model_len or model_config.max_position_embeddings,
             model.max_positions,
         )
-        windows = [model_config.attention_window(i) for i in range(model_config.num_layers)]
-        smallest_window = min((w for w in windows if w is not None), default=None)
-        if smallest_window is not None and self.max_model_len > smallest_window:
-            # the paged attention reads whole contexts: within the window that is exactly what the layer sees
-            log.warning(
-                "%s has sliding-window layers (%d positions): sequences are capped at that length",
-                model_config.architecture, smallest_window,
-            )  # fmt: skip
-            self.max_model_len = smallest_window
         compressor = self.config.kv_compressor
         if compressor is not None:  # layer_weights="auto" -> this model's calibrated set, or uniform
             resolved = compressor.for_model(model_config)
@@ -99,6 +90,13 @@ class LLMEngine:
                 )
             compressor = resolved
             self.config = replace(self.config, kv_compressor=compressor)
+        slides = any(model_config.attention_window(i) for i in range(model_config.num_layers))
+        if compressor is not None and compressor.evicts and slides:
+            raise ValueError(
+                f"KV eviction policy {compressor.policy!r} with {model_config.architecture}'s sliding-window "
+                "layers is not supported (the window reads positions, eviction renumbers them): use "
+                "KVCompressor(policy='none'); the sliding layers already read only their window"
+            )
         codec = compressor.make_codec() if compressor is not None else None
         kv = self.config.resolved_kv
         num_blocks = plan_kv_blocks(
@@ -145,6 +143,11 @@ class LLMEngine:
             self.kv_manager,
             self.max_model_len,
             self._peak_blocks_rule(),
+        )
+        windows = [model_config.attention_window(i) for i in range(model_config.num_layers)]
+        # every layer slides (and nothing evicts): blocks behind the widest window are freed as sequences grow
+        self._release_window = (
+            max(windows) if self.evictor is None and all(w is not None for w in windows) else None
         )
         self.runner = ModelRunner(
             model,
@@ -352,6 +355,7 @@ class LLMEngine:
         ok_output = out if not failed else self._without(out, failed)
         self.scheduler.update(ok_output, tokens)
         self._evict(ok_output)
+        self._release_behind_windows(ok_output)
         self.stats.peak_kv_usage = max(self.stats.peak_kv_usage, self.kv_manager.usage)
         results = [self._fail(request_id, error) for request_id, error in failed.items()]
         for i, request_id in enumerate(sample_ids):
@@ -371,6 +375,20 @@ class LLMEngine:
             self.evictor.after_step(
                 out.chunks, self.runner.take_scores(), self.scheduler.get_request, self.lookahead_attention
             )
+
+    def _release_behind_windows(self, out: SchedulerOutput) -> None:
+        """When every layer slides, a running request's blocks wholly before its next query's widest window
+        are read by no layer again: back to the pool (with interleaved full-attention layers none are)."""
+        window = self._release_window
+        if window is None:
+            return
+        for chunk in out.chunks:
+            request = self.scheduler.get_request(chunk.request_id)
+            if request is None or request.is_finished:
+                continue
+            first_needed = request.num_computed_tokens - window + 1
+            released = self.kv_manager.release_before(chunk.request_id, first_needed)
+            self.stats.num_window_released_blocks += released
 
     def lookahead_attention(self, requests: list[Request], num_tokens: int) -> dict[str, torch.Tensor]:
         """Draft ``num_tokens`` greedy tokens after each request's known tokens and return their attention per

@@ -21,7 +21,28 @@ from mcp2026.kv.eviction import ScoringSpec, StepScores
 from mcp2026.kv.layer_pages import LayerPages, LayerTable
 from mcp2026.kv.manager import cdiv
 from mcp2026.kv.paged_cache import BlockRead, PagedKVCache
-from mcp2026.models.attention import AttentionMetadata, ForwardContext, PrefillSlice, reads_staged_apart
+from mcp2026.models.attention import (
+    AttentionMetadata,
+    ForwardContext,
+    PrefillSlice,
+    WindowView,
+    reads_staged_apart,
+)
+
+
+def sliding_windows(model: nn.Module) -> list[int]:
+    """The distinct sliding windows of the model's layers (``ModelConfig.attention_window``), smallest first."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    windows = {config.attention_window(layer) for layer in range(config.num_layers)}
+    return sorted(w for w in windows if w is not None)
+
+
+def _in_window(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(q, k) bool: key position <= query position, and within the query's last ``window`` positions."""
+    attend = key_pos.unsqueeze(0) <= query_pos
+    return attend if window is None else attend & (key_pos.unsqueeze(0) > query_pos - window)
 
 
 def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
@@ -56,12 +77,32 @@ class ModelRunner:
             else cache.reads_in_place or cache.quantized_kernel_kind > 0
         )
         self.fused_decode = readable and ops.decode_kernel_available(cache.device, cache.dtype)
+        # sliding-window layers read their window's blocks by position: eviction (slots that are not positions)
+        # and per-layer pages would need windows over what each layer kept
+        self.windows = sliding_windows(model)
+        self._check_windows()
         self._scores: list[StepScores] = []
         self.graphs: DecodeGraphs | None = None
+
+    def _check_windows(self) -> None:
+        if not self.windows:
+            return
+        if self.layer_pages is not None or self.scoring.decode or self.scoring.observe_window:
+            raise ValueError(
+                "sliding-window attention runs without KV eviction: use KVCompressor(policy='none') with this "
+                "model (its window already bounds what the sliding layers read)"
+            )
+        if self.cache.codec.is_staged and self.windows[0] < self.block_size:
+            raise ValueError(
+                f"a staged KV codec (int4) needs blocks no larger than the smallest sliding window "
+                f"({self.windows[0]} positions), got block_size {self.block_size}: lower the block size"
+            )
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> str | None:
         """Run decode-only steps of up to ``max_batch`` sequences through ``DecodeGraphs`` (``capture=False``:
         the same buffers, eagerly). Returns why not where this runner's cache or kernels cannot."""
+        if self.windows:
+            return "the model has sliding-window layers (graphs read every sequence's whole context)"
         if not graphable(self.cache):
             return "the KV cache is quantized, staged or per-layer (graphs need plain K/V rows in one pool)"
         if not self.fused_decode:
@@ -102,6 +143,50 @@ class ModelRunner:
         meta.decode_read = self.cache.block_read(tables)
         meta.decode_bias = self._pad_bias(lengths, width)
         return num_slots
+
+    def _decode_window(
+        self, decodes: list[ScheduledChunk], stage_after: dict[str, int | None], window: int
+    ) -> tuple[BlockRead, torch.Tensor] | None:
+        """The read and bias (B, 1, 1, nb * bs) of the blocks holding each decode's last ``window`` positions
+        (the query at position p sees p - window + 1 .. p); None when every decode fits in the window."""
+        if all(c.kv_start < window for c in decodes):
+            return None
+        bs = self.block_size
+        rows, firsts, lengths = [], [], []
+        for c in decodes:
+            first = max(0, c.kv_start - window + 1)  # slots are positions: no eviction with windows
+            first_block = first // bs
+            row = list(c.block_table[first_block : c.kv_start // bs + 1])
+            staged = self._staged_id(c.request_id, stage_after)
+            if staged is not None:
+                row[-1] = staged
+            rows.append(row)
+            firsts.append(first - first_block * bs)
+            lengths.append(c.kv_start - first_block * bs + 1)
+        tables = _pad(rows, 0)  # (B, nb)
+        key = torch.arange(tables.shape[1] * bs).unsqueeze(0)
+        hidden = (key < torch.tensor(firsts).unsqueeze(1)) | (key >= torch.tensor(lengths).unsqueeze(1))
+        bias = torch.zeros(hidden.shape, dtype=self.cache.dtype).masked_fill_(hidden, float("-inf"))
+        return self.cache.block_read(tables), bias[:, None, None, :]
+
+    def _window_view(
+        self,
+        decodes: list[ScheduledChunk],
+        prefills: list[ScheduledChunk],
+        stage_after: dict[str, int | None],
+        window: int,
+    ) -> WindowView | None:
+        """What the layers sliding over ``window`` read this step; None when no sequence outgrew it."""
+        decode = self._decode_window(decodes, stage_after, window) if decodes else None
+        q_start, slices = len(decodes), []
+        for c in prefills:
+            outgrown = c.kv_start + c.num_tokens > window
+            slices.append(self._prefill_view(c, q_start, stage_after, window) if outgrown else None)
+            q_start += c.num_tokens
+        if decode is None and all(p is None for p in slices):
+            return None
+        read, bias = decode or (None, None)
+        return WindowView(read, bias, slices)
 
     def _decodes_fused(self, staged: list[int | None]) -> bool:
         """Whether the step's decodes run in the fused kernel (the quantized one reads staged tails too)."""
@@ -191,30 +276,12 @@ class ModelRunner:
     ) -> tuple[PrefillSlice, int | None]:
         """A prefill chunk's slice; with scoring, also the number of slots observed."""
         bs = self.block_size
-        start, end = c.kv_start, c.kv_start + c.num_tokens  # slot positions
+        end = c.kv_start + c.num_tokens  # slot positions
         spec = self.scoring
         num_observed = 0
         if spec.observe_window and (spec.observe_every_chunk or c.samples):
             num_observed = min(spec.observe_window, c.num_tokens)
-        if start == 0 and self.cache.stores_exactly:
-            # the chunk's fresh K/V are what the cache holds; any other cache's first chunk reads back what it
-            # stored, like every later chunk and every decode: a token's K/V then depend on the stored K/V before
-            # it, not on where a chunk started (batched runs equal one-at-a-time ones; a prefix hit holds what a
-            # fresh prefill stores)
-            p = PrefillSlice(q_start, c.num_tokens, None, None)
-        else:
-            ids = list(c.block_table[: cdiv(end, bs)])
-            staged = self._staged_id(c.request_id, stage_after)
-            if staged is not None:
-                ids[-1] = staged
-            key_pos = torch.arange(len(ids) * bs)
-            query_pos = torch.arange(start, end).unsqueeze(1)
-            read = self.cache.block_read(torch.tensor([ids], dtype=torch.long))
-            if self.cache.codec.is_staged:
-                p = self._staged_view_slice(c, q_start, read, key_pos, query_pos)
-            else:
-                mask = self._additive(key_pos.unsqueeze(0) <= query_pos)  # (q_len, ctx)
-                p = PrefillSlice(q_start, c.num_tokens, read, mask, kv_start=start)
+        p = self._prefill_view(c, q_start, stage_after, None)
         if not num_observed:
             return p, None
         num_slots = cdiv(end, bs)
@@ -224,6 +291,35 @@ class ModelRunner:
         p.mass = torch.zeros(self.num_layers, self.num_kv_heads, num_slots)
         return p, num_slots
 
+    def _prefill_view(
+        self, c: ScheduledChunk, q_start: int, stage_after: dict[str, int | None], window: int | None
+    ) -> PrefillSlice:
+        """A prefill chunk's slice over the whole context (``window`` None) or, for layers sliding over
+        ``window``, over the blocks from the first one its first query sees, each query masked to its window."""
+        bs = self.block_size
+        start, end = c.kv_start, c.kv_start + c.num_tokens  # slot positions
+        query_pos = torch.arange(start, end).unsqueeze(1)
+        if start == 0 and self.cache.stores_exactly:
+            # the chunk's fresh K/V are what the cache holds; any other cache's first chunk reads back what it
+            # stored, like every later chunk and every decode: a token's K/V then depend on the stored K/V before
+            # it, not on where a chunk started (batched runs equal one-at-a-time ones; a prefix hit holds what a
+            # fresh prefill stores)
+            if window is None:
+                return PrefillSlice(q_start, c.num_tokens, None, None)
+            mask = self._additive(_in_window(torch.arange(end), query_pos, window))
+            return PrefillSlice(q_start, c.num_tokens, None, mask, windowed=True)
+        first_block = 0 if window is None else max(0, start - window + 1) // bs
+        ids = list(c.block_table[first_block : cdiv(end, bs)])
+        staged = self._staged_id(c.request_id, stage_after)
+        if staged is not None:
+            ids[-1] = staged
+        key_pos = torch.arange(first_block * bs, cdiv(end, bs) * bs)
+        read = self.cache.block_read(torch.tensor([ids], dtype=torch.long))
+        if self.cache.codec.is_staged:
+            return self._staged_view_slice(c, q_start, read, key_pos, query_pos, window)
+        mask = self._additive(_in_window(key_pos, query_pos, window))  # (q_len, ctx)
+        return PrefillSlice(q_start, c.num_tokens, read, mask, kv_start=start, windowed=window is not None)
+
     def _staged_view_slice(
         self,
         c: ScheduledChunk,
@@ -231,6 +327,7 @@ class ModelRunner:
         read: BlockRead,
         key_pos: torch.Tensor,
         query_pos: torch.Tensor,
+        window: int | None = None,
     ) -> PrefillSlice:
         """A staged codec's prefill slice: each query reads the blocks before its own as stored (sealed) and
         its own block as staged, as a decode step would (``attention._staged_keys``; the token that fills
@@ -245,11 +342,15 @@ class ModelRunner:
         # where the query's staged block starts: its own block's, except for the token that fills a block,
         # which decode reads sealed (its step seals the block before attending)
         staged_from = (query_pos + 1) // bs * bs  # (q_len, 1)
-        attend = key_pos.unsqueeze(0) < staged_from  # sealed blocks
+        sealed = key_pos.unsqueeze(0) < staged_from
+        attend = _in_window(key_pos, query_pos, window) & sealed
         apart = reads_staged_apart(self.cache.device)
         if not apart:  # then the staged keys follow in the same call
-            staged_pos = torch.arange(first, start + c.num_tokens).unsqueeze(0)
-            attend = torch.cat((attend, (staged_pos >= staged_from) & (staged_pos <= query_pos)), dim=1)
+            staged_pos = torch.arange(first, start + c.num_tokens)
+            own = _in_window(staged_pos, query_pos, window) & (staged_pos.unsqueeze(0) >= staged_from)
+            attend = torch.cat((attend, own), dim=1)
+        # apart, each query's own staged block is read whole up to itself: within its window, which is
+        # no smaller than a block (``_check_windows``)
         return PrefillSlice(
             q_start,
             c.num_tokens,
@@ -259,6 +360,7 @@ class ModelRunner:
             stage_entry=entry or 0,
             num_prior=num_prior,
             staged_apart=apart,
+            windowed=window is not None,
         )
 
     def _additive(self, attend: torch.Tensor) -> torch.Tensor:
@@ -308,6 +410,10 @@ class ModelRunner:
             if num_slots is not None:
                 observed.append(([c.request_id], [num_slots], len(meta.prefills) - 1))
             q_start += c.num_tokens
+        for window in self.windows:
+            view = self._window_view(decodes, prefills, write.stage_after, window)
+            if view is not None:
+                meta.windows[window] = view
         return meta, observed
 
     def _collect_scores(self, meta: AttentionMetadata, observed: list) -> None:

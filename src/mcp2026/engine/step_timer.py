@@ -25,6 +25,7 @@ class StepStats:
     peak_kv_usage: float = 0.0
     decode_context_tokens: int = 0  # sum over decode steps of tokens attended (KV bytes read)
     kv_bytes_released: int = 0  # returned to the OS by DTSS shard releases
+    num_window_released_blocks: int = 0  # KV blocks behind every layer's sliding window, back in the pool
 
     def reset(self) -> None:
         self.__init__()

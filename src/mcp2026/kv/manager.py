@@ -302,6 +302,17 @@ class KVCacheManager:
         self._chains.pop(request_id, None)
         self._release(vacated)
 
+    def release_before(self, request_id: str, position: int) -> int:
+        """Sliding-window attention in every layer: the blocks wholly before token ``position`` hold KV that no
+        query reads again; they leave the table (``num_dropped_tokens`` grows by whole blocks) and go back to
+        the pool, or stay cached for prefix hits. Returns the number of blocks released."""
+        num_gone = position // self.block_size - self._dropped.get(request_id, 0)
+        table = self._tables.get(request_id)
+        if num_gone <= 0 or not table:
+            return 0
+        self.release_slots(request_id, range(min(num_gone, len(table) - 1)))
+        return min(num_gone, len(table) - 1)
+
     def _rewrite(self, request_id: str, indices: Iterable[int]) -> tuple[list[int], list[int]] | None:
         """Make table entries ``indices`` safe to rewrite: shared ones move to fresh blocks, registered ones too
         while the pool has spare blocks (the original stays a prefix hit), else they leave the prefix cache. The

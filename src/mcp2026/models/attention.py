@@ -7,7 +7,9 @@ prefill chunk (SDPA; causal over fresh tokens, masked over cached context when t
 Each layer writes the new K/V through the cache's codec, then reads whole live blocks back (decoded); blocks
 a request evicted are not in its table. Keys carry RoPE from before caching, so reading what eviction kept
 never shifts a position. When eviction needs scores, the decode softmax (already explicit) and the
-attention of a prefill chunk's last queries are summed per block, per layer and KV head.
+attention of a prefill chunk's last queries are summed per block, per layer and KV head. Sliding-window
+layers read their own ``WindowView`` (one per distinct window and step): only the blocks that hold their window,
+with the keys before it masked.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class PrefillSlice:
     observe_mask: torch.Tensor | None = None  # (num_observed, ctx) bool
     mass: torch.Tensor | None = None  # (L, nkv, num context blocks) float32
     kv_start: int = 0  # the chunk's first slot: query i sees slots 0 .. kv_start + i (what mask says)
+    # a sliding window's slice: ``mask`` is not the causal mask at ``kv_start`` (the context starts later and
+    # keys before each query's window are hidden), so SDPA applies it
+    windowed: bool = False
     # Staged codecs (int4): each query sees its own block as decode does, staged (rounded to the staging
     # dtype), not sealed: its own block's keys up to itself (none for the token that fills a block, which
     # reads it sealed). The staged keys are the chunk's first block's earlier tokens, from staging entry
@@ -71,6 +76,7 @@ class PrefillSlice:
             self.stage_entry,
             self.num_prior,
             self.staged_apart,
+            self.windowed,
             None if self.per_layer is None else [p.to(device) for p in self.per_layer],
         )
 
@@ -101,6 +107,25 @@ class PrefillSlice:
 
 
 @dataclass
+class WindowView:
+    """What the layers sliding over one window read in a step where some sequence outgrew it: for the decodes
+    (None when every decode fits in the window), the blocks holding each sequence's last ``window`` positions
+    (B, nb) and a bias hiding the keys before the window and past the length; for each prefill chunk, its slice
+    over the same span (None: no query of that chunk sees past the window, the full slice is exact)."""
+
+    decode_read: BlockRead | None = None
+    decode_bias: torch.Tensor | None = None  # (B, 1, 1, nb * bs) 0 / -inf
+    prefills: list[PrefillSlice | None] = field(default_factory=list)
+
+    def to(self, device: torch.device) -> WindowView:
+        return WindowView(
+            None if self.decode_read is None else self.decode_read.to(device),
+            None if self.decode_bias is None else self.decode_bias.to(device, non_blocking=True),
+            [None if p is None else p.to(device) for p in self.prefills],
+        )
+
+
+@dataclass
 class AttentionMetadata:
     write: WritePlan  # where each new token's K/V goes
     block_size: int = 16
@@ -118,6 +143,9 @@ class AttentionMetadata:
     # A layered cache (per-layer budgets): decode_read is one read per layer, and decode_bias, decode_tables
     # and decode_lengths have a leading layer dimension
     layered: bool = False
+    # sliding-window layers: their view per window; a window missing here changes nothing this step (every
+    # sequence fits in it), so those layers read what full-attention layers read
+    windows: dict[int, WindowView] = field(default_factory=dict)
 
     def decode_inputs(
         self, layer: int
@@ -156,6 +184,7 @@ class AttentionMetadata:
             move(self.decode_lengths),
             [p.to(device) for p in self.prefills],
             self.layered,
+            {w: view.to(device) for w, view in self.windows.items()},
         )
 
 
@@ -326,7 +355,8 @@ def _split_staged_attention(
     g = nh // nkv
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     out_a, lse_a = flash(q.transpose(0, 1)[None], kc[None], vc[None], 0.0, False, attn_mask=mask, scale=1.0)
-    no_sealed = mask[:, 0] == float("-inf")  # such a row gets lse 0 from the kernel, not -inf
+    # such a row gets lse 0 from the kernel, not -inf (a sliding window may hide a row's first keys, not all)
+    no_sealed = (mask == float("-inf")).all(dim=-1)
     kernels = _merge_kernels(q, ks, vs)
     if kernels is not None:  # the same formulas in one pass (kernels/staged_merge.cpp)
         return kernels.merge_own_blocks(out_a[0], lse_a[0].float(), q, ks, vs, no_sealed, num_prior, bs)
@@ -368,8 +398,9 @@ def attention(
 ) -> torch.Tensor:
     """q: (T, nh, hd) already scaled by 1/sqrt(hd); k, v: (T, nkv, hd) -> (T, nh, hd).
 
-    ``window``: a sliding-window layer's span (``ModelConfig.attention_window``); over the paged cache the
-    engine keeps every sequence within the smallest window (its max_model_len), so there it changes nothing."""
+    ``window``: a sliding-window layer's span (``ModelConfig.attention_window``): the query at position p sees
+    keys p - window + 1 .. p. Over the paged cache such a layer reads ``meta.windows[window]`` (the gather path
+    over the window's blocks only) when the step has one."""
     if ctx.cache is None:
         if window is not None and window < q.shape[0]:
             mask = _sliding_mask(q.shape[0], q.shape[0], window, q.device).to(q.dtype)
@@ -378,11 +409,15 @@ def attention(
     meta, cache = ctx.meta, ctx.cache
     cache.write(layer, meta.write, k, v)
     parts = []
+    view = None if window is None else meta.windows.get(window)
     if meta.num_decodes:
         b = meta.num_decodes
         mass = None if meta.decode_mass is None else meta.decode_mass[layer]
         read, bias, tables, lengths = meta.decode_inputs(layer)
-        if tables is not None and cache.reads_in_place:
+        if view is not None and view.decode_read is not None:  # no eviction with sliding windows: no scores
+            kc, vc = cache.gather(layer, view.decode_read)  # (B, nkv, window's blocks * bs, hd)
+            parts.append(_decode_attention(q[:b], kc, vc, view.decode_bias, None, meta.block_size))
+        elif tables is not None and cache.reads_in_place:
             kb, vb = cache.layer_blocks(layer)
             parts.append(ops.paged_decode_attention(q[:b], kb, vb, tables, lengths, mass))
         elif tables is not None:  # int8 / int4 blocks, decoded as the kernel reads them
@@ -394,9 +429,11 @@ def attention(
         else:
             kc, vc = cache.gather(layer, read)  # (B, nkv, L, hd)
             parts.append(_decode_attention(q[:b], kc, vc, bias, mass, meta.block_size))
-    for p in meta.prefills:
+    for i, p in enumerate(meta.prefills):
         if p.per_layer is not None:
             p = p.per_layer[layer]
+        if view is not None and view.prefills[i] is not None:
+            p = view.prefills[i]
         qs = q[p.q_start : p.q_start + p.q_len]
         if p.context is None:
             kc = k[p.q_start : p.q_start + p.q_len].to(q.dtype).transpose(0, 1)  # (nkv, T, hd)
@@ -417,5 +454,5 @@ def attention(
                 kc, vc = torch.cat((kc, ks), dim=1), torch.cat((vc, vs), dim=1)
                 parts.append(_prefill_attention(qs, kc, vc, p.mask, None))
         else:
-            parts.append(_prefill_attention(qs, kc, vc, p.mask, p.kv_start))
+            parts.append(_prefill_attention(qs, kc, vc, p.mask, None if p.windowed else p.kv_start))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
