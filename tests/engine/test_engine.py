@@ -7,6 +7,7 @@ import torch
 
 from mcp2026.config import EngineConfig, KVConfig, SchedulerConfig
 from mcp2026.engine.engine import LLMEngine
+from mcp2026.kv.sizing import kv_block_bytes
 from mcp2026.loading.loader import load_model
 from mcp2026.types import SamplingParams
 
@@ -185,3 +186,21 @@ def test_kv_cache_release_returns_memory_and_zeroes(tiny):
     released = cache.release_blocks(32, 64)
     assert released >= 2 * 2 * 32 * 16 * 2 * 64 * 4 * 0.9
     assert cache.k[:, 32 * 16 :].abs().sum() == 0 and cache.k[:, : 32 * 16].min() == 1.0
+
+
+def test_a_context_longer_than_the_kv_budget_runs_within_the_budget(tiny, caplog):
+    """The model's 256 positions do not fit 8 blocks of 16: without an explicit max_model_len the engine runs
+    sequences up to what the pool holds, and says so; asked for the full length, it refuses."""
+    with caplog.at_level("WARNING"):
+        engine = make_engine(tiny, num_blocks=8)
+    assert engine.max_model_len == 128
+    assert "sequences are capped at 128" in caplog.text
+    engine.add_request(prompts(1)[0], GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+    eight_blocks = KVConfig(block_size=16, memory_gb=8 * kv_block_bytes(tiny.config, 16, torch.float32) / 1e9)
+    with pytest.raises(ValueError, match="fewer than one 256-token sequence"):
+        LLMEngine(
+            tiny.model, tiny.config, None, EngineConfig(eight_blocks, SchedulerConfig(max_model_len=256))
+        )
+    assert LLMEngine(tiny.model, tiny.config, None, EngineConfig(eight_blocks)).max_model_len == 128

@@ -140,22 +140,25 @@ def _load_contenders(
     from mcp2026 import hardware
     from mcp2026.bench import peers
     from mcp2026.bench.bitplan import model_layer_bits
-    from mcp2026.config import KVConfig
+    from mcp2026.config import KVConfig, SchedulerConfig
     from mcp2026.pipeline import Pipeline, resolve_dtype
 
     load_s: dict[str, float] = {}
+    # Sequences as long as the workload's (the chat prompt is a few dozen tokens): a model's full context could
+    # outgrow the 0.5 GB pool (Gemma 3: 32k positions x 36 KiB)
+    scheduler = SchedulerConfig(max_model_len=max(config.prefill_tokens, 256) + config.new_tokens)
     contenders, pipes = [], {}
     for dtype in config.dtypes:
         t0 = time.perf_counter()
         # Prefix caching off: the same prompt is measured again and again.
         kv = KVConfig(memory_gb=0.5, enable_prefix_caching=False)
-        pipes[dtype] = Pipeline(config.model, dtype=dtype, kv_config=kv)
+        pipes[dtype] = Pipeline(config.model, dtype=dtype, kv_config=kv, scheduler=scheduler)
         load_s[f"mcp2026-{dtype}"] = time.perf_counter() - t0
     quantized = []
     for fmt in config.weights:  # activations in the first dtype; the format's kernel picks its compute dtype
         t0 = time.perf_counter()
         kv = KVConfig(memory_gb=0.5, enable_prefix_caching=False)
-        pipe = Pipeline(config.model, quant_config(fmt), config.dtypes[0], kv_config=kv)
+        pipe = Pipeline(config.model, quant_config(fmt), config.dtypes[0], kv_config=kv, scheduler=scheduler)
         quantized.append(_ours(pipe, f"{fmt} weights"))
         layer_bits[f"{fmt} weights"] = model_layer_bits(pipe.loaded.model)
         load_s[f"mcp2026-{fmt}"] = time.perf_counter() - t0

@@ -34,7 +34,7 @@ from mcp2026.kv.dtss import DTSSController
 from mcp2026.kv.layer_weights import preset_name
 from mcp2026.kv.manager import KVCacheManager
 from mcp2026.kv.paged_cache import PagedKVCache
-from mcp2026.kv.sizing import plan_kv_blocks
+from mcp2026.kv.sizing import fitting_context, plan_kv_blocks
 from mcp2026.types import CompletionOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,13 @@ class LLMEngine:
             )
         codec = compressor.make_codec() if compressor is not None else None
         kv = self.config.resolved_kv
+        fits = fitting_context(kv, model_config, dtype, self.max_model_len, self.device, codec)
+        if self.config.scheduler.max_model_len is None and 0 < fits < self.max_model_len:
+            log.warning(  # a long-context model (Gemma 3: 32k) on a small budget still runs, within the budget
+                "the KV budget holds %d tokens, fewer than the model's %d-token context: sequences are capped at "
+                "%d (set max_model_len, or a larger KV budget)", fits, self.max_model_len, fits,
+            )  # fmt: skip
+            self.max_model_len = fits
         num_blocks = plan_kv_blocks(
             kv,
             model_config,

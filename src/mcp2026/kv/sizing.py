@@ -29,6 +29,27 @@ def available_device_memory(device: torch.device) -> int:
     return available_memory_bytes()
 
 
+def _budget_bytes(kv: KVConfig, device: torch.device | None) -> float:
+    if kv.memory_gb is not None:
+        return kv.memory_gb * 1e9
+    return kv.memory_fraction * available_device_memory(device or torch.device("cpu"))
+
+
+def fitting_context(
+    kv: KVConfig,
+    model: ModelConfig,
+    dtype: torch.dtype,
+    max_model_len: int,
+    device: torch.device | None = None,
+    codec: KVCodec | None = None,
+) -> int:
+    """The longest sequence, up to ``max_model_len``, whose blocks the budget holds (whole blocks)."""
+    if kv.num_blocks is not None:
+        return min(max_model_len, kv.num_blocks * kv.block_size)
+    num_blocks = int(_budget_bytes(kv, device) // kv_block_bytes(model, kv.block_size, dtype, codec))
+    return min(max_model_len, num_blocks * kv.block_size)
+
+
 def plan_kv_blocks(
     kv: KVConfig,
     model: ModelConfig,
@@ -45,10 +66,7 @@ def plan_kv_blocks(
     if kv.num_blocks is not None:
         return kv.num_blocks
     block_bytes = kv_block_bytes(model, kv.block_size, dtype, codec)
-    if kv.memory_gb is not None:
-        budget = kv.memory_gb * 1e9
-    else:
-        budget = kv.memory_fraction * available_device_memory(device or torch.device("cpu"))
+    budget = _budget_bytes(kv, device)
     blocks_per_seq = -(-max_model_len // kv.block_size)
     num_blocks = int(budget // block_bytes)
     if num_blocks < blocks_per_seq:
