@@ -189,18 +189,17 @@ def test_kv_cache_release_returns_memory_and_zeroes(tiny):
 
 
 def test_a_context_longer_than_the_kv_budget_runs_within_the_budget(tiny, caplog):
-    """The model's 256 positions do not fit 8 blocks of 16: without an explicit max_model_len the engine runs
-    sequences up to what the pool holds, and says so; asked for the full length, it refuses."""
+    """The model's 256 positions do not fit a budget of 8 blocks of 16: without an explicit max_model_len the
+    engine runs sequences up to what the pool holds, and says so; asked for the full length, it refuses."""
+    eight_blocks = KVConfig(block_size=16, memory_gb=8 * kv_block_bytes(tiny.config, 16, torch.float32) / 1e9)
     with caplog.at_level("WARNING"):
-        engine = make_engine(tiny, num_blocks=8)
+        engine = LLMEngine(tiny.model, tiny.config, None, EngineConfig(eight_blocks))
     assert engine.max_model_len == 128
     assert "sequences are capped at 128" in caplog.text
     engine.add_request(prompts(1)[0], GREEDY)
     while engine.has_unfinished():
         engine.step()
-    eight_blocks = KVConfig(block_size=16, memory_gb=8 * kv_block_bytes(tiny.config, 16, torch.float32) / 1e9)
     with pytest.raises(ValueError, match="fewer than one 256-token sequence"):
         LLMEngine(
             tiny.model, tiny.config, None, EngineConfig(eight_blocks, SchedulerConfig(max_model_len=256))
         )
-    assert LLMEngine(tiny.model, tiny.config, None, EngineConfig(eight_blocks)).max_model_len == 128

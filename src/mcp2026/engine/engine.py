@@ -100,7 +100,8 @@ class LLMEngine:
         codec = compressor.make_codec() if compressor is not None else None
         kv = self.config.resolved_kv
         fits = fitting_context(kv, model_config, dtype, self.max_model_len, self.device, codec)
-        if self.config.scheduler.max_model_len is None and 0 < fits < self.max_model_len:
+        evicts = compressor is not None and compressor.policy != "none"  # eviction fits long sequences itself
+        if self.config.scheduler.max_model_len is None and not evicts and 0 < fits < self.max_model_len:
             log.warning(  # a long-context model (Gemma 3: 32k) on a small budget still runs, within the budget
                 "the KV budget holds %d tokens, fewer than the model's %d-token context: sequences are capped at "
                 "%d (set max_model_len, or a larger KV budget)", fits, self.max_model_len, fits,

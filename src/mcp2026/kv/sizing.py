@@ -43,9 +43,10 @@ def fitting_context(
     device: torch.device | None = None,
     codec: KVCodec | None = None,
 ) -> int:
-    """The longest sequence, up to ``max_model_len``, whose blocks the budget holds (whole blocks)."""
+    """The longest sequence, up to ``max_model_len``, whose blocks a budget in bytes holds (whole blocks); a pool
+    given as a block count is its owner's to size (``max_model_len`` back)."""
     if kv.num_blocks is not None:
-        return min(max_model_len, kv.num_blocks * kv.block_size)
+        return max_model_len
     num_blocks = int(_budget_bytes(kv, device) // kv_block_bytes(model, kv.block_size, dtype, codec))
     return min(max_model_len, num_blocks * kv.block_size)
 

@@ -145,15 +145,17 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         width = rotary_dim or head_dim  # the dims that rotate
-        angles, attention_factor = rope_angles(width, max_positions, theta, scaling)
-        emb = torch.cat((angles, angles), dim=-1)  # (P, width)
-        self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
+        angles, attention_factor = rope_angles(width, max_positions, theta, scaling)  # (P, width/2)
+        # Half the rotated width: both halves of a head turn by the same angles, so a step's rows are widened
+        # on read (a 32k-position, 256-wide table pair is 64 MiB instead of 128)
+        self.register_buffer("cos", angles.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", angles.sin() * attention_factor, persistent=False)
         self.half = width // 2
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for the step's positions, (T, 1, rotary_dim); computed once per step for all layers."""
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+        cos, sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((sin, sin), dim=-1).unsqueeze(1)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: (T, heads, hd); cos, sin: (T, 1, rotary_dim)
