@@ -39,3 +39,22 @@ def test_local_and_global_layers_use_their_own_rotary_base(tmp_path):
     path = save_tiny_hf(tmp_path, arch="gemma3", num_hidden_layers=3, layer_types=LAYERS, sliding_window=8)
     model = load_model(path, dtype=torch.float32).model
     assert not torch.equal(model.rope.cos, model.rope_local.cos)
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("attn_logit_softcapping", 50.0, "attn_logit_softcapping is not supported"),
+        ("hidden_activation", "gelu", "hidden_activation 'gelu' is not supported"),
+    ],
+)
+def test_settings_we_would_not_apply_are_refused(tmp_path, field, value, message):
+    import json
+
+    from mcp2026.errors import ModelLoadError
+
+    path = save_tiny_hf(tmp_path, arch="gemma3", num_hidden_layers=3, layer_types=LAYERS, sliding_window=8)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(path, dtype=torch.float32)
