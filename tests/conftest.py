@@ -23,6 +23,8 @@ def save_tiny_hf(path: Path, arch: str = "llama", tie: bool = False, seed: int =
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -46,6 +48,9 @@ def save_tiny_hf(path: Path, arch: str = "llama", tie: bool = False, seed: int =
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**common))
+    elif arch == "phi3":  # its default pad id (32000) lies outside the tiny vocabulary
+        fields = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **common}
+        model = Phi3ForCausalLM(Phi3Config(**fields))
     elif arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**{"head_dim": 16, **common}))
     elif arch == "gemma3":
@@ -70,6 +75,21 @@ def hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(ids[None]).logits[0]
+
+
+def count_fused_calls(monkeypatch) -> list[int]:
+    """A one-element list counting LlamaDecoderLayer.forward_fused calls (the compiled decode layer path)."""
+    from mcp2026.models import llama
+
+    calls = [0]
+    original = llama.LlamaDecoderLayer.forward_fused
+
+    def counting(self, *args):
+        calls[0] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "forward_fused", counting)
+    return calls
 
 
 @pytest.fixture

@@ -10,12 +10,12 @@ import torch
 from mcp2026.config import EngineConfig, KVConfig
 from mcp2026.engine.engine import LLMEngine
 from mcp2026.loading.loader import load_model
-from mcp2026.models import fused_linear, llama
+from mcp2026.models import fused_linear
 from mcp2026.quant.linear import quantize_
 from mcp2026.quant.plan import LayerQuantSpec, QuantPlan
 from mcp2026.types import SamplingParams
 
-from conftest import save_tiny_hf
+from conftest import count_fused_calls, save_tiny_hf
 
 SAMPLING = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
 PROMPTS = [[5, 9, 33, 2, 7], [100, 3, 8], list(range(40, 75))]
@@ -33,18 +33,6 @@ def _run(loaded, fused: bool, monkeypatch) -> list[tuple[list[int], list]]:
     return [(o.token_ids, o.logprobs) for o in engine.generate(PROMPTS, SAMPLING)]
 
 
-def _count_fused_calls(monkeypatch) -> list[int]:
-    calls = [0]
-    original = llama.LlamaDecoderLayer.forward_fused
-
-    def counting(self, *args):
-        calls[0] += 1
-        return original(self, *args)
-
-    monkeypatch.setattr(llama.LlamaDecoderLayer, "forward_fused", counting)
-    return calls
-
-
 @pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize(
     "spec",
@@ -55,7 +43,7 @@ def test_fused_decode_equals_the_per_op_path(tiny_qkv_bias, spec, monkeypatch):
     loaded = copy.deepcopy(tiny_qkv_bias)
     if spec is not None:
         quantize_(loaded.model, QuantPlan({"layers.*": spec}))
-    calls = _count_fused_calls(monkeypatch)
+    calls = count_fused_calls(monkeypatch)
     fused = _run(loaded, True, monkeypatch)
     assert calls[0] > 0  # the fused path really ran
     calls[0] = 0
@@ -68,7 +56,7 @@ def test_fused_decode_equals_the_per_op_path(tiny_qkv_bias, spec, monkeypatch):
 def test_layers_with_an_unfusable_linear_take_the_per_op_path(tiny_qkv_bias, monkeypatch):
     loaded = copy.deepcopy(tiny_qkv_bias)
     quantize_(loaded.model, QuantPlan({"layers.0.mlp.down_proj": LayerQuantSpec("fp8")}))
-    calls = _count_fused_calls(monkeypatch)
+    calls = count_fused_calls(monkeypatch)
     fused = _run(loaded, True, monkeypatch)
     steps = calls[0]
     assert steps > 0  # layer 1 fused, layer 0 not
@@ -130,7 +118,7 @@ def test_forward_hooks_still_see_every_linear(tiny_qkv_bias, monkeypatch):
     loaded = copy.deepcopy(tiny_qkv_bias)
     seen = []
     handle = loaded.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, a, y: seen.append(y.shape))
-    calls = _count_fused_calls(monkeypatch)
+    calls = count_fused_calls(monkeypatch)
     with_hook = _run(loaded, True, monkeypatch)
     assert len(seen) == 10  # one prefill step and 9 decode steps of the batch
     assert calls[0] > 0  # layer 0 still fused

@@ -16,8 +16,8 @@ from mcp2026.kernels import ops as kernel_ops
 from mcp2026.loading.loader import load_model
 from mcp2026.quant.block_linear import BlockLinear
 
+from conftest import save_tiny_hf
 from gguf_files import byte_tokens
-from tiny_phi3 import save_tiny_phi3
 
 LAYER_NAMES = {
     "self_attn.qkv_proj": "attn_qkv",
@@ -96,7 +96,7 @@ def _hf(hf_dir, gguf_file: str | None = None) -> torch.Tensor:
 
 
 def test_gguf_matches_hf_and_transformers_reading_the_same_file(tmp_path):
-    hf_dir = save_tiny_phi3(tmp_path)
+    hf_dir = save_tiny_hf(tmp_path, arch="phi3")
     name = _write_gguf(hf_dir)
     ref = _hf(hf_dir)
     assert (_hf(hf_dir, name) - ref).abs().max().item() < 1e-4  # the file is what llama.cpp would write
@@ -108,7 +108,7 @@ def test_gguf_matches_hf_and_transformers_reading_the_same_file(tmp_path):
 def test_gguf_partial_rotary_from_the_rope_dimension_count(tmp_path):
     """transformers' GGUF reader drops rope.dimension_count (it would rotate every dim); llama.cpp rotates that
     many, so the reference is the HF folder the file was converted from."""
-    hf_dir = save_tiny_phi3(tmp_path, partial_rotary_factor=0.75)
+    hf_dir = save_tiny_hf(tmp_path, arch="phi3", partial_rotary_factor=0.75)
     logits, loaded = _ours(hf_dir / _write_gguf(hf_dir, rotary_factor=0.75))
     assert loaded.config.rotary_dim == 12
     assert (logits - _hf(hf_dir)).abs().max().item() < 1e-4
@@ -117,7 +117,7 @@ def test_gguf_partial_rotary_from_the_rope_dimension_count(tmp_path):
 def test_gguf_sliding_window_metadata_is_not_applied(tmp_path, caplog):
     """llama.cpp runs Phi-3 GGUFs without their sliding window, and transformers' GGUF reader drops it: so do we,
     and say so."""
-    hf_dir = save_tiny_phi3(tmp_path)
+    hf_dir = save_tiny_hf(tmp_path, arch="phi3")
     name = _write_gguf(hf_dir, sliding_window=8)
     with caplog.at_level("WARNING"):
         logits, loaded = _ours(hf_dir / name)
@@ -128,7 +128,7 @@ def test_gguf_sliding_window_metadata_is_not_applied(tmp_path, caplog):
 
 @pytest.mark.skipif(kernel_ops.cpu.load() is None, reason="stored blocks run on the compiled CPU kernels")
 def test_fused_matrices_stay_in_their_stored_blocks(tmp_path):
-    hf_dir = save_tiny_phi3(tmp_path)
+    hf_dir = save_tiny_hf(tmp_path, arch="phi3")
     name = _write_gguf(hf_dir, fused_type="Q8_0")
     got, native = _ours(hf_dir / name, native=True)
     expected, floats = _ours(hf_dir / name)
@@ -144,7 +144,7 @@ def test_fused_matrices_stay_in_their_stored_blocks(tmp_path):
 
 
 def test_longrope_gguf_is_refused_clearly(tmp_path):
-    hf_dir = save_tiny_phi3(tmp_path)
+    hf_dir = save_tiny_hf(tmp_path, arch="phi3")
     path = hf_dir / _write_gguf(hf_dir)
     reader = gguf.GGUFReader(str(path))
     writer = gguf.GGUFWriter(str(tmp_path / "longrope.gguf"), "phi3")

@@ -13,19 +13,10 @@ from mcp2026.config import EngineConfig, KVConfig
 from mcp2026.engine.engine import LLMEngine
 from mcp2026.errors import ModelLoadError
 from mcp2026.loading.loader import load_model
-from mcp2026.models import llama
 
-from tiny_phi3 import save_tiny_phi3
+from conftest import count_fused_calls, hf_logits, save_tiny_hf
 
 IDS = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(1))
-
-
-def hf_logits(path, ids: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(ids[None]).logits[0]
 
 
 @pytest.mark.parametrize(
@@ -39,7 +30,7 @@ def hf_logits(path, ids: torch.Tensor) -> torch.Tensor:
     ids=["phi3", "window", "partial-rotary-tied", "partial-rotary-window-mha"],
 )
 def test_logits_match_hf(tmp_path, overrides):
-    path = save_tiny_phi3(tmp_path, **overrides)
+    path = save_tiny_hf(tmp_path, arch="phi3", **overrides)
     ours = load_model(path, dtype=torch.float32)
     assert ours.config.sliding_window == overrides.get("sliding_window")
     factor = overrides.get("partial_rotary_factor")
@@ -51,8 +42,8 @@ def test_logits_match_hf(tmp_path, overrides):
 
 def test_window_changes_the_logits(tmp_path):
     """The window test above can fail: the same weights without the window give other logits past it."""
-    windowed = load_model(save_tiny_phi3(tmp_path / "w", sliding_window=8), dtype=torch.float32)
-    full = load_model(save_tiny_phi3(tmp_path / "f"), dtype=torch.float32)
+    windowed = load_model(save_tiny_hf(tmp_path / "w", arch="phi3", sliding_window=8), dtype=torch.float32)
+    full = load_model(save_tiny_hf(tmp_path / "f", arch="phi3"), dtype=torch.float32)
     with torch.no_grad():
         a = windowed.model.compute_logits(windowed.model(IDS, torch.arange(len(IDS))))
         b = full.model.compute_logits(full.model(IDS, torch.arange(len(IDS))))
@@ -63,16 +54,9 @@ def test_window_changes_the_logits(tmp_path):
 @pytest.mark.usefixtures("kernels")
 def test_partial_rotary_decode_through_the_fused_layers_matches_hf(tmp_path, monkeypatch):
     """Token by token over the paged cache: each step runs the compiled layer calls (rotary inside the kernel)."""
-    path = save_tiny_phi3(tmp_path, partial_rotary_factor=0.75)
+    path = save_tiny_hf(tmp_path, arch="phi3", partial_rotary_factor=0.75)
     loaded = load_model(path, dtype=torch.float32)
-    calls = [0]
-    original = llama.LlamaDecoderLayer.forward_fused
-
-    def counting(self, *args):
-        calls[0] += 1
-        return original(self, *args)
-
-    monkeypatch.setattr(llama.LlamaDecoderLayer, "forward_fused", counting)
+    calls = count_fused_calls(monkeypatch)
     engine = LLMEngine(loaded.model, loaded.config, None, EngineConfig(KVConfig(num_blocks=16)))
     ids = IDS[:24].tolist()
     logits = torch.cat([c.logits for c in engine.score(ids, prompt_len=4, chunk_size=1)])
@@ -88,7 +72,7 @@ def _rewrite(path, edit) -> None:
 
 @pytest.mark.parametrize("fused", ["self_attn.qkv_proj", "mlp.gate_up_proj"])
 def test_a_fused_tensor_with_the_wrong_row_count_is_a_shape_error(tmp_path, fused):
-    path = save_tiny_phi3(tmp_path)
+    path = save_tiny_hf(tmp_path, arch="phi3")
     name = f"model.layers.1.{fused}.weight"
     _rewrite(path, lambda t: t.__setitem__(name, t[name][:-16].contiguous()))
     with pytest.raises(
@@ -98,7 +82,7 @@ def test_a_fused_tensor_with_the_wrong_row_count_is_a_shape_error(tmp_path, fuse
 
 
 def test_a_config_with_another_activation_is_refused(tmp_path):
-    path = save_tiny_phi3(tmp_path)
+    path = save_tiny_hf(tmp_path, arch="phi3")
     raw = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**raw, "hidden_act": "gelu"}))
     with pytest.raises(ModelLoadError, match="hidden_act 'gelu' is not supported"):

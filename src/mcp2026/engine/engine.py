@@ -90,8 +90,9 @@ class LLMEngine:
                 )
             compressor = resolved
             self.config = replace(self.config, kv_compressor=compressor)
-        slides = any(model_config.attention_window(i) for i in range(model_config.num_layers))
-        if compressor is not None and compressor.evicts and slides:
+        windows = [model_config.attention_window(i) for i in range(model_config.num_layers)]
+        evicts = compressor is not None and compressor.evicts  # eviction fits long sequences itself
+        if evicts and any(windows):
             raise ValueError(
                 f"KV eviction policy {compressor.policy!r} with {model_config.architecture}'s sliding-window "
                 "layers is not supported (the window reads positions, eviction renumbers them): use "
@@ -100,7 +101,6 @@ class LLMEngine:
         codec = compressor.make_codec() if compressor is not None else None
         kv = self.config.resolved_kv
         fits = fitting_context(kv, model_config, dtype, self.max_model_len, self.device, codec)
-        evicts = compressor is not None and compressor.policy != "none"  # eviction fits long sequences itself
         if self.config.scheduler.max_model_len is None and not evicts and 0 < fits < self.max_model_len:
             log.warning(  # a long-context model (Gemma 3: 32k) on a small budget still runs, within the budget
                 "the KV budget holds %d tokens, fewer than the model's %d-token context: sequences are capped at "
@@ -152,7 +152,6 @@ class LLMEngine:
             self.max_model_len,
             self._peak_blocks_rule(),
         )
-        windows = [model_config.attention_window(i) for i in range(model_config.num_layers)]
         # every layer slides (and nothing evicts): blocks behind the widest window are freed as sequences grow
         self._release_window = (
             max(windows) if self.evictor is None and all(w is not None for w in windows) else None

@@ -113,7 +113,9 @@ def load_hf_tensors(folder: Path, dtype: torch.dtype, config: ModelConfig) -> di
                         f"{f}: tensor {name} cannot be read, the file is truncated or corrupted ({e})"
                     ) from None
                 if ours is not None and ours.endswith("norm.weight") and family.hf_norm_offset:
-                    t = t.float() + family.hf_norm_offset  # in float32: 1 + w is not exact in bf16
+                    # added in float32: in a bf16 checkpoint's own dtype, 1 + w would lose w's low bits before
+                    # an fp32 model reads it
+                    t = t.float() + family.hf_norm_offset
                 if ours is not None:
                     tensors[ours] = t.to(dtype)
                 advance(1)

@@ -67,17 +67,11 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
+    decoder_layer = Gemma3DecoderLayer
+
     def __init__(self, config: ModelConfig) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        super().__init__(config)
         self.embed_scale = config.hidden_size**0.5
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.init_rope(config.max_position_embeddings)
 
     def init_rope(self, max_positions: int) -> None:
         c = self.config
@@ -119,15 +113,13 @@ def _hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
         )
     n = int(raw["num_hidden_layers"])
     # transformers >= 5 writes rotary parameters per layer kind; older configs rope_theta, rope_local_base_freq
-    # and a rope_scaling that applies to the global layers
+    # and a rope_scaling that applies to the global layers (the loader normalizes it; "default" is none)
     params = raw.get("rope_parameters") or {}
     local = (params.get("sliding_attention") or {}).get(
         "rope_theta", raw.get("rope_local_base_freq", 10000.0)
     )
     full = params.get("full_attention") or {}
     scaling = full if "full_attention" in params else raw.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
     return {
         "rope_theta": float(full.get("rope_theta", raw.get("rope_theta", 1_000_000.0))),
         "rope_scaling": scaling,

@@ -148,11 +148,13 @@ def _fused_kernels(x: torch.Tensor) -> Any | None:
 class LlamaForCausalLM(nn.Module):
     """Token ids in, hidden states out; ``compute_logits`` only for the rows that sample."""
 
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer  # a family with its own layer (Gemma 3) names it here
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
