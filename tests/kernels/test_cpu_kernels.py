@@ -621,3 +621,23 @@ def test_a_stale_build_lock_is_removed_a_fresh_one_kept(tmp_path):
     old = time.time() - STALE_LOCK_S - 60
     os.utime(lock, (old, old))
     assert clear_stale_lock(tmp_path) and not lock.exists()
+
+
+def test_sources_are_built_from_copies_in_the_build_folder(tmp_path):
+    """Two checkouts of the same sources share one build: the build reads copies whose paths do not depend
+    on the checkout, rewritten only when their contents change."""
+    from mcp2026.kernels import cpu
+
+    staged = cpu._stage_sources(tmp_path)
+    assert [p.name for p in staged] == [p.name for p in cpu.SOURCES]
+    for path in (*cpu.SOURCES, *cpu.HEADERS):
+        assert (tmp_path / "src" / path.name).read_bytes() == path.read_bytes()
+    first = staged[0].stat().st_mtime_ns
+    cpu._stage_sources(tmp_path)
+    assert staged[0].stat().st_mtime_ns == first  # unchanged contents: the build sees nothing new
+    staged[0].write_text("stale")
+    cpu._stage_sources(tmp_path)
+    assert staged[0].read_bytes() == cpu.SOURCES[0].read_bytes()
+    assert sorted(p.name for p in (tmp_path / "src").iterdir()) == sorted(
+        p.name for p in (*cpu.SOURCES, *cpu.HEADERS)
+    )  # no temporary files left behind
