@@ -126,6 +126,12 @@ def serve(
     ] = None,
     ssl_certfile: Annotated[Path | None, typer.Option(help="TLS certificate (PEM)")] = None,
     ssl_keyfile: Annotated[Path | None, typer.Option(help="TLS private key (PEM)")] = None,
+    cors_origin: Annotated[
+        list[str] | None, typer.Option(help="allow browser requests from this origin (repeatable; '*' any)")
+    ] = None,
+    max_request_body: Annotated[
+        int | None, typer.Option(help="largest request body in bytes; larger ones get a 413 (16 MiB)")
+    ] = None,
     dtype: Annotated[str | None, typer.Option(help="auto | fp32 | bf16")] = None,
     device: Annotated[str | None, typer.Option(help="cpu (default) | cuda | cuda:N")] = None,
     otlp_traces_endpoint: Annotated[
@@ -183,6 +189,8 @@ def serve(
         "tenants_file": tenants,
         "ssl_certfile": ssl_certfile,
         "ssl_keyfile": ssl_keyfile,
+        "cors_origins": tuple(cors_origin) if cors_origin else None,
+        "max_request_body_bytes": max_request_body,
         "dtype": dtype,
         "device": device,
         "otlp_traces_endpoint": otlp_traces_endpoint,

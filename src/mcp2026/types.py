@@ -5,6 +5,7 @@ from __future__ import annotations
 import json as _json  # the field StructuredOutputs.json shadows the module name
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def _check_range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
@@ -67,12 +68,15 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token; 0 = only the sampled token's
     min_tokens: int = 0
     structured_outputs: StructuredOutputs | None = None  # a grammar every generated token must follow
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias; a dict is accepted)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check_range("temperature", self.temperature, 0.0, 100.0)
@@ -102,6 +106,27 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+MAX_LOGIT_BIAS_TOKENS = 1024
+
+
+def _logit_bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
+    """``{token_id: bias}`` or ``[(token_id, bias), ...]`` as sorted pairs; ids >= 0, biases in [-100, 100]
+    (OpenAI's range: -100 bans a token, 100 all but forces it)."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    pairs: dict[int, float] = {}
+    for token_id, value in items:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise ValueError(f"SamplingParams.logit_bias keys must be token ids >= 0, got {token_id!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not -100.0 <= value <= 100.0:
+            raise ValueError(f"SamplingParams.logit_bias values must be in [-100, 100], got {value!r}")
+        pairs[token_id] = float(value)
+    if len(pairs) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(
+            f"SamplingParams.logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(pairs)}"
+        )
+    return tuple(sorted(pairs.items()))
 
 
 @dataclass

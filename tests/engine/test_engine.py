@@ -139,6 +139,10 @@ def test_bad_requests_rejected_at_add(tiny):
         engine.add_request([], GREEDY)
     with pytest.raises(ValueError, match="token ids"):
         engine.add_request([999999], GREEDY)
+    vocab = engine.model_config.vocab_size
+    for params in (SamplingParams(logit_bias={vocab: 1.0}), SamplingParams(stop_token_ids=(vocab,))):
+        with pytest.raises(ValueError, match="vocabulary size"):
+            engine.add_request([5, 6], params)
     assert not engine.has_unfinished()
 
 

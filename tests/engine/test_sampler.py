@@ -161,6 +161,26 @@ def test_penalties_exact_numbers() -> None:
     assert torch.equal(logits, torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5, 3.0]]))
 
 
+def test_logit_bias_is_added_per_row_after_penalties() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]])
+    biased = _state(prompt=[0], repetition_penalty=2.0, logit_bias={0: -100, 3: 2.5})
+    plain = _state()
+    out = Sampler().process_logits(logits, [biased, plain])
+    assert torch.equal(out, torch.tensor([[1.0 - 100, -2.0, 1.0, 2.5], [0.0, 1.0, 2.0, 3.0]]))
+    # greedy rows with a bias leave the argmax fast path: the banned argmax is not picked
+    assert Sampler().sample(logits, [_state(logit_bias={0: -100}), plain]).token_ids == [2, 3]
+    forced = _state(temperature=1.0, seed=1, logit_bias={1: 100})
+    assert Sampler().sample(logits[:1], [forced]).token_ids == [1]
+
+
+@pytest.mark.parametrize(
+    "bias", [{-1: 1.0}, {1: 100.5}, {1: float("nan")}, {True: 1.0}, dict.fromkeys(range(1025), 1.0)]
+)
+def test_bad_logit_bias_is_refused(bias) -> None:
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
+
+
 def test_frequency_counts_repeats_and_presence_does_not() -> None:
     logits = torch.zeros(2, 4)
     freq = _state(frequency_penalty=1.5)

@@ -81,8 +81,10 @@ def live_server(
     tenants: TenantRegistry | None = None,
     num_blocks: int = NUM_BLOCKS,
     tracing: object = None,
+    verify: object = True,
     **scheduler,
 ) -> Iterator[Live]:
+    """``verify``: how the readiness probe checks a TLS server's certificate (an ``ssl.SSLContext``)."""
     engine_config = EngineConfig(KVConfig(block_size=16, num_blocks=num_blocks), SchedulerConfig(**scheduler))
     model, tokenizer = tiny_vocab_model(), smol_tokenizer()
     engine = LLMEngine(model.model, model.config, tokenizer, engine_config)
@@ -90,16 +92,17 @@ def live_server(
     config = config or ServeConfig(model_name=MODEL)
     app = create_app(async_engine, tokenizer, config, tenants, tracing=tracing)
     port = free_port()
+    tls = {"ssl_certfile": config.ssl_certfile, "ssl_keyfile": config.ssl_keyfile}
     server = GracefulServer(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"), async_engine, config
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **tls), async_engine, config
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if config.ssl_certfile else 'http'}://127.0.0.1:{port}"
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+            if httpx.get(f"{url}/readyz", timeout=1, verify=verify).status_code == 200:
                 break
         except httpx.TransportError:
             pass

@@ -211,6 +211,9 @@ class LLMEngine:
             raise ValueError(
                 f"prompt token ids must be in [0, {vocab}), got {min(token_ids)}..{max(token_ids)}"
             )
+        named = [*params.stop_token_ids, *(t for t, _ in params.logit_bias)]
+        if named and max(named) >= vocab:
+            raise ValueError(f"stop_token_ids and logit_bias take token ids < the vocabulary size {vocab}")
         if len(token_ids) + 1 > self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens but this model's context is {self.max_model_len} tokens "

@@ -5,9 +5,10 @@ holds its own ``torch.Generator``. A random row draws one uniform from that gene
 token whose interval of the cumulative distribution holds it (inverse-CDF sampling), so a seeded request gets
 the same tokens whether it runs alone or in any batch. Greedy rows never touch the generator.
 
-Order per row: repetition penalty (CTRL) -> frequency/presence penalties -> min_tokens stop mask -> grammar mask ->
+Order per row: repetition penalty (CTRL) -> frequency/presence penalties -> logit bias -> min_tokens stop mask ->
+grammar mask ->
 [logprobs are taken here] -> temperature -> min-p -> top-k -> top-p (on the renormalised top-k) -> sample.
-Logprobs are the log_softmax of the logits *after* penalties and the masks but *before*
+Logprobs are the log_softmax of the logits *after* penalties, bias and the masks but *before*
 temperature and truncation: the model's (penalised) distribution at temperature 1, whatever the request's
 sampling settings, like vLLM's default of reporting unprocessed rather than truncated logprobs.
 """
@@ -121,17 +122,23 @@ class Sampler:
         return SampleOutput(token_list, _logprobs(logits, token_ids, token_list, states))
 
     def process_logits(self, logits: Tensor, states: list[SamplingState]) -> Tensor:
-        """Penalties, the min_tokens mask and the grammar mask, applied to a copy. Logprobs report these."""
+        """Penalties, logit bias, the min_tokens mask and the grammar mask, applied to a copy. Logprobs
+        report these."""
         penalty_rows = [i for i, s in enumerate(states) if s.has_penalties]
+        bias_rows = [i for i, s in enumerate(states) if s.params.logit_bias]
         masks = [(i, s.min_tokens_stop_ids) for i, s in enumerate(states)]
         masks = [(i, ids) for i, ids in masks if ids]
         grammar_rows = [i for i, s in enumerate(states) if s.grammar is not None]
-        if not penalty_rows and not masks and not grammar_rows:
+        if not penalty_rows and not bias_rows and not masks and not grammar_rows:
             return logits
         logits = logits.to(torch.float32, copy=True)
         if penalty_rows:
             rows = torch.tensor(penalty_rows, device=logits.device)
             logits[rows] = _apply_penalties(logits[rows], [states[i] for i in penalty_rows])
+        if bias_rows:
+            pairs = [(i, t, b) for i in bias_rows for t, b in states[i].params.logit_bias]
+            row_ids, col_ids, biases = (list(column) for column in zip(*pairs, strict=True))
+            logits[row_ids, col_ids] += torch.tensor(biases, device=logits.device)
         if masks:
             row_ids = [i for i, ids in masks for _ in ids]
             col_ids = [t for _, ids in masks for t in ids]
@@ -154,6 +161,7 @@ def _is_plain_greedy(state: SamplingState) -> bool:
         and p.logprobs is None
         and state.grammar is None
         and not state.has_penalties
+        and not p.logit_bias
         and not state.min_tokens_stop_ids
     )
 

@@ -22,7 +22,7 @@ from mcp2026.serve.config import ServeConfig
 from mcp2026.serve.errors import install_error_handlers
 from mcp2026.serve.generation import GenerationService
 from mcp2026.serve.metrics import ServerMetrics
-from mcp2026.serve.middleware import RequestIdMiddleware, log
+from mcp2026.serve.middleware import BodyLimitMiddleware, RequestIdMiddleware, log
 from mcp2026.serve.routes_openai import add_openai_routes
 from mcp2026.serve.routes_ops import add_ops_routes
 from mcp2026.serve.tenants import TenantRegistry
@@ -144,4 +144,5 @@ def _add_middleware(app: FastAPI, config: ServeConfig, tracing: Tracing | None) 
             allow_headers=["*"],
             expose_headers=["X-Request-Id"],
         )
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
     app.add_middleware(RequestIdMiddleware)

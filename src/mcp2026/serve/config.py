@@ -48,6 +48,7 @@ class ServeConfig:
     max_queued_requests: int = 256  # requests accepted but without a first token yet
     max_queued_tokens: int = 256 * 1024  # their prompt tokens
     max_n: int = 16  # choices per request
+    max_request_body_bytes: int = 16 * 2**20  # larger bodies get a 413 before they are read
     # SLOs: requests slower than these count as violations for the circuit breaker.
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 200.0
@@ -62,7 +63,7 @@ class ServeConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins))
         _require(0 <= self.port <= 65535, f"ServeConfig.port must be in [0, 65535], got {self.port}")
-        for name in ("max_queued_requests", "max_queued_tokens", "max_n"):
+        for name in ("max_queued_requests", "max_queued_tokens", "max_n", "max_request_body_bytes"):
             value = getattr(self, name)
             _require(value >= 1, f"ServeConfig.{name} must be >= 1, got {value}")
         for name in ("slo_ttft_ms", "slo_tpot_ms", "drain_timeout_s"):

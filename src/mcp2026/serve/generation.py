@@ -86,16 +86,40 @@ class Job:
     tools: ToolPlan | None = None  # chat with tools: outputs are parsed into tool_calls
     priority: int = 0  # added to the tenant's priority
     ttft_deadline_s: float | None = None
+    cache_salt: str | None = (
+        None  # the tenant's salt and the request's own: prefix blocks shared only within both
+    )
     created: int = field(default_factory=lambda: int(time.time()))
     choices: list[Choice] = field(default_factory=list)
+    num_returned: int = 1  # choices returned per prompt (n); ``n`` above is how many are generated
+    generated: list[Choice] | None = None  # best_of: every generated choice, after keep_best picked
     is_released: bool = False
     is_probe: bool = False  # admitted as a half-open breaker probe
     arm: Any = None  # live canary: the ArmTraffic (engine, latencies) serving it; None: the one engine
 
+    def keep_best(self) -> None:
+        """best_of: keep the ``num_returned`` choices per prompt with the highest mean logprob per token
+        (OpenAI's rule), renumbered; usage still counts every generated token."""
+        if self.num_returned >= self.n:
+            return
+        self.generated = self.choices
+        kept = []
+        for p in range(len(self.prompts)):
+            group = [c for c in self.choices if c.prompt_index == p]
+            group.sort(key=lambda c: -sum(t.logprob for t in c.logprobs) / max(1, len(c.logprobs)))
+            kept += group[: self.num_returned]
+        for i, c in enumerate(kept):
+            c.index = i
+        self.choices = kept
+
     def usage(self) -> dict[str, Any]:
+        generated = self.generated or self.choices
         prompt = sum(len(p) for p in self.prompts)
-        completion = sum(c.num_output_tokens for c in self.choices)
-        cached = sum(c.num_cached_tokens for c in self.choices if c.index % self.n == 0)
+        completion = sum(c.num_output_tokens for c in generated)
+        cached_per_prompt: dict[int, int] = {}  # the prompt's cached tokens, from its first choice
+        for c in generated:
+            cached_per_prompt.setdefault(c.prompt_index, c.num_cached_tokens)
+        cached = sum(cached_per_prompt.values())
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -223,8 +247,11 @@ class GenerationService:
     ) -> Job:
         if req.n > self.config.max_n:
             raise APIError(400, f"n must be <= {self.config.max_n}, got {req.n}", param="n")
-        num_requests = len(prompts) * req.n
-        num_tokens = sum(len(p) for p in prompts) * req.n
+        per_prompt = req.num_generated
+        if per_prompt > self.config.max_n:
+            raise APIError(400, f"best_of must be <= {self.config.max_n}, got {per_prompt}", param="best_of")
+        num_requests = len(prompts) * per_prompt
+        num_tokens = sum(len(p) for p in prompts) * per_prompt
         if self.engine.num_queued_requests + num_requests > self.config.max_queued_requests:
             raise APIError(429, "the server queue is full; retry later", code="queue_full", retry_after_s=1)
         if self.engine.num_queued_tokens + num_tokens > self.config.max_queued_tokens:
@@ -234,12 +261,19 @@ class GenerationService:
                 code="queue_full",
                 retry_after_s=1,
             )
+        vocab = self.engine.engine.model_config.vocab_size
+        for name in ("stop_token_ids", "logit_bias"):
+            ids = [int(t) for t in getattr(req, name) or ()]
+            if ids and max(ids) >= vocab:
+                raise APIError(400, f"{name} takes token ids < the vocabulary size {vocab}", param=name)
         params = []
         for p in prompts:
             limit = self.max_model_len - len(p)
-            for i in range(req.n):
+            for i in range(per_prompt):
                 max_new = min(max_tokens or limit, limit)
-                params.append(req.sampling_params(max_new, num_logprobs, i, structured))
+                # best_of ranks by the sampled tokens' logprobs, which the engine reports when asked
+                wanted = 0 if num_logprobs is None and per_prompt > req.n else num_logprobs
+                params.append(req.sampling_params(max_new, wanted, i, structured))
         estimated = num_tokens + (max_tokens or 0) * num_requests
         try:
             self.tenants.acquire(tenant, estimated)
@@ -254,12 +288,21 @@ class GenerationService:
             raise APIError(429, str(e), code="breaker_open", retry_after_s=e.retry_after_s) from None
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         job = Job(
-            f"{prefix}-{uuid.uuid4().hex[:24]}", kind, tenant, prompts, params, req.n, num_logprobs, estimated
+            f"{prefix}-{uuid.uuid4().hex[:24]}",
+            kind,
+            tenant,
+            prompts,
+            params,
+            per_prompt,
+            num_logprobs,
+            estimated,
         )
-        job.choices = [Choice(i, i // req.n, len(prompts[i // req.n])) for i in range(num_requests)]
+        job.num_returned = req.n
+        job.choices = [Choice(i, i // per_prompt, len(prompts[i // per_prompt])) for i in range(num_requests)]
         job.is_probe = is_probe
         job.priority = req.priority
         job.ttft_deadline_s = None if req.ttft_deadline_ms is None else req.ttft_deadline_ms / 1e3
+        job.cache_salt = _cache_salt(tenant.cache_salt, req.cache_salt)
         self.traffic.observe_arrival(max(len(p) for p in prompts))
         self.update_pressure()
         return job
@@ -279,7 +322,7 @@ class GenerationService:
                     job.params[choice.index],
                     f"{job.id}-{choice.index}",
                     priority=job.tenant.priority + job.priority,
-                    cache_salt=job.tenant.cache_salt,
+                    cache_salt=job.cache_salt,
                     timing=choice.timing,
                     tenant=job.tenant.name,
                     ttft_deadline_s=job.ttft_deadline_s,
@@ -320,7 +363,8 @@ class GenerationService:
         if job.is_released:
             return
         job.is_released = True
-        used = sum(len(p) for p in job.prompts) * job.n + sum(c.num_output_tokens for c in job.choices)
+        generated = job.generated or job.choices
+        used = sum(len(p) for p in job.prompts) * job.n + sum(c.num_output_tokens for c in generated)
         self.tenants.release(job.tenant, job.estimated_tokens, used)
         outcome = self._slo_outcome(job)
         if outcome is None:
@@ -417,3 +461,10 @@ class GenerationService:
             head = entry(lp.token_id, lp.logprob)
             content.append(ChatTokenLogprob(**head.model_dump(), top_logprobs=top))
         return ChatLogprobs(content=content)
+
+
+def _cache_salt(tenant_salt: str | None, request_salt: str | None) -> str | None:
+    """A request's ``cache_salt`` narrows its tenant's: it can never reach another tenant's blocks."""
+    if request_salt is None:
+        return tenant_salt
+    return f"{tenant_salt or ''}\x1f{request_salt}"

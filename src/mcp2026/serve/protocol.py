@@ -21,7 +21,7 @@ from mcp2026.serve.protocol_structured import (
     ToolDefinition,
     constraint_of,
 )
-from mcp2026.types import SamplingParams, StructuredOutputs
+from mcp2026.types import MAX_LOGIT_BIAS_TOKENS, SamplingParams, StructuredOutputs
 
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_TOOLS = 128
@@ -60,27 +60,40 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    logit_bias: dict[str, float] | None = None  # refused when set: not implemented
-    best_of: int | None = None  # refused above 1: not implemented
-    cache_salt: str | None = None  # refused: each tenant's salt comes from the server's tenant config
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    best_of: int | None = Field(None, ge=1, le=128)  # generate this many, return the n most likely
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # isolates prefix-cache reuse
     priority: int = Field(0, ge=0, le=1000)  # added to the tenant's priority; higher runs later
     ttft_deadline_ms: float | None = Field(
         None, gt=0, le=3.6e6
     )  # first token wanted within (deadline policy)
 
-    @field_validator("logit_bias", "cache_salt")
+    @field_validator("logit_bias")
     @classmethod
-    def _not_supported(cls, value: Any, info: Any) -> None:
-        if value:
-            raise ValueError(f"{info.field_name} is not supported by this server")
-        return None
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if not value:
+            return None
+        if len(value) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(value)}")
+        for key, bias in value.items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids written as decimal strings, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
+        return value
 
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, value: int | None) -> None:
-        if value is not None and value != 1:
-            raise ValueError("best_of is not supported by this server (only 1)")
-        return None
+    @model_validator(mode="after")
+    def _check_best_of(self) -> _SamplingFields:
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise ValueError("best_of above n cannot be streamed (the best are known only at the end)")
+        return self
+
+    @property
+    def num_generated(self) -> int:
+        """Sequences generated per prompt: ``best_of`` when it asks for more than ``n``."""
+        return max(self.n, self.best_of or 1)
 
     @field_validator("stop")
     @classmethod
@@ -146,6 +159,7 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             min_tokens=min(self.min_tokens, max_tokens),
             structured_outputs=structured,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
         )
 
     @property

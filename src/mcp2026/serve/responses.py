@@ -66,6 +66,7 @@ async def complete(service: GenerationService, job: Job, render: Any) -> JSONRes
     failed = next((c for c in job.choices if c.finish_reason == "error"), None)
     if failed is not None:
         raise APIError(500, f"generation failed: {failed.error}", code="engine_error")
+    job.keep_best()
     return JSONResponse(render(service, job))
 
 

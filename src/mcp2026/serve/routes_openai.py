@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from mcp2026.canary.live import CanaryRouter
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503)
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)
 }
 
 
