@@ -66,6 +66,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token; 0 = only the sampled token's
+    # top-n logprobs of each prompt token given the ones before (the first has none); 0 = only its own.
+    # Every prompt token is computed (no prefix-cache reuse) so that each has its logits.
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     structured_outputs: StructuredOutputs | None = None  # a grammar every generated token must follow
     # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias; a dict is accepted)
@@ -89,6 +92,10 @@ class SamplingParams:
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"SamplingParams.logprobs must be in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
+            raise ValueError(
+                f"SamplingParams.prompt_logprobs must be in [0, 20], got {self.prompt_logprobs!r}"
+            )
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -145,6 +152,8 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     prompt_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    # with SamplingParams.prompt_logprobs: one per prompt token given the ones before (the first: None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
 
 

@@ -147,3 +147,24 @@ def test_best_of_returns_the_most_likely_per_token(live):
         r = httpx.post(f"{live.url}/v1/completions", json={**common, **bad})
         assert r.status_code == 400 and "best_of" in r.json()["error"]["message"], r.text
     live.wait_blocks_back()
+
+
+def test_echo_with_logprobs_scores_the_prompt(live):
+    client = openai_client(live.url)
+    prompt = [5, 6, 7, 8, 9, 10]
+    common = {"model": MODEL, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 2}
+    whole = client.completions.create(prompt=prompt, **common).choices[0]
+    lp = whole.logprobs
+    assert len(lp.tokens) == len(prompt) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    longer = client.completions.create(prompt=[*prompt, 11, 12], **common).choices[0].logprobs
+    assert longer.token_logprobs[0] is None  # causal: the shared prefix scores the same (up to batch shape)
+    assert longer.token_logprobs[1 : len(prompt)] == pytest.approx(
+        lp.token_logprobs[1 : len(prompt)], abs=1e-4
+    )
+    chunks = list(client.completions.create(prompt=prompt, stream=True, **common))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [v for s in streamed for v in s.token_logprobs] == lp.token_logprobs
+    assert chunks[0].choices[0].text.startswith(whole.text[: len(whole.text) - len(lp.tokens[-1])])
+    live.wait_blocks_back()

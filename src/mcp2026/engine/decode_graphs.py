@@ -88,6 +88,7 @@ class DecodeGraphs:
             len(c.token_ids) == 1
             and c.start_pos > 0
             and c.samples
+            and not c.wants_all_logits
             and c.kv_start < self.width * self.block_size
             for c in chunks
         )

@@ -363,6 +363,7 @@ class LLMEngine:
         """Append the sampled tokens, let the evictor drop blocks, and turn every request's news into outputs."""
         tokens = dict(zip(sample_ids, sampled.token_ids)) if sampled else {}
         ok_output = out if not failed else self._without(out, failed)
+        self._record_prompt_logprobs(ok_output)
         self.scheduler.update(ok_output, tokens)
         self._evict(ok_output)
         self._release_behind_windows(ok_output)
@@ -378,6 +379,14 @@ class LLMEngine:
             else:
                 results.append(self.outputs.make_output(state, 1, None))
         return results
+
+    def _record_prompt_logprobs(self, out: SchedulerOutput) -> None:
+        chunk_logits, self.runner.chunk_logits = self.runner.chunk_logits, {}
+        for c in out.chunks:
+            if c.request_id in chunk_logits and c.request_id in self.states:
+                self.outputs.record_prompt_logprobs(
+                    self.states[c.request_id], c.start_pos, chunk_logits[c.request_id]
+                )
 
     def _evict(self, out: SchedulerOutput) -> None:
         """The eviction policy's turn after a step: it scores what the step attended and drops blocks."""

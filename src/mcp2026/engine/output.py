@@ -22,6 +22,7 @@ class ScheduledChunk:
     start_pos: int  # == the request's num_computed_tokens before this step
     block_table: list[int]
     samples: bool  # the chunk ends at the request's last known token: return one sampled token for it
+    wants_all_logits: bool = False  # prompt logprobs: the runner keeps the logits of every row of the chunk
     kv_offset: int = 0  # tokens of KV evicted before this chunk (a multiple of the block size)
 
     @property

@@ -1,4 +1,5 @@
-"""Turns sampled tokens into user-visible outputs: incremental text, stop strings, stop tokens, logprobs.
+"""Turns sampled tokens into user-visible outputs: incremental text, stop strings, stop tokens, logprobs
+(of generated tokens, and of prompt tokens when asked).
 
 Stop strings are checked on the text; while a stop string could still be forming, the tail that might
 belong to it is held back from streams so no client ever sees part of a stop string.
@@ -9,8 +10,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from mcp2026.engine.request import Request
-from mcp2026.engine.sampler import SamplingState
+from mcp2026.engine.sampler import SamplingState, prompt_logprobs
 from mcp2026.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 from mcp2026.types import CompletionOutput, SamplingParams, TokenLogprob
 
@@ -45,6 +48,7 @@ class RequestState:
     text: str = ""
     num_streamed_chars: int = 0
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled as the prompt's chunks run
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -63,6 +67,25 @@ class OutputProcessor:
 
     def new_detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer | None:
         return None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, prompt_ids)
+
+    def record_prompt_logprobs(self, state: RequestState, start_pos: int, logits: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens that the rows of a chunk starting at ``start_pos`` predict (row i:
+        the token at ``start_pos + i + 1``). Positions already recorded (a recompute after preemption) and
+        the row past the prompt (it predicts the first output token) are skipped."""
+        prompt = state.request.prompt_token_ids
+        if state.prompt_logprobs is None:
+            state.prompt_logprobs = [None]  # the first prompt token has nothing before it
+        first = len(state.prompt_logprobs) - 1 - start_pos  # the first row not recorded yet
+        last = min(logits.shape[0], len(prompt) - 1 - start_pos)  # rows predicting prompt tokens
+        if first < 0:  # prompt chunks run in order from position 0 (no prefix-cache hits for these requests)
+            raise RuntimeError(
+                f"prompt logprobs of {state.request.request_id}: positions before {start_pos} never ran"
+            )
+        if first >= last:
+            return
+        targets = prompt[start_pos + first + 1 : start_pos + last + 1]
+        num_top = state.params.prompt_logprobs or 0
+        state.prompt_logprobs += prompt_logprobs(logits[first:last], targets, num_top)
 
     def append(self, state: RequestState, token_id: int, logprob: TokenLogprob | None) -> str | None:
         """Record one new token (already appended to the request's output ids by the scheduler, a list the
@@ -121,6 +144,7 @@ class OutputProcessor:
             finish_reason=finish_reason,
             prompt_token_ids=req.prompt_token_ids,
             logprobs=state.logprobs,
+            prompt_logprobs=state.prompt_logprobs,
             error=req.error,
         )
         delta_logprobs = state.logprobs[-num_new_tokens:] if state.logprobs and num_new_tokens else None

@@ -66,6 +66,9 @@ class ModelRunner:
         self.layer_pages = layer_pages if cache.layered else None
         self.device = cache.device
         self.block_size = cache.block_size
+        # logits of every row of the chunks that asked for them (prompt logprobs), by request; the engine
+        # takes them after each step
+        self.chunk_logits: dict[str, torch.Tensor] = {}
         self.num_layers, self.num_kv_heads = cache.num_layers, cache.num_kv_heads
         self.scoring = scoring or ScoringSpec()
         # decode attention by the fused kernel (blocks read in place, quantized ones decoded as they are read,
@@ -449,6 +452,8 @@ class ModelRunner:
             return [], self.model.compute_logits(hidden)
         rows, sample_ids, end = [], [], 0
         for c in chunks:
+            if c.wants_all_logits:
+                self.chunk_logits[c.request_id] = self.model.compute_logits(hidden[end : end + c.num_tokens])
             end += len(c.token_ids)
             if c.samples:
                 rows.append(end - 1)

@@ -305,3 +305,20 @@ def _logprobs(
         top = {t: v for t, v in zip(top_ids[j][:n], top_values[j][:n], strict=True) if v != float("-inf")}
         result[i] = TokenLogprob(token_list[i], sampled[j], top)
     return result
+
+
+def prompt_logprobs(logits: Tensor, targets: list[int], num_top: int) -> list[TokenLogprob]:
+    """The logprob of each target token under its row of ``logits`` (n, V), with the ``num_top`` most
+    likely alternatives: row i predicts ``targets[i]``. The model's own distribution (no penalty or mask
+    applies to a prompt)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.tensor(targets, device=logits.device)[:, None]
+    own = logprobs.gather(1, index).squeeze(1).tolist()
+    if num_top:
+        top_values, top_ids = (t.tolist() for t in logprobs.topk(min(num_top, logits.shape[1]), dim=-1))
+    else:
+        top_values = top_ids = [[] for _ in targets]
+    return [
+        TokenLogprob(t, v, dict(zip(ids, values, strict=True)))
+        for t, v, ids, values in zip(targets, own, top_ids, top_values, strict=True)
+    ]

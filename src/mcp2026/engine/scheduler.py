@@ -263,7 +263,9 @@ class Scheduler:
                 break
             if not self._check_fits(request):
                 continue
-            hit_ids, num_hit = self.kv.get_computed_blocks(request)
+            # prompt logprobs need the logits of every prompt token: nothing may come from the prefix cache
+            wants_all = request.sampling_params.prompt_logprobs is not None
+            hit_ids, num_hit = ([], 0) if wants_all else self.kv.get_computed_blocks(request)
             num_new = self._num_new_tokens(request.num_tokens - num_hit, step.budget)
             if num_new == 0 or not self._allocate_for_waiting(request, num_new, hit_ids, step):
                 break
@@ -367,6 +369,9 @@ class Scheduler:
             start_pos=start,
             block_table=self.kv.block_table(request.request_id),
             samples=start + num_tokens == request.num_tokens,
+            wants_all_logits=(
+                request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens
+            ),
             kv_offset=self.kv.num_dropped_tokens(request.request_id),
         )
 

@@ -52,6 +52,7 @@ class Choice:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs: one per prompt token
     text_offset: int = 0  # completions logprobs: offset of the next token's text
     finish_reason: str | None = None
     error: str | None = None
@@ -64,6 +65,7 @@ class Choice:
         self.num_output_tokens = len(out.output.token_ids)
         self.num_cached_tokens = out.num_cached_tokens
         self.logprobs += out.delta_logprobs or []
+        self.prompt_logprobs = out.output.prompt_logprobs or self.prompt_logprobs
         self.first_token_time = self.first_token_time or out.first_token_time
         self.detokenize_s = out.detokenize_s
         if out.finished:
@@ -433,19 +435,29 @@ class GenerationService:
         return text
 
     def completion_logprobs(
-        self, choice: Choice, logprobs: Sequence[TokenLogprob], num_top: int
+        self,
+        choice: Choice,
+        logprobs: Sequence[TokenLogprob],
+        num_top: int,
+        prompt_ids: Sequence[int] = (),
+        prompt_logprobs: Sequence[TokenLogprob | None] = (),
     ) -> CompletionLogprobs:
-        tokens = [self.token_text(lp.token_id) for lp in logprobs]
+        """An echoed prompt's tokens and their logprobs come first (its first token has none: null)."""
+        ids = [*prompt_ids, *(lp.token_id for lp in logprobs)]
+        entries = [*prompt_logprobs, *logprobs]
+        tokens = [self.token_text(t) for t in ids]
         offsets = []
         for t in tokens:
             offsets.append(choice.text_offset)
             choice.text_offset += len(t)
         top = None
         if num_top:
-            top = [{self.token_text(i): v for i, v in lp.top.items()} for lp in logprobs]
+            top = [
+                None if lp is None else {self.token_text(i): v for i, v in lp.top.items()} for lp in entries
+            ]
         return CompletionLogprobs(
             tokens=tokens,
-            token_logprobs=[lp.logprob for lp in logprobs],
+            token_logprobs=[None if lp is None else lp.logprob for lp in entries],
             top_logprobs=top,
             text_offset=offsets,
         )

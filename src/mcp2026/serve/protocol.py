@@ -160,7 +160,13 @@ class _SamplingFields(BaseModel):
             min_tokens=min(self.min_tokens, max_tokens),
             structured_outputs=structured,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            prompt_logprobs=self.prompt_logprobs,
         )
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """Top-n logprobs wanted for each prompt token (completions' echo with logprobs); None: none."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -189,6 +195,10 @@ class CompletionRequest(_SamplingFields):
         if value:
             raise ValueError("suffix is not supported")
         return None
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: one string, a list of strings, one id list or a list of id lists."""
@@ -292,8 +302,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = Field(default_factory=list)
 
 

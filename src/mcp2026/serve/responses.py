@@ -21,6 +21,7 @@ from mcp2026.serve.errors import APIError
 from mcp2026.serve.generation import Choice, GenerationService, Job
 from mcp2026.serve.middleware import REQUEST_ID, log
 from mcp2026.serve.tools import parse_tool_calls
+from mcp2026.types import TokenLogprob
 
 
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
@@ -76,8 +77,10 @@ def completion_body(service: GenerationService, job: Job) -> dict:
         prefix = job.echo_texts[c.prompt_index] if job.echo_texts else ""
         logprobs = None
         if job.num_logprobs is not None:
-            c.text_offset = len(prefix)
-            logprobs = service.completion_logprobs(c, c.logprobs, job.num_logprobs).model_dump()
+            c.text_offset = 0 if job.echo_texts else len(prefix)
+            logprobs = service.completion_logprobs(
+                c, c.logprobs, job.num_logprobs, *_echoed_prompt(job, c)
+            ).model_dump()
         choices.append(
             {
                 "index": c.index,
@@ -167,16 +170,27 @@ def completion_chunk(
     service: GenerationService, job: Job, choice: Choice, out: RequestOutput, is_first: bool
 ) -> dict | None:
     text = out.delta_text
+    echoed: tuple[list[int], list[TokenLogprob | None]] = ([], [])
     if is_first and job.echo_texts:
         text = job.echo_texts[choice.prompt_index] + text
-        choice.text_offset = len(job.echo_texts[choice.prompt_index])
+        choice.text_offset = 0 if job.num_logprobs is not None else len(job.echo_texts[choice.prompt_index])
+        echoed = _echoed_prompt(job, choice)
     if not text and not out.finished and not out.delta_logprobs:
         return None
     logprobs = None
-    if job.num_logprobs is not None and out.delta_logprobs:
-        logprobs = service.completion_logprobs(choice, out.delta_logprobs, job.num_logprobs).model_dump()
+    if job.num_logprobs is not None and (out.delta_logprobs or echoed[0]):
+        logprobs = service.completion_logprobs(
+            choice, out.delta_logprobs or [], job.num_logprobs, *echoed
+        ).model_dump()
     c = {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
     return _envelope(service, job, "text_completion", [c])
+
+
+def _echoed_prompt(job: Job, choice: Choice) -> tuple[list[int], list[TokenLogprob | None]]:
+    """The prompt's ids and logprobs that an echo with logprobs lists before the output's."""
+    if not job.echo_texts or choice.prompt_logprobs is None:
+        return [], []
+    return job.prompts[choice.prompt_index], choice.prompt_logprobs
 
 
 def chat_chunk(
