@@ -186,6 +186,32 @@ def test_peer_options():
         ServeBenchConfig(rounds=0)
 
 
+def test_extra_bodies_per_endpoint(tmp_path):
+    schema = tmp_path / "format.json"
+    schema.write_text('{"response_format": {"type": "json_object"}, "ignore_eos": false}')
+    (peer,) = parse_peers(["json=http://127.0.0.1:8000"], [], [f"json=@{schema}"])
+    assert peer.extra_body == {"response_format": {"type": "json_object"}, "ignore_eos": False}
+    for bad in ("json={nope", "json=[1]", 'json={"prompt": [1]}', "other={}"):
+        with pytest.raises(ValueError, match="peer-body|extra body|without a --peer-url"):
+            parse_peers(["json=http://x"], [], [bad])
+    with pytest.raises(ValueError, match="max_tokens"):
+        ServeBenchConfig(extra_body={"max_tokens": 3})
+    with two_fakes(ours_delay=0.001, peer_delay=0.001) as (ours, fake_peer, log):
+        config = ServeBenchConfig(
+            base_url=ours.url,
+            max_concurrency=2,
+            peers=(PeerEndpoint("json", fake_peer.url, extra_body={"seed": 7, "ignore_eos": False}),),
+            extra_body={"top_k": 3},
+        )
+        bench_serve(config, requests_for(4))
+    assert {(e["top_k"], e["ignore_eos"], "seed" in e) for e in log if e["server"] == "ours"} == {
+        (3, True, False)
+    }
+    assert {(e["seed"], e["ignore_eos"], "top_k" in e) for e in log if e["server"] == "llama"} == {
+        (7, False, False)
+    }
+
+
 # ---- against two fake servers -------------------------------------------------------------------
 def test_same_workload_interleaved_and_ratios():
     requests = requests_for(8)
@@ -314,7 +340,9 @@ def test_side_by_side_command(tmp_path):
     assert data["aggregates"]["endpoints"]["llama"]["completed"] == 4
     assert data["config"]["goodput_ms"] == {"ttft": 1000.0, "tpot": 100.0}
     assert data["aggregates"]["endpoints"]["llama"]["request_goodput"] is not None
-    assert data["config"]["peers"] == [{"name": "llama", "base_url": peer.url, "model": "llama-model"}]
+    assert data["config"]["peers"] == [
+        {"name": "llama", "base_url": peer.url, "model": "llama-model", "extra_body": {}}
+    ]
     assert set(data["aggregates"]["ratios"]["llama"]) >= {"output_throughput", "median_ttft_ms"}
     assert len([e for e in log if e["server"] == "llama"]) == 4
 

@@ -148,6 +148,7 @@ class LoadGenerator:
             "stream": True,
             "stream_options": {"include_usage": True},
             "ignore_eos": self.config.ignore_eos,
+            **self.config.extra_body,
         }
         st = time.perf_counter()
         last, num_chunks, usage_tokens = st, 0, None

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mcp2026.bench.report import render_markdown, shell_join, write_run
-from mcp2026.bench.serve_config import ServeBenchConfig, parse_goodput, parse_peers
+from mcp2026.bench.serve_config import ServeBenchConfig, parse_extra_body, parse_goodput, parse_peers
 from mcp2026.bench.workloads import WorkloadSpec, load_workload, workload_burstiness
 from mcp2026.cli_errors import err
 
@@ -99,6 +99,17 @@ def serve(
             help="NAME=MODEL: the model id to send that peer (default: the first of its /v1/models)"
         ),
     ] = None,
+    peer_body: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="NAME=JSON (or NAME=@FILE): fields merged into every request to that peer, e.g. a "
+            "response_format; the peer may be our own server under another name"
+        ),
+    ] = None,
+    extra_body: Annotated[
+        str | None,
+        typer.Option(help="JSON (or @FILE): fields merged into every request to our server"),
+    ] = None,
     rounds: Annotated[
         int,
         typer.Option(help="side by side: phases per endpoint (order A B | B A | ...; duration split evenly)"),
@@ -135,8 +146,9 @@ def serve(
             malformed_share=malformed_share,
             check_server=check_server,
             detailed=detailed,
-            peers=parse_peers(peer_url or [], peer_model or []),
+            peers=parse_peers(peer_url or [], peer_model or [], peer_body or []),
             rounds=rounds,
+            extra_body=parse_extra_body(extra_body, "--extra-body") if extra_body else {},
         )
         tok = load_tokenizer(tokenizer)
         requests = load_requests(workload, num_prompts, seed, input_len, output_len, tokenizer, tok)

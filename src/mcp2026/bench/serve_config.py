@@ -4,6 +4,7 @@ side by side with our server, and the parsing of ``--peer-url``/``--peer-model``
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -13,6 +14,28 @@ GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 METRICS_MS = ("ttft", "tpot", "itl", "e2el")
 OURS = "mcp2026"  # our endpoint's name in side-by-side runs
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+# the fields the load generator owns: an extra body may not replace what makes the workload the same
+_OWNED_FIELDS = ("model", "prompt", "stream", "stream_options", "max_tokens")
+
+
+def check_extra_body(body: dict, owner: str) -> dict:
+    if not isinstance(body, dict):
+        raise ValueError(f"{owner}: the extra body must be a JSON object, got {body!r}")
+    owned = sorted(set(body) & set(_OWNED_FIELDS))
+    if owned:
+        raise ValueError(f"{owner}: the extra body may not set {owned} (the workload sets them)")
+    return dict(body)
+
+
+def parse_extra_body(text: str, owner: str) -> dict:
+    """A JSON object given on the command line, or ``@FILE`` to read it from a file."""
+    try:
+        if text.startswith("@"):
+            with open(text[1:], encoding="utf-8") as f:
+                text = f.read()
+        return check_extra_body(json.loads(text), owner)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{owner}: cannot read the extra body ({e})") from None
 
 
 @dataclass(frozen=True)
@@ -22,8 +45,10 @@ class PeerEndpoint:
     name: str
     base_url: str
     model: str | None = None  # None: the first id of its GET /v1/models
+    extra_body: dict = field(default_factory=dict)  # merged into every request body sent to it
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "extra_body", check_extra_body(self.extra_body, f"peer {self.name}"))
         if not _NAME.match(self.name) or self.name == OURS:
             raise ValueError(
                 f"a peer's name is letters, digits, '.', '_' and '-' and not {OURS!r}, got {self.name!r}"
@@ -56,9 +81,12 @@ class ServeBenchConfig:
     detailed: bool = False  # keep every request's ITLs in the records
     peers: tuple[PeerEndpoint, ...] = ()  # served the same workload, interleaved with ours
     rounds: int = 2  # side by side: phases per endpoint (every other round in reverse order)
+    # merged into every request body (e.g. a response_format; {"ignore_eos": false} replaces ignore_eos)
+    extra_body: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peers", tuple(self.peers))
+        object.__setattr__(self, "extra_body", check_extra_body(self.extra_body, "extra body"))
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         names = [p.name for p in self.peers]
@@ -86,8 +114,12 @@ class ServeBenchConfig:
             raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
 
 
-def parse_peers(urls: Sequence[str], models: Sequence[str] = ()) -> tuple[PeerEndpoint, ...]:
-    """``--peer-url NAME=URL`` (repeatable) and ``--peer-model NAME=MODEL`` for some of those peers."""
+def parse_peers(
+    urls: Sequence[str], models: Sequence[str] = (), bodies: Sequence[str] = ()
+) -> tuple[PeerEndpoint, ...]:
+    """``--peer-url NAME=URL`` (repeatable), ``--peer-model NAME=MODEL`` and ``--peer-body NAME=JSON`` (or
+    ``NAME=@FILE``) for some of those peers. The same server may be a peer under another body: e.g. our
+    own server with a ``response_format`` beside it without one."""
 
     def pairs(items: Sequence[str], option: str, what: str) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -102,10 +134,20 @@ def parse_peers(urls: Sequence[str], models: Sequence[str] = ()) -> tuple[PeerEn
 
     by_url = pairs(urls, "--peer-url", "URL")
     by_model = pairs(models, "--peer-model", "MODEL")
-    unknown = sorted(set(by_model) - set(by_url))
-    if unknown:
-        raise ValueError(f"--peer-model names peers without a --peer-url: {unknown}")
-    return tuple(PeerEndpoint(n, u.rstrip("/"), by_model.get(n)) for n, u in by_url.items())
+    by_body = pairs(bodies, "--peer-body", "JSON")
+    for option, given in (("--peer-model", by_model), ("--peer-body", by_body)):
+        unknown = sorted(set(given) - set(by_url))
+        if unknown:
+            raise ValueError(f"{option} names peers without a --peer-url: {unknown}")
+    return tuple(
+        PeerEndpoint(
+            n,
+            u.rstrip("/"),
+            by_model.get(n),
+            parse_extra_body(by_body[n], f"--peer-body {n}") if n in by_body else {},
+        )
+        for n, u in by_url.items()
+    )
 
 
 def parse_goodput(items: Sequence[str]) -> dict[str, float]:

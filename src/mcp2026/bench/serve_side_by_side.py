@@ -144,6 +144,7 @@ def bench_side_by_side(
             malformed_share=0.0,
             check_server=False,
             peers=(),
+            extra_body=peer.extra_body,
         )
         generators[peer.name] = LoadGenerator(peer_config, peer.model or "", count_tokens)
     on_done = None
