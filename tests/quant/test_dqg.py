@@ -231,7 +231,7 @@ def fixed_candidates(monkeypatch):
 
 def test_pipeline_uniform_int8(tiny_llama_dir, fixed_candidates):
     from mcp2026 import Pipeline
-    from mcp2026.quant.linear import Int8Linear
+    from mcp2026.quant.int8_linear import Int8Linear
 
     pipe = Pipeline(model=tiny_llama_dir, config=QuantConfig(target_precision="int8"), dtype="fp32")
     linears = [m for n, m in pipe.loaded.model.named_modules() if n.endswith(("proj", "lm_head"))]
@@ -255,7 +255,7 @@ def test_pipeline_dqg_budget(tiny_llama_dir, fixed_candidates):
 def test_lm_head_split_options_are_measured_and_applied(measured):
     import copy
 
-    from mcp2026.quant.linear import SplitRowsLinear
+    from mcp2026.quant.split_rows_linear import SplitRowsLinear
 
     model, layers = measured[:2]
     head = layers["lm_head"]
