@@ -156,9 +156,7 @@ def _with_successors(view: BlockView, score: torch.Tensor) -> torch.Tensor:
     boundary cuts in two stays together. A fact the question attends to ("the code for Elena is 61750.")
     often ends in the next block, which the question itself does not attend to; without this, the
     retrieval check's answers lost their last digits (SnapKV pools its scores over neighbouring tokens for
-    the same reason). Block-level and forward only (docs/kv-cache.md, "Successors", has the variants): on
-    the kv bench's 50 retrieval prompts at 70%, heavy_hitter kept the fact in 38 of the 44 answers the
-    uncompressed cache gets right without it, 44/44 with it; ΔPPL on the 2k text +8.15% -> +8.30%."""
+    the same reason). Block-level and forward only (docs/kv-cache.md, "Successors")."""
     score = score.float().nan_to_num(0.0)
     follows = torch.zeros_like(view.candidates)
     consecutive = view.origin[:, 1:] == view.origin[:, :-1] + 1
@@ -213,7 +211,7 @@ class EvictionPolicy(ABC):
     # relative to uniform (x live blocks observed), averaged with a per-token decay of half-life
     # ``score_half_life`` tokens, and in the step that completes the prompt, that step's observation alone.
     score_kind: ClassVar[str] = "mean"
-    # 32 (the observation window): at 2k tokens, 70% (bench kv, 1 sequence) ΔPPL +8.2% vs +9.7% at 256
+    # the observation window: a longer half-life lets stale scores pin early blocks (a worse ΔPPL on the kv bench)
     score_half_life: ClassVar[float] = 32.0
     # Whether, when the prompt completes, the passages its question names (``lexical_anchors``) are kept in every
     # lane for ``budget.anchor_tokens`` tokens (``budget.num_anchors`` of them; snap evicts once, at that point).
@@ -312,7 +310,7 @@ class HeavyHitter(EvictionPolicy):
             return _lowest(view, view.origin, view.num_over)
         # How far a lane reaches is judged as if nothing were anchored (anchors sit on top of the budget): a lane
         # that copies from the anchored passage would otherwise look local and trade its heavy hitters for a
-        # window (one 2k text went +5.7% -> +11.4% ΔPPL that way)
+        # window
         plain = view
         if view.is_anchor is not None:
             plain = dataclasses.replace(view, is_anchor=None, num_keep=view.num_keep - view.num_over_budget)

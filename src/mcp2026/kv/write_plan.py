@@ -46,7 +46,8 @@ class WritePlan:
 
     def for_layer(self, layer: int) -> WritePlan:
         """A layered cache's plan as one layer writes it (its row of ``rows`` / ``seal_chunk_ids``): a shallow
-        copy (every layer of every step makes one; ``dataclasses.replace`` cost ~80 us each)."""
+        copy, cheaper than ``dataclasses.replace``, which rebuilds through ``__init__`` (every layer of every
+        step makes one)."""
         plan = copy.copy(self)
         plan.rows = None if self.rows is None else self.rows[layer]
         plan.seal_chunk_ids = None if self.seal_chunk_ids is None else self.seal_chunk_ids[layer]
