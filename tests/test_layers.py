@@ -1,4 +1,5 @@
-"""The folders are the architecture: imports point down the layers, and nothing imports in a circle.
+"""The folders are the architecture: imports point down the layers, and nothing imports in a circle; and a
+module holds one concept, so none grows past ``MAX_MODULE_LINES``.
 
 Every import in src/mcp2026 counts (module level, inside functions, under ``TYPE_CHECKING``): a lower layer
 that needs to call up takes a callable or a small Protocol instead. Packages on one layer may import each
@@ -177,3 +178,27 @@ def test_targets_resolve_relative_and_package_imports():
     assert _targets("mcp2026.engine.engine", node) == ["mcp2026.kv.manager"]
     node = ast.parse("from mcp2026.kv.manager import KVCacheManager").body[0]
     assert _targets("mcp2026.engine.engine", node) == ["mcp2026.kv.manager"]
+
+
+# One concept per module keeps every module short enough to read whole: a file past this holds more than one
+# concept and splits by concept (not at the line).
+MAX_MODULE_LINES = 500
+
+
+def modules_over(paths, limit: int) -> dict[str, int]:
+    """Line count of every file in ``paths`` longer than ``limit`` lines."""
+    counts = {str(p): len(p.read_text(encoding="utf-8").splitlines()) for p in paths}
+    return {name: n for name, n in counts.items() if n > limit}
+
+
+def test_no_module_is_over_the_line_limit():
+    long = modules_over(MODULES.values(), MAX_MODULE_LINES)
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split each by concept): {long}"
+
+
+def test_modules_over_counts_lines(tmp_path):
+    short, long = tmp_path / "short.py", tmp_path / "long.py"
+    short.write_text("x = 1\n" * MAX_MODULE_LINES)
+    long.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert modules_over([short, long], MAX_MODULE_LINES) == {str(long): MAX_MODULE_LINES + 1}
+    assert len(MODULES) > 100  # the walk found the package

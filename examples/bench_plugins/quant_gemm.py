@@ -23,7 +23,8 @@ import torch
 
 from mcp2026.bench.plugins import PluginContext
 from mcp2026.kernels import cpu, ops
-from mcp2026.quant.linear import Int4Linear, Int8Linear
+from mcp2026.quant.int4_linear import Int4Linear
+from mcp2026.quant.int8_linear import Int8Linear
 from mcp2026.quant.plan import LayerQuantSpec
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}

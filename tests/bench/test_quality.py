@@ -119,6 +119,7 @@ def test_wide_output_plan_keeps_the_lm_head_in_int8(tiny_llama_dir):
 
 
 def test_as_decode_steps_feeds_quantized_linears_decode_sized_chunks(monkeypatch):
+    from mcp2026.quant import cpu_routing as routing
     from mcp2026.quant import linear as qlinear
 
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32))
@@ -134,7 +135,7 @@ def test_as_decode_steps_feeds_quantized_linears_decode_sized_chunks(monkeypatch
         )
         assert as_decode_steps(model) == 2
         chunked = model(x)
-    assert max(rows_seen) <= qlinear.GEMV_MAX_ROWS and sum(rows_seen) == 21
+    assert max(rows_seen) <= routing.GEMV_MAX_ROWS and sum(rows_seen) == 21
     assert chunked.shape == whole.shape
     assert ((chunked - whole).norm() / whole.norm()).item() < 0.02  # int8 vs bf16 activations
 

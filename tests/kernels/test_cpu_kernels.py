@@ -262,7 +262,8 @@ def test_paged_decode_attention_rejects_bad_tables(kernels):
 @pytest.mark.parametrize(("group_size", "k"), [(32, 192), (64, 192), (32, 800)])  # 800: 25 blocks, one odd
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 20, 64])  # one row, a partial tile, full 8-row tiles + rests
 def test_int4_gemv_is_exact_integer_math_and_close_to_the_weights(kernels, group_size, k, rows):
-    from mcp2026.quant.linear import Int4Linear, gemv_layout, unpack_int4
+    from mcp2026.quant.int4_linear import Int4Linear
+    from mcp2026.quant.int4_packing import gemv_layout, unpack_int4
     from mcp2026.quant.plan import LayerQuantSpec
 
     torch.manual_seed(2)
@@ -300,23 +301,24 @@ def test_int4_gemv_gives_a_row_the_same_bits_in_any_batch(kernels, k):
 @pytest.mark.parametrize("fast_bf16", [True, False])
 @pytest.mark.usefixtures("no_vnni_gemm")
 def test_int4_linear_takes_the_gemv_for_decode_sized_batches_only(kernels, fast_bf16, monkeypatch):
+    from mcp2026.quant import cpu_routing as routing
     from mcp2026.quant import linear as qlinear
     from mcp2026.quant.plan import LayerQuantSpec
 
-    monkeypatch.setattr(qlinear, "_cpu_has_fast_bf16", lambda: fast_bf16)
+    monkeypatch.setattr(routing, "cpu_has_fast_bf16", lambda: fast_bf16)
     calls = []
     monkeypatch.setattr(cpu, "_module", _Spy(kernels, calls))
     q = qlinear.Int4Linear.from_linear(torch.nn.Linear(64, 32), LayerQuantSpec("int4"), torch.bfloat16)
     with torch.inference_mode():
         for rows in (
             2,
-            qlinear.GEMV_MAX_ROWS + 1,
-            qlinear.INT4_GEMV_BATCH_MAX_ROWS,
-            qlinear.INT4_DEQUANT_MIN_ROWS,
+            routing.GEMV_MAX_ROWS + 1,
+            routing.INT4_GEMV_BATCH_MAX_ROWS,
+            routing.INT4_DEQUANT_MIN_ROWS,
         ):
             assert q(torch.randn(rows, 64)).shape == (rows, 32)
     # batched decode and mid-sized steps take the GEMV only where torch's int kernel would compute in slow bf16
-    gemv_rows = [2] if fast_bf16 else [2, qlinear.GEMV_MAX_ROWS + 1, qlinear.INT4_GEMV_BATCH_MAX_ROWS]
+    gemv_rows = [2] if fast_bf16 else [2, routing.GEMV_MAX_ROWS + 1, routing.INT4_GEMV_BATCH_MAX_ROWS]
     assert [rows for name, rows in calls if name == "int4_gemv"] == gemv_rows
     # prefill: dequantize + GEMM, fp32 past the GEMV's rows; bf16 past a fused step's rows where bf16 is fast
     assert sum(name == "int4_dequant" for name, _ in calls) == (2 if fast_bf16 else 1)
@@ -365,7 +367,7 @@ def test_model_logits_equal_with_and_without_kernels(kernels, tiny_llama_dir, mo
 
 @pytest.mark.parametrize("rows", [1, 5, 19])
 def test_int8_gemv_equals_the_dequantized_matmul(kernels, rows):
-    from mcp2026.quant.linear import Int8Linear
+    from mcp2026.quant.int8_linear import Int8Linear
     from mcp2026.quant.plan import LayerQuantSpec
 
     torch.manual_seed(3)
@@ -380,7 +382,7 @@ def test_int8_gemv_equals_the_dequantized_matmul(kernels, rows):
 
 @pytest.mark.usefixtures("no_vnni_gemm")
 def test_activation_scaled_int4_layers_take_the_gemv_with_the_scale(kernels):
-    from mcp2026.quant.linear import Int4Linear
+    from mcp2026.quant.int4_linear import Int4Linear
     from mcp2026.quant.plan import LayerQuantSpec
 
     torch.manual_seed(4)
@@ -398,19 +400,20 @@ def test_activation_scaled_int4_layers_take_the_gemv_with_the_scale(kernels):
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.usefixtures("no_vnni_gemm")
 def test_prefill_sized_batches_dequantize_to_fp32_where_bf16_is_slow(kernels, fmt, monkeypatch):
+    from mcp2026.quant import cpu_routing as routing
     from mcp2026.quant import linear as qlinear
     from mcp2026.quant.plan import LayerQuantSpec
 
-    monkeypatch.setattr(qlinear, "_cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(routing, "cpu_has_fast_bf16", lambda: False)
     cls = qlinear.Int4Linear if fmt == "int4" else qlinear.Int8Linear
     q = cls.from_linear(torch.nn.Linear(128, 64, bias=True), LayerQuantSpec(fmt), torch.bfloat16)
-    min_rows = qlinear.INT4_DEQUANT_MIN_ROWS if fmt == "int4" else qlinear.DEQUANT_MIN_ROWS
+    min_rows = routing.INT4_DEQUANT_MIN_ROWS if fmt == "int4" else routing.DEQUANT_MIN_ROWS
     x = torch.randn(min_rows + 3, 128)
     with torch.inference_mode():
         y = q(x)
     expected = x @ q.dequantize().T + q.bias.float()
     torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)  # fp32 activations: no bf16 rounding
-    monkeypatch.setattr(qlinear, "_cpu_has_fast_bf16", lambda: True)  # the int kernel (bf16) instead
+    monkeypatch.setattr(routing, "cpu_has_fast_bf16", lambda: True)  # the int kernel (bf16) instead
     with torch.inference_mode():
         y_bf16 = q(x)
     assert not torch.allclose(y_bf16, expected, atol=1e-4, rtol=1e-4)
@@ -418,10 +421,11 @@ def test_prefill_sized_batches_dequantize_to_fp32_where_bf16_is_slow(kernels, fm
 
 @pytest.mark.usefixtures("no_vnni_gemm")
 def test_int4_prefill_where_bf16_is_fast_is_a_bf16_gemm_on_the_dequantized_weights(kernels, monkeypatch):
+    from mcp2026.quant import cpu_routing as routing
     from mcp2026.quant import linear as qlinear
     from mcp2026.quant.plan import LayerQuantSpec
 
-    monkeypatch.setattr(qlinear, "_cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(routing, "cpu_has_fast_bf16", lambda: True)
     q = qlinear.Int4Linear.from_linear(
         torch.nn.Linear(128, 64, bias=True), LayerQuantSpec("int4"), torch.bfloat16
     )
@@ -433,7 +437,7 @@ def test_int4_prefill_where_bf16_is_fast_is_a_bf16_gemm_on_the_dequantized_weigh
     assert torch.equal(buffer.view(64, 128), w)  # written in place, no copy
     with pytest.raises(RuntimeError, match="out must be"):
         kernels.int4_dequant(qs, sz, out_bf16=True, out=torch.empty(64 * 128))  # fp32 buffer for bf16 output
-    x = torch.randn(qlinear.INT4_BF16_DEQUANT_MIN_ROWS, 128)
+    x = torch.randn(routing.INT4_BF16_DEQUANT_MIN_ROWS, 128)
     with torch.inference_mode():
         y = q(x)
     expected = (torch.nn.functional.linear(x.bfloat16(), q.dequantize().bfloat16()) + q.bias).float()

@@ -193,6 +193,6 @@ def test_fused_steps_are_under_every_formats_gemv_row_limit():
     # The model decides "quantized linears take their GEMVs" once per fused step, with the int8 limit; that
     # answer holds for int4 too only while fused steps are smaller than both limits.
     from mcp2026.kernels import ops
-    from mcp2026.quant import linear as qlinear
+    from mcp2026.quant import cpu_routing as routing
 
-    assert min(qlinear.GEMV_BATCH_MAX_ROWS, qlinear.INT4_GEMV_BATCH_MAX_ROWS) >= ops.FUSED_MAX_ROWS
+    assert min(routing.GEMV_BATCH_MAX_ROWS, routing.INT4_GEMV_BATCH_MAX_ROWS) >= ops.FUSED_MAX_ROWS

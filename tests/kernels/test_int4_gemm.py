@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcp2026.quant.linear import Int4Linear
+from mcp2026.quant.int4_linear import Int4Linear
 from mcp2026.quant.plan import LayerQuantSpec
 
 

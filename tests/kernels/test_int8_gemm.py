@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcp2026.quant.linear import Int8Linear
+from mcp2026.quant.int8_linear import Int8Linear
 from mcp2026.quant.plan import LayerQuantSpec
 
 

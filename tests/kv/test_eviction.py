@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from mcp2026.kv.eviction import BlockView, EvictionBudget, KVEvictor, StepScores, make_policy
+from mcp2026.kv.eviction import BlockView, EvictionBudget, StepScores, make_policy
+from mcp2026.kv.evictor import KVEvictor
 from mcp2026.kv.manager import KVCacheManager
 
 BS = 4
@@ -262,7 +263,7 @@ def test_evictor_applies_policy_and_keeps_pool_integrity():
     evictor.forget(["a"])
     kv.free(req)
     kv.check_integrity()
-    assert kv.num_free_blocks == 32 and evictor.count.sum() == 0
+    assert kv.num_free_blocks == 32 and evictor.scores.count.sum() == 0
 
 
 @dataclass
@@ -318,7 +319,9 @@ def test_heavy_hitter_scores_relative_to_uniform_not_stale_means():
     mass = [0.3, 0.0, 0.0, 0.01, 0.01, 0.15, 0.14, 0.01, 0.2, 0.18]
     assert step(kv, evictor, req, 28, mass) == 4
     assert live_blocks(kv, evictor, "a") == [0, 5, 6, 7, 8, 9]  # sink, heavy 5 and 6, recent 7 (half), 8, 9
-    score = evictor.recent[evictor._states["a"].row, 0, :10]  # compacted with the slots: blocks 0, 5, 6, ...
+    score = evictor.scores.recent[
+        evictor._states["a"].row, 0, :10
+    ]  # compacted with the slots: blocks 0, 5, 6, ...
     assert (
         score[1] > 1.0 and score[2] > 1.0 and float(score[6:].abs().sum()) == 0
     )  # above uniform; rest zeroed
@@ -362,12 +365,14 @@ def test_recent_scores_decay_with_age_and_start_from_the_first_observation():
     first = torch.tensor([[[0.5, 0.4, 0.1], [0.2, 0.2, 0.6]]])  # (1 request, 2 lanes, 3 slots)
     evictor.absorb([StepScores(["a"], [3], first)], {"a": 12})
     row = evictor._states["a"].row
-    torch.testing.assert_close(evictor.recent[row, :, :3], first[0] * 3)  # relative to uniform (x 3 slots)
+    torch.testing.assert_close(
+        evictor.scores.recent[row, :, :3], first[0] * 3
+    )  # relative to uniform (x 3 slots)
     second = torch.tensor([[[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]])
     half_life = int(evictor.policy.score_half_life)
     evictor.absorb([StepScores(["a"], [3], second)], {"a": half_life})  # one half-life later: equal weights
-    torch.testing.assert_close(evictor.recent[row, :, :3], (first[0] + second[0]) * 1.5)
-    torch.testing.assert_close(evictor.last[row, :, :3], second[0] * 3)
+    torch.testing.assert_close(evictor.scores.recent[row, :, :3], (first[0] + second[0]) * 1.5)
+    torch.testing.assert_close(evictor.scores.last[row, :, :3], second[0] * 3)
 
 
 def test_lexical_anchors_find_the_passage_the_question_names():

@@ -65,7 +65,7 @@ def test_int4_staging_is_16_bit_and_rounds_the_tail_once():
     cache = make("int4")
     x = torch.randn(5, NKV, HD)  # less than a block: all of it staged
     write(cache, [("a", 0, 5, [0])], {"a": x})
-    assert cache.stage_dtype == torch.bfloat16 and cache._stage_k.dtype == torch.bfloat16
+    assert cache.stage_dtype == torch.bfloat16 and cache.staging.k.dtype == torch.bfloat16
     assert torch.equal(read(cache, "a", [0], 5), x.to(torch.bfloat16).float())
 
 
@@ -184,8 +184,8 @@ def test_int4_tail_only_steps_write_staging_in_one_kernel_call(kernels, monkeypa
         kernels, monkeypatch, lambda: make("int4"), steps, x, "write_kv_rows"
     )
     assert calls == 2 * 3  # 2 layers x the steps 13, 14 and 25 (15 and 16 seal a block)
-    for name in ("_stage_k", "_stage_v"):
-        assert torch.equal(getattr(with_kernels, name), getattr(without, name))
+    for name in ("k", "v"):
+        assert torch.equal(getattr(with_kernels.staging, name), getattr(without.staging, name))
     _assert_same_planes(with_kernels, without)
     table = [5, 2, 7, 1]
     assert torch.equal(read(with_kernels, "a", table, 26), read(without, "a", table, 26))

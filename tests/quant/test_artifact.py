@@ -13,8 +13,10 @@ from mcp2026.config import QuantConfig
 from mcp2026.loading.loader import load_model
 from mcp2026.quant import artifact, dqg, recipe
 from mcp2026.quant.compile_cli import load_spec, parse_spec
-from mcp2026.quant.linear import Int4Linear, Int8Linear, QuantLinear
+from mcp2026.quant.int4_linear import Int4Linear
+from mcp2026.quant.int8_linear import Int8Linear
 from mcp2026.quant.plan import LayerQuantSpec, QuantPlan
+from mcp2026.quant.quant_linear import QuantLinear
 
 FORMATS = ("fp32", "int8", "int4")
 DTYPES = {"int8": torch.bfloat16, "int4": torch.bfloat16}
@@ -86,7 +88,7 @@ def test_artifact_from_the_other_kind_of_cpu_is_repacked(tmp_path, tiny_llama_di
     # other kind (its weights and recorded layout rewritten so) gives the same logits here.
     from safetensors.torch import load_file, save_file
 
-    from mcp2026.quant.linear import int4pack_block_rows, unpack_int4
+    from mcp2026.quant.int4_packing import int4pack_block_rows, unpack_int4
 
     loaded = load_model(tiny_llama_dir)
     recipe.apply(
@@ -222,7 +224,7 @@ def test_compile_cli_writes_loadable_artifact(tmp_path, tiny_llama_dir):
 
 
 def test_split_bias_corrected_lm_head_round_trips(tmp_path):
-    from mcp2026.quant.linear import SplitRowsLinear
+    from mcp2026.quant.split_rows_linear import SplitRowsLinear
 
     from conftest import save_tiny_hf
 

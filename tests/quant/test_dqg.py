@@ -13,7 +13,7 @@ import torch
 from mcp2026.bench.quality import evaluate, reference_logprobs
 from mcp2026.config import QuantConfig
 from mcp2026.loading.loader import load_model
-from mcp2026.quant import dqg, recipe
+from mcp2026.quant import dqg, dqg_options, recipe
 from mcp2026.quant.calibrate import CalibrationSettings, calibrate, calibration_samples
 from mcp2026.quant.perplexity import windows_from_tokens
 from mcp2026.quant.plan import LayerQuantSpec
@@ -32,7 +32,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def measured(tiny_llama_dir):
     loaded = load_model(tiny_llama_dir)
     calib = calibrate(loaded.model, calibration_samples(CALIB, None, 320), CALIB, progress=False)
-    layers = dqg.measure_options(loaded.model, calib, FORMATS, dqg.DQGSettings(precompensation="all"), False)
+    layers = dqg.measure_options(
+        loaded.model, calib, FORMATS, dqg_options.DQGSettings(precompensation="all"), False
+    )
     return loaded.model, layers, calib
 
 
@@ -59,7 +61,7 @@ def test_analytic_plan_clamps_to_candidates(measured):
         eps = {n: sigma / (2**bits - 1.5) for n in layers}  # b* = bits for this layer
         chosen = dqg.analytic_choice(layers, eps, FORMATS, 32, symmetric=False)
         assert chosen[name][0] == bits and chosen[name][1].spec.format == fmt
-    result = recipe._analytic(layers, QuantConfig(enable_dqg=True), FORMATS, dqg.DQGSettings())
+    result = recipe._analytic(layers, QuantConfig(enable_dqg=True), FORMATS, dqg_options.DQGSettings())
     assert result.mode == "analytic" and set(result.analytic) == set(layers)
     assert all(o.spec.format in FORMATS for o in result.choices.values())
 
@@ -75,12 +77,12 @@ def test_unavailable_format_clamps_with_warning_or_raises_when_strict():
 
 
 # ---- allocation ----------------------------------------------------------------------------------
-def _fake_layers(costs_errors: list[list[tuple[float, float]]]) -> dict[str, dqg.LayerOptions]:
+def _fake_layers(costs_errors: list[list[tuple[float, float]]]) -> dict[str, dqg_options.LayerOptions]:
     stats = weight_stats(torch.randn(8, 8))
     layers = {}
     for i, pairs in enumerate(costs_errors):
-        options = [dqg.Option(LayerQuantSpec("int8"), "", bits, err, err) for bits, err in pairs]
-        layers[f"l{i}"] = dqg.LayerOptions(f"l{i}", "linear", 1, 1, False, stats, 0, 0, 0, 0, options)
+        options = [dqg_options.Option(LayerQuantSpec("int8"), "", bits, err, err) for bits, err in pairs]
+        layers[f"l{i}"] = dqg_options.LayerOptions(f"l{i}", "linear", 1, 1, False, stats, 0, 0, 0, 0, options)
     return layers
 
 
@@ -231,7 +233,7 @@ def fixed_candidates(monkeypatch):
 
 def test_pipeline_uniform_int8(tiny_llama_dir, fixed_candidates):
     from mcp2026 import Pipeline
-    from mcp2026.quant.linear import Int8Linear
+    from mcp2026.quant.int8_linear import Int8Linear
 
     pipe = Pipeline(model=tiny_llama_dir, config=QuantConfig(target_precision="int8"), dtype="fp32")
     linears = [m for n, m in pipe.loaded.model.named_modules() if n.endswith(("proj", "lm_head"))]
@@ -255,7 +257,7 @@ def test_pipeline_dqg_budget(tiny_llama_dir, fixed_candidates):
 def test_lm_head_split_options_are_measured_and_applied(measured):
     import copy
 
-    from mcp2026.quant.linear import SplitRowsLinear
+    from mcp2026.quant.split_rows_linear import SplitRowsLinear
 
     model, layers = measured[:2]
     head = layers["lm_head"]

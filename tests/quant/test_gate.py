@@ -9,7 +9,9 @@ import torch
 
 from mcp2026.loading.loader import load_model
 from mcp2026.quant.gate import QuantGate
-from mcp2026.quant.linear import Int4Linear, Int8Linear, quantize_
+from mcp2026.quant.int4_linear import Int4Linear
+from mcp2026.quant.int8_linear import Int8Linear
+from mcp2026.quant.linear import quantize_
 from mcp2026.quant.plan import LayerQuantSpec, QuantPlan
 
 DTYPES = {"int8": torch.float32, "int4": torch.float32}

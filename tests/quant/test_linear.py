@@ -7,17 +7,10 @@ import torch
 from torch import nn
 
 from mcp2026.kernels import ops as kernel_ops
-from mcp2026.quant.linear import (
-    LINEAR_FORMATS,
-    Int4Linear,
-    Int8Linear,
-    SplitRowsLinear,
-    build_linear,
-    int4pack_block_rows,
-    pack_int4,
-    quantize_,
-    unpack_int4,
-)
+from mcp2026.quant.int4_linear import Int4Linear
+from mcp2026.quant.int4_packing import int4pack_block_rows, pack_int4, unpack_int4
+from mcp2026.quant.int8_linear import Int8Linear
+from mcp2026.quant.linear import LINEAR_FORMATS, build_linear, quantize_
 from mcp2026.quant.plan import FORMATS, LayerQuantSpec, QuantPlan, high_row_count
 from mcp2026.quant.quantizer import (
     dequantize_groupwise_int4,
@@ -27,6 +20,7 @@ from mcp2026.quant.quantizer import (
     quantize_per_channel_int8,
     search_act_scale,
 )
+from mcp2026.quant.split_rows_linear import SplitRowsLinear
 
 
 def _linear(in_features: int, out_features: int, bias: bool = True, seed: int = 0) -> nn.Linear:

@@ -20,8 +20,8 @@ from mcp2026.engine.engine import LLMEngine
 from mcp2026.kv.compressor import KVCompressor
 from mcp2026.kv.eviction import POLICIES
 from mcp2026.kv.manager import cdiv
-from mcp2026.kv.paged_cache import staging_dtype
 from mcp2026.kv.sizing import kv_block_bytes
+from mcp2026.kv.staging import staging_dtype
 from mcp2026.types import SamplingParams
 
 

@@ -22,7 +22,8 @@ from mcp2026.loading.loader import load_model, parameter_count, weight_bytes
 from mcp2026.pipeline import native_weights_blocker
 from mcp2026.quant import dqg, recipe
 from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, calibration_samples
-from mcp2026.quant.linear import GEMV_MAX_ROWS, QuantLinear
+from mcp2026.quant.cpu_routing import GEMV_MAX_ROWS
+from mcp2026.quant.linear import QuantLinear
 from mcp2026.quant.perplexity import N_CTX, evaluation_windows
 from mcp2026.quant.plan import LayerQuantSpec, QuantPlan, layer_bits, linear_modules
 from mcp2026.quant.recipe import uniform_plan

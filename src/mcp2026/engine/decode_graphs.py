@@ -24,7 +24,8 @@ from torch import nn
 
 from mcp2026.engine.output import ScheduledChunk
 from mcp2026.kv.manager import cdiv
-from mcp2026.kv.paged_cache import PagedKVCache, WritePlan
+from mcp2026.kv.paged_cache import PagedKVCache
+from mcp2026.kv.write_plan import WritePlan
 from mcp2026.models.attention import AttentionMetadata, ForwardContext
 
 # Batch sizes with a graph of their own; a step takes the smallest that holds it (vLLM's spacing: fine at

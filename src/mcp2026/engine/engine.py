@@ -19,8 +19,10 @@ from torch import nn
 
 from mcp2026 import hardware
 from mcp2026.config import EngineConfig, KVConfig, ModelConfig
+from mcp2026.engine.fault_isolation import FaultHook, execute_isolating, without_failed
+from mcp2026.engine.kv_setup import build_engine_kv
 from mcp2026.engine.lookahead import draft_attention
-from mcp2026.engine.output import ScheduledChunk, SchedulerOutput
+from mcp2026.engine.output import SchedulerOutput
 from mcp2026.engine.output_processor import OutputProcessor, RequestOutput, RequestState
 from mcp2026.engine.request import Request
 from mcp2026.engine.runner import ModelRunner
@@ -31,10 +33,6 @@ from mcp2026.engine.step_timer import StepStats, StepTimer
 from mcp2026.engine.structured import GrammarCompiler
 from mcp2026.kv.debug import fragmentation_report
 from mcp2026.kv.dtss import DTSSController
-from mcp2026.kv.layer_weights import preset_name
-from mcp2026.kv.manager import KVCacheManager
-from mcp2026.kv.paged_cache import PagedKVCache
-from mcp2026.kv.sizing import fitting_context, plan_kv_blocks
 from mcp2026.types import CompletionOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -75,87 +73,16 @@ class LLMEngine:
         self.device = first_param.device
         if self.device.type == "cpu":
             cap_cpu_threads()
-        self.max_model_len = min(
-            self.config.scheduler.max_model_len or model_config.max_position_embeddings,
-            model.max_positions,
-        )
-        compressor = self.config.kv_compressor
-        if compressor is not None:  # layer_weights="auto" -> this model's calibrated set, or uniform
-            resolved = compressor.for_model(model_config)
-            if resolved is not compressor and resolved.layer_weights is not None:
-                log.info(
-                    "KV per-layer budgets (layer_weights='auto'): %s, calibrated for this model and %s",
-                    preset_name(resolved.layer_weights) or "an installed calibration file",
-                    compressor.policy,
-                )
-            compressor = resolved
-            self.config = replace(self.config, kv_compressor=compressor)
-        windows = [model_config.attention_window(i) for i in range(model_config.num_layers)]
-        evicts = compressor is not None and compressor.evicts  # eviction fits long sequences itself
-        if evicts and any(windows):
-            raise ValueError(
-                f"KV eviction policy {compressor.policy!r} with {model_config.architecture}'s sliding-window "
-                "layers is not supported (the window reads positions, eviction renumbers them): use "
-                "KVCompressor(policy='none'); the sliding layers already read only their window"
-            )
-        codec = compressor.make_codec() if compressor is not None else None
-        kv = self.config.resolved_kv
-        fits = fitting_context(kv, model_config, dtype, self.max_model_len, self.device, codec)
-        if self.config.scheduler.max_model_len is None and not evicts and 0 < fits < self.max_model_len:
-            log.warning(  # a long-context model (Gemma 3: 32k) on a small budget still runs, within the budget
-                "the KV budget holds %d tokens, fewer than the model's %d-token context: sequences are capped at "
-                "%d (set max_model_len, or a larger KV budget)", fits, self.max_model_len, fits,
-            )  # fmt: skip
-            self.max_model_len = fits
-        num_blocks = plan_kv_blocks(
-            kv,
-            model_config,
-            dtype,
-            self.max_model_len,
-            self.config.scheduler.max_num_seqs,
-            self.device,
-            codec,
-        )
-        self.cache = PagedKVCache(
-            model_config.num_layers,
-            num_blocks,
-            kv.block_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-            dtype,
-            device=self.device,
-            codec=codec,
-            layered=compressor is not None and compressor.layer_weights is not None,
-            **(
-                {"max_error": compressor.max_error, "error_check_interval": compressor.error_check_interval}
-                if compressor is not None
-                else {}
-            ),
-        )
-        self.kv_manager = KVCacheManager(
-            kv.block_size,
-            num_blocks,
-            num_shards=kv.max_kv_cache_shards,
-            enable_prefix_caching=kv.enable_prefix_caching,
-            max_parked_blocks=(
-                None
-                if kv.prefix_cache_gb is None
-                else int(kv.prefix_cache_gb * 1e9 * num_blocks / self.cache.nbytes)
-            ),
-        )
-        self.evictor = (
-            compressor.make_evictor(self.kv_manager, self.max_model_len, self.cache) if compressor else None
-        )
+        kv = build_engine_kv(self.config, model_config, model.max_positions, dtype, self.device)
+        self.config, self.max_model_len = kv.config, kv.max_model_len
+        self.cache, self.kv_manager, self.evictor = kv.cache, kv.manager, kv.evictor
         self.scheduler = Scheduler(
             self.config.scheduler,
             self.kv_manager,
             self.max_model_len,
             self._peak_blocks_rule(),
         )
-        # every layer slides (and nothing evicts): blocks behind the widest window are freed as sequences grow
-        self._release_window = (
-            max(windows) if self.evictor is None and all(w is not None for w in windows) else None
-        )
+        self._release_window = kv.release_window
         self.runner = ModelRunner(
             model,
             self.cache,
@@ -175,8 +102,8 @@ class LLMEngine:
         self.stats = StepStats()
         self.timer = StepTimer(self.stats, self.scheduler.observe_prefill)
         self.counters = EngineCounters()
-        self.fault_hook: Callable[[ScheduledChunk], None] | None = None  # tests inject failures here
-        self.dtss = self._make_dtss(kv)
+        self.fault_hook: FaultHook | None = None  # tests inject failures here
+        self.dtss = self._make_dtss(self.config.resolved_kv)
         self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()  # the server builds it from a worker thread, steps use it
@@ -349,7 +276,7 @@ class LLMEngine:
         if out.is_empty:
             return results
         with self.timer.execute(out):
-            sample_ids, logits, failed = self._execute(out)
+            sample_ids, logits, failed = execute_isolating(self.runner, out, self.fault_hook)
         with self.timer.phase("sample_ms"):
             states = [self.states[r].sampling for r in sample_ids]
             sampled = self.sampler.sample(logits, states) if sample_ids else None
@@ -362,7 +289,7 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Append the sampled tokens, let the evictor drop blocks, and turn every request's news into outputs."""
         tokens = dict(zip(sample_ids, sampled.token_ids)) if sampled else {}
-        ok_output = out if not failed else self._without(out, failed)
+        ok_output = without_failed(out, failed)
         self._record_prompt_logprobs(ok_output)
         self.scheduler.update(ok_output, tokens)
         self._evict(ok_output)
@@ -424,7 +351,7 @@ class LLMEngine:
                 self.evictor.forget(request_ids)
 
     def kv_debug_report(self) -> dict:
-        """KV compression debug checks (our notes): codec error per layer vs ``max_error``, shape checks,
+        """KV compression debug checks: codec error per layer vs ``max_error``, shape checks,
         eviction counters, pool fragmentation."""
         report = self.cache.debug_report()
         computed = {
@@ -437,39 +364,6 @@ class LLMEngine:
         compressor = self.config.kv_compressor
         report["compressor"] = compressor.to_dict() if compressor is not None else None
         return report
-
-    def _execute(self, out: SchedulerOutput) -> tuple[list[str], torch.Tensor, dict[str, str]]:
-        try:
-            if self.fault_hook is not None:
-                for chunk in out.chunks:
-                    self.fault_hook(chunk)
-            sample_ids, logits = self.runner.execute(out)
-            return sample_ids, logits, {}
-        except Exception as e:  # noqa: BLE001 - any failure of one request must not stop the others
-            if len(out.chunks) == 1:  # the culprit is known: fail it without running it again
-                log.exception("request %s failed", out.chunks[0].request_id)
-                return [], torch.empty(0), {out.chunks[0].request_id: f"{type(e).__name__}: {e}"}
-        # Isolate: run each chunk alone; the ones that still fail are the culprits.
-        sample_ids, rows, failed = [], [], {}
-        for chunk in out.chunks:
-            single = SchedulerOutput([chunk], chunk.num_tokens)
-            try:
-                if self.fault_hook is not None:
-                    self.fault_hook(chunk)
-                ids, logits = self.runner.execute(single)
-            except Exception as e:  # noqa: BLE001 - any failure of one request must not stop the others
-                log.exception("request %s failed", chunk.request_id)
-                failed[chunk.request_id] = f"{type(e).__name__}: {e}"
-                continue
-            sample_ids += ids
-            rows.append(logits)
-        logits = torch.cat(rows) if rows else torch.empty(0)
-        return sample_ids, logits, failed
-
-    @staticmethod
-    def _without(out: SchedulerOutput, failed: dict[str, str]) -> SchedulerOutput:
-        chunks = [c for c in out.chunks if c.request_id not in failed]
-        return SchedulerOutput(chunks, sum(c.num_tokens for c in chunks), out.preempted_ids, out.finished_ids)
 
     def _drain_finished_by_scheduler(self, out: SchedulerOutput) -> list[RequestOutput]:
         """Requests the scheduler finished on its own (e.g. too large for the whole pool)."""

@@ -18,7 +18,8 @@ import yaml
 
 from mcp2026.config import ModelConfig
 from mcp2026.kv.codecs import CODECS, KVCodec, default_block_size, describe_default_block_sizes, make_codec
-from mcp2026.kv.eviction import POLICIES, EvictionBudget, KVEvictor, make_policy
+from mcp2026.kv.eviction import POLICIES, EvictionBudget, make_policy
+from mcp2026.kv.evictor import KVEvictor
 from mcp2026.kv.layer_weights import AUTO, UNIFORM, auto_weights, parse_layer_weights
 from mcp2026.kv.manager import KVCacheManager
 from mcp2026.kv.paged_cache import PagedKVCache

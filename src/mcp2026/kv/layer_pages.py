@@ -222,3 +222,25 @@ def plan_packing(
         dst.append((new_pages * num_kv_heads + heads).flatten())
     empty = torch.zeros(0, dtype=torch.long)
     return Packing(final, released, torch.cat(src) if src else empty, torch.cat(dst) if dst else empty)
+
+
+def repoint_packing(
+    packing: Packing, changed: dict[int, int], whole: torch.Tensor, num_blocks: int, num_kv_heads: int
+) -> Packing:
+    """``packing`` after ``KVCacheManager.privatize`` replaced blocks with fresh ones (``changed``: old -> new):
+    every destination page of an old block (and the new layout) points at the same page of its new block, and
+    the old blocks' other chunks (``whole``: every chunk of the old blocks, ``PagedKVCache.block_chunks``) are
+    copied over too. The sources stay the old blocks, whose bytes are intact until the next allocation:
+    ``move_chunks`` reads every source before it writes, so one call does both."""
+    nb, nkv = num_blocks, num_kv_heads
+    block_map = torch.arange(nb)
+    block_map[torch.tensor(list(changed))] = torch.tensor(list(changed.values()))
+
+    def repoint(ids: torch.Tensor) -> torch.Tensor:
+        page, head = ids // nkv, ids % nkv
+        return ((page // nb) * nb + block_map[page % nb]) * nkv + head
+
+    dst = repoint(packing.dst)
+    rest = whole[~torch.isin(repoint(whole), dst)]  # to the same chunks of the new blocks
+    layout = [[(p // nb) * nb + changed.get(p % nb, p % nb) for p in layer] for layer in packing.pages]
+    return Packing(layout, packing.released, torch.cat([rest, packing.src]), torch.cat([repoint(rest), dst]))

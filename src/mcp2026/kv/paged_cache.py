@@ -6,25 +6,16 @@ block (``block_size`` tokens). Head-major chunks let a read gather (sequence, he
 (B, nkv, L, hd): the attention matmuls then run on contiguous operands, with no transpose of K or V.
 Logical bookkeeping (which request owns which block) lives in ``kv.block_pool`` / ``kv.manager``.
 
-Staged codecs (int4 KIVI keys are quantized per channel over a block's tokens) keep each request's last, not
-yet full block in a full-precision staging store: a write plan seals a block (staged tokens + new tokens,
-encoded into the pool) when it fills and stages the new tail. A read names a staged block by
-``num_blocks + staging index``. Staging entries belong to requests, changes commit after the forward succeeds
-(a failed step can be rerun), and a sealing step moves the tail to a fresh entry so the one it reads stays
-intact until the commit.
-
-On the CPU the storage is an anonymous mmap: untouched pages cost no memory (RSS grows with use, and
-read as zeros, so padded reads are always finite), and ``release_blocks`` hands a range of blocks back to
-the OS (madvise DONTNEED) when the DTSS takes KV shards offline under memory pressure.
+Where a step's tokens go is planned by ``kv.write_plan``; staged codecs keep each request's last, not yet full
+block in ``kv.staging``, and a read names a staged block by ``num_pages + staging index``. On the CPU the planes
+are anonymous mmaps (``kv.pool_memory``): ``release_blocks`` hands a range of blocks back to the OS.
 """
 
 from __future__ import annotations
 
-import copy
-import math
 import mmap
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -43,22 +34,9 @@ from mcp2026.kv.codecs import (
 )
 from mcp2026.kv.debug import ErrorMonitor
 from mcp2026.kv.layer_pages import LayerTable
-
-
-def _allocate(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, mmap.mmap | None]:
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device), None
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    tensor = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
-    return tensor, buffer
-
-
-def staging_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Storage of a staged codec's unfilled blocks: 16 bits (fp32 models stage in bf16)."""
-    return torch.bfloat16 if dtype == torch.float32 else dtype
+from mcp2026.kv.pool_memory import allocate_plane, release_block_range
+from mcp2026.kv.staging import SavedEntries, StagingStore, staging_dtype
+from mcp2026.kv.write_plan import WriteChunk, WritePlan, WritePlanner
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -98,47 +76,6 @@ class BlockRead:
             move(self.stage_block),
             move(self.stage_idx),
         )
-
-
-@dataclass
-class WritePlan:
-    """Where one step's T new tokens go (the same for every layer; a layered cache's ``rows`` and
-    ``seal_chunk_ids`` have one row per layer). Rows index a plane viewed as (num_blocks * nkv * bs, *row):
-    row = (block * nkv + head) * bs + offset (a layered cache's flat pool: page for block); staging likewise.
-
-    Unstaged codecs: (token, head) rows ``rows`` (T * nkv,). Staged codecs: full blocks (chunks
-    ``seal_chunk_ids``) are assembled from new tokens ``seal_src`` (NS*bs,) and staged (token, head) rows
-    ``seal_stage_src`` placed at tokens ``seal_stage_dst``, encoded and written; tail tokens ``tail_src`` go
-    to staging rows ``tail_dst`` (Tt * nkv,).
-    """
-
-    rows: torch.Tensor | None = None
-    seal_chunk_ids: torch.Tensor | None = None
-    seal_src: torch.Tensor | None = None
-    seal_stage_dst: torch.Tensor | None = None
-    seal_stage_src: torch.Tensor | None = None
-    tail_dst: torch.Tensor | None = None
-    tail_src: torch.Tensor | None = None
-    tail_is_whole_step: bool = False  # every new token goes to staging (no seal): tail_src is all T, in order
-    stage_after: dict[str, int | None] = field(default_factory=dict)  # request -> staging index after it
-    is_monitored: bool = False  # measure the round-trip error of this step's writes
-
-    def for_layer(self, layer: int) -> WritePlan:
-        """A layered cache's plan as one layer writes it (its row of ``rows`` / ``seal_chunk_ids``): a shallow
-        copy (every layer of every step makes one; ``dataclasses.replace`` cost ~80 us each)."""
-        plan = copy.copy(self)
-        plan.rows = None if self.rows is None else self.rows[layer]
-        plan.seal_chunk_ids = None if self.seal_chunk_ids is None else self.seal_chunk_ids[layer]
-        return plan
-
-    def to(self, device: torch.device) -> WritePlan:
-        if device.type == "cpu":
-            return self
-        moved = {
-            k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-            for k, v in self.__dict__.items()
-        }
-        return WritePlan(**moved)
 
 
 class PagedKVCache:
@@ -185,12 +122,14 @@ class PagedKVCache:
         self.k_planes = self._allocate_planes(self.codec.key)
         self.v_planes = self._allocate_planes(self.codec.value)
         self.block_bytes = self.codec.block_bytes(block_size, num_kv_heads, head_dim)  # one layer
-        # Staging store (staged codecs only): the last, unfilled block of each request in 16 bits (KIVI keeps
-        # its residual in fp16), grown on demand.
+        # Staging store (staged codecs only): the last, unfilled block of each request in 16 bits
         self.stage_dtype = staging_dtype(self.dtype)
-        self._stage_k = self._stage_v = torch.empty(0)
-        self._staged: dict[str, int] = {}
-        self._free_stage: set[int] = set()
+        self.staging = StagingStore(
+            num_layers, num_kv_heads, block_size, head_dim, self.stage_dtype, self.device
+        )
+        self._planner = WritePlanner(
+            block_size, num_kv_heads, layered, self.staging if self.codec.is_staged else None
+        )
         self.monitor = ErrorMonitor(num_layers, self.codec.name, max_error, error_check_interval)
         # decided once, read by every decode step's attention (see _quantized_kernel_kind), with the per-layer
         # plane lists it passes
@@ -217,7 +156,7 @@ class PagedKVCache:
         planes = {}
         for name, spec in codec.planes(self.block_size, self.head_dim).items():
             shape = (self.num_layers, self.num_blocks, self.num_kv_heads, *spec.shape)
-            tensor, buffer = _allocate(shape, spec.dtype, self.device)
+            tensor, buffer = allocate_plane(shape, spec.dtype, self.device)
             planes[name] = tensor
             if buffer is not None:
                 self._buffers.append(buffer)
@@ -254,180 +193,45 @@ class PagedKVCache:
 
     @property
     def staging_nbytes(self) -> int:
-        return (self._stage_k.numel() + self._stage_v.numel()) * self._stage_k.element_size()
+        return self.staging.nbytes
 
     @property
     def num_staged(self) -> int:
-        return len(self._staged)
+        return self.staging.num_staged
 
     # --- writes ----------------------------------------------------------------------------------------
-    def plan_write(self, chunks: Sequence[tuple[str, int, int, Sequence[int] | LayerTable]]) -> WritePlan:
+    def plan_write(self, chunks: Sequence[WriteChunk]) -> WritePlan:
         """Plan a step's writes. ``chunks``: (request id, start slot, number of tokens, block table; a layered
         cache takes each request's ``LayerTable``), the step's tokens in this order. Pure: nothing changes until
         ``commit(plan)``."""
         is_monitored = self.monitor.is_due() and not self.codec.is_lossless
         if self.layered and not all(isinstance(c[3], LayerTable) for c in chunks):
             raise ValueError("a layered cache writes through LayerTables (kv.layer_pages), one per request")
-        if self.codec.is_staged:
-            return self._plan_staged(chunks, is_monitored)
-        bs = self.block_size
-        if self.layered:  # (L, T * nkv): token p of a chunk goes to slot p // bs - shift of each layer
-            rows = []
-            for _, start, n, lt in chunks:
-                pos = torch.arange(start, start + n)
-                slots = (pos // bs).unsqueeze(0) - lt.shift.unsqueeze(1)  # (L, n)
-                pages = lt.pages.gather(1, slots)
-                rows.append(self._layer_rows(pages, pos % bs))
-            return WritePlan(rows=torch.cat(rows, dim=1), is_monitored=is_monitored)
-        bases = [table[p // bs] for _, start, n, table in chunks for p in range(start, start + n)]
-        offsets = [p % bs for _, start, n, _ in chunks for p in range(start, start + n)]
-        return WritePlan(rows=self._rows(bases, offsets), is_monitored=is_monitored)
-
-    def _layer_rows(self, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """(L, n * nkv) rows of tokens at ``offsets`` (n,) in pages (L, n)."""
-        heads = torch.arange(self.num_kv_heads)
-        rows = (pages.unsqueeze(2) * self.num_kv_heads + heads) * self.block_size + offsets.view(1, -1, 1)
-        return rows.flatten(1)
-
-    def _rows(self, chunk_base: Sequence[int], offsets: Sequence[int]) -> torch.Tensor:
-        """(token, head) rows (n * nkv,) of tokens at ``offsets`` in blocks / staging entries ``chunk_base``."""
-        heads = torch.arange(self.num_kv_heads)
-        base = torch.tensor(chunk_base, dtype=torch.long).unsqueeze(1) * self.num_kv_heads
-        return (
-            (base + heads) * self.block_size + torch.tensor(offsets, dtype=torch.long).unsqueeze(1)
-        ).flatten()
-
-    def _plan_staged(
-        self, chunks: Sequence[tuple[str, int, int, Sequence[int] | LayerTable]], is_monitored: bool
-    ) -> WritePlan:
-        bs = self.block_size
-        seal_ids: list = []  # block ids; a layered cache's (L, k) page tensors
-        seal_src: list[int] = []  # per sealed token: its index among the new tokens (or a dummy)
-        stage_dst: list[int] = []  # sealed tokens that come from staging ...
-        stage_base: list[int] = []  # ... their staging entry and offset
-        stage_off: list[int] = []
-        tail_base: list[int] = []
-        tail_off: list[int] = []
-        tail_src: list[int] = []
-        after: dict[str, int | None] = {}
-        taken: set[int] = set()
-        tok0 = 0
-        for rid, start, n, table in chunks:
-            end = start + n
-            current = self._staged.get(rid)
-            if start % bs and current is None:
-                raise AssertionError(f"request {rid}: block {start // bs} is partly written but not staged")
-            first, last = start // bs, end // bs  # blocks [first, last) fill in this step
-            if last > first:
-                head = start % bs  # staged tokens at the start of the first sealed block
-                stage_dst.extend(range(len(seal_src), len(seal_src) + head))
-                stage_base.extend([current] * head)
-                stage_off.extend(range(head))
-                if isinstance(table, LayerTable):  # (L, k) pages, one row per layer
-                    slots = torch.arange(first, last).unsqueeze(0) - table.shift.unsqueeze(1)
-                    seal_ids.append(table.pages.gather(1, slots))
-                else:
-                    seal_ids.extend(table[first:last])
-                seal_src.extend([tok0] * head)
-                seal_src.extend(range(tok0, tok0 + last * bs - start))
-            if end % bs:
-                idx = current if (last == first and current is not None) else self._take_stage(taken)
-                lo = max(start, last * bs)
-                tail_base.extend([idx] * (end - lo))
-                tail_off.extend(p % bs for p in range(lo, end))
-                tail_src.extend(range(tok0 + lo - start, tok0 + n))
-                after[rid] = idx
-            else:
-                after[rid] = None
-            tok0 += n
-
-        def tensor(values: list[int]) -> torch.Tensor | None:
-            return torch.tensor(values, dtype=torch.long) if values else None
-
-        plan = WritePlan(stage_after=after, is_monitored=is_monitored)
-        if seal_ids and self.layered:  # (L, NS * nkv)
-            pages = torch.cat(seal_ids, dim=1).unsqueeze(2)
-            plan.seal_chunk_ids = (pages * self.num_kv_heads + torch.arange(self.num_kv_heads)).flatten(1)
-        elif seal_ids:
-            blocks = torch.tensor(seal_ids, dtype=torch.long).unsqueeze(1)
-            plan.seal_chunk_ids = (blocks * self.num_kv_heads + torch.arange(self.num_kv_heads)).flatten()
-        if seal_ids:
-            plan.seal_src = tensor(seal_src)
-        if stage_dst:
-            plan.seal_stage_dst, plan.seal_stage_src = tensor(stage_dst), self._rows(stage_base, stage_off)
-        if tail_src:
-            plan.tail_dst, plan.tail_src = self._rows(tail_base, tail_off), tensor(tail_src)
-            plan.tail_is_whole_step = not seal_ids and len(tail_src) == tok0
-        return plan
-
-    def _take_stage(self, taken: set[int]) -> int:
-        available = self._free_stage - taken
-        if not available:
-            self._grow_staging()
-            available = self._free_stage - taken
-        idx = min(available)
-        taken.add(idx)
-        return idx
-
-    def _grow_staging(self) -> None:
-        old = self._stage_k.shape[1] if self._stage_k.dim() > 1 else 0
-        new = max(8, 2 * old)
-        shape = (self.num_layers, new, self.num_kv_heads, self.block_size, self.head_dim)
-        k = torch.zeros(shape, dtype=self.stage_dtype, device=self.device)
-        v = torch.zeros(shape, dtype=self.stage_dtype, device=self.device)
-        if old:
-            k[:, :old], v[:, :old] = self._stage_k, self._stage_v
-        self._stage_k, self._stage_v = k, v
-        self._free_stage.update(range(old, new))
+        return self._planner.plan(chunks, is_monitored)
 
     def commit(self, plan: WritePlan) -> None:
         """The step ran: apply its staging changes."""
-        for rid, idx in plan.stage_after.items():
-            old = self._staged.pop(rid, None)
-            if idx is not None:
-                self._staged[rid] = idx
-                self._free_stage.discard(idx)
-            if old is not None and old != idx:
-                self._free_stage.add(old)
+        self.staging.commit(plan.stage_after)
 
     def release_requests(self, request_ids: Iterable[str]) -> None:
         """Requests finished or preempted: their staging entries are free again."""
-        for rid in request_ids:
-            idx = self._staged.pop(rid, None)
-            if idx is not None:
-                self._free_stage.add(idx)
+        self.staging.release(request_ids)
 
-    def save_staging(
-        self, request_ids: Iterable[str]
-    ) -> dict[str, tuple[int, torch.Tensor, torch.Tensor] | None]:
+    def save_staging(self, request_ids: Iterable[str]) -> SavedEntries:
         """The requests' staged tails (entry, K, V), for ``restore_staging`` after a lookahead draft."""
-        saved: dict[str, tuple[int, torch.Tensor, torch.Tensor] | None] = {}
-        for rid in request_ids:
-            idx = self._staged.get(rid)
-            saved[rid] = (
-                None if idx is None else (idx, self._stage_k[:, idx].clone(), self._stage_v[:, idx].clone())
-            )
-        return saved
+        return self.staging.save(request_ids)
 
-    def restore_staging(self, saved: dict[str, tuple[int, torch.Tensor, torch.Tensor] | None]) -> None:
-        """Put the saved staged tails back, in their own entries: release every saved request's entry first (a
-        draft that sealed a block may have taken another request's old entry), then restore."""
-        self.release_requests(saved)
-        for rid, entry in saved.items():
-            if entry is not None:
-                idx, k, v = entry
-                self._free_stage.discard(idx)
-                self._staged[rid] = idx
-                self._stage_k[:, idx], self._stage_v[:, idx] = k, v
+    def restore_staging(self, saved: SavedEntries) -> None:
+        self.staging.restore(saved)
 
     def stage_index(self, request_id: str) -> int | None:
-        return self._staged.get(request_id)
+        return self.staging.index(request_id)
 
     def staged_rows(self, layer: int, entry: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``count`` staged tokens of staging ``entry``: K and V (nkv, count, hd), staging dtype.
         During a step, a request's entry from before the step keeps its rows (a sealing step stages the new
         tail elsewhere; one that does not seal appends after them)."""
-        return self._stage_k[layer, entry, :, :count], self._stage_v[layer, entry, :, :count]
+        return self.staging.rows(layer, entry, count)
 
     def write(self, layer: int, plan: WritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: (T, nkv, hd), the step's new tokens in plan order
@@ -487,7 +291,7 @@ class PagedKVCache:
                 )
                 return True
         if plan.tail_is_whole_step:
-            stage_k, stage_v = self._stage_k[layer].view(-1, hd), self._stage_v[layer].view(-1, hd)
+            stage_k, stage_v = self.staging.k[layer].view(-1, hd), self.staging.v[layer].view(-1, hd)
             kernels.write_kv_rows(stage_k, stage_v, plan.tail_dst, k, v)
             return True
         return False
@@ -495,7 +299,7 @@ class PagedKVCache:
     def _write_staged(
         self, layer: int, plan: WritePlan, planes: Planes, codec: TensorCodec, x: torch.Tensor, kind: int
     ) -> tuple[Planes | None, torch.Tensor]:
-        store = self._stage_k if kind == 0 else self._stage_v
+        store = self.staging.k if kind == 0 else self.staging.v
         stage = store[layer].flatten(0, 2) if store.dim() > 1 else None  # (capacity*nkv*bs, hd) rows
         nkv, hd = x.shape[1:]
         encoded, full = None, x
@@ -563,12 +367,7 @@ class PagedKVCache:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """One layer's K and V planes in the codec's order (data, scale, zero[, meta]), (num_blocks, nkv, ...)
         each, and its staging stores (entries, nkv, bs, hd), empty when nothing was ever staged."""
-        staged = self._stage_k.dim() > 1
-        return (
-            *self._layer_planes[layer],
-            self._stage_k[layer] if staged else self._stage_k,
-            self._stage_v[layer] if staged else self._stage_v,
-        )
+        return (*self._layer_planes[layer], *self.staging.layer(layer))
 
     def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V blocks, (num_blocks, nkv, bs, hd) each (``reads_in_place`` storage only)."""
@@ -594,8 +393,8 @@ class PagedKVCache:
         out = []
         shape = (read.num_seqs, self.num_kv_heads, read.num_blocks, self.block_size, self.head_dim)
         for planes, codec, stage in (
-            (self.k_planes, self.codec.key, self._stage_k),
-            (self.v_planes, self.codec.value, self._stage_v),
+            (self.k_planes, self.codec.key, self.staging.k),
+            (self.v_planes, self.codec.value, self.staging.v),
         ):
             picked = {
                 name: _select(self._at(p, layer).flatten(0, 1), read.chunk_ids) for name, p in planes.items()
@@ -665,17 +464,5 @@ class PagedKVCache:
         Returns the number of bytes released (whole pages inside the range, every layer and plane)."""
         if not self._buffers or end_block <= start_block:
             return 0
-        page = mmap.PAGESIZE
-        released = 0
         planes = [*self.k_planes.values(), *self.v_planes.values()]
-        for buffer, plane in zip(self._buffers, planes):
-            block_bytes = plane[0, 0].numel() * plane.element_size()
-            layer_bytes = self.num_blocks * block_bytes
-            for layer in range(self.num_layers):
-                lo = layer * layer_bytes + start_block * block_bytes
-                hi = layer * layer_bytes + end_block * block_bytes
-                lo, hi = -(-lo // page) * page, hi // page * page
-                if hi > lo:
-                    buffer.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-                    released += hi - lo
-        return released
+        return sum(release_block_range(b, p, start_block, end_block) for b, p in zip(self._buffers, planes))

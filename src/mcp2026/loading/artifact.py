@@ -17,14 +17,8 @@ from mcp2026.errors import ModelLoadError
 from mcp2026.loading.tokenizer import Tokenizer
 from mcp2026.models.registry import build_model
 from mcp2026.quant.artifact import WEIGHTS_FILE, read_metadata
-from mcp2026.quant.linear import (
-    Int4Linear,
-    QuantLinear,
-    empty_module,
-    int4pack_block_rows,
-    pack_int4,
-    unpack_int4,
-)
+from mcp2026.quant.int4_packing import int4pack_block_rows, pack_int4, unpack_int4
+from mcp2026.quant.linear import Int4Linear, QuantLinear, empty_module
 from mcp2026.quant.plan import LayerQuantSpec
 
 

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from mcp2026.kernels import ops
-from mcp2026.kv.paged_cache import BlockRead, PagedKVCache, WritePlan
+from mcp2026.kv.paged_cache import BlockRead, PagedKVCache
+from mcp2026.kv.write_plan import WritePlan
 
 
 @dataclass

@@ -18,7 +18,9 @@ from torch.nn.modules import module as torch_module
 from mcp2026.kernels.ops import has_vnni_gemm
 from mcp2026.models.layers import Linear
 from mcp2026.quant.block_linear import BlockLinear
-from mcp2026.quant.linear import DenseLinear, Int4Linear, Int8Linear
+from mcp2026.quant.dense_linear import DenseLinear
+from mcp2026.quant.int4_linear import Int4Linear
+from mcp2026.quant.int8_linear import Int8Linear
 
 # Off: every layer takes the per-op path (tests compare the two; benchmarks can A/B them).
 ENABLED = True

@@ -20,7 +20,7 @@ from mcp2026.models.attention import ForwardContext, attention
 from mcp2026.models.family import ModelFamily
 from mcp2026.models.layers import Linear, RMSNorm
 from mcp2026.models.rotary import RotaryEmbedding
-from mcp2026.quant.linear import gemv_rows
+from mcp2026.quant.cpu_routing import gemv_rows
 
 
 class LlamaAttention(nn.Module):

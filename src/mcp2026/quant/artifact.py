@@ -19,11 +19,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mcp2026.errors import ModelLoadError
-from mcp2026.quant.linear import (
-    QuantLinear,
-    int4pack_block_rows,
-)
+from mcp2026.quant.int4_packing import int4pack_block_rows
 from mcp2026.quant.plan import QuantPlan, linear_modules
+from mcp2026.quant.quant_linear import QuantLinear
 
 METADATA_FILE = "mcp2026_artifact.json"
 WEIGHTS_FILE = "model.safetensors"

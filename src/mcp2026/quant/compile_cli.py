@@ -17,7 +17,7 @@ import yaml
 
 from mcp2026.config import QuantConfig
 from mcp2026.quant.calibrate import CalibrationSettings
-from mcp2026.quant.dqg import DQGSettings
+from mcp2026.quant.dqg_options import DQGSettings
 
 _QUANT_KEYS = {f.name for f in dataclasses.fields(QuantConfig)} - {"enable_dtss", "max_kv_cache_shards"}
 _SECTIONS = {"calibration": CalibrationSettings, "dqg": DQGSettings}

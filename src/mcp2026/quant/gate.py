@@ -15,8 +15,9 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from mcp2026.quant.linear import QuantLinear, build_linear
+from mcp2026.quant.linear import build_linear
 from mcp2026.quant.plan import DENSE_FORMATS, LayerQuantSpec, QuantPlan
+from mcp2026.quant.quant_linear import QuantLinear
 
 PLANS = ("quality", "pressure")
 

@@ -17,7 +17,8 @@ from mcp2026.config import QuantConfig
 from mcp2026.quant import backend, dqg
 from mcp2026.quant.backend import clamp_bits
 from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, calibration_samples
-from mcp2026.quant.dqg import BudgetError, DQGResult, DQGSettings
+from mcp2026.quant.dqg import BudgetError, DQGResult
+from mcp2026.quant.dqg_options import DQGSettings, LayerOptions, int4_groups
 from mcp2026.quant.gate import QuantGate
 from mcp2026.quant.linear import quantize_
 from mcp2026.quant.perplexity import perplexity
@@ -98,10 +99,8 @@ def uniform_plan(model: nn.Module, spec: LayerQuantSpec) -> QuantPlan:
     rules: dict[str, LayerQuantSpec] = {}
     if spec.format == "int4":
         for name, m in model.named_modules():
-            if isinstance(m, nn.Linear) and spec.group_size not in dqg.int4_groups(
-                m.in_features, m.out_features
-            ):
-                groups = [g for g in dqg.int4_groups(m.in_features, m.out_features) if g < spec.group_size]
+            if isinstance(m, nn.Linear) and spec.group_size not in int4_groups(m.in_features, m.out_features):
+                groups = [g for g in int4_groups(m.in_features, m.out_features) if g < spec.group_size]
                 rules[name] = (
                     LayerQuantSpec("int4", max(groups), spec.symmetric, spec.clip_ratio)
                     if groups
@@ -204,7 +203,7 @@ def _allocate(model, calib, layers, config: QuantConfig, formats, settings, prog
     return DQGResult("measured", plan, scales, f"{kind}={value:g}", layers, choices)
 
 
-def fixed_bytes(model: nn.Module, layers: dict[str, dqg.LayerOptions]) -> int:
+def fixed_bytes(model: nn.Module, layers: dict[str, LayerOptions]) -> int:
     """Bytes a plan does not decide: everything but the planned linears' weights (tied ones count there)."""
     planned = sum(
         0
