@@ -168,3 +168,15 @@ def test_echo_with_logprobs_scores_the_prompt(live):
     assert [v for s in streamed for v in s.token_logprobs] == lp.token_logprobs
     assert chunks[0].choices[0].text.startswith(whole.text[: len(whole.text) - len(lp.tokens[-1])])
     live.wait_blocks_back()
+
+
+def test_unknown_fields_are_named_in_a_header(live):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "frobnicate": 1, "zeta": {}, "bad\nname": 2}
+    r = httpx.post(f"{live.url}/v1/completions", json=body)
+    assert r.status_code == 200 and r.headers["x-ignored-fields"] == "?, frobnicate, zeta"
+    with httpx.stream("POST", f"{live.url}/v1/completions", json={**body, "stream": True}) as s:
+        assert s.headers["x-ignored-fields"] == "?, frobnicate, zeta"
+        s.read()
+    plain = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+    assert "x-ignored-fields" not in plain.headers
+    live.wait_blocks_back()

@@ -1,13 +1,15 @@
 """OpenAI-compatible request and response schemas (pydantic), and their mapping to SamplingParams.
 
 Field ranges are checked here, so a bad value is a 400 naming the field before the engine sees it.
-Unknown fields are ignored, as OpenAI-compatible servers do. ``top_k``, ``min_p``, ``repetition_penalty``,
+Unknown top-level fields are ignored, as OpenAI-compatible servers do, and named in the response's
+``X-Ignored-Fields`` header. ``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``structured_outputs``, ``guided_*`` and ``priority`` are
 extensions (vLLM's names); ``ttft_deadline_ms`` is ours.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Literal
 
@@ -24,6 +26,7 @@ from mcp2026.serve.protocol_structured import (
 from mcp2026.types import MAX_LOGIT_BIAS_TOKENS, SamplingParams, StructuredOutputs
 
 MAX_TOKENS_LIMIT = 1 << 20
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 MAX_TOOLS = 128
 TokenIds = list[Annotated[int, Field(ge=0, lt=1 << 31)]]
 
@@ -33,9 +36,15 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    """Fields both endpoints share."""
+    """Fields both endpoints share. Fields of neither are kept aside (``ignored_fields``): the response
+    names them in ``X-Ignored-Fields`` and the log says so, rather than dropping them unseen."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """The unknown fields' names, as far as they are safe to echo in a header (others: ``?``)."""
+        return sorted({k if _SAFE_NAME.fullmatch(k) else "?" for k in self.model_extra or ()})
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)

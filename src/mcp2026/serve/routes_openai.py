@@ -89,12 +89,19 @@ def add_openai_routes(
         log.info(
             "request %s: %s, %d choices, tenant %s", REQUEST_ID.get(), job.id, len(job.choices), tenant.name
         )
+        ignored = body.ignored_fields
+        if ignored:
+            log.warning("request %s: ignored unknown fields %s", REQUEST_ID.get(), ", ".join(ignored))
         if body.stream:
-            return stream(service, job, chunk, body.include_usage)
-        try:
-            return await until_disconnect(request, complete(service, job, whole))
-        finally:
-            service.release(job)
+            response = stream(service, job, chunk, body.include_usage)
+        else:
+            try:
+                response = await until_disconnect(request, complete(service, job, whole))
+            finally:
+                service.release(job)
+        if ignored:
+            response.headers["X-Ignored-Fields"] = ", ".join(ignored)[:1024]
+        return response
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(
