@@ -125,7 +125,8 @@ def test_bad_inputs_are_refused(tiny):
     for inputs, message in cases:
         with pytest.raises(ValueError, match=message):
             embedder.embed(inputs)
-    assert len(embedder.embed([tokens(64, 0)]).embeddings[0]) == loaded.config.hidden_size  # the whole context
+    whole_context = embedder.embed([tokens(64, 0)])
+    assert len(whole_context.embeddings[0]) == loaded.config.hidden_size
     with pytest.raises(ValueError, match="dimensions is 65 but this model's embeddings have 64"):
         embedder.embed([[1, 2]], EmbeddingParams(dimensions=65))
     for bad in (dict(pooling="cls"), dict(dimensions=0), dict(normalize="yes")):

@@ -70,8 +70,8 @@ class Embedder:
     def hidden_size(self) -> int:
         return int(self.model.config.hidden_size)
 
-    def token_ids(self, item: str | Sequence[int], index: int = 0) -> list[int]:
-        """One input's token ids, checked: ValueError naming ``inputs[index]`` when empty, too long or outside
+    def token_ids(self, item: str | Sequence[int], index: int = 0, name: str = "inputs") -> list[int]:
+        """One input's token ids, checked: ValueError naming ``name[index]`` when empty, too long or outside
         the vocabulary."""
         if isinstance(item, str):
             if self.tokenizer is None:
@@ -80,16 +80,18 @@ class Embedder:
         elif isinstance(item, Sequence) and all(isinstance(t, int) for t in item):
             ids = [int(t) for t in item]
         else:
-            raise ValueError(f"inputs[{index}] must be a string or a list of token ids, got {type(item).__name__}")
+            raise ValueError(
+                f"{name}[{index}] must be a string or a list of token ids, got {type(item).__name__}"
+            )
         if not ids:
-            raise ValueError(f"inputs[{index}] is empty: give at least one token")
+            raise ValueError(f"{name}[{index}] is empty: give at least one token")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(
-                f"inputs[{index}]: token ids must be in [0, {self.vocab_size}), got {min(ids)}..{max(ids)}"
+                f"{name}[{index}]: token ids must be in [0, {self.vocab_size}), got {min(ids)}..{max(ids)}"
             )
         if len(ids) > self.max_model_len:
             raise ValueError(
-                f"inputs[{index}] has {len(ids)} tokens but this model's context is {self.max_model_len} tokens; "
+                f"{name}[{index}] has {len(ids)} tokens but this model's context is {self.max_model_len} tokens; "
                 "shorten it"
             )
         return ids
