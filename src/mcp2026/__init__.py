@@ -20,6 +20,7 @@ __all__ = [
     "SamplingParams",
     "StructuredOutputs",
     "InferResult",
+    "EmbeddingResult",
     "KVCompressor",
 ]
 
@@ -31,13 +32,14 @@ _LAZY = {
     "SamplingParams": "mcp2026.types",
     "StructuredOutputs": "mcp2026.types",
     "InferResult": "mcp2026.types",
+    "EmbeddingResult": "mcp2026.types",
     "KVCompressor": "mcp2026.kv.compressor",
 }
 
 if TYPE_CHECKING:
     from mcp2026.config import KVConfig, QuantConfig, SchedulerConfig
     from mcp2026.pipeline import Pipeline
-    from mcp2026.types import InferResult, SamplingParams, StructuredOutputs
+    from mcp2026.types import EmbeddingResult, InferResult, SamplingParams, StructuredOutputs
 
 
 def __getattr__(name: str) -> Any:

@@ -16,7 +16,7 @@ from mcp2026.engine.engine import LLMEngine
 from mcp2026.errors import NotSupportedYetError
 from mcp2026.loading.loader import LoadedModel, load_model
 from mcp2026.loading.loader import weight_bytes as loader_weight_bytes
-from mcp2026.types import CompletionOutput, InferResult, SamplingParams
+from mcp2026.types import CompletionOutput, EmbeddingParams, EmbeddingResult, InferResult, SamplingParams
 
 if TYPE_CHECKING:
     from mcp2026.quant.compile_cli import CompileSpec
@@ -303,6 +303,25 @@ class Pipeline:
                 continue
             total += t.numel() * t.element_size()
         return total
+
+    def embed(
+        self,
+        inputs: str | Sequence[str | Sequence[int]],
+        pooling: str = "last",
+        normalize: bool = True,
+        dimensions: int | None = None,
+    ) -> EmbeddingResult:
+        """One vector per input (a string, a list of strings or of token-id lists, or one token-id list): the
+        final hidden states pooled over the input's last token or all of its tokens (``pooling`` "last" |
+        "mean"), the first ``dimensions`` of them, L2-normalised unless ``normalize`` is False. Batched."""
+        params = EmbeddingParams(pooling, normalize, dimensions)
+        if isinstance(inputs, str):
+            items: list[str | Sequence[int]] = [inputs]
+        elif inputs and all(isinstance(t, int) for t in inputs):
+            items = [list(inputs)]  # one token-id list
+        else:
+            items = list(inputs)
+        return self.engine.embedder.embed(items, params)
 
     def generate(
         self, prompt: str | Messages, sampling: SamplingParams | None = None, chat: bool | None = None

@@ -176,3 +176,41 @@ class InferResult:
     @property
     def text(self) -> str:
         return self.outputs[0].text if self.outputs else ""
+
+
+POOLINGS = ("last", "mean")
+
+
+@dataclass(frozen=True)
+class EmbeddingParams:
+    """How hidden states become one vector per input: the final (normed) hidden states of the input's last
+    token (``pooling="last"``, what a decoder LLM's last position summarises) or their mean over the input's
+    tokens; then the first ``dimensions`` of it (None: all), L2-normalised unless ``normalize`` is False."""
+
+    pooling: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"EmbeddingParams.pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"EmbeddingParams.normalize must be True or False, got {self.normalize!r}")
+        if self.dimensions is not None and (
+            isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int) or self.dimensions < 1
+        ):
+            raise ValueError(
+                f"EmbeddingParams.dimensions must be an integer >= 1 or None, got {self.dimensions!r}"
+            )
+
+
+@dataclass
+class EmbeddingResult:
+    """What ``Pipeline.embed`` returns: one vector per input, in input order, and the tokens each input had."""
+
+    embeddings: list[list[float]]
+    num_tokens: list[int]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)

@@ -81,13 +81,19 @@ def live_server(
     tenants: TenantRegistry | None = None,
     num_blocks: int = NUM_BLOCKS,
     tracing: object = None,
+    engine: LLMEngine | None = None,
     verify: object = True,
     **scheduler,
 ) -> Iterator[Live]:
-    """``verify``: how the readiness probe checks a TLS server's certificate (an ``ssl.SSLContext``)."""
-    engine_config = EngineConfig(KVConfig(block_size=16, num_blocks=num_blocks), SchedulerConfig(**scheduler))
-    model, tokenizer = tiny_vocab_model(), smol_tokenizer()
-    engine = LLMEngine(model.model, model.config, tokenizer, engine_config)
+    """``engine``: serve this engine (and its tokenizer) instead of the tiny model. ``verify``: how the
+    readiness probe checks a TLS server's certificate (an ``ssl.SSLContext``)."""
+    if engine is None:
+        engine_config = EngineConfig(
+            KVConfig(block_size=16, num_blocks=num_blocks), SchedulerConfig(**scheduler)
+        )
+        model = tiny_vocab_model()
+        engine = LLMEngine(model.model, model.config, smol_tokenizer(), engine_config)
+    tokenizer = engine.tokenizer
     async_engine = AsyncEngine(engine)
     config = config or ServeConfig(model_name=MODEL)
     app = create_app(async_engine, tokenizer, config, tenants, tracing=tracing)

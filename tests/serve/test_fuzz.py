@@ -34,6 +34,8 @@ def check_case(case) -> None:
         ("/v1/completions", True),
         ("/v1/chat/completions", False),
         ("/v1/chat/completions", True),
+        ("/v1/embeddings", False),
+        ("/v1/embeddings", True),
         ("/v1/models", False),  # no body or parameters: nothing negative to generate
         ("/tokenize", False),
         ("/tokenize", True),

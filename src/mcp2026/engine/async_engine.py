@@ -26,7 +26,7 @@ from mcp2026.engine.engine import LLMEngine
 from mcp2026.engine.output_processor import RequestOutput
 from mcp2026.engine.request import RequestStatus
 from mcp2026.engine.scheduler import SchedulerStats
-from mcp2026.types import SamplingParams
+from mcp2026.types import EmbeddingParams, EmbeddingResult, SamplingParams
 
 log = logging.getLogger(__name__)
 WARMUP_PROMPT_TOKENS = 256  # the warm-up prompt: past the GEMV row limits, so prefill kernels run too
@@ -80,6 +80,7 @@ class AsyncEngine:
         self._running: concurrent.futures.Future[None] | None = None  # the loop, once started
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, _Stream] = {}  # event-loop thread only
+        self._embeddings: set[asyncio.Future[None]] = set()  # embed calls waiting (event-loop thread only)
         self._unscheduled: dict[str, RequestTiming] = {}  # loop thread only
         self._ids = itertools.count()
         self._is_warm = False
@@ -132,7 +133,7 @@ class AsyncEngine:
         self._is_accepting = False
         if drain and self.is_alive:
             deadline = time.monotonic() + timeout_s
-            while self._streams and self.is_alive and time.monotonic() < deadline:
+            while (self._streams or self._embeddings) and self.is_alive and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
         for request_id in list(self._streams):
             self._submit(lambda rid=request_id: self._abort_with_output(rid))
@@ -201,6 +202,49 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def embed(self, inputs: Sequence[Sequence[int]], params: EmbeddingParams) -> EmbeddingResult:
+        """Embed token-id inputs (``Embedder.embed``) on the loop thread, one forward between two steps, so
+        running requests keep stepping while a large batch is embedded. Bad inputs raise ValueError."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine loop died: {self.dead_error}")
+        if not self._is_accepting or self._loop is None:
+            raise EngineNotReadyError("the engine is not accepting requests (not started or draining)")
+        embedder = self.engine.embedder
+        embedder.check_params(params)
+        token_lists = [embedder.token_ids(item, i) for i, item in enumerate(inputs)]
+        if not token_lists:
+            raise ValueError("no inputs to embed: give at least one")
+        batches = embedder.batches(token_lists)
+        vectors: list[list[float]] = [[] for _ in token_lists]
+        done: asyncio.Future[None] = self._loop.create_future()
+        self._embeddings.add(done)
+        abandoned = threading.Event()  # the caller left: the remaining forwards are skipped
+
+        def run(batch_index: int) -> None:
+            if abandoned.is_set():
+                return
+            batch = batches[batch_index]
+            try:
+                rows = embedder.forward([token_lists[i] for i in batch], params).tolist()
+            except Exception as e:  # noqa: BLE001 - a failed forward fails this call, not the loop
+                log.exception("embedding forward failed")
+                self._to_event_loop(_set_future, done, e)
+                return
+            for i, row in zip(batch, rows):
+                vectors[i] = row
+            if batch_index + 1 < len(batches):
+                self._submit(lambda: run(batch_index + 1))  # after the next step
+            else:
+                self._to_event_loop(_set_future, done, None)
+
+        self._submit(lambda: run(0))
+        try:
+            await done
+        finally:
+            abandoned.set()
+            self._embeddings.discard(done)
+        return EmbeddingResult(vectors, [len(t) for t in token_lists])
+
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed before the next step."""
         self._submit(lambda: self.engine.abort(request_id))
@@ -245,6 +289,8 @@ class AsyncEngine:
             stream.queue.put_nowait(out)
 
     def _fail_all(self, error: BaseException) -> None:
+        for done in self._embeddings:
+            _set_future(done, error)
         for stream in self._streams.values():
             if stream.added.done():
                 stream.queue.put_nowait(error)

@@ -19,6 +19,7 @@ from torch import nn
 
 from mcp2026 import hardware
 from mcp2026.config import EngineConfig, KVConfig, ModelConfig
+from mcp2026.engine.embedding import Embedder
 from mcp2026.engine.fault_isolation import FaultHook, execute_isolating, without_failed
 from mcp2026.engine.kv_setup import build_engine_kv
 from mcp2026.engine.lookahead import draft_attention
@@ -95,6 +96,13 @@ class LLMEngine:
             if reason:
                 log.info("decode steps run eagerly, without CUDA graphs: %s", reason)
         self.sampler = Sampler()
+        self.embedder = Embedder(
+            model,
+            tokenizer,
+            self.max_model_len,
+            model_config.vocab_size,
+            self.config.scheduler.max_num_batched_tokens,
+        )
         eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or model_config.eos_token_ids)
         self.eos_token_ids = eos
         self.outputs = OutputProcessor(tokenizer, eos)

@@ -193,11 +193,13 @@ class AttentionMetadata:
 class ForwardContext:
     """What a forward pass needs besides the tokens: the metadata and where K/V live.
 
-    ``cache is None`` runs one fresh sequence with plain causal attention (scoring, reference tests).
+    ``cache is None`` runs fresh sequences with plain causal attention (embeddings, reference tests): the
+    tokens are ``seq_lens`` sequences laid one after another, each attending only to itself (None: one).
     """
 
     meta: AttentionMetadata | None = None
     cache: PagedKVCache | None = None
+    seq_lens: tuple[int, ...] | None = None
 
 
 def _block_sums(per_pos: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
@@ -389,6 +391,25 @@ def _sliding_mask(num_queries: int, num_keys: int, window: int, device: torch.de
     return torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
 
 
+def _fresh_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: tuple[int, ...], window: int | None
+) -> torch.Tensor:
+    """Sequences without a cache, each causal over itself: q (T, nh, hd), k, v (T, nkv, hd) -> (T, nh, hd)."""
+    parts, start = [], 0
+    for n in seq_lens:
+        qs = q[start : start + n]
+        ks, vs = k[start : start + n].transpose(0, 1), v[start : start + n].transpose(0, 1)  # (nkv, n, hd)
+        if window is not None and window < n:
+            mask = _sliding_mask(n, n, window, q.device).to(q.dtype)
+            parts.append(_prefill_attention(qs, ks, vs, mask, None))
+        else:
+            parts.append(_prefill_attention(qs, ks, vs, None))
+        start += n
+    if start != q.shape[0]:
+        raise ValueError(f"ForwardContext.seq_lens sum to {start} tokens, but the batch has {q.shape[0]}")
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
 def attention(
     layer: int,
     q: torch.Tensor,
@@ -403,10 +424,7 @@ def attention(
     keys p - window + 1 .. p. Over the paged cache such a layer reads ``meta.windows[window]`` (the gather path
     over the window's blocks only) when the step has one."""
     if ctx.cache is None:
-        if window is not None and window < q.shape[0]:
-            mask = _sliding_mask(q.shape[0], q.shape[0], window, q.device).to(q.dtype)
-            return _prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), mask, None)
-        return _prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), None)
+        return _fresh_attention(q, k, v, ctx.seq_lens or (q.shape[0],), window)
     meta, cache = ctx.meta, ctx.cache
     cache.write(layer, meta.write, k, v)
     parts = []

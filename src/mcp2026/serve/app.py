@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: ``create_app(async_engine, tokenizer, config)`` builds a FastAPI app.
 
 Routes (routes_openai.py): POST /v1/completions, POST /v1/chat/completions (both stream as SSE ending in
-``data: [DONE]``), GET /v1/models; (routes_ops.py) /healthz (engine loop alive), /readyz (warm and accepting),
-/metrics (Prometheus), /canary (the live canary's verdict, when one runs).
+``data: [DONE]``), GET /v1/models; (routes_embeddings.py) POST /v1/embeddings; (routes_ops.py) /healthz
+(engine loop alive), /readyz (warm and accepting), /metrics (Prometheus), /canary (the live canary's verdict,
+when one runs).
 A client that goes away mid-request (stream or not) aborts its engine requests, freeing their KV blocks.
 """
 
@@ -23,6 +24,7 @@ from mcp2026.serve.errors import install_error_handlers
 from mcp2026.serve.generation import GenerationService
 from mcp2026.serve.metrics import ServerMetrics
 from mcp2026.serve.middleware import BodyLimitMiddleware, RequestIdMiddleware, log
+from mcp2026.serve.routes_embeddings import add_embedding_routes
 from mcp2026.serve.routes_openai import add_openai_routes
 from mcp2026.serve.routes_ops import add_ops_routes
 from mcp2026.serve.tenants import TenantRegistry
@@ -65,6 +67,7 @@ def create_app(
     _add_middleware(app, config, tracing)
     add_ops_routes(app, async_engine, service, service.metrics, canary)
     add_openai_routes(app, service, tenants, service.metrics, canary)
+    add_embedding_routes(app, service, tenants, service.metrics)
     return app
 
 

@@ -18,6 +18,7 @@ from mcp2026.canary.config import CanaryConfig
 from mcp2026.config import EngineConfig, KVConfig, QuantConfig, SchedulerConfig
 from mcp2026.serve.slo import BreakerConfig
 from mcp2026.serve.traffic import TrafficConfig
+from mcp2026.types import POOLINGS
 
 if TYPE_CHECKING:
     from mcp2026.kv.compressor import KVCompressor
@@ -49,6 +50,10 @@ class ServeConfig:
     max_queued_tokens: int = 256 * 1024  # their prompt tokens
     max_n: int = 16  # choices per request
     max_request_body_bytes: int = 16 * 2**20  # larger bodies get a 413 before they are read
+    max_embedding_inputs: int = 2048  # inputs per /v1/embeddings request (OpenAI's own cap)
+    # /v1/embeddings pooling when a request does not name one: "last" (the last token's final hidden state,
+    # what a decoder LLM's last position summarises) or "mean" (over the input's tokens)
+    embedding_pooling: str = "last"
     # SLOs: requests slower than these count as violations for the circuit breaker.
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 200.0
@@ -63,12 +68,17 @@ class ServeConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins))
         _require(0 <= self.port <= 65535, f"ServeConfig.port must be in [0, 65535], got {self.port}")
-        for name in ("max_queued_requests", "max_queued_tokens", "max_n", "max_request_body_bytes"):
+        limits = ("max_queued_requests", "max_queued_tokens", "max_n", "max_request_body_bytes")
+        for name in (*limits, "max_embedding_inputs"):
             value = getattr(self, name)
             _require(value >= 1, f"ServeConfig.{name} must be >= 1, got {value}")
         for name in ("slo_ttft_ms", "slo_tpot_ms", "drain_timeout_s"):
             value = getattr(self, name)
             _require(value > 0, f"ServeConfig.{name} must be > 0, got {value}")
+        _require(
+            self.embedding_pooling in POOLINGS,
+            f"ServeConfig.embedding_pooling must be one of {POOLINGS}, got {self.embedding_pooling!r}",
+        )
         _require(
             self.device == "cpu" or self.device.startswith("cuda"),
             f"ServeConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}",

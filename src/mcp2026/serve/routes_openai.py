@@ -5,6 +5,7 @@ request goes to the arm its sticky key picks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Request
@@ -50,13 +51,9 @@ def api_key_of(request: Request) -> str | None:
     return auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key")
 
 
-def add_openai_routes(
-    app: FastAPI,
-    service: GenerationService,
-    tenants: TenantRegistry,
-    metrics: ServerMetrics,
-    canary: CanaryRouter | None,
-) -> None:
+def tenant_dependency(tenants: TenantRegistry, metrics: ServerMetrics) -> Callable[[Request], Tenant]:
+    """The routes' dependency that turns the request's API key into its tenant (401 for an unknown key)."""
+
     def tenant_of(request: Request) -> Tenant:
         tenant = tenants.authenticate(api_key_of(request))
         if tenant is None:
@@ -65,6 +62,18 @@ def add_openai_routes(
                 401, "invalid or missing API key (send Authorization: Bearer KEY)", code="invalid_api_key"
             )
         return tenant
+
+    return tenant_of
+
+
+def add_openai_routes(
+    app: FastAPI,
+    service: GenerationService,
+    tenants: TenantRegistry,
+    metrics: ServerMetrics,
+    canary: CanaryRouter | None,
+) -> None:
+    tenant_of = tenant_dependency(tenants, metrics)
 
     def route_to_arm(job: Job, request: Request, tenant: Tenant) -> None:
         if canary is not None:
