@@ -16,7 +16,9 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "mcp2026"
 
 # Top to bottom; a package or top-level module imports only from its own layer or the layers below.
-# cli_errors is the typer commands' shared error handler (it needs only errors, typer and rich); sharegpt
+# cli_errors is the typer commands' shared error handler (it needs only errors, typer and rich), cli_lazy the
+# group that imports a command's module when it runs (a LazyCommand's "module:attribute" counts as an import of
+# that module here); sharegpt
 # locates and splits the ShareGPT text that calibration (quant) and evaluation (bench) both read; compiler is
 # `mcp2026 compile`'s load -> quantize -> save, beside the pipeline.
 # "mcp2026" is the package's own __init__: the public facade, importable from nowhere inside.
@@ -28,7 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("loading",),
     ("kv", "quant", "models"),
     ("kernels",),
-    ("config", "types", "errors", "hardware", "cli_errors", "sharegpt"),
+    ("config", "types", "errors", "hardware", "cli_errors", "cli_lazy", "sharegpt"),
 )
 RANK = {unit: len(LAYERS) - i for i, layer in enumerate(LAYERS) for unit in layer}
 
@@ -68,12 +70,25 @@ def _targets(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
     return out
 
 
+def _lazy_target(node: ast.AST) -> str | None:
+    """The module a ``LazyCommand(name, "module:attribute", help)`` imports when its command runs."""
+    if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "LazyCommand"):
+        return None
+    target = node.args[1] if len(node.args) > 1 else None
+    if isinstance(target, ast.Constant) and isinstance(target.value, str):
+        return target.value.partition(":")[0]
+    return None
+
+
 def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = defaultdict(set)
     for module, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 graph[module].update(_targets(module, node))
+            elif (lazy := _lazy_target(node)) is not None:
+                assert lazy in MODULES, f"{module}: LazyCommand names {lazy}, which is not a module"
+                graph[module].add(lazy)
     return graph
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from mcp2026 import hardware
 from mcp2026.bench.workloads import BenchRequest
+from mcp2026.loading.loader import default_model_path
 
 
 class PeerUnavailable(RuntimeError):
@@ -55,8 +56,6 @@ class GenerationTiming:
 def load_hf_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The same weights our loader reads: the default GGUF, a .gguf file, or an HF folder."""
     from transformers import AutoModelForCausalLM  # defer: torch
-
-    from mcp2026.loading.loader import default_model_path  # defer: torch
 
     source = default_model_path() if model is None else Path(model).expanduser()
     if source.is_file():
@@ -221,8 +220,6 @@ def load_llama_cpp(
         from llama_cpp import Llama  # optional: llama-cpp-python
     except ImportError as e:  # installed without its own dependencies (diskcache, ...), or a broken build
         raise PeerUnavailable(f"llama.cpp peer skipped: llama_cpp does not import ({e})") from None
-
-    from mcp2026.loading.loader import default_model_path  # defer: torch
 
     path = Path(gguf_path) if gguf_path is not None else default_model_path()
     if path.suffix != ".gguf":

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
 LATENCY_METRICS = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "E2E latency"}
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
 
@@ -31,9 +34,6 @@ class ParetoPoint:
 
 
 def _figure(width: float = 7.0, height: float = 4.5, ncols: int = 1) -> tuple[Any, Any]:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # defer: matplotlib
-    from matplotlib.figure import Figure  # defer: matplotlib
-
     fig = Figure(figsize=(width, height))
     FigureCanvasAgg(fig)
     return fig, fig.subplots(1, ncols, squeeze=False)[0]
