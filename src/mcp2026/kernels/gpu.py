@@ -25,6 +25,7 @@ def load() -> Any | None:
     """The kernels, or None where Triton is not installed or MCP2026_KERNELS=0."""
     if not cpu.enabled_by_env() or importlib.util.find_spec("triton") is None:
         return None
+    # optional: these modules import Triton (the cuda extra), found above
     from mcp2026.kernels import gpu_attention, gpu_fused, gpu_int8
 
     return SimpleNamespace(
@@ -43,7 +44,7 @@ def status() -> str:
         return "off (MCP2026_KERNELS=0): torch ops"
     if importlib.util.find_spec("triton") is None:
         return "unavailable (triton is not installed: pip install triton): torch ops"
-    import triton
+    import triton  # optional dependency (the cuda extra), found above
 
     return f"triton {triton.__version__}"
 
