@@ -1,7 +1,7 @@
 """PNG plots of benchmark data. Each function takes plain data, writes one PNG and returns its path; with
 nothing to draw it raises ``NoPlotData`` saying what was missing.
 
-matplotlib is imported on first use and drives the Agg canvas directly (no pyplot, no global backend
+matplotlib drives the Agg canvas directly (no pyplot, no global backend
 switch), so plotting works headless and from any thread.
 """
 

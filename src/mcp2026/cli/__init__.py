@@ -31,7 +31,9 @@ COMMANDS = lazy_group(
         "Calibrate, plan and quantize a model into an artifact folder that loads without recalibrating.",
     ),
     LazyCommand(
-        "bench", "mcp2026.bench.cli:bench_app", "QBench: latency, offline throughput, serving load, reports"
+        "bench",
+        "mcp2026.bench.cli:bench_app",
+        "QBench: benchmarks of mcp2026 side by side with HF transformers and llama.cpp, same run.",
     ),
     LazyCommand(
         "doctor",

@@ -128,12 +128,28 @@ def _build(verbose: bool) -> Any:
         log.warning("mcp2026: building the fused CPU kernels once for this machine (about a minute)...")
     return cpp_extension.load(
         name=f"mcp2026_cpu_{key}",
-        sources=[str(path) for path in SOURCES],
+        sources=[str(path) for path in _stage_sources(build_dir)],
         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
         verbose=verbose,
     )
+
+
+def _stage_sources(build_dir: Path) -> list[Path]:
+    """Copies of the sources and headers inside the build folder, built from there: the build then depends
+    only on their contents (which the key hashes), not on where this package is installed, so two checkouts
+    of the same sources share one build instead of rebuilding it in turn for their own paths."""
+    staged = build_dir / "src"
+    staged.mkdir(exist_ok=True)
+    for path in (*SOURCES, *HEADERS):
+        target = staged / path.name
+        data = path.read_bytes()
+        if not target.exists() or target.read_bytes() != data:
+            tmp = target.with_suffix(target.suffix + f".{os.getpid()}")
+            tmp.write_bytes(data)
+            tmp.replace(target)  # atomic: a concurrent build never reads half a file
+    return [staged / path.name for path in SOURCES]
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""Our GPU kernels (Triton, ``gpu_fused.py`` and ``gpu_attention.py``): imported on first use, optional.
+"""Our GPU kernels (Triton, ``gpu_fused.py`` and ``gpu_attention.py``): optional, imported on first use.
 
 ``kernels_for`` hands them out for CUDA tensors they suit, as ``cpu.load`` does for the CPU ones; where Triton
 is missing, or with ``MCP2026_KERNELS=0``, the callers in ``kernels.ops`` run the plain torch ops and the
