@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from mcp2026.cli import app
+from mcp2026.cli_lazy import LazyCommand
 
 
 def run_cli(*args: str, prog: tuple[str, ...] = ("-m", "mcp2026.cli")) -> subprocess.CompletedProcess:
@@ -122,3 +125,41 @@ def test_info_says_which_path_a_gguf_runs(tmp_path: Path):
         assert "native: Q4_K, Q6_K as stored, block_gemm" in table_text()
     floats = table_text("--dtype", "fp32")
     assert "float float32 (dtype=fp32 asks for float weights)" in floats and "weights in memory" in floats
+
+
+def _lazy_commands(group, path=()):
+    """(command path, placeholder, loaded command) for every lazily listed command, sub-groups' included."""
+    for name, command in group.commands.items():
+        if isinstance(command, LazyCommand):
+            loaded = command.load()
+            yield (*path, name), command, loaded
+            if hasattr(loaded, "commands"):
+                yield from _lazy_commands(loaded, (*path, name))
+
+
+def test_listed_help_is_the_commands_own():
+    found = list(_lazy_commands(typer.main.get_command(app)))
+    names = {" ".join(path) for path, _, _ in found}
+    assert {"generate", "serve", "bench", "bench latency", "bench serve", "doctor", "canary", "kv"} <= names
+    for path, placeholder, loaded in found:
+        own = " ".join(inspect.cleandoc(loaded.help or "").split())
+        assert own.startswith(" ".join(placeholder.help.split())), f"{' '.join(path)}: listed help differs"
+        assert loaded.name == path[-1] and not isinstance(loaded, LazyCommand)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["bench", "--help"]])
+def test_listing_commands_loads_no_torch(args):
+    code = (
+        "import sys\nfrom mcp2026.cli import app\n"
+        f"try:\n    app({args!r})\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'mcp2026.pipeline', 'mcp2026.bench.latency') "
+        "if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "latency" in result.stdout and result.stdout.strip().splitlines()[-1] == "[]", result.stdout
+
+
+def test_a_listed_command_runs_from_its_own_module(tmp_path):
+    result = run_cli("kv", "calibrate", "--out", tmp_path / "weights.txt", "--no-progress")
+    assert_user_error(result.returncode, result.stderr, "--out must name a .json file")

@@ -4,11 +4,13 @@ module holds one concept, so none grows past ``MAX_MODULE_LINES``.
 Every import in src/mcp2026 counts (module level, inside functions, under ``TYPE_CHECKING``): a lower layer
 that needs to call up takes a callable or a small Protocol instead. Packages on one layer may import each
 other, but never both ways round, and no two modules anywhere may import each other, directly or not.
+Imports inside functions are few, and each says why (an optional dependency, or a heavy one deferred).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -17,7 +19,9 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "mcp2026"
 
 # Top to bottom; a package or top-level module imports only from its own layer or the layers below.
-# cli_errors is the typer commands' shared error handler (it needs only errors, typer and rich); sharegpt
+# cli_errors is the typer commands' shared error handler (it needs only errors, typer and rich), cli_lazy the
+# group that imports a command's module when it runs (a LazyCommand's "module:attribute" counts as an import of
+# that module here); sharegpt
 # locates and splits the ShareGPT text that calibration (quant) and evaluation (bench) both read; compiler is
 # `mcp2026 compile`'s load -> quantize -> save, beside the pipeline.
 # "mcp2026" is the package's own __init__: the public facade, importable from nowhere inside.
@@ -29,9 +33,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("loading",),
     ("kv", "quant", "models"),
     ("kernels",),
-    ("config", "types", "errors", "hardware", "cli_errors", "sharegpt"),
+    ("config", "types", "errors", "hardware", "cli_errors", "cli_lazy", "sharegpt"),
 )
 RANK = {unit: len(LAYERS) - i for i, layer in enumerate(LAYERS) for unit in layer}
+
+# Function-local imports defer an optional dependency (OpenTelemetry, llama-cpp-python, Triton) or a heavy one
+# (transformers for a peer, a compiler toolchain); everything else imports at the top of its module.
+MAX_FUNCTION_LOCAL_IMPORTS = 40
 
 
 def _module_name(path: Path) -> str:
@@ -69,12 +77,25 @@ def _targets(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
     return out
 
 
+def _lazy_target(node: ast.AST) -> str | None:
+    """The module a ``LazyCommand(name, "module:attribute", help)`` imports when its command runs."""
+    if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "LazyCommand"):
+        return None
+    target = node.args[1] if len(node.args) > 1 else None
+    if isinstance(target, ast.Constant) and isinstance(target.value, str):
+        return target.value.partition(":")[0]
+    return None
+
+
 def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = defaultdict(set)
     for module, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 graph[module].update(_targets(module, node))
+            elif (lazy := _lazy_target(node)) is not None:
+                assert lazy in MODULES, f"{module}: LazyCommand names {lazy}, which is not a module"
+                graph[module].add(lazy)
     return graph
 
 
@@ -202,3 +223,84 @@ def test_modules_over_counts_lines(tmp_path):
     long.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
     assert modules_over([short, long], MAX_MODULE_LINES) == {str(long): MAX_MODULE_LINES + 1}
     assert len(MODULES) > 100  # the walk found the package
+
+
+def function_local_imports(tree: ast.AST) -> list[int]:
+    """First lines of the import statements inside function bodies (nested blocks and classes included)."""
+    found: list[int] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if in_function and isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append(child.lineno)
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(tree, False)
+    return found
+
+
+def says_why(lines: list[str], lineno: int) -> bool:
+    """A comment on the import's first line, or a whole-line comment just above it, that is more than a linter
+    directive (``# noqa: F401`` alone gives no reason)."""
+    own = lines[lineno - 1].partition("#")[2]
+    above = lines[lineno - 2].strip() if lineno >= 2 else ""
+    comments = [own, above[1:] if above.startswith("#") else ""]
+    reasons = [
+        re.sub(r"(noqa|type:\s*ignore)(:?\s*[A-Z]+[0-9]+)*(,\s*[A-Z]+[0-9]+)*", "", c) for c in comments
+    ]
+    return any(re.search(r"[A-Za-z]{3}", r) for r in reasons)
+
+
+def test_function_local_imports_are_few_and_say_why():
+    where: list[str] = []
+    silent: list[str] = []
+    for path in MODULES.values():
+        text = path.read_text(encoding="utf-8")
+        lines = text.splitlines()
+        for lineno in function_local_imports(ast.parse(text, str(path))):
+            place = f"{path.relative_to(SRC.parent)}:{lineno}: {lines[lineno - 1].strip()}"
+            where.append(place)
+            if not says_why(lines, lineno):
+                silent.append(place)
+    assert len(where) <= MAX_FUNCTION_LOCAL_IMPORTS, (
+        f"{len(where)} imports inside functions (at most {MAX_FUNCTION_LOCAL_IMPORTS}): move those that defer "
+        "no optional or heavy dependency to the top of their module\n" + "\n".join(where)
+    )
+    assert not silent, "imports inside functions need a comment saying why (on the line or just above):\n" + (
+        "\n".join(silent)
+    )
+
+
+def test_function_local_imports_finds_nested_ones_only():
+    tree = ast.parse(
+        "import os\n"
+        "def f():\n"
+        "    import json\n"
+        "    if True:\n"
+        "        from re import sub\n"
+        "class C:\n"
+        "    import sys\n"
+        "    async def g(self):\n"
+        "        import io\n"
+    )
+    assert function_local_imports(tree) == [3, 5, 9]
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        (["def f():", "    import torch"], False),
+        (["def f():", "    import torch  # noqa: F401"], False),
+        (["def f():", "    import torch  # noqa: F401  # optional: the cuda extra"], True),
+        (["def f():", "    # heavy: only a build needs it", "    import torch"], True),
+        (["    x = 1  # unrelated", "    import torch"], False),
+    ],
+)
+def test_says_why_wants_a_reason(source, expected):
+    assert says_why(source, len(source)) is expected
+
+
+def test_lazy_commands_count_as_imports():
+    graph = import_graph()
+    assert "mcp2026.bench.cli" in graph["mcp2026.cli"]
+    assert "mcp2026.bench.latency_cli" in graph["mcp2026.bench.cli"]

@@ -5,6 +5,8 @@ measured peak memory read bandwidth (cached on disk). Environment variables are 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import json
 import os
 import platform
@@ -138,8 +140,6 @@ def release_free_heap() -> bool:
 
     Loading a model frees hundreds of MB of temporaries that glibc keeps mapped, so without this a server's
     resident memory stays at the load's peak for its whole life."""
-    import ctypes  # only here: the libc handle is needed once per load
-    import ctypes.util
 
     name = ctypes.util.find_library("c")
     try:

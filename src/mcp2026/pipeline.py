@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -14,12 +14,13 @@ from mcp2026 import hardware
 from mcp2026.config import EngineConfig, KVConfig, QuantConfig, SchedulerConfig
 from mcp2026.engine.engine import LLMEngine
 from mcp2026.errors import NotSupportedYetError
+from mcp2026.kv.compressor import KVCompressor
 from mcp2026.loading.loader import LoadedModel, load_model
 from mcp2026.loading.loader import weight_bytes as loader_weight_bytes
+from mcp2026.quant.block_linear import kernels_unavailable
+from mcp2026.quant.compile_cli import CompileSpec
+from mcp2026.quant.recipe import gate_for_config, quantize_loaded
 from mcp2026.types import CompletionOutput, EmbeddingParams, EmbeddingResult, InferResult, SamplingParams
-
-if TYPE_CHECKING:
-    from mcp2026.quant.compile_cli import CompileSpec
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,6 @@ def native_weights_blocker(
         return f"target_precision={quant.target_precision} asks for float weights"
     if device != "cpu":
         return f"no {device} kernels for GGUF blocks yet"
-    from mcp2026.quant.block_linear import kernels_unavailable  # builds the kernels on first use
 
     return kernels_unavailable()
 
@@ -94,7 +94,6 @@ def quant_spec(config: QuantConfig | CompileSpec | None) -> CompileSpec | None:
     fields gives (``compile``'s defaults); a CompileSpec (a quant YAML's ``load_spec``) is kept as it is."""
     if config is None:
         return None
-    from mcp2026.quant.compile_cli import CompileSpec
 
     if isinstance(config, CompileSpec):
         return config
@@ -127,8 +126,6 @@ class Pipeline:
         config = spec.quant if spec is not None else None
         _check_quant_supported(config)
         if kv is not None:
-            from mcp2026.kv.compressor import KVCompressor
-
             kv = KVCompressor.coerce(kv)
         if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
             raise ValueError(
@@ -156,7 +153,6 @@ class Pipeline:
                     f"{self.loaded.source} is a compiled artifact (one plan); a pressure plan needs the "
                     "original model: pass the HF folder or GGUF file instead"
                 )
-            from mcp2026.quant.recipe import gate_for_config
 
             self.quant_result, self.pressure_result, self.gate = gate_for_config(
                 self.loaded.model,
@@ -167,8 +163,6 @@ class Pipeline:
                 calibration=spec.calibration,
             )
         elif config is not None and config.quantizes_weights:
-            from mcp2026.quant.recipe import quantize_loaded
-
             self.quant_result = quantize_loaded(
                 self.loaded, config, self.device, settings=spec.dqg, calibration=spec.calibration
             )

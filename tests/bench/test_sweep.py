@@ -121,12 +121,12 @@ def test_sweep_on_a_tiny_model(tiny_dir, tmp_path):
 
 
 def test_bench_sweep_command(tiny_dir, tmp_path, monkeypatch):
-    import mcp2026.bench.serve as serve_module
+    import mcp2026.bench.sweep as sweep_module
 
     loads = []  # the load generator's config of every (config, rate)
-    real_bench_serve = serve_module.bench_serve
+    real_bench_serve = sweep_module.bench_serve
     monkeypatch.setattr(
-        serve_module, "bench_serve", lambda c, *a, **k: loads.append(c) or real_bench_serve(c, *a, **k)
+        sweep_module, "bench_serve", lambda c, *a, **k: loads.append(c) or real_bench_serve(c, *a, **k)
     )
     args = ["sweep", "--model", tiny_dir, "--dtype", "fp32", "--rates", "50,inf", "--max-num-seqs", "1,4"]
     args += [

@@ -100,7 +100,7 @@ def test_pick_gate():
 
 
 def test_cli_passes_quant_kv_and_gate(tmp_path, monkeypatch):
-    import mcp2026.serve.server as server
+    import mcp2026.serve.cli as serve_cli
 
     seen = {}
 
@@ -108,7 +108,7 @@ def test_cli_passes_quant_kv_and_gate(tmp_path, monkeypatch):
         seen.update(serve=serve_config, engine=engine_config)
         return SimpleNamespace(run=lambda: None)
 
-    monkeypatch.setattr(server, "build_server", fake_build)
+    monkeypatch.setattr(serve_cli, "build_server", fake_build)
     quant = tmp_path / "q.yaml"
     quant.write_text("target_precision: int4\ngroup_size: 32\n")
     args = ["serve", "--quant", str(quant), "--kv-dtype", "int8", "--kv-policy", "heavy_hitter"]

@@ -7,7 +7,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+import torch
+
 from mcp2026.config import ModelConfig
+from mcp2026.loading.gguf import config_from_gguf, open_gguf
+from mcp2026.loading.hf import config_from_hf, read_json
+from mcp2026.loading.loader import default_model_path
+from mcp2026.models.registry import build_model
+from mcp2026.quant.artifact import PLAN_FILE, is_artifact, read_metadata
 from mcp2026.quant.plan import QuantPlan, layer_bits, linear_modules
 
 model_layer_bits = layer_bits  # stored bits per weight of each linear of a live model (quant.plan)
@@ -16,9 +23,6 @@ model_layer_bits = layer_bits  # stored bits per weight of each linear of a live
 def plan_layer_bits(plan: QuantPlan, config: ModelConfig, dense_bits: float = 32.0) -> dict[str, float]:
     """Bits per weight each linear of a ``config``-shaped model gets under ``plan``; layers the plan leaves
     alone keep ``dense_bits`` (the model's dtype)."""
-    import torch  # defer: torch
-
-    from mcp2026.models.registry import build_model  # defer: torch
 
     with torch.device("meta"):
         model = build_model(config)
@@ -44,7 +48,6 @@ def _dtype_bits(name: str) -> float:
 def read_layer_bits(path: str | Path, model: str | Path | None = None) -> dict[str, float]:
     """Per-layer bits from a compiled artifact folder, or from a plan.json applied to ``model``'s shape
     (default: the embedded model)."""
-    from mcp2026.quant.artifact import PLAN_FILE, is_artifact, read_metadata  # defer: torch
 
     path = Path(path)
     if path.is_dir():
@@ -64,13 +67,9 @@ def read_layer_bits(path: str | Path, model: str | Path | None = None) -> dict[s
 
 def _config_of(model: str | Path | None) -> ModelConfig:
     """The model's shape from its config.json or GGUF header, without loading weights."""
-    from mcp2026.loading.loader import default_model_path  # defer: torch
 
     path = Path(model) if model else default_model_path()
     if path.is_dir():
-        from mcp2026.loading.hf import config_from_hf, read_json  # defer: torch
-
         return config_from_hf(read_json(path / "config.json"), str(path))
-    from mcp2026.loading.gguf import config_from_gguf, open_gguf  # defer: torch
 
     return config_from_gguf(open_gguf(path), str(path))

@@ -10,6 +10,8 @@ import typer
 from rich.console import Console
 from typer.core import TyperCommand
 
+from mcp2026.bench.canary_report import render_markdown, write_report
+from mcp2026.bench.canary_run import CanarySettings, run_canary
 from mcp2026.canary.gate import BAD_INPUT_EXIT_CODE
 from mcp2026.cli_errors import err, user_errors
 
@@ -55,15 +57,6 @@ def canary(
 ) -> None:
     """Release gate: run two configurations on the same requests (interleaved) and decide PROMOTE / HOLD /
     ROLLBACK from P99 latency change, accuracy delta and memory bandwidth utilisation."""
-    from mcp2026.bench.canary_report import (  # deferred: loads torch; this module stays light for the CLI
-        render_markdown,
-        write_report,
-    )
-    from mcp2026.bench.canary_run import (  # deferred: loads torch; this module stays light for the CLI
-        CanarySettings,
-        run_canary,
-    )
-
     if baseline is None or candidate is None:
         raise ValueError("give --baseline A.yaml and --candidate B.yaml (serve YAMLs, see examples/canary/)")
     settings = CanarySettings(
@@ -88,5 +81,5 @@ def canary(
     raise typer.Exit(result.gate.exit_code)
 
 
-def register(app: typer.Typer) -> None:
-    app.command("canary", cls=CanaryCommand)(canary)
+canary_app = typer.Typer(add_completion=False)
+canary_app.command("canary", cls=CanaryCommand)(canary)

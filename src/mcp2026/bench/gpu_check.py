@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from mcp2026.config import EngineConfig, KVConfig, SchedulerConfig
 from mcp2026.engine.engine import LLMEngine
@@ -53,7 +55,6 @@ def _n(size: int) -> int:
 def build_checkpoint(path: Path, seed: int = 0) -> Path:
     """An HF Llama folder at SmolLM2-135M's shape with random weights (norms drawn away from 1 so that they
     matter)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**_where["shape"]))
@@ -106,8 +107,6 @@ def engine(loaded: LoadedModel, max_seqs: int = 256, budget: int = 8192, graphs:
 
 
 def hf_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     return model.to(_where["device"]).eval()
 
@@ -262,7 +261,6 @@ def environment() -> dict[str, Any]:
             ).stdout.strip()
         except (OSError, subprocess.CalledProcessError):
             commit = "unknown"
-    import transformers
 
     return {
         "gpu": gpu_name,

@@ -1,5 +1,5 @@
 """``mcp2026 bench headline``: the headline table (bench/headline.py) from run JSONs, printed and optionally
-spliced into docs/benchmarks.md. Registered on the bench app by bench/cli.py."""
+spliced into docs/benchmarks.md. Listed on the bench app by bench/cli.py."""
 
 from __future__ import annotations
 

@@ -14,10 +14,19 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from mcp2026.bench.kv_calibrate import CalibrationConfig
+from mcp2026.bench.kv_calibrate import calibrate as calibrate_layers
 from mcp2026.cli_errors import err, user_errors
 from mcp2026.kv.layer_weights import calibrations_dir, fingerprint
+from mcp2026.loading.loader import load_model
+from mcp2026.pipeline import DTYPES
 
-kv_app = typer.Typer(no_args_is_help=True, help="KV cache tools: per-layer budget calibration")
+kv_app = typer.Typer(add_completion=False, no_args_is_help=True)
+
+
+@kv_app.callback()
+def _group() -> None:
+    """KV cache tools: per-layer budget calibration"""
 
 
 @kv_app.command()
@@ -58,15 +67,6 @@ def calibrate(
     """Measure each layer's sensitivity to eviction on this model (only that layer evicts, ΔPPL against the
     uncompressed cache) and derive per-layer budget weights from it. SmolLM2-135M, two 2k texts: 7.5 minutes
     on 2 CPU cores."""
-    from mcp2026.bench.kv_calibrate import (  # deferred: loads torch; this module stays light for the CLI
-        CalibrationConfig,
-        calibrate,
-    )
-    from mcp2026.loading.loader import (
-        load_model,  # deferred: loads torch; this module stays light for the CLI
-    )
-    from mcp2026.pipeline import DTYPES  # deferred: loads torch; this module stays light for the CLI
-
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     config = CalibrationConfig(policy, sparsity, context_tokens, texts, text, seed)
@@ -80,7 +80,7 @@ def calibrate(
     label = str(model) if model is not None else "embedded SmolLM2-135M-Instruct"
     with Progress(console=err, disable=not progress, transient=True) as bar:
         task = bar.add_task("probing layers", total=None)
-        result = calibrate(loaded, config, label, advance=lambda: bar.advance(task))
+        result = calibrate_layers(loaded, config, label, advance=lambda: bar.advance(task))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     console = Console(emoji=False)
@@ -109,7 +109,3 @@ def _table(result: dict) -> Table:
     for layer, weight in enumerate(result["weights"]):
         table.add_row(str(layer), *(f"{p[layer]:+.3g}%" for p in probes), f"{weight:.3g}")
     return table
-
-
-def register(app: typer.Typer) -> None:
-    app.add_typer(kv_app, name="kv", help="KV cache tools: per-layer budget calibration")

@@ -1,4 +1,4 @@
-"""``mcp2026 bench kv``: the KV-compression benchmark (see bench/kv.py). Registered on the bench app by
+"""``mcp2026 bench kv``: the KV-compression benchmark (see bench/kv.py). Listed on the bench app by
 bench/cli.py. Options left out keep the defaults of ``KVBenchConfig`` (or of the ``--quick`` grid)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from mcp2026.bench.cli_common import finish_run, progress_bars
+from mcp2026.bench.kv import run_kv
 from mcp2026.bench.kv_config import make_config
 from mcp2026.bench.sweep_grid import parse_list
 from mcp2026.cli_errors import err, user_errors
@@ -130,8 +131,6 @@ def kv(
 ) -> None:
     """KV compression: ΔPPL / KLD per codec and eviction policy, retrieval agreement, KV bytes and max
     concurrent sequences, decode tok/s with eviction, each vs uncompressed in the same engine."""
-    from mcp2026.bench.kv import run_kv  # deferred: loads torch; this module stays light for the CLI
-
     config = make_config(
         quick,
         model=model,

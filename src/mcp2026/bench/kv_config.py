@@ -10,7 +10,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from mcp2026.bench.kv_peer import LLAMA_KV_TYPES
 from mcp2026.bench.weights import check_weights
+from mcp2026.kv.compressor import BLOCK_SIZES, KVCompressor
 
 PROMPT_CHUNK = 256  # prefill chunk of the prompt half (memory: every engine holds one chunk of logits)
 DECODE_SPARSITY = 0.7  # "70% eviction", the setting the decode-speed target is stated for
@@ -61,7 +63,6 @@ def parse_config(name: str, identity: str, block_size: int | None = None) -> Any
     ``identity``, the model's dtype) or ``int4+heavy_hitter@0.7`` (both) -> KVCompressor. A policy may carry
     KVCompressor fields: ``heavy_hitter@0.7:lookahead_tokens=16:num_anchors=0``. ``block_size`` None: the
     codec's default."""
-    from mcp2026.kv.compressor import KVCompressor  # defer: torch
 
     codec, evict = _parts(name, identity)
     if evict is None:
@@ -127,7 +128,6 @@ class KVBenchConfig:
             raise ValueError(f"--retrieval-tokens must be >= 64, got {self.retrieval_tokens}")
         if self.budget_gb <= 0:
             raise ValueError(f"--budget-gb must be > 0, got {self.budget_gb}")
-        from mcp2026.kv.compressor import BLOCK_SIZES  # defer: torch
 
         if self.block_size is not None and self.block_size not in BLOCK_SIZES:
             raise ValueError(f"--block-size must be one of {BLOCK_SIZES}, got {self.block_size}")
@@ -151,7 +151,6 @@ class KVBenchConfig:
         object.__setattr__(self, "decode_configs", tuple(n.replace(" ", "") for n in self.decode_configs))
         for name in self.decode_configs:
             parse_config(name, self.identity, self.block_size)
-        from mcp2026.bench.kv_peer import LLAMA_KV_TYPES  # defer: torch
 
         # f16 is the peer's reference, not a type to compare
         unknown = sorted((set(self.llama_cpp_kv) - set(LLAMA_KV_TYPES)) | ({"f16"} & set(self.llama_cpp_kv)))

@@ -9,8 +9,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mcp2026 import hardware
 from mcp2026.bench.kv_config import PROMPT_CHUNK, KVBenchConfig
 from mcp2026.bench.report import Table
+from mcp2026.kv.codecs import describe_default_block_sizes
 from mcp2026.kv.layer_weights import AUTO, auto_weights
 
 
@@ -199,8 +201,6 @@ def _llama_cpp_table(config: KVBenchConfig, agg: dict[str, Any]) -> Table:
 
 
 def _blocks(block_size: int | None) -> str:
-    from mcp2026.kv.codecs import describe_default_block_sizes  # defer: torch
-
     return (
         f"block size {block_size}"
         if block_size
@@ -286,11 +286,8 @@ def notes(config: KVBenchConfig, loaded: Any, retrieval: dict | None, grid: list
         notes.append(
             "fp8 on CPU: stored as e4m3 and converted on read (no fp8 arithmetic); saves memory only."
         )
-    if config.dtype == "bf16":
-        from mcp2026 import hardware  # defer: torch
-
-        if not hardware.has_fast_bf16():
-            notes.append("bf16 on a CPU without AVX512-BF16/AMX: emulated, several times slower than fp32")
+    if config.dtype == "bf16" and not hardware.has_fast_bf16():
+        notes.append("bf16 on a CPU without AVX512-BF16/AMX: emulated, several times slower than fp32")
     if config.decode_context:
         notes.append(
             "Decode tok/s: the configs' engines take turns, one decode step each (order rotating), after the "

@@ -10,6 +10,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import httpx
+
 KV_USAGE_METRICS = (
     "mcp2026_kv_cache_usage_ratio",
     "vllm:kv_cache_usage_perc",
@@ -44,7 +46,6 @@ async def sample_kv_usage(
     """Poll ``base_url``'s ``/metrics`` every ``interval_s`` until ``stop`` is set, on a connection of its
     own: {"metric", "t_s", "share"} with times from ``t0`` (perf_counter), or None when the server exposes
     no known gauge."""
-    import httpx  # defer: httpx
 
     times: list[float] = []
     shares: list[float] = []

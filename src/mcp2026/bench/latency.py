@@ -14,8 +14,22 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mcp2026 import hardware
+from mcp2026.bench import peers
+from mcp2026.bench.bitplan import model_layer_bits
+from mcp2026.bench.peers import (
+    GenerationTiming,
+    hf_decode_latency,
+    hf_prefill,
+    llama_cpp_decode_latency,
+    llama_cpp_prefill,
+)
 from mcp2026.bench.report import BenchRun, Table, machine_info
 from mcp2026.bench.weights import check_weights, quant_config
+from mcp2026.bench.workloads import WorkloadSpec, load_workload
+from mcp2026.config import KVConfig, SchedulerConfig
+from mcp2026.pipeline import Pipeline, resolve_dtype
+from mcp2026.types import SamplingParams
 
 DECODE_PROMPT = "Write a short story about a robot who learns to paint, in about two hundred words."
 ENGINE_LABELS = {"mcp2026": "mcp2026", "hf": "HF transformers", "llama.cpp": "llama.cpp"}
@@ -76,9 +90,6 @@ class Contender:
 
 
 def _ours(pipe: Any, dtype: str) -> Contender:
-    from mcp2026.bench.peers import GenerationTiming
-    from mcp2026.types import SamplingParams
-
     engine = pipe.engine
 
     def run(prompt_ids: list[int], new_tokens: int) -> GenerationTiming:
@@ -98,16 +109,12 @@ def _ours(pipe: Any, dtype: str) -> Contender:
 
 
 def _hf(hf: Any, dtype: str) -> Contender:
-    from mcp2026.bench.peers import hf_decode_latency, hf_prefill
-
     return Contender(
         "hf", dtype, lambda ids, n: hf_decode_latency(hf, ids, n), lambda ids: hf_prefill(hf, ids)
     )
 
 
 def _llama_cpp(llm: Any) -> Contender:
-    from mcp2026.bench.peers import llama_cpp_decode_latency, llama_cpp_prefill
-
     return Contender(
         "llama.cpp",
         "gguf",
@@ -117,8 +124,6 @@ def _llama_cpp(llm: Any) -> Contender:
 
 
 def _prompts(pipe: Any, config: LatencyConfig) -> tuple[list[int], list[int]]:
-    from mcp2026.bench.workloads import WorkloadSpec, load_workload
-
     tokenizer = pipe.tokenizer
     vocab = pipe.loaded.config.vocab_size
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
@@ -137,11 +142,6 @@ def _load_contenders(
     config: LatencyConfig, notes: list[str], layer_bits: dict[str, dict[str, float]]
 ) -> tuple[list[Contender], Any, dict[str, float]]:
     """Every engine of the run, loaded; fills ``layer_bits`` (each quantized config's bits per linear)."""
-    from mcp2026 import hardware
-    from mcp2026.bench import peers
-    from mcp2026.bench.bitplan import model_layer_bits
-    from mcp2026.config import KVConfig, SchedulerConfig
-    from mcp2026.pipeline import Pipeline, resolve_dtype
 
     load_s: dict[str, float] = {}
     # Sequences as long as the workload's (the chat prompt is a few dozen tokens): a model's full context could

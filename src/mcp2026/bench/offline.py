@@ -19,10 +19,15 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mcp2026 import hardware
+from mcp2026.bench import peers
+from mcp2026.bench.bitplan import model_layer_bits
 from mcp2026.bench.report import BenchRun, Table, machine_info
 from mcp2026.bench.weights import check_weights, quant_config
 from mcp2026.bench.workloads import BenchRequest, WorkloadSpec, describe, load_workload
 from mcp2026.config import KVConfig
+from mcp2026.hardware import available_memory_bytes
+from mcp2026.pipeline import Pipeline
 from mcp2026.types import SamplingParams
 
 
@@ -178,10 +183,6 @@ def check_fits(requests: list[BenchRequest], max_model_len: int) -> None:
 def run_offline(
     config: OfflineConfig | None = None, progress: Any = None, use_cache: bool = True
 ) -> BenchRun:
-    from mcp2026.bench.bitplan import model_layer_bits  # defer: torch
-    from mcp2026.hardware import available_memory_bytes  # defer: torch
-    from mcp2026.pipeline import Pipeline  # defer: torch
-
     config = config or OfflineConfig()
     notes: list[str] = []
     # Every config of ours stays loaded for the A B A passes: give each the pool the first would get (the
@@ -214,8 +215,6 @@ def run_offline(
     run_ours(0)
     hf_result = None
     if config.peer:
-        from mcp2026.bench import peers  # defer: torch
-
         t0 = time.perf_counter()
         try:
             hf = peers.load_hf_peer(config.model, torch_dtype)
@@ -238,11 +237,8 @@ def run_offline(
                 f"{len(failed)} requests failed on {name} (e.g. {failed[0]}); their tokens are not counted"
             )
     ours = runs["mcp2026"]
-    if dtype == "bf16":
-        from mcp2026 import hardware  # defer: torch
-
-        if not hardware.has_fast_bf16():
-            notes.append("bf16 on a CPU without AVX512-BF16/AMX: emulated, several times slower than fp32")
+    if dtype == "bf16" and not hardware.has_fast_bf16():
+        notes.append("bf16 on a CPU without AVX512-BF16/AMX: emulated, several times slower than fp32")
     aggregates = _aggregate(runs, hf_result)
     for name, p in passes.items():  # each pass's throughput: how far the machine drifted around the peer
         aggregates[name]["passes_output_tok_per_s"] = [

@@ -21,6 +21,7 @@ from torch import nn
 
 from mcp2026 import hardware
 from mcp2026.bench.workloads import BenchRequest
+from mcp2026.loading.loader import default_model_path
 
 
 class PeerUnavailable(RuntimeError):
@@ -54,9 +55,7 @@ class GenerationTiming:
 # ---- HF transformers ------------------------------------------------------------------------------
 def load_hf_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The same weights our loader reads: the default GGUF, a .gguf file, or an HF folder."""
-    from transformers import AutoModelForCausalLM  # defer: torch
-
-    from mcp2026.loading.loader import default_model_path  # defer: torch
+    from transformers import AutoModelForCausalLM  # heavy (seconds): only runs with the HF peer load it
 
     source = default_model_path() if model is None else Path(model).expanduser()
     if source.is_file():
@@ -110,7 +109,7 @@ def _pad_id(hf: nn.Module) -> int:
 
 def hf_generate(hf: nn.Module, prompts: Sequence[Sequence[int]], new_tokens: int) -> GenerationTiming:
     """Greedy ``generate`` of exactly ``new_tokens`` for every row; prompts left-padded to the longest."""
-    from transformers import GenerationConfig  # defer: transformers
+    from transformers import GenerationConfig  # heavy (seconds): only runs with the HF peer load it
 
     pad = _pad_id(hf)
     width = max(len(p) for p in prompts)
@@ -218,11 +217,9 @@ def load_llama_cpp(
             '(CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python; builds llama.cpp, ~12 min on 2 cores)'
         )
     try:
-        from llama_cpp import Llama  # optional: llama-cpp-python
+        from llama_cpp import Llama  # optional dependency (llama-cpp-python): the peer is skipped without it
     except ImportError as e:  # installed without its own dependencies (diskcache, ...), or a broken build
         raise PeerUnavailable(f"llama.cpp peer skipped: llama_cpp does not import ({e})") from None
-
-    from mcp2026.loading.loader import default_model_path  # defer: torch
 
     path = Path(gguf_path) if gguf_path is not None else default_model_path()
     if path.suffix != ".gguf":

@@ -1,7 +1,7 @@
 """PNG plots of benchmark data. Each function takes plain data, writes one PNG and returns its path; with
 nothing to draw it raises ``NoPlotData`` saying what was missing.
 
-matplotlib is imported on first use and drives the Agg canvas directly (no pyplot, no global backend
+matplotlib drives the Agg canvas directly (no pyplot, no global backend
 switch), so plotting works headless and from any thread.
 """
 
@@ -13,6 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
 LATENCY_METRICS = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "E2E latency"}
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -31,9 +34,6 @@ class ParetoPoint:
 
 
 def _figure(width: float = 7.0, height: float = 4.5, ncols: int = 1) -> tuple[Any, Any]:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # defer: matplotlib
-    from matplotlib.figure import Figure  # defer: matplotlib
-
     fig = Figure(figsize=(width, height))
     FigureCanvasAgg(fig)
     return fig, fig.subplots(1, ncols, squeeze=False)[0]

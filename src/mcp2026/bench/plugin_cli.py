@@ -1,5 +1,5 @@
 """``mcp2026 bench plugin NAME_OR_SPEC``: run a benchmark plugin (bench/plugins.py) and record its run.
-Registered on the bench app by bench/cli.py."""
+Listed on the bench app by bench/cli.py."""
 
 from __future__ import annotations
 

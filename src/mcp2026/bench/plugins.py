@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from mcp2026.bench.report import BenchRun, Table, machine_info
 from mcp2026.bench.workloads import WorkloadSpec, load_workload
+from mcp2026.pipeline import Pipeline
 
 if TYPE_CHECKING:
     from mcp2026.bench.workloads import BenchRequest
-    from mcp2026.pipeline import Pipeline
 
 ENTRY_POINT_GROUP = "mcp2026.bench_plugins"
 
@@ -50,8 +50,6 @@ class PluginContext:
 
     @cached_property
     def pipeline(self) -> Pipeline:
-        from mcp2026.pipeline import Pipeline  # defer: torch
-
         return Pipeline(self.model, dtype=self.dtype)
 
     def workload(self, name: str, num_requests: int, **spec: Any) -> list[BenchRequest]:

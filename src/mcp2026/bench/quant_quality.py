@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from mcp2026.bench.quality import evaluate, reference_logprobs
@@ -98,7 +100,6 @@ def _symmetric_family(layers):
 
 
 def _fixed_plans(model):
-
     plans = {"int8": uniform_plan(model, LayerQuantSpec("int8"))}
     for sym in (True, False):
         for g in (32, 64, 128):
@@ -241,7 +242,6 @@ def run_quality_bench(
 
 
 def _kernel_note() -> str:
-
     return "our int4/int8 GEMVs" if cpu.load() is not None else f"unavailable, {cpu.unavailable_reason()}"
 
 
@@ -268,20 +268,14 @@ def _markdown(rows, header: str, notes: Sequence[str] = ()) -> str:
     return "\n".join(lines)
 
 
-def _write(bench: QualityBench, out_dir: str) -> str | None:
-
+def _write(bench: QualityBench, out_dir: str) -> str:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "quality.json").write_text(json.dumps(bench.rows, indent=1))
     (out / "quality.md").write_text(bench.markdown + "\n")
-    try:
-        import matplotlib  # optional: without it the run writes no plot
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # optional dependency: its ImportError is handled here
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
     for family, style in (("DQG", "o-"), ("DQG-sym", "s-")):
         points = sorted((r["bits"], 100 * r["delta_ppl"]) for r in bench.rows if r["family"] == family)
         if points:
@@ -297,5 +291,4 @@ def _write(bench: QualityBench, out_dir: str) -> str | None:
     ax.grid(alpha=0.3)
     path = out / "quality_curve.png"
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
     return str(path)

@@ -17,6 +17,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from mcp2026 import hardware
+
 # CPU flags that decide which kernels are fast (bf16 GEMM, VNNI int8, AMX).
 CPU_FLAGS = (
     "avx2",
@@ -62,9 +66,6 @@ def _version(dist: str) -> str | None:
 
 def machine_info() -> dict[str, Any]:
     """What the numbers depend on: CPU and its SIMD flags, cores, memory, library versions, git commit."""
-    import torch  # defer: torch
-
-    from mcp2026 import hardware  # defer: torch
 
     flags = hardware.cpu_flags()
     return {

@@ -1,6 +1,6 @@
 """``mcp2026 bench serve``: the serving load generator against a running OpenAI-compatible server (ours,
 llama.cpp's ``llama-server``, vLLM), alone or side by side with peers (``--peer-url NAME=URL``: the same
-workload, interleaved, reported as ratios). Register with ``bench_app.command("serve")(serve)``.
+workload, interleaved, reported as ratios). Listed on the bench app by bench/cli.py.
 """
 
 from __future__ import annotations
@@ -11,23 +11,24 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Annotated, Any
 
+import httpx
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mcp2026.bench.report import render_markdown, shell_join, write_run
+from mcp2026.bench.serve import bench_serve
 from mcp2026.bench.serve_config import ServeBenchConfig, parse_extra_body, parse_goodput, parse_peers
 from mcp2026.bench.workloads import WorkloadSpec, load_workload, workload_burstiness
 from mcp2026.cli_errors import err
+from mcp2026.loading.loader import default_model_path
+from mcp2026.loading.tokenizer import Tokenizer
 
 out = Console(emoji=False)
 
 
 def load_tokenizer(tokenizer_path: str | None) -> Any:
     """Our tokenizer: the default model's unless ``tokenizer_path`` (a .gguf or an HF folder)."""
-    from mcp2026.loading.loader import default_model_path  # defer: torch
-    from mcp2026.loading.tokenizer import Tokenizer  # defer: numpy
-
     path = Path(tokenizer_path) if tokenizer_path else default_model_path()
     return Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf(path)
 
@@ -126,9 +127,6 @@ def serve(
     ] = None,
 ) -> None:
     """Serving benchmark with vLLM bench-serve metrics: TTFT, TPOT, ITL, E2E, throughput and goodput."""
-
-    from mcp2026.bench.serve import bench_serve  # defer: httpx
-
     try:
         if more_slos and not goodput:
             raise ValueError(f"unexpected argument(s) {' '.join(more_slos)}: bench serve takes only options")
@@ -172,11 +170,7 @@ def serve(
                 count_tokens=lambda text: len(tok.encode(text, add_special_tokens=False)),
                 log=lambda line: err.print(line, style="yellow", markup=False, highlight=False),
             )
-    except Exception as e:  # noqa: BLE001 - an unreachable server is one line, not a traceback
-        import httpx  # defer: httpx
-
-        if not isinstance(e, (httpx.HTTPError, ValueError)):
-            raise
+    except (httpx.HTTPError, ValueError) as e:  # an unreachable server is one line, not a traceback
         err.print(f"[bold red]error:[/] {base_url}: {e}", highlight=False)
         raise typer.Exit(2) from None
     out.print(render_markdown(run), markup=False, highlight=False)

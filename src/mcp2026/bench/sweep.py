@@ -21,9 +21,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import httpx
+import torch
+
+from mcp2026.bench.bitplan import model_layer_bits
+from mcp2026.bench.offline import check_fits
 from mcp2026.bench.pareto import pareto_front
 from mcp2026.bench.report import BenchRun, Table, machine_info
+from mcp2026.bench.serve import bench_serve
+from mcp2026.bench.serve_config import ServeBenchConfig
 from mcp2026.bench.sweep_grid import SweepPoint
+from mcp2026.bench.workloads import WorkloadSpec, load_workload
+from mcp2026.engine.async_engine import AsyncEngine
+from mcp2026.quant.perplexity import evaluation_windows
+from mcp2026.serve.server import load_pipeline, make_server, pick_gate
 
 if TYPE_CHECKING:
     from mcp2026.engine.compute_thread import ComputeThread
@@ -101,10 +112,6 @@ def running_server(
     """Our HTTP server over ``pipe`` in a thread on a free loopback port; yields (base URL, model id).
     TLS and API keys are dropped: the sweep measures the engine configuration, not the access layer.
     ``compute_thread``: the ComputeThread ``pipe`` was loaded on, which then runs its steps (as a server's)."""
-    import httpx
-
-    from mcp2026.engine.async_engine import AsyncEngine
-    from mcp2026.serve.server import make_server, pick_gate
 
     serve = dataclasses.replace(
         serve,
@@ -173,7 +180,6 @@ def paged_perplexity(
     """(perplexity, tokens scored) of the second half of each window, teacher-forced through the engine's
     paged cache: the first half as one prefill, then ``chunk_size``-token chunks that read the cached
     (possibly compressed or evicted) KV. The engine must be idle."""
-    import torch
 
     if not windows:
         raise ValueError("no perplexity windows (too little held-out text?)")
@@ -197,7 +203,6 @@ def paged_perplexity(
 
 def held_out_windows(pipe: Any, config: SweepConfig) -> list[list[int]]:
     """Held-out ShareGPT windows for this model's tokenizer (ValueError without a tokenizer)."""
-    from mcp2026.quant.perplexity import evaluation_windows
 
     if pipe.tokenizer is None:
         raise ValueError("the model has no tokenizer to cut held-out text into windows")
@@ -207,9 +212,6 @@ def held_out_windows(pipe: Any, config: SweepConfig) -> list[list[int]]:
 
 
 def _requests(config: SweepConfig, pipe: Any, rate_index: int) -> list[Any]:
-    from mcp2026.bench.offline import check_fits
-    from mcp2026.bench.workloads import WorkloadSpec, load_workload
-
     spec = WorkloadSpec(
         config.workload, config.num_prompts, config.seed + rate_index, config.input_len, config.output_len
     )
@@ -228,9 +230,6 @@ def _serve_rates(
     notes: list[str],
     compute_thread: ComputeThread | None = None,
 ) -> list[dict[str, Any]]:
-    from mcp2026.bench.serve import bench_serve
-    from mcp2026.bench.serve_config import ServeBenchConfig
-
     rows = []
     with running_server(pipe, point.serve, compute_thread=compute_thread) as (url, model_id):
         for i, rate in enumerate(config.rates):
@@ -326,8 +325,6 @@ def run_sweep(
 ) -> BenchRun:
     """Serve every point at every rate; one row per (point, rate). ``windows``: token windows for the
     perplexity figure instead of held-out ShareGPT text (tests, models without a tokenizer)."""
-    from mcp2026.bench.bitplan import model_layer_bits
-    from mcp2026.serve.server import load_pipeline
 
     if not points:
         raise ValueError("the sweep grid is empty: give --configs or grid options")

@@ -1,5 +1,5 @@
 """``mcp2026 bench sweep``: a grid of serving configurations x request rates (see bench/sweep.py).
-Registered on the bench app by bench/cli.py."""
+Listed on the bench app by bench/cli.py."""
 
 from __future__ import annotations
 
@@ -10,6 +10,12 @@ from typing import Annotated
 import typer
 
 from mcp2026.bench.cli_common import finish_run, progress_bars
+from mcp2026.bench.figures import write_report
+from mcp2026.bench.report import shell_join
+from mcp2026.bench.serve_config import parse_goodput
+from mcp2026.bench.sweep import SweepConfig, run_sweep
+from mcp2026.bench.sweep_grid import GridAxes, build_grid, parse_list
+from mcp2026.bench.workloads import workload_burstiness
 from mcp2026.cli_errors import err, user_errors
 
 
@@ -65,12 +71,6 @@ def sweep(
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="show progress bars")] = True,
 ) -> None:
     """Serve each configuration at each request rate; table, Pareto fronts and plots."""
-    from mcp2026.bench.report import shell_join
-    from mcp2026.bench.serve_config import parse_goodput
-    from mcp2026.bench.sweep import SweepConfig, run_sweep
-    from mcp2026.bench.sweep_grid import GridAxes, build_grid, parse_list
-    from mcp2026.bench.workloads import workload_burstiness
-
     config = SweepConfig(
         rates=_rates(rates),
         workload=workload,
@@ -109,8 +109,6 @@ def sweep(
         run = run_sweep(config, points, bar, command=command)
     path = finish_run(run, out_dir, False, "sweep")
     if plots:
-        from mcp2026.bench.figures import write_report
-
         report, figures = write_report([(path.stem, run)], path.with_name(f"{path.stem}-report"))
         err.print(f"[dim]wrote {report} with {len(figures.paths)} plots[/]")
         for reason in figures.skipped:

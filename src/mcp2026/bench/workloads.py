@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from mcp2026.hardware import cache_dir
 from mcp2026.sharegpt import load_conversations, sharegpt_path
 
 # vLLM's is_valid_sequence(): prompt and output >= 4 tokens, prompt <= 1024, prompt + output <= 2048.
@@ -146,8 +147,6 @@ def tokenizer_id(tokenizer: Any) -> str:
 
 
 def _cache_path(spec: WorkloadSpec, tokenizer: Any, vocab_size: int) -> Path:
-    from mcp2026.hardware import cache_dir  # defer: torch
-
     dataset = Path(spec.dataset_path) if spec.dataset_path else sharegpt_path()
     stat = dataset.stat()
     key = json.dumps(

@@ -11,6 +11,8 @@ import typer
 from rich.console import Console
 
 from mcp2026.cli_errors import err, user_errors
+from mcp2026.doctor.checks import run_doctor
+from mcp2026.doctor.context import DoctorContext
 from mcp2026.doctor.report import exit_code, summary_line, to_json, to_table
 
 
@@ -43,10 +45,6 @@ def doctor(
 
     The first full run measures the quant kernels, the memory bandwidth and the model's weight
     statistics (tens of seconds on a small CPU); later runs read them from the cache."""
-
-    from mcp2026.doctor.checks import run_doctor  # defer: torch
-    from mcp2026.doctor.context import DoctorContext  # defer: torch
-
     if ca_bundle is not None and not ca_bundle.is_file():
         raise FileNotFoundError(f"--ca-bundle {ca_bundle}: no such file")
     ctx = DoctorContext.from_options(config, model, url, ca_bundle, quick)
@@ -65,7 +63,3 @@ def doctor(
         out.print(to_table(results))
         out.print(summary_line(results, elapsed), highlight=False)
     raise typer.Exit(exit_code(results))
-
-
-def register(app: typer.Typer) -> None:
-    app.command("doctor")(doctor)

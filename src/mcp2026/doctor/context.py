@@ -16,6 +16,8 @@ from mcp2026.config import EngineConfig, ModelConfig, QuantConfig
 from mcp2026.doctor.model_files import ModelFiles, inspect_model, model_config
 from mcp2026.doctor.result import CheckResult, skipped
 from mcp2026.errors import MCPError
+from mcp2026.loading.loader import default_model_path
+from mcp2026.pipeline import resolve_dtype
 from mcp2026.serve.config import ServeConfig, load_quant_config, load_serve_yaml
 
 
@@ -46,8 +48,6 @@ class DoctorContext:
     # ---- the model, inspected once -----------------------------------------------------------------
     @cached_property
     def _model_files(self) -> ModelFiles | MCPError:
-        from mcp2026.loading.loader import default_model_path  # defer: torch
-
         try:
             return inspect_model(self.model.expanduser() if self.model else default_model_path())
         except MCPError as e:
@@ -102,7 +102,6 @@ class DoctorContext:
     @property
     def activation_dtype(self) -> torch.dtype:
         """The dtype the server would load the weights in (``Pipeline``'s rule)."""
-        from mcp2026.pipeline import resolve_dtype  # defer: torch
 
         try:
             quant = self.quant_config

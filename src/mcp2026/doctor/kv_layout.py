@@ -14,6 +14,7 @@ from mcp2026.doctor.context import DoctorContext
 from mcp2026.doctor.result import CheckResult, failed, passed
 from mcp2026.kv.codecs import describe_default_block_sizes
 from mcp2026.kv.paged_cache import PagedKVCache
+from mcp2026.loading.loader import MAX_ROPE_POSITIONS
 
 MIN_BLOCK, MAX_BLOCK = 8, 128
 LOSSY_TOLERANCE = 0.1  # max |error| / max |value| a lossy KV codec may show on random data
@@ -142,8 +143,6 @@ def build_cache(ctx: DoctorContext, num_blocks: int = 2) -> PagedKVCache:
 
 
 def check_kv_layout(ctx: DoctorContext) -> list[CheckResult]:
-    from mcp2026.loading.loader import MAX_ROPE_POSITIONS  # defer: torch
-
     if (skip := ctx.needs_model("cache layout")) is not None:
         return [skip]
     cfg = ctx.model_config()

@@ -14,6 +14,8 @@ from mcp2026 import hardware
 from mcp2026.config import EngineConfig, ModelConfig
 from mcp2026.doctor.context import DoctorContext
 from mcp2026.doctor.result import CheckResult, failed, passed, skipped, warned
+from mcp2026.kv.sizing import kv_block_bytes, plan_kv_blocks
+from mcp2026.loading.loader import MAX_ROPE_POSITIONS
 
 WARN_FRACTION = 0.9  # weights + KV above this share of available memory leave no room for activations
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -28,8 +30,6 @@ def kv_pool_bytes(
 ) -> tuple[int, int]:
     """(blocks, bytes) of the KV pool the engine would allocate once the weights are loaded: the fraction
     rule takes its share of the memory still available then. ValueError when it holds no full sequence."""
-    from mcp2026.kv.sizing import kv_block_bytes, plan_kv_blocks  # defer: torch
-    from mcp2026.loading.loader import MAX_ROPE_POSITIONS  # defer: torch
 
     max_len = min(engine.scheduler.max_model_len or cfg.max_position_embeddings, MAX_ROPE_POSITIONS)
     codec = engine.kv_compressor.make_codec() if engine.kv_compressor is not None else None

@@ -12,6 +12,10 @@ from typing import Any
 from mcp2026.config import ModelConfig
 from mcp2026.doctor.gguf_header import GgufHeader, read_gguf_header
 from mcp2026.errors import ModelLoadError
+from mcp2026.loading import gguf as gguf_loading
+from mcp2026.loading import hf
+from mcp2026.models.registry import resolve_architecture
+from mcp2026.quant.artifact import WEIGHTS_FILE, read_metadata
 
 # safetensors dtype -> bytes per element
 SAFETENSORS_ITEM_BYTES = {
@@ -100,12 +104,8 @@ def _inspect_gguf(path: Path) -> ModelFiles:
 
 
 def _inspect_folder(path: Path) -> ModelFiles:
-    from mcp2026.loading import hf  # defer: torch
-
     artifact = (path / "mcp2026_artifact.json").is_file()
     if artifact:
-        from mcp2026.quant.artifact import WEIGHTS_FILE, read_metadata  # defer: torch
-
         raw = dict(read_metadata(path)["model_config"])
         files = [path / WEIGHTS_FILE]
     else:
@@ -130,9 +130,6 @@ def inspect_model(path: Path) -> ModelFiles:
 
 def model_config(files: ModelFiles) -> ModelConfig:
     """The ModelConfig the loader would build; UnsupportedArchitectureError / ModelLoadError otherwise."""
-    from mcp2026.loading import gguf as gguf_loading  # defer: torch
-    from mcp2026.loading import hf  # defer: torch
-    from mcp2026.models.registry import resolve_architecture  # defer: torch
 
     if files.gguf is not None:  # parsed again as the loader does: a rope_freqs tensor's values are config
         return gguf_loading.config_from_gguf(gguf_loading.open_gguf(files.path), str(files.path))

@@ -10,6 +10,8 @@ import ssl
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
+
 from mcp2026.doctor import tls
 from mcp2026.doctor.context import DoctorContext
 from mcp2026.doctor.result import CheckResult, failed, passed, skipped, warned
@@ -165,8 +167,6 @@ def _message(response) -> str:
 
 
 def check_readiness(ctx: DoctorContext) -> CheckResult:
-    import httpx  # defer: httpx
-
     name = "readiness"
     if not ctx.url:
         return skipped(name, "give --url http://host:port to probe a running server")

@@ -16,7 +16,8 @@ from mcp2026 import hardware
 from mcp2026.doctor.context import DoctorContext
 from mcp2026.doctor.model_files import ModelFiles
 from mcp2026.doctor.result import CheckResult, passed, skipped, warned
-from mcp2026.quant.stats import KURTOSIS_LIMIT, SKEW_LIMIT
+from mcp2026.loading.loader import load_model
+from mcp2026.quant.stats import KURTOSIS_LIMIT, SKEW_LIMIT, model_weight_stats
 
 CACHE_FILE = "weight_stats.json"
 WORST_SHOWN = 5
@@ -38,8 +39,6 @@ def _cache_key(files: ModelFiles) -> str:
 
 def measure_layer_stats(path: Path) -> dict[str, LayerStats]:
     """Load the model in fp32 and take every linear layer's weight statistics."""
-    from mcp2026.loading.loader import load_model  # defer: torch
-    from mcp2026.quant.stats import model_weight_stats  # defer: torch
 
     stats = model_weight_stats(load_model(path).model)
     return {

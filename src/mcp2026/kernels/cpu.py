@@ -118,7 +118,7 @@ def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
 
 
 def _build(verbose: bool) -> Any:
-    from torch.utils import cpp_extension
+    from torch.utils import cpp_extension  # heavy (setuptools, compilers): only a kernel build needs it
 
     key = build_key()
     build_dir = hardware.cache_dir() / "kernels" / key

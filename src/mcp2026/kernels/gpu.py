@@ -1,4 +1,4 @@
-"""Our GPU kernels (Triton, ``gpu_fused.py`` and ``gpu_attention.py``): imported on first use, optional.
+"""Our GPU kernels (Triton, ``gpu_fused.py`` and ``gpu_attention.py``): optional, imported on first use.
 
 ``kernels_for`` hands them out for CUDA tensors they suit, as ``cpu.load`` does for the CPU ones; where Triton
 is missing, or with ``MCP2026_KERNELS=0``, the callers in ``kernels.ops`` run the plain torch ops and the
@@ -25,6 +25,7 @@ def load() -> Any | None:
     """The kernels, or None where Triton is not installed or MCP2026_KERNELS=0."""
     if not cpu.enabled_by_env() or importlib.util.find_spec("triton") is None:
         return None
+    # optional: these modules import Triton (the cuda extra), found above
     from mcp2026.kernels import gpu_attention, gpu_fused, gpu_int8
 
     return SimpleNamespace(
@@ -43,7 +44,7 @@ def status() -> str:
         return "off (MCP2026_KERNELS=0): torch ops"
     if importlib.util.find_spec("triton") is None:
         return "unavailable (triton is not installed: pip install triton): torch ops"
-    import triton
+    import triton  # optional dependency (the cuda extra), found above
 
     return f"triton {triton.__version__}"
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mcp2026.config import ModelConfig
+from mcp2026.hardware import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,6 @@ FILE_KIND = "mcp2026.kv-layer-weights"
 
 def calibrations_dir() -> Path:
     """Where ``mcp2026 kv calibrate --install`` puts files for ``"auto"`` (under ``MCP2026_CACHE_DIR``)."""
-    from mcp2026.hardware import cache_dir  # deferred: loads torch; this module stays light for the CLI
 
     return cache_dir() / "kv-layer-weights"
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf.quants import dequantize
 
 from mcp2026.config import ModelConfig, unsupported_rope_type
 from mcp2026.errors import ModelLoadError
@@ -194,8 +195,6 @@ def _heads_of(ours: str, config: ModelConfig) -> int | None:
 
 
 def _read_float(reader: GGUFFile, t: GGUFTensorInfo, source: str) -> np.ndarray:
-    from gguf.quants import dequantize  # the gguf package's numpy dequantizers, only needed on this path
-
     try:
         return dequantize(reader.raw(t), t.tensor_type)
     except NotImplementedError:

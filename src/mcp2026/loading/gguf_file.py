@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -82,8 +83,6 @@ class GGUFTensorInfo:
 
     @property
     def tensor_type(self) -> Any:
-        from gguf import GGMLQuantizationType
-
         return GGMLQuantizationType(self.type_id)
 
     @property
@@ -93,8 +92,6 @@ class GGUFTensorInfo:
 
 
 def _tensor_bytes(name: str, dims: tuple[int, ...], type_id: int) -> int:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     try:
         block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
     except (ValueError, KeyError):

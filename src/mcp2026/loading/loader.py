@@ -15,7 +15,9 @@ from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
 from mcp2026.loading import gguf as gguf_loading
 from mcp2026.loading import hf as hf_loading
+from mcp2026.loading.artifact import load_artifact
 from mcp2026.loading.names import Weight, check_shapes, fuse_weights
+from mcp2026.loading.tokenizer import Tokenizer
 from mcp2026.models.registry import build_model
 from mcp2026.quant.block_linear import BlockEmbedding, BlockLinear, BlockWeights
 
@@ -138,8 +140,6 @@ def load_model(
             f"{source}: no such file or directory (expected an HF model folder or a .gguf file)"
         )
     if source.is_dir() and (source / "mcp2026_artifact.json").is_file():  # compiled by `mcp2026 compile`
-        from mcp2026.loading.artifact import load_artifact
-
         return load_artifact(source, dtype, LoadedModel, MAX_ROPE_POSITIONS)
     if source.is_dir():
         raw = hf_loading.read_json(source / "config.json")
@@ -148,8 +148,6 @@ def load_model(
         formats = Counter(str(t.dtype).removeprefix("torch.") for t in tensors.values())
         tokenizer = None
         if (source / "tokenizer.json").exists():
-            from mcp2026.loading.tokenizer import Tokenizer
-
             tokenizer = Tokenizer.from_hf_dir(source)
         file_format, size = "safetensors", sum(f.stat().st_size for f in source.glob("*.safetensors"))
     else:
@@ -157,7 +155,6 @@ def load_model(
         config = gguf_loading.config_from_gguf(reader, str(source))
         formats = Counter(t.tensor_type.name for t in reader.tensors)
         tensors = gguf_loading.load_gguf_tensors(reader, config, dtype, str(source), native=native)
-        from mcp2026.loading.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf(reader)
         file_format, size = "gguf", source.stat().st_size

@@ -28,11 +28,11 @@ from mcp2026.serve.routes_embeddings import add_embedding_routes
 from mcp2026.serve.routes_openai import add_openai_routes
 from mcp2026.serve.routes_ops import add_ops_routes
 from mcp2026.serve.tenants import TenantRegistry
+from mcp2026.serve.tracing import Tracing, TracingMiddleware
 from mcp2026.serve.traffic import Gate, ObserveGate, PressureController
 
 if TYPE_CHECKING:
     from mcp2026.serve.canary import CanaryRouter
-    from mcp2026.serve.tracing import Tracing
 
 
 def create_app(
@@ -60,8 +60,6 @@ def create_app(
     app.state.canary = canary
     install_error_handlers(app)
     if tracing is None and config.otlp_traces_endpoint is not None:
-        from mcp2026.serve.tracing import Tracing  # defer: OpenTelemetry is an optional dependency
-
         tracing = Tracing.from_endpoint(config.otlp_traces_endpoint)
     service.tracing = tracing
     _add_middleware(app, config, tracing)
@@ -136,8 +134,6 @@ def _lifespan(
 
 def _add_middleware(app: FastAPI, config: ServeConfig, tracing: Tracing | None) -> None:
     if tracing is not None:
-        from mcp2026.serve.tracing import TracingMiddleware  # defer: OpenTelemetry is an optional dependency
-
         app.add_middleware(TracingMiddleware, tracing=tracing)
     if config.cors_origins:
         app.add_middleware(

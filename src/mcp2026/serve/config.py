@@ -16,12 +16,14 @@ import yaml
 
 from mcp2026.canary.config import CanaryConfig
 from mcp2026.config import EngineConfig, KVConfig, QuantConfig, SchedulerConfig
+from mcp2026.kv.codecs import default_block_size
+from mcp2026.kv.compressor import KVCompressor
+from mcp2026.quant.compile_cli import load_spec
 from mcp2026.serve.slo import BreakerConfig
 from mcp2026.serve.traffic import TrafficConfig
 from mcp2026.types import POOLINGS
 
 if TYPE_CHECKING:
-    from mcp2026.kv.compressor import KVCompressor
     from mcp2026.quant.compile_cli import CompileSpec
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -127,8 +129,6 @@ def load_serve_yaml(path: str | Path) -> tuple[ServeConfig, EngineConfig]:
     try:
         kv_compressor = None
         if compressor:
-            from mcp2026.kv.compressor import KVCompressor  # defer: torch
-
             kv_compressor = KVCompressor.from_dict(compressor)
         engine = EngineConfig(KVConfig(**kv), SchedulerConfig(**scheduler), kv_compressor=kv_compressor)
     except TypeError as e:
@@ -147,7 +147,6 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
 def load_quant_spec(path: str | Path) -> CompileSpec:
     """A quant YAML as ``mcp2026 compile`` reads it: the QuantConfig and its ``calibration:`` and ``dqg:``
     sections (``Pipeline(config=spec)`` quantizes exactly as compile does). Bad keys or values: ValueError."""
-    from mcp2026.quant.compile_cli import load_spec  # defer: torch
 
     return load_spec(path)
 
@@ -172,8 +171,6 @@ def kv_compressor_from_options(
     base = engine.kv_compressor
     if dtype is None and policy is None and sparsity_ratio is None and layer_weights is None:
         return base
-    from mcp2026.kv.codecs import default_block_size  # defer: torch
-    from mcp2026.kv.compressor import KVCompressor  # defer: torch
 
     if base is not None:
         fields = base.to_dict()

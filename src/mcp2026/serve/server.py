@@ -23,11 +23,11 @@ from mcp2026.pipeline import Pipeline
 from mcp2026.serve.app import create_app
 from mcp2026.serve.canary import build_router, read_candidate
 from mcp2026.serve.config import ServeConfig, load_quant_spec
+from mcp2026.serve.tracing import Tracing
 from mcp2026.serve.traffic import Gate, KVPolicyGate, ObserveGate
 
 if TYPE_CHECKING:
     from mcp2026.serve.canary import CanaryRouter
-    from mcp2026.serve.tracing import Tracing
 
 log = logging.getLogger("mcp2026.serve")
 
@@ -99,8 +99,6 @@ def build_server(
     candidate configuration, which serves ``canary.candidate_share`` of the tenants."""
     tracing = None
     if serve_config.otlp_traces_endpoint is not None:  # a missing SDK fails before any model loads
-        from mcp2026.serve.tracing import Tracing  # defer: OpenTelemetry is an optional dependency
-
         tracing = Tracing.from_endpoint(serve_config.otlp_traces_endpoint)
     candidate = None
     if serve_config.canary.candidate is not None:

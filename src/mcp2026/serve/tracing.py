@@ -5,7 +5,7 @@ Off unless ``--otlp-traces-endpoint`` is given; then the W3C ``traceparent`` a c
 parent, and spans go to that OTLP endpoint (the exporter also reads the standard ``OTEL_EXPORTER_OTLP_*``
 variables: headers, timeout, certificates; ``OTEL_SERVICE_NAME`` names the service). Needs the ``otel``
 extra (``pip install 'mcp2026[otel]'``); without it, asking for traces fails at start with that command.
-Off costs nothing: no middleware is installed and the service holds no tracer.
+Off costs no request time: no middleware is installed and the service holds no tracer.
 """
 
 from __future__ import annotations
@@ -18,6 +18,17 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mcp2026.errors import MCPError
+
+try:  # the otel extra: without it the server runs untraced, and asking for traces raises TracingUnavailable
+    from opentelemetry import trace
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    HAS_SDK = True
+except ImportError:
+    HAS_SDK = False
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -32,12 +43,10 @@ class TracingUnavailable(MCPError):
 
 
 def _require_sdk() -> None:
-    try:
-        import opentelemetry.sdk.trace  # noqa: F401  # defer: optional dependency
-    except ImportError:
+    if not HAS_SDK:
         raise TracingUnavailable(
             f"OpenTelemetry tracing needs the OpenTelemetry SDK, which is not installed: {INSTALL_HINT}"
-        ) from None
+        )
 
 
 def otlp_exporter(endpoint: str) -> SpanExporter:
@@ -49,9 +58,10 @@ def otlp_exporter(endpoint: str) -> SpanExporter:
     )
     try:
         if protocol == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc import trace_exporter  # defer: optional dependency
+            # optional: the gRPC exporter is a package of its own, imported only when this protocol is asked
+            from opentelemetry.exporter.otlp.proto.grpc import trace_exporter
         elif protocol == "http/protobuf":
-            from opentelemetry.exporter.otlp.proto.http import trace_exporter  # defer: optional dependency
+            from opentelemetry.exporter.otlp.proto.http import trace_exporter  # optional: the otel extra's
         else:
             raise TracingUnavailable(
                 f"OTLP protocol {protocol!r} is not supported: use http/protobuf or grpc"
@@ -68,10 +78,6 @@ class Tracing:
     """The server's tracer: TracingMiddleware opens the request span, ``record(job)`` adds what the engine did."""
 
     def __init__(self, tracer: Tracer) -> None:
-        from opentelemetry.trace.propagation.tracecontext import (  # defer: optional dependency
-            TraceContextTextMapPropagator,
-        )
-
         self.tracer = tracer
         self.propagator = TraceContextTextMapPropagator()
 
@@ -80,13 +86,6 @@ class Tracing:
         """A tracer of its own provider (the process-global one is left alone), spans sent to ``exporter``
         in batches off the request path (``batch=False``: as each span ends, for tests)."""
         _require_sdk()
-        from opentelemetry.sdk.resources import Resource  # defer: optional dependency
-        from opentelemetry.sdk.trace import TracerProvider  # defer: optional dependency
-        from opentelemetry.sdk.trace.export import (  # defer: optional dependency
-            BatchSpanProcessor,
-            SimpleSpanProcessor,
-        )
-
         # Resource.create reads OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES; ours is only the default name.
         resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "mcp2026")})
         provider = TracerProvider(resource=resource)
@@ -101,8 +100,6 @@ class Tracing:
         """Attributes of the finished ``job`` (a serve.generation Job, not imported: generation imports us)
         on the current request span, and one set of child spans per choice. Called by GenerationService.release
         inside the request's context."""
-        from opentelemetry import trace  # defer: optional dependency
-
         span = trace.get_current_span()
         if not span.is_recording():
             return  # released outside a traced request (e.g. a path we do not trace)
@@ -186,8 +183,6 @@ class TracingMiddleware:
         if scope["type"] != "http" or not scope["path"].startswith(TRACED_PATH_PREFIX):
             await self.app(scope, receive, send)
             return
-        from opentelemetry import trace  # defer: optional dependency
-
         carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         parent = self.tracing.propagator.extract(carrier)
         name = f"{scope['method']} {scope['path']}"

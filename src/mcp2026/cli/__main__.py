@@ -1,0 +1,5 @@
+"""``python -m mcp2026.cli``: the ``mcp2026`` command."""
+
+from mcp2026.cli import main
+
+main()
