@@ -1,7 +1,7 @@
 """Quantized linears, one module per weight format, built from the math in ``quantizer``.
 
 Each module's forward is a real kernel:
-our CPU GEMVs at decode sizes (``kernels/cpu_decode.cpp``), dequantize + oneDNN GEMM for prefill on CPUs
+our CPU GEMVs at decode sizes (``kernels/gemv.cpp``), dequantize + oneDNN GEMM for prefill on CPUs
 without fast bf16, else torch's (``aten._weight_int8pack_mm``, ``aten._weight_int4pack_mm_for_cpu``,
 ``torch._scaled_mm``, ``F.linear``), plus dtype casts when its ``compute_dtype`` differs from the input's.
 """
@@ -48,7 +48,7 @@ def _check_int4_shape(out_features: int, in_features: int, group_size: int) -> N
         )
 
 
-# Our int4/int8 GEMVs (kernels/cpu_decode.cpp) take decode-sized batches on every CPU. On CPUs without fast
+# Our int4/int8 GEMVs (kernels/gemv.cpp) take decode-sized batches on every CPU. On CPUs without fast
 # bf16, torch's int kernels compute in bf16 (slower than fp32 on AVX2), so there the GEMVs (in 8-row tiles) also
 # take batched decode and mixed steps up to a row limit per format, and larger inputs run dequantize + fp32
 # GEMM. Measured once with a throwaway microbenchmark (2 threads, one layer's linears; no repo command): int8
