@@ -75,16 +75,18 @@ def test_the_shared_vector_idioms_are_written_only_in_simd_h(idiom):
 
 
 def test_the_duplicate_check_finds_a_copied_or_renamed_helper():
-    helper = "inline float hsum(__m256 v) {\n  return _mm_cvtss_f32(_mm256_castps256_ps128(v));  // low lane\n}\n"
+    helper = (
+        "inline float hsum(__m256 v) {\n  return _mm_cvtss_f32(_mm256_castps256_ps128(v));  // low lane\n}\n"
+    )
     renamed = "static inline float attn_hsum(__m256 v) { return _mm_cvtss_f32(_mm256_castps256_ps128(v)); }\n"
     declared = "inline float hsum(__m256 v);\n"
     assert duplicated_helpers({"a.cpp": helper, "b.h": declared}) == []
     assert duplicated_helpers({"a.cpp": helper, "b.cpp": helper}) != []
     assert duplicated_helpers({"a.cpp": helper, "b.cpp": renamed}) != []
     assert duplicated_helpers({"a.cpp": helper + renamed}) != []
-    assert inline_functions("template <int M>\ninline void gemv(const float* x) {\n  if (x) { run(); }\n}\n") == [
-        ("gemv", "{if(x){run();}}")
-    ]
+    assert inline_functions(
+        "template <int M>\ninline void gemv(const float* x) {\n  if (x) { run(); }\n}\n"
+    ) == [("gemv", "{if(x){run();}}")]
 
 
 def test_the_build_compiles_and_hashes_every_kernel_file():

@@ -3,10 +3,11 @@
 A decode step of a small model on the CPU is bound by how many ops it dispatches (~2-5 us each), not by
 arithmetic; these kernels fold the elementwise chains of a layer and the paged decode attention into one call
 each. They are compiled with torch's ``cpp_extension`` for the host CPU (``-march=native``) the first time an
-engine needs them (a few minutes on 2 cores), into ``hardware.cache_dir()/kernels/<key>`` where the key covers
+engine needs them (~1 minute on 2 cores), into ``hardware.cache_dir()/kernels/<key>`` where the key covers
 every source and header file, the torch version and the CPU's instruction-set flags, so a shared home
-directory never hands one CPU a binary built for another. Without a compiler, or with ``MCP2026_KERNELS=0``, every caller falls back to the
-plain torch ops (same results within float rounding; tests check both paths against each other).
+directory never hands one CPU a binary built for another. Without a compiler, or with ``MCP2026_KERNELS=0``,
+every caller falls back to the plain torch ops (same results within float rounding; tests check both paths
+against each other).
 """
 
 from __future__ import annotations
