@@ -167,7 +167,7 @@ def check_quant_kernels(ctx: DoctorContext) -> CheckResult:
 
 
 def check_fused_kernels(ctx: DoctorContext) -> CheckResult:
-    """Our C++ decode kernels (kernels/cpu_decode.cpp): built and cached, or why the engine falls back."""
+    """Our C++ decode kernels (kernels/*.cpp): built and cached, or why the engine falls back."""
     name = "fused kernels"
     if ctx.device.type == "cuda":  # the Triton kernels: decode attention over paged blocks, fused layer ops
         status = gpu.status()

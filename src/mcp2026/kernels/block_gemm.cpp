@@ -13,9 +13,8 @@
 
 #include <torch/extension.h>
 
+#include "cpu_kernels.h"
 #include "vnni_gemm.h"
-
-torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so);
 
 // Rows from which CPUs without VNNI run a float GEMM on the dequantized weight instead (block_gemm), for weights
 // up to kDequantMaxElements: a vocabulary projection stays on the int8 path rather than hold a float copy of

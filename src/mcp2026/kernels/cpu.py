@@ -1,12 +1,13 @@
-"""Our fused CPU decode kernels (``cpu_decode.cpp``): built once per machine, cached, optional.
+"""Our CPU kernels (``kernels/*.cpp``, bound in ``bindings.cpp``): built once per machine, cached, optional.
 
 A decode step of a small model on the CPU is bound by how many ops it dispatches (~2-5 us each), not by
 arithmetic; these kernels fold the elementwise chains of a layer and the paged decode attention into one call
 each. They are compiled with torch's ``cpp_extension`` for the host CPU (``-march=native``) the first time an
 engine needs them (~1 minute on 2 cores), into ``hardware.cache_dir()/kernels/<key>`` where the key covers
-the source, the torch version and the CPU's instruction-set flags, so a shared home directory never hands one CPU a
-binary built for another. Without a compiler, or with ``MCP2026_KERNELS=0``, every caller falls back to the
-plain torch ops (same results within float rounding; tests check both paths against each other).
+every source and header file, the torch version and the CPU's instruction-set flags, so a shared home
+directory never hands one CPU a binary built for another. Without a compiler, or with ``MCP2026_KERNELS=0``,
+every caller falls back to the plain torch ops (same results within float rounding; tests check both paths
+against each other).
 """
 
 from __future__ import annotations
@@ -25,16 +26,27 @@ from mcp2026 import hardware
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode.cpp")  # the module (its bindings) ...
-SOURCES = (
-    SOURCE,
-    SOURCE.with_name("int4_gemm.cpp"),
-    SOURCE.with_name("int8_gemm.cpp"),
-    SOURCE.with_name("block_gemm.cpp"),
-    SOURCE.with_name("kv_write.cpp"),
-    SOURCE.with_name("staged_merge.cpp"),
-)  # ... and the other translation units
-HEADERS = (SOURCE.with_name("quantize_rows.h"), SOURCE.with_name("vnni_gemm.h"))
+KERNEL_DIR = Path(__file__).parent
+# Every C++ file of the module (tests check that these are all the .cpp and .h files beside this one).
+SOURCES = tuple(
+    KERNEL_DIR / name
+    for name in (
+        "bindings.cpp",  # the Python module
+        "decode_attention.cpp",
+        "prefill_attention.cpp",
+        "elementwise.cpp",
+        "fused_layer.cpp",
+        "gemv.cpp",
+        "int4_gemm.cpp",
+        "int8_gemm.cpp",
+        "block_gemm.cpp",
+        "kv_write.cpp",
+        "staged_merge.cpp",
+    )
+)
+HEADERS = tuple(
+    KERNEL_DIR / name for name in ("cpu_kernels.h", "simd.h", "kv_blocks.h", "quantize_rows.h", "vnni_gemm.h")
+)
 _lock = threading.Lock()
 _module: Any = None
 _reason: str | None = None  # why the kernels are unavailable (None: not tried yet, or loaded)
@@ -61,6 +73,7 @@ def isa_flags(flags: frozenset[str]) -> list[str]:
 def build_key() -> str:
     digest = hashlib.sha256()
     for path in (*SOURCES, *HEADERS):
+        digest.update(path.name.encode())
         digest.update(path.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(" ".join(isa_flags(hardware.cpu_flags())).encode())

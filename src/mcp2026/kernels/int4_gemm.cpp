@@ -1,6 +1,6 @@
 // int4 weights x int8 activations for prefill-sized inputs (AVX-512 VNNI): the GEMM form of the int4 GEMV.
 //
-// The GEMV (cpu_decode.cpp) computes one output per (row, weight row) with a horizontal sum at the end and
+// The GEMV (gemv.cpp) computes one output per (row, weight row) with a horizontal sum at the end and
 // streams every weight once per eight rows, which is right for decode but leaves a 512-token prefill far below
 // a bf16 GEMM. Here the weights are repacked once (int4_gemm_pack) so that one 64-byte vector holds 16 output
 // columns x 4 consecutive k in each nibble plane: a dpbusd then adds, for 16 columns at once, four products
@@ -13,6 +13,7 @@
 
 #include <torch/extension.h>
 
+#include "cpu_kernels.h"
 #include "vnni_gemm.h"
 
 namespace {

@@ -1,7 +1,7 @@
 // int8 weights x int16-precision activations for any row count (AVX-512 VNNI): int4_gemm.cpp's structure for
 // per-output-channel int8 weights (Int8Linear).
 //
-// The int8 GEMV (cpu_decode.cpp, float activations) converts every weight to fp32 and runs far below the
+// The int8 GEMV (gemv.cpp, float activations) converts every weight to fp32 and runs far below the
 // machine's integer throughput; above GEMV_BATCH_MAX_ROWS the layer used to dequantize the whole weight and call
 // an fp32 GEMM (a prefill with int8 weights ran below one with fp32 weights). Here the weights are repacked once
 // (int8_gemm_pack) so that one 64-byte vector holds 16 output columns x 4 consecutive k, stored as w + 128
@@ -16,8 +16,8 @@
 
 #include <torch/extension.h>
 
-#include <type_traits>
-
+#include "cpu_kernels.h"
+#include "simd.h"
 #include "vnni_gemm.h"
 
 namespace {
@@ -30,14 +30,8 @@ struct TwoPlaneRows {
   std::vector<float> step, corr;
 };
 
-template <typename T>
-inline __m512 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>)
-    return _mm512_loadu_ps(p);
-  else  // bf16: the 16-bit pattern is the top half of the fp32
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) { return bf16x16_to_float(p); }
 
 template <typename T>
 TwoPlaneRows quantize_two_planes(const T* x, int64_t M, int64_t K) {

@@ -1,4 +1,5 @@
-// Quantize-on-write for the per-token KV codecs (int8, fp8 e4m3) in one call per layer.
+// K/V rows into one layer's paged cache planes, one call per layer: as they are (fp32, bf16, fp16), encoded with
+// a per-token codec (int8, fp8 e4m3), or whole blocks sealed with the int4 (KIVI) codec.
 //
 // Through torch ops, encoding one decode step's K and V rows costs ~20 dispatches per plane and layer (aminmax,
 // the fp16 rounding of scale and zero, divide, round, clamp, casts, index_copy_): ~7 ms of a ~25 ms step for
@@ -22,9 +23,69 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include "cpu_kernels.h"
+
+namespace {
+
+// ---- rows as they are -----------------------------------------------------------------------------------------
+// k_dst, v_dst: one layer's planes viewed as (R, hd) rows, in float32, bfloat16 or float16; k, v: (T, nkv, hd)
+// float32 or bfloat16 with contiguous head rows (any token and head strides); rows (T * nkv,): the destination
+// row of (token, head) pair t * nkv + h. Narrowing rounds to nearest even, as Tensor.to does. One call for both:
+// two index_copy_ calls cost ~15 us each at decode sizes, as much as the attention reading the rows.
+template <typename S, typename D>
+void write_rows_impl(D* kd, D* vd, const int64_t* rp, const S* ks, const S* vs, int64_t T, int64_t nkv,
+                     int64_t hd, int64_t R, int64_t ks0, int64_t ks1, int64_t vs0, int64_t vs1) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < nkv; ++h) {
+      const int64_t r = rp[t * nkv + h];
+      TORCH_CHECK(r >= 0 && r < R, "row ", r, " out of range for ", R, " rows");
+      const S* kr = ks + t * ks0 + h * ks1;
+      const S* vr = vs + t * vs0 + h * vs1;
+      D* ko = kd + r * hd;
+      D* vo = vd + r * hd;
+      if constexpr (std::is_same_v<S, D>) {
+        std::memcpy(ko, kr, hd * sizeof(D));
+        std::memcpy(vo, vr, hd * sizeof(D));
+      } else {
+        for (int64_t d = 0; d < hd; ++d) {
+          ko[d] = static_cast<D>(static_cast<float>(kr[d]));
+          vo[d] = static_cast<D>(static_cast<float>(vr[d]));
+        }
+      }
+    }
+}
+
+}  // namespace
+
+void write_kv_rows(torch::Tensor& k_dst, torch::Tensor& v_dst, const torch::Tensor& rows, const torch::Tensor& k,
+                   const torch::Tensor& v) {
+  TORCH_CHECK(k_dst.device().is_cpu() && k_dst.is_contiguous() && v_dst.is_contiguous() &&
+                  k_dst.sizes() == v_dst.sizes() && k_dst.dim() == 2 && k_dst.scalar_type() == v_dst.scalar_type(),
+              "k_dst and v_dst must be contiguous CPU (R, hd) planes of one shape and dtype");
+  check_cpu_float(k, "k");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k and v must share a dtype");
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && rows.dim() == 1, "rows must be int64 (T * nkv,)");
+  const int64_t hd = k_dst.size(1), R = k_dst.size(0);
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(2) == hd && k.stride(2) == 1 && v.stride(2) == 1,
+              "k and v must be (T, nkv, hd) with contiguous head rows");
+  const int64_t T = k.size(0), nkv = k.size(1);
+  TORCH_CHECK(rows.size(0) == T * nkv, "rows must hold one entry per (token, head)");
+  const auto rc = rows.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, k.scalar_type(), "write_kv_rows_src", [&] {
+    using S = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k_dst.scalar_type(),
+                                    "write_kv_rows_dst", [&] {
+      write_rows_impl<S, scalar_t>(k_dst.data_ptr<scalar_t>(), v_dst.data_ptr<scalar_t>(), rc.data_ptr<int64_t>(),
+                                   k.data_ptr<S>(), v.data_ptr<S>(), T, nkv, hd, R, k.stride(0), k.stride(1),
+                                   v.stride(0), v.stride(1));
+    });
+  });
+}
 
 namespace {
 

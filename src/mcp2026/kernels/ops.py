@@ -114,7 +114,7 @@ def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias for float weights, in x's dtype. On the CPU fp32 x computes in fp32 (bf16 weights
     widened), other activations in the weight's dtype (x cast to it, as before any kernel). Decode-sized CPU
-    inputs take our GEMV (cpu_decode.cpp ``dense_linear``: 2-3x MKL at 1-16 rows; the fused decode layers
+    inputs take our GEMV (gemv.cpp ``dense_linear``: 2-3x MKL at 1-16 rows; the fused decode layers
     call the same compiled function, so both paths agree), prefill-sized fp32 ones ``prefill_linear``."""
     # Up to a fused step's rows, the compiled function (the fused layers call it too: same bits either way).
     k = kernels_for(x, weight, *(() if bias is None else (bias,))) if x.dim() == 2 else None

@@ -1,5 +1,5 @@
 // Activations quantized to int8 per 32-value block (llama.cpp's Q8 scheme), shared by the int4 GEMV
-// (cpu_decode.cpp) and the int4 GEMM (int4_gemm.cpp): both compute from the same quantized rows, so a prefill
+// (gemv.cpp) and the int4 GEMM (int4_gemm.cpp): both compute from the same quantized rows, so a prefill
 // chunk and a decode step see the same activation rounding.
 #pragma once
 

@@ -16,6 +16,8 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_kernels.h"
+
 namespace {
 
 template <typename S>

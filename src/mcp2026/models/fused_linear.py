@@ -1,4 +1,4 @@
-"""Linear modules as the compiled decode-layer calls see them (``FusedLinear`` in cpu_decode.cpp).
+"""Linear modules as the compiled decode-layer calls see them (``FusedLinear`` in kernels/cpu_kernels.h).
 
 A decode-sized step runs each decoder layer as two compiled calls (norm + qkv + RoPE; o-proj + norm + MLP),
 which take the layer's linears as small C++ objects holding the same tensors and kernel choice the Python

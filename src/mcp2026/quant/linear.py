@@ -1,7 +1,7 @@
 """Quantized linears by weight format (a registry: one ``QuantLinear`` module per format), and building them:
 one linear from its spec, or every linear of a model from a plan.
 
-Each module's forward is a real kernel: our CPU GEMVs at decode sizes (``kernels/cpu_decode.cpp``), our int4 /
+Each module's forward is a real kernel: our CPU GEMVs at decode sizes (``kernels/gemv.cpp``), our int4 /
 int8 GEMMs on AVX-512 VNNI CPUs, dequantize + oneDNN GEMM for prefill on CPUs without fast bf16, else torch's
 (``aten._weight_int8pack_mm``, ``aten._weight_int4pack_mm_for_cpu``, ``torch._scaled_mm``, ``F.linear``), plus
 dtype casts when its ``compute_dtype`` differs from the input's (``cpu_routing`` picks by row count).

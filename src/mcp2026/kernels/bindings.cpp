@@ -1,0 +1,64 @@
+// The CPU kernel module (built once per machine by mcp2026.kernels.cpu; see there): its Python bindings.
+//
+// A batch-1 decode step of a small model is dominated by op count, not arithmetic: every torch op costs a few
+// microseconds to dispatch, and a layer ran ~40 of them. These kernels replace the elementwise chains
+// (residual add + RMSNorm, RoPE, SiLU * up: elementwise.cpp) with one call each, the paged decode attention
+// (gather the live blocks, scores, softmax, weighted sum: decode_attention.cpp) with one call that reads the
+// blocks where they lie, and whole half-layers with one call (fused_layer.cpp). The entry points, by file:
+// cpu_kernels.h.
+
+#include <torch/extension.h>
+
+#include "cpu_kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("prefill_attention", &prefill_attention, "causal prefill attention over a chunk's context (AVX-512)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("offset"));
+  m.def("prefill_attention_available", &prefill_attention_available, "whether this build has it");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged K/V blocks",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("lengths"),
+        py::arg("mass") = py::none());
+  m.def("paged_decode_attention_quantized", &paged_decode_attention_quantized,
+        "decode attention over int8 / int4 / fp8 paged K/V blocks (and int4's staged bf16 tails)", py::arg("q"),
+        py::arg("kind"), py::arg("k_planes"), py::arg("v_planes"), py::arg("stage_k"), py::arg("stage_v"),
+        py::arg("tables"), py::arg("lengths"), py::arg("mass") = py::none());
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) * weight");
+  m.def("rope_", &rope_, "rotate-half RoPE in place");
+  m.def("int4_gemv", &int4_gemv, "int4 weights x int8-quantized activations, decode-sized batches");
+  m.def("int4_gemm", &int4_gemm, "int4 weights x int8-quantized activations, prefill-sized inputs (VNNI)");
+  m.def("int4_gemm_pack", &int4_gemm_pack, "the int4 GEMV layout -> the GEMM's (weights, scales, offsets)");
+  m.def("vnni_gemm_available", &vnni_gemm_available, "whether this build has the int4 and int8 GEMMs (VNNI)");
+  m.def("int8_gemv", &int8_gemv, "int8 weights x float activations, decode-sized batches");
+  m.def("int8_gemm", &int8_gemm, "int8 weights x int8-quantized activations, prefill-sized inputs (VNNI)");
+  m.def("block_gemm", &block_gemm, "stored block quantization (scale * u + offset per group) x int8 activations");
+  m.def("block_gemm_reference", &block_gemm_reference, "block_gemm as a portable scalar loop (for tests)");
+  m.def("block_dequant", &block_dequant, "a block GEMM weight as fp32 (N, K)");
+  m.def("block_float_gemm_min_rows", &block_float_gemm_min_rows,
+        "rows from which block_gemm runs a float GEMM on the dequantized weight (0: never)");
+  m.def("int8_gemm_pack", &int8_gemm_pack, "int8 (N, K) weights -> the int8 GEMM's column tiles (+128)");
+  m.def("dense_linear", &dense_linear, "float weights: our GEMV for decode-sized inputs, else at::linear",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+  m.attr("DENSE_GEMV_MAX_ROWS") = kDenseGemvMaxRows;
+  m.def("int4_dequant", &int4_dequant, "the int4 GEMV layout back to float or bf16 (N, K)", py::arg("qs"),
+        py::arg("sz"), py::arg("out_bf16") = false, py::arg("out") = py::none());
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
+  py::class_<FusedLinear>(m, "FusedLinear")
+      .def(py::init([](int64_t kind, torch::Tensor a, torch::Tensor b, c10::optional<torch::Tensor> bias,
+                       c10::optional<torch::Tensor> inv_scale) {
+             TORCH_CHECK(kind >= 0 && kind <= 5,
+                         "kind must be 0 (dense), 1 (int8), 2 (int4), 3 (int4 GEMM), 4 (int8 GEMM) or 5 (block GEMM)");
+             return FusedLinear{kind, std::move(a), std::move(b), std::move(bias), std::move(inv_scale)};
+           }),
+           py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("bias") = py::none(),
+           py::arg("inv_scale") = py::none())
+      .def("__call__", &FusedLinear::operator());
+  m.def("write_kv_rows", &write_kv_rows, "K and V rows into one layer's cache planes");
+  m.def("write_kv_rows_quantized", &write_kv_rows_quantized,
+        "K and V rows encoded with the int8 (kind 1) or fp8 (kind 3) KV codec into one layer's planes");
+  m.def("merge_own_blocks", &merge_own_blocks,
+        "a staged codec's prefill chunk: each query's own staged block merged into the sealed context's attention");
+  m.def("seal_int4_blocks", &seal_int4_blocks,
+        "whole blocks encoded with the int4 KV codec (keys: group 0, values: channels per group) into one layer's planes");
+  m.def("layer_attn_in", &layer_attn_in, "residual add + RMSNorm + qkv projection + RoPE; returns q, k, v");
+  m.def("layer_attn_out_mlp", &layer_attn_out_mlp, "o projection + residual add + RMSNorm + gated MLP");
+}

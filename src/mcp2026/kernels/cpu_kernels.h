@@ -1,0 +1,82 @@
+// The entry points of the CPU kernel module (bindings.cpp exposes them to Python; fused_layer.cpp composes
+// them), by the file that defines each, and the argument check they share.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+inline void check_cpu_float(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+// decode_attention.cpp
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache, const torch::Tensor& tables,
+                                     const torch::Tensor& lengths, const c10::optional<torch::Tensor>& mass);
+torch::Tensor paged_decode_attention_quantized(const torch::Tensor& q, int64_t kind, const std::vector<torch::Tensor>& kp,
+                                               const std::vector<torch::Tensor>& vp, const torch::Tensor& stage_k,
+                                               const torch::Tensor& stage_v, const torch::Tensor& tables,
+                                               const torch::Tensor& lengths, const c10::optional<torch::Tensor>& mass);
+// prefill_attention.cpp
+bool prefill_attention_available();
+torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                int64_t offset);
+// elementwise.cpp
+torch::Tensor add_rms_norm(const torch::Tensor& residual, const c10::optional<torch::Tensor>& x,
+                           const torch::Tensor& weight, double eps, c10::ScalarType out_dtype);
+void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+torch::Tensor silu_mul(const torch::Tensor& gate_up, c10::ScalarType out_dtype);
+// gemv.cpp
+constexpr int64_t kDenseGemvMaxRows = 32;  // the most rows dense_linear gives its own GEMV (gemv.cpp)
+torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sz);
+torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales);
+torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+torch::Tensor int4_dequant(const torch::Tensor& qs, const torch::Tensor& sz, bool out_bf16,
+                           const c10::optional<torch::Tensor>& out_buffer);
+// int4_gemm.cpp
+bool vnni_gemm_available();
+std::vector<torch::Tensor> int4_gemm_pack(const torch::Tensor& qs, const torch::Tensor& sz);
+torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so);
+// int8_gemm.cpp
+torch::Tensor int8_gemm_pack(const torch::Tensor& w);
+torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& scales);
+// block_gemm.cpp
+torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so);
+torch::Tensor block_gemm_reference(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so);
+torch::Tensor block_dequant(const torch::Tensor& wp, const torch::Tensor& so, int64_t K);
+int64_t block_float_gemm_min_rows(int64_t n, int64_t k);
+// kv_write.cpp
+void write_kv_rows(torch::Tensor& k_dst, torch::Tensor& v_dst, const torch::Tensor& rows, const torch::Tensor& k,
+                   const torch::Tensor& v);
+void write_kv_rows_quantized(int64_t kind, const std::vector<torch::Tensor>& kp, const std::vector<torch::Tensor>& vp,
+                             const torch::Tensor& rows, const torch::Tensor& k, const torch::Tensor& v);
+bool seal_int4_blocks(const std::vector<torch::Tensor>& planes, const torch::Tensor& chunks, const torch::Tensor& x,
+                      int64_t bs, int64_t group);
+// staged_merge.cpp
+torch::Tensor merge_own_blocks(const torch::Tensor& out_a, const torch::Tensor& lse_a, const torch::Tensor& q,
+                               const torch::Tensor& ks, const torch::Tensor& vs, const torch::Tensor& no_sealed,
+                               int64_t num_prior, int64_t bs);
+
+// fused_layer.cpp: a linear layer as the fused decode layers call it.
+struct FusedLinear {
+  int64_t kind;  // 0: float weight through dense_linear; 1: int8 weight + fp32 scales; 2: int4 GEMV layout;
+                 // 3: int4 GEMM layout (int4_gemm.cpp); 4: int8 GEMM layout (int8_gemm.cpp);
+                 // 5: byte weights with group scales and offsets (block_gemm.cpp)
+  torch::Tensor a, b;  // dense: (weight, unused); int8: (weight, scales); int4: (qs, sz); int4 GEMM: (wp, so);
+                       // int8 GEMM: (wp, scales); block GEMM: (wp, so)
+  c10::optional<torch::Tensor> bias, inv_scale;
+
+  torch::Tensor operator()(const torch::Tensor& x) const;
+};
+
+std::vector<torch::Tensor> layer_attn_in(torch::Tensor& residual, const c10::optional<torch::Tensor>& x,
+                                         const torch::Tensor& norm_w, double eps, const FusedLinear& qkv,
+                                         const torch::Tensor& cos, const torch::Tensor& sin, int64_t nh,
+                                         int64_t nkv, int64_t hd);
+torch::Tensor layer_attn_out_mlp(const torch::Tensor& attn, torch::Tensor& residual, const FusedLinear& o,
+                                 const torch::Tensor& norm_w, double eps, const FusedLinear& gate_up,
+                                 const FusedLinear& down);

@@ -1,0 +1,190 @@
+// The elementwise chains of a decoder layer, one call each: residual add + RMSNorm, RoPE, SiLU(gate) * up.
+// At decode sizes every torch op costs a few microseconds to dispatch, more than its arithmetic; these fold a
+// chain of them into one pass. All arithmetic is float32; bf16 tensors are widened on load and rounded once on
+// store.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "cpu_kernels.h"
+#include "simd.h"
+
+namespace {
+
+// The kernels here split rows across threads past this many (decode steps stay on the calling thread; a row's
+// arithmetic is the same either way).
+constexpr int64_t kParallelRows = 64;
+
+// ---- residual add + RMSNorm ------------------------------------------------------------------------------
+// residual += x (in place, when x is given), then out = residual / rms(residual) * weight, in out_dtype.
+template <typename T, typename R, typename O>
+void add_rms_norm_impl(const T* x, R* res, const float* w, O* out, int64_t rows, int64_t hidden, float eps) {
+  at::parallel_for(0, rows, kParallelRows, [&](int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    R* rr = res + r * hidden;
+    float ss = 0.f;
+    if (x != nullptr) {
+      const T* xr = x + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i) {
+        const float s = static_cast<float>(rr[i]) + static_cast<float>(xr[i]);
+        rr[i] = static_cast<R>(s);
+      }
+    }
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < hidden; ++i) {
+      const float s = static_cast<float>(rr[i]);
+      ss += s * s;
+    }
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+    O* orow = out + r * hidden;
+    for (int64_t i = 0; i < hidden; ++i) orow[i] = static_cast<O>(static_cast<float>(rr[i]) * inv * w[i]);
+  }
+  });
+}
+
+}  // namespace
+
+torch::Tensor add_rms_norm(const torch::Tensor& residual, const c10::optional<torch::Tensor>& x,
+                           const torch::Tensor& weight, double eps, c10::ScalarType out_dtype) {
+  check_cpu_float(residual, "residual");
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "residual must be a contiguous (T, H) tensor");
+  const int64_t rows = residual.size(0), hidden = residual.size(1);
+  torch::Tensor xc;
+  if (x.has_value()) {
+    check_cpu_float(*x, "x");
+    TORCH_CHECK(x->sizes() == residual.sizes(), "x and residual must have one shape");
+    xc = x->contiguous();
+  }
+  const auto wf = weight.to(torch::kFloat).contiguous();
+  TORCH_CHECK(wf.numel() == hidden, "weight must have H elements");
+  auto out = torch::empty({rows, hidden}, residual.options().dtype(out_dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, residual.scalar_type(), "add_rms_norm_res", [&] {
+    using R = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, out_dtype, "add_rms_norm_out", [&] {
+      using O = scalar_t;
+      if (!x.has_value()) {
+        add_rms_norm_impl<float, R, O>(nullptr, residual.data_ptr<R>(), wf.data_ptr<float>(),
+                                       out.data_ptr<O>(), rows, hidden, static_cast<float>(eps));
+      } else if (xc.scalar_type() == torch::kFloat) {
+        add_rms_norm_impl<float, R, O>(xc.data_ptr<float>(), residual.data_ptr<R>(), wf.data_ptr<float>(),
+                                       out.data_ptr<O>(), rows, hidden, static_cast<float>(eps));
+      } else {
+        add_rms_norm_impl<at::BFloat16, R, O>(xc.data_ptr<at::BFloat16>(), residual.data_ptr<R>(),
+                                              wf.data_ptr<float>(), out.data_ptr<O>(), rows, hidden,
+                                              static_cast<float>(eps));
+      }
+    });
+  });
+  return out;
+}
+
+// ---- RoPE (rotate-half convention), in place --------------------------------------------------------------
+// x: (T, heads, hd) with contiguous (heads, hd) rows (any row stride); cos, sin: (T, rot), float32 or x's dtype,
+// rot <= hd: the first rot dims of each head rotate (pairs i, i + rot/2), the rest pass through (partial rotary).
+namespace {
+
+template <typename T, typename C>
+void rope_impl(T* x, int64_t row_stride, const C* cos, const C* sin, int64_t rows, int64_t heads, int64_t hd,
+               int64_t rot) {
+  const int64_t half = rot / 2;
+  at::parallel_for(0, rows, kParallelRows, [&](int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const C* c = cos + r * rot;
+    const C* s = sin + r * rot;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* p = x + r * row_stride + h * hd;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = static_cast<float>(p[i]), b = static_cast<float>(p[i + half]);
+        p[i] = static_cast<T>(a * static_cast<float>(c[i]) - b * static_cast<float>(s[i]));
+        p[i + half] = static_cast<T>(b * static_cast<float>(c[i + half]) + a * static_cast<float>(s[i + half]));
+      }
+    }
+  }
+  });
+}
+
+}  // namespace
+
+void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  check_cpu_float(x, "x");
+  check_cpu_float(cos, "cos");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x must be (T, heads, hd) rows");
+  TORCH_CHECK(cos.scalar_type() == sin.scalar_type(), "cos and sin must share a dtype");
+  const auto cc = cos.contiguous(), sc = sin.contiguous();
+  const int64_t rows = x.size(0), heads = x.size(1), hd = x.size(2);
+  if (rows == 0) return;
+  const int64_t rot = cc.numel() / rows;
+  TORCH_CHECK(cc.numel() == rows * rot && sc.numel() == rows * rot && rot % 2 == 0 && rot <= hd,
+              "cos/sin must be (T, rot) with rot even and <= hd");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, x.scalar_type(), "rope_x", [&] {
+    using T = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, cc.scalar_type(), "rope_cs", [&] {
+      rope_impl<T, scalar_t>(x.data_ptr<T>(), x.stride(0), cc.data_ptr<scalar_t>(), sc.data_ptr<scalar_t>(), rows,
+                             heads, hd, rot);
+    });
+  });
+}
+
+// ---- SiLU(gate) * up ---------------------------------------------------------------------------------------
+// gate_up: (T, 2I) as [gate | up] -> (T, I) in out_dtype.
+// SiLU(a) = a * sigmoid(a), sigmoid through e = exp(-|a|) (never overflows): 1 / (1 + e) for a >= 0, else
+// e / (1 + e). fp32 rows take 8 lanes at a time with exp_nonpositive (simd.h); other dtypes and the tail, std::exp.
+namespace {
+
+inline float silu_scalar(float a) {
+  const float e = std::exp(-std::fabs(a));
+  return a * ((a >= 0.f ? 1.f : e) / (1.f + e));
+}
+
+template <typename T, typename O>
+void silu_mul_impl(const T* gu, O* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, kParallelRows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gu + r * 2 * inter;
+      const T* u = g + inter;
+      O* o = out + r * inter;
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+      if constexpr (std::is_same_v<T, float> && std::is_same_v<O, float>) {
+        const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
+        for (; i + 8 <= inter; i += 8) {
+          const __m256 a = _mm256_loadu_ps(g + i);
+          const __m256 e = exp_nonpositive(_mm256_or_ps(a, sign));  // exp(-|a|)
+          const __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_GE_OQ));
+          const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
+          _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(a, sig), _mm256_loadu_ps(u + i)));
+        }
+      }
+#endif
+      for (; i < inter; ++i) {
+        const float a = static_cast<float>(g[i]);
+        o[i] = static_cast<O>(silu_scalar(a) * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor silu_mul(const torch::Tensor& gate_up, c10::ScalarType out_dtype) {
+  check_cpu_float(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be (T, 2I)");
+  const auto gc = gate_up.contiguous();
+  const int64_t rows = gc.size(0), inter = gc.size(1) / 2;
+  auto out = torch::empty({rows, inter}, gc.options().dtype(out_dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, gc.scalar_type(), "silu_mul_in", [&] {
+    using T = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, out_dtype, "silu_mul_out", [&] {
+      silu_mul_impl<T, scalar_t>(gc.data_ptr<T>(), out.data_ptr<scalar_t>(), rows, inter);
+    });
+  });
+  return out;
+}
