@@ -215,7 +215,7 @@ class CanaryRouter:
 
     def verdict(self) -> GateResult:
         counts = (self.baseline.num_finished, self.candidate.num_finished)
-        now = time.monotonic()
+        now = self.clock()
         if self._cached is not None and (self._cached[0] == counts or now - self._cached[1] < REFRESH_S):
             result = self._cached[2]
         else:
