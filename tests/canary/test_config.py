@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mcp2026.bench.canary_run import merged_thresholds
@@ -116,3 +118,10 @@ def test_candidate_share_option_against_a_ramp():
     ramped = CanaryConfig.from_mapping({"ramp": [0.1, 1.0]})
     with pytest.raises(ValueError, match=r"drop candidate_share \(and --candidate-share\)"):
         ramped.with_live_options("b.yaml", 0.5)
+
+
+def test_the_live_ramp_example_loads():
+    example = Path(__file__).resolve().parents[2] / "examples" / "canary" / "live_ramp.yaml"
+    canary = load_serve_yaml(example)[0].canary
+    assert canary.ramp == (0.1, 0.25, 0.5, 1.0) and canary.candidate_share == 0.1
+    assert Path(canary.candidate) == example.parent / "int8.yaml" and Path(canary.candidate).is_file()

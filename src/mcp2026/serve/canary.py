@@ -252,7 +252,7 @@ class CanaryRouter:
     def _record(self, shift: Shift | None) -> Shift | None:
         if shift is None:
             return None
-        log.info("canary: %s", shift.describe())
+        log.log(logging.WARNING if shift.to_share == 0 else logging.INFO, "canary: %s", shift.describe())
         if self.ramp.is_evaluating:  # a step up: judge the new share on its own requests
             self.baseline.clear_window()
             self.candidate.clear_window()
