@@ -227,7 +227,8 @@ class CanaryRouter:
 
     # ---- the ramp ---------------------------------------------------------------------------------
     def tick(self) -> Shift | None:
-        """Shift the share when a verdict is due (see the module docstring); the shift made, if any."""
+        """Shift the share when a verdict is due (see the module docstring); the shift made, if any. Called
+        from the event-loop thread only (routing, /canary and /metrics all run there), so it needs no lock."""
         if not self.ramp.can_roll_back:
             return None
         now = self.clock()
