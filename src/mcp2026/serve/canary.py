@@ -1,23 +1,29 @@
 """The live canary: inside one ``mcp2026 serve`` process a second engine runs the candidate configuration,
-a sticky share of the traffic goes to it, and the gate's verdict over both arms is exposed on ``/metrics``
-and ``GET /canary``.
+a sticky share of the traffic goes to it, the gate's verdict over both arms is exposed on ``/metrics`` and
+``GET /canary``, and, with a ``canary.ramp``, the verdict moves the share (mcp2026.canary.ramp).
 
-Routing is sticky per tenant: sha256(salt, key) mapped to [0, 1) below ``candidate_share`` goes to the
-candidate. The key is the tenant's name when a keys file defines tenants; with the single open tenant it
-is the API key the client sends, else the client's host. While the candidate engine is not ready (warming
-up, dead) its share is served by the baseline.
+Routing is sticky per tenant: sha256(salt, key) mapped to [0, 1) below the current share goes to the
+candidate, so raising the share only adds tenants to the candidate. The key is the tenant's name when a keys
+file defines tenants; with the single open tenant it is the API key the client sends, else the client's
+host. While the candidate engine is not ready (warming up, dead) its share is served by the baseline.
 
 The live verdict gates P99 TTFT and E2E change (each arm's latest ``window`` finished requests, bootstrap
 resampling requests per arm: the arms serve different requests, so nothing is paired) and the candidate's
 bandwidth utilisation (its engine's decode steps since start). Accuracy is not measured live: it holds,
 so the live verdict cannot PROMOTE, unless ``canary.offline_report`` names an offline canary report whose
 accuracy metric then counts. A dead candidate engine is ROLLBACK.
+
+With a ramp the verdict that may shift the share is taken on the first request, ``/canary`` or ``/metrics``
+call once ``evaluate_every_s`` passed since the last one and both arms' windows hold ``min_samples``
+requests; a step up empties both windows, so each step is judged on requests served at that share. A dead
+candidate rolls back at once.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,6 +41,7 @@ from mcp2026.canary.gate import (
     Measurement,
     evaluate_gate,
 )
+from mcp2026.canary.ramp import Shift, TrafficRamp
 from mcp2026.canary.stats import p99, percentile_change_interval
 from mcp2026.config import EngineConfig
 from mcp2026.engine.async_engine import AsyncEngine
@@ -44,6 +51,8 @@ from mcp2026.serve.config import ServeConfig, load_quant_spec, load_serve_yaml
 if TYPE_CHECKING:
     from mcp2026.serve.metrics import ServerMetrics
     from mcp2026.serve.tenants import Tenant
+
+log = logging.getLogger("mcp2026.serve")
 
 OK_FINISH = ("stop", "length")
 REFRESH_S = 1.0  # the verdict is recomputed at most this often, and only after new requests finished
@@ -78,6 +87,11 @@ class ArmTraffic:
             if ok:
                 ttft.observe(ttft_s)
                 e2e.observe(e2e_s)
+
+    def clear_window(self) -> None:
+        """Forget the latencies so far: the next verdict rests on requests served from now on."""
+        self.ttft_s.clear()
+        self.e2e_s.clear()
 
     def bandwidth(self, peak_bytes_per_s: float) -> BandwidthEstimate:
         engine = self.engine.engine
@@ -128,7 +142,9 @@ class CanaryRouter:
         candidate_weight_bytes: int,
         peak_bytes_per_s: float,
         candidate_label: str = "candidate",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: seconds, for the ramp's evaluation interval (tests pass their own)."""
         self.config = config
         self.thresholds = config.thresholds
         self.peak_bytes_per_s = peak_bytes_per_s
@@ -137,6 +153,9 @@ class CanaryRouter:
         self.candidate = ArmTraffic(CANDIDATE, candidate, candidate_weight_bytes, config.window)
         self.accuracy = offline_accuracy(config.offline_report) if config.offline_report else None
         self._cached: tuple[tuple[int, int], float, GateResult] | None = None
+        self.ramp = TrafficRamp(config.ramp, config.candidate_share)
+        self.clock = clock
+        self._evaluated_at = clock()
 
     # ---- routing --------------------------------------------------------------------------------
     @staticmethod
@@ -152,7 +171,8 @@ class CanaryRouter:
         return int.from_bytes(digest[:8], "big") / 2.0**64
 
     def route(self, key: str) -> ArmTraffic:
-        wants_candidate = self.share_of(key) < self.config.candidate_share
+        self.tick()
+        wants_candidate = self.share_of(key) < self.ramp.share
         return self.candidate if wants_candidate and self.candidate.engine.is_ready else self.baseline
 
     # ---- lifecycle (the baseline engine is the app's own) ------------------------------------------
@@ -195,7 +215,7 @@ class CanaryRouter:
 
     def verdict(self) -> GateResult:
         counts = (self.baseline.num_finished, self.candidate.num_finished)
-        now = time.monotonic()
+        now = self.clock()
         if self._cached is not None and (self._cached[0] == counts or now - self._cached[1] < REFRESH_S):
             result = self._cached[2]
         else:
@@ -205,15 +225,52 @@ class CanaryRouter:
             return GateResult(result.decisions, ROLLBACK)
         return result
 
+    # ---- the ramp ---------------------------------------------------------------------------------
+    def tick(self) -> Shift | None:
+        """Shift the share when a verdict is due (see the module docstring); the shift made, if any. Called
+        from the event-loop thread only (routing, /canary and /metrics all run there), so it needs no lock."""
+        if not self.ramp.can_roll_back:
+            return None
+        now = self.clock()
+        dead = self.candidate.engine.dead_error
+        if dead is not None:
+            return self._record(self.ramp.roll_back(f"the candidate engine died: {dead}", now))
+        num_samples = min(len(self.baseline.ttft_s), len(self.candidate.ttft_s))
+        if (
+            not self.ramp.is_evaluating
+            or now - self._evaluated_at < self.config.evaluate_every_s
+            or num_samples < self.thresholds.min_samples
+        ):
+            return None
+        self._evaluated_at = now
+        result = evaluate_gate(self.measurements(), self.thresholds)
+        self._cached = ((self.baseline.num_finished, self.candidate.num_finished), now, result)
+        shift = self.ramp.apply(result, now)
+        if shift is None:
+            log.debug("canary: candidate share stays %g (%s)", self.ramp.share, result.verdict)
+        return self._record(shift)
+
+    def _record(self, shift: Shift | None) -> Shift | None:
+        if shift is None:
+            return None
+        log.log(logging.WARNING if shift.to_share == 0 else logging.INFO, "canary: %s", shift.describe())
+        if self.ramp.is_evaluating:  # a step up: judge the new share on its own requests
+            self.baseline.clear_window()
+            self.candidate.clear_window()
+            self._cached = None
+        return shift
+
     def status(self) -> dict[str, Any]:
         """The ``GET /canary`` body."""
+        self.tick()
         result = self.verdict()
         dead = self.candidate.engine.dead_error
         return {
             **result.to_dict(),
             "reason": f"the candidate engine died: {dead}" if dead else None,
             "candidate": self.candidate_label,
-            "candidate_share": self.config.candidate_share,
+            "candidate_share": self.ramp.share,
+            "ramp": {**self.ramp.to_dict(), "evaluate_every_s": self.config.evaluate_every_s},
             "sticky_by": "tenant (API keys file), else API key, else client host",
             "arms": {a.name: a.summary() for a in (self.baseline, self.candidate)},
             "bandwidth": {

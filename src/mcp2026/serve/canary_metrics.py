@@ -1,5 +1,6 @@
 """The live canary on /metrics: per-arm latency histograms and request counters, and gauges of the verdict,
-each release metric's status and value, per-arm P99s and bandwidth utilisation (read at scrape time)."""
+each release metric's status and value, per-arm P99s and bandwidth utilisation, the candidate's current share,
+the ramp's state and its shifts and verdicts so far (read at scrape time)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from mcp2026.canary.gate import STATUS_VALUES, VERDICTS
+from mcp2026.canary.ramp import SHIFT_DECISIONS, STATES
 from mcp2026.canary.stats import p99
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -55,6 +57,7 @@ class _CanaryCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         router, model = self.router, self.model
+        router.tick()  # a scrape may be the first call after the evaluation interval
         result = router.verdict()
         verdict = GaugeMetricFamily(
             "mcp2026_canary_verdict", "1 for the live canary's current verdict", labels=["model", "verdict"]
@@ -97,8 +100,38 @@ class _CanaryCollector(Collector):
                 utilisation.add_metric([model, arm.name], pct / 100)
         yield p99s
         yield utilisation
+        yield from self._ramp_metrics()
+
+    def _ramp_metrics(self) -> Iterable[Metric]:
+        ramp, model = self.router.ramp, self.model
         share = GaugeMetricFamily(
-            "mcp2026_canary_candidate_share", "Share of tenants routed to the candidate", labels=["model"]
+            "mcp2026_canary_candidate_share",
+            "Share of tenants routed to the candidate now (0 after a rollback, 1 once promoted)",
+            labels=["model"],
         )
-        share.add_metric([model], router.config.candidate_share)
+        share.add_metric([model], ramp.share)
         yield share
+        state = GaugeMetricFamily(
+            "mcp2026_canary_state",
+            "1 for the ramp's state: observing (fixed share), ramping, promoted, rolled_back",
+            labels=["model", "state"],
+        )
+        for s in STATES:
+            state.add_metric([model, s], int(s == ramp.state))
+        yield state
+        shifts = CounterMetricFamily(
+            "mcp2026_canary_shifts",
+            "Changes of the candidate's share by decision",
+            labels=["model", "decision"],
+        )
+        for decision in SHIFT_DECISIONS:
+            shifts.add_metric([model, decision], ramp.num_shifts(decision))
+        yield shifts
+        evaluations = CounterMetricFamily(
+            "mcp2026_canary_evaluations",
+            "Verdicts the ramp acted on (HOLD keeps the share)",
+            labels=["model", "verdict"],
+        )
+        for verdict in VERDICTS:
+            evaluations.add_metric([model, verdict], ramp.num_evaluations[verdict])
+        yield evaluations
