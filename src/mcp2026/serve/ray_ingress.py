@@ -23,6 +23,7 @@ from starlette.responses import Response, StreamingResponse
 from mcp2026.loading.loader import default_model_path
 from mcp2026.loading.tokenizer import Tokenizer
 from mcp2026.serve.config import load_serve_yaml
+from mcp2026.serve.errors import APIError
 from mcp2026.serve.protocol import ChatCompletionRequest, CompletionRequest
 from mcp2026.serve.ray_replica import EngineReplica, ForwardedRequest, ReplicaReport, ResponseHead
 from mcp2026.serve.replica_router import PrefixRouter, ReplicaLoad, RouterConfig
@@ -32,6 +33,9 @@ from mcp2026.serve.tenants import TenantRegistry
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 REPORT_TIMEOUT_S = 2.0  # a replica that cannot say its load in this time is treated as saturated
 UNREACHABLE = ReplicaLoad(num_waiting=10**6, kv_usage=1.0)
+# NOTE: Ray's own per-replica cap (5 by default) would queue requests before the engine's scheduler, which
+# orders them by tenant weight and priority, sees them; the engine's max_queued_requests answers 429 instead.
+MAX_ONGOING_REQUESTS = 1024
 HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
 
 
@@ -71,7 +75,12 @@ class RoutingIngress:
             (request.client.host, request.client.port) if request.client else None,
         )
         stream = self.replicas[route.replica_id].options(stream=True).handle_http.remote(forwarded)
-        head: ResponseHead = await stream.__anext__()
+        try:
+            head: ResponseHead = await stream.__anext__()
+        except Exception as e:  # noqa: BLE001 - a replica that died or restarted mid-call: the client retries
+            self.router.forget(route.replica_id)
+            message = f"replica {route.replica_id} is unavailable ({type(e).__name__}); retry the request"
+            return APIError(503, message, code="replica_unavailable", retry_after_s=1).response()
         headers = {
             k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers if k.lower() not in HOP_HEADERS
         }
@@ -122,7 +131,7 @@ class RoutingIngress:
             loads[name] = ReplicaLoad(result.num_waiting, result.num_running, result.kv_usage)
         return loads
 
-    def routes(self) -> dict[str, int]:
+    async def routes(self) -> dict[str, int]:
         """Requests routed so far, by ``replica/reason``."""
         return {f"{replica}/{reason}": n for (replica, reason), n in sorted(self.route_counts.items())}
 
@@ -158,11 +167,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         EngineReplica, **_replica_defaults(), **dict(args.get("replica_options") or {})
     )
     handles = [replica.options(name=f"engine-{i}").bind(config) for i in range(num_replicas)]
-    router = serve.deployment(RoutingIngress, name="router", **dict(args.get("router_options") or {}))
+    router_options = {"max_ongoing_requests": MAX_ONGOING_REQUESTS, **dict(args.get("router_options") or {})}
+    router = serve.deployment(RoutingIngress, name="router", **router_options)
     return router.bind(handles, config)
 
 
 def _replica_defaults() -> dict[str, Any]:
-    # NOTE: one engine steps one batch for all its requests; Ray's own per-replica cap must not queue them
-    # before the engine's scheduler (which orders them by tenant weight and priority) sees them.
-    return {"max_ongoing_requests": 1024, "health_check_period_s": 10.0}
+    return {"max_ongoing_requests": MAX_ONGOING_REQUESTS, "health_check_period_s": 10.0}

@@ -141,9 +141,11 @@ class EngineReplica:
                 self._lifespan = _Lifespan(self.app)
                 await self._lifespan.startup()
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Ray Serve's shutdown hook (awaited, after in-flight requests finished or timed out): stop the
+        engine loop through the app's lifespan."""
         if self._lifespan is not None:
-            self._lifespan.request_shutdown()
+            await self._lifespan.shutdown()
 
 
 class _Lifespan:
@@ -180,8 +182,11 @@ class _Lifespan:
         if self._failure is not None:
             raise RuntimeError(f"the replica's app did not start: {self._failure}")
 
-    def request_shutdown(self) -> None:
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
         self._stop.set()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._task, timeout_s)
 
 
 def _scope(request: ForwardedRequest) -> dict[str, Any]:
