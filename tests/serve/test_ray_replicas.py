@@ -108,6 +108,27 @@ def test_openai_api_through_the_ingress(cluster):
     assert set(routes) >= {"engine-0/balance", "engine-1/balance"}  # new prefixes spread over both replicas
 
 
+def test_a_client_leaving_mid_stream_aborts_on_its_replica(cluster):
+    url, ingress = cluster
+    body = {"model": "tiny", "prompt": [5] * 20, "max_tokens": 480, "ignore_eos": True, "stream": True}
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=30
+    ) as response:
+        replica = response.headers["x-mcp2026-replica"]
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    handle = serve.get_deployment_handle(replica, APP)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        report = ingress.reports.remote().result()[replica]
+        if report.num_waiting + report.num_running == 0:
+            break
+        time.sleep(0.1)
+    assert report.num_waiting + report.num_running == 0
+    _, metrics = call(handle, "GET", "/metrics")
+    assert 'status="abort"' in metrics.decode(), "the request ran to its end instead of being aborted"
+
+
 def conversations(seed: int, num: int = 12, num_turns: int = 5) -> list[list[list[int]]]:
     """Token-id prompts, turn by turn: every turn repeats the previous ones and adds 2-4 blocks."""
     rng = random.Random(seed)
@@ -122,13 +143,20 @@ def conversations(seed: int, num: int = 12, num_turns: int = 5) -> list[list[lis
     return out
 
 
-def forward(handle, prompt: list[int]) -> None:
-    """One completion sent straight to a replica's handle, skipping the router."""
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1}).encode()
+def call(handle, method: str, path: str, body: dict | None = None) -> tuple[ResponseHead, bytes]:
+    """One request sent straight to a replica's handle, skipping the router."""
     headers = [(b"content-type", b"application/json"), (b"authorization", f"Bearer {KEY}".encode())]
-    request = ForwardedRequest("POST", "/v1/completions", b"", headers, body)
-    items = list(handle.options(stream=True).handle_http.remote(request))
-    assert isinstance(items[0], ResponseHead) and items[0].status == 200, items
+    data = b"" if body is None else json.dumps(body).encode()
+    items = list(
+        handle.options(stream=True).handle_http.remote(ForwardedRequest(method, path, b"", headers, data))
+    )
+    assert isinstance(items[0], ResponseHead), items
+    return items[0], b"".join(items[1:])
+
+
+def forward(handle, prompt: list[int]) -> None:
+    head, body = call(handle, "POST", "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1})
+    assert head.status == 200, body
 
 
 def hit_rate(ingress, send, convs) -> float:
