@@ -51,7 +51,7 @@ def cluster(tmp_path_factory):
         "tenants:\n  - {name: alpha, api_keys: [sk-alpha]}\n  - {name: beta, api_keys: [sk-beta], weight: 2}\n"
     )
     (root / "serve.yaml").write_text(
-        "model: tiny\nmodel_name: tiny\ndtype: fp32\ntenants: tenants.yaml\n"
+        "model: tiny\nmodel_name: tiny\ndtype: fp32\ntenants: tenants.yaml\nmax_request_body_bytes: 65536\n"
         f"kv: {{block_size: {BLOCK}, num_blocks: 2048}}\n"
     )
     started = time.monotonic()
@@ -100,6 +100,10 @@ def test_openai_api_through_the_ingress(cluster):
         f"{url}/v1/completions", json={"prompt": "x"}, headers={"authorization": "Bearer no"}
     )
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    too_large = httpx.post(
+        f"{url}/v1/completions", content=b"x" * 65537, headers={"authorization": f"Bearer {KEY}"}
+    )
+    assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "request_too_large"
     assert (
         httpx.get(f"{url}/v1/models", headers={"authorization": f"Bearer {KEY}"}).json()["data"][0]["id"]
         == "tiny"

@@ -54,11 +54,18 @@ class RoutingIngress:
         )
         model = Path(serve_config.model) if serve_config.model else default_model_path()
         self.tokenizer = Tokenizer.from_hf_dir(model) if model.is_dir() else Tokenizer.from_gguf(model)
+        self.max_body_bytes = serve_config.max_request_body_bytes
         self.incarnations: dict[str, str] = {}
         self.route_counts: Counter[tuple[str, str]] = Counter()  # (replica, reason) -> requests
 
     async def __call__(self, request: Request) -> Response:
-        body = await request.body()
+        data = bytearray()
+        async for chunk in request.stream():  # the replicas' body limit, before the router buffers more
+            data += chunk
+            if len(data) > self.max_body_bytes:
+                message = f"the request body is larger than {self.max_body_bytes} bytes"
+                return APIError(413, message, code="request_too_large").response()
+        body = bytes(data)
         token_ids: list[int] = []
         salt = ""
         if request.method == "POST" and request.url.path in ROUTED_PATHS:
@@ -167,7 +174,13 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         EngineReplica, **_replica_defaults(), **dict(args.get("replica_options") or {})
     )
     handles = [replica.options(name=f"engine-{i}").bind(config) for i in range(num_replicas)]
-    router_options = {"max_ongoing_requests": MAX_ONGOING_REQUESTS, **dict(args.get("router_options") or {})}
+    router_options = {
+        "max_ongoing_requests": MAX_ONGOING_REQUESTS,
+        # NOTE: the router waits on handles and tokenizes; asking a whole CPU for it would leave N engines
+        # of one CPU each unschedulable on an N-CPU node.
+        "ray_actor_options": {"num_cpus": 0},
+        **dict(args.get("router_options") or {}),
+    }
     router = serve.deployment(RoutingIngress, name="router", **router_options)
     return router.bind(handles, config)
 
