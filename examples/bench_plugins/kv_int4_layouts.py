@@ -11,8 +11,8 @@ head (64 channels: what reaches 3.56x at any block size); ``rot-tok64`` / ``rot-
 orthonormal Hadamard rotation (QuaRot, arXiv:2404.00456: rotating spreads outlier channels over the head;
 queries would be rotated alike, so scores are unchanged) with values per token in groups of 64 / 32;
 ``rot-kv64`` keys and values both rotated, groups of 64. These: affine int4 with fp16 scale and zero.
-``kivi16-v64`` kivi16 with value groups of 64; ``-k8`` keys through the engine's ``int4`` key codec (since session
-18: per-channel scales and zeros as uint8 codes over fp16 per-(block, head) parameters); ``-v8`` values through
+``kivi16-v64`` kivi16 with value groups of 64; ``-k8`` keys through the engine's ``int4`` key codec
+(per-channel scales and zeros as uint8 codes over fp16 per-(block, head) parameters); ``-v8`` values through
 its value codec (per-(token, group) codes over the block); combinations ``kivi16-k8-v64``, ``kivi16-k8-v8``,
 ``kivi16-k8-v8-v64``.
 

@@ -297,7 +297,7 @@ def _agreement(records: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def _table(aggregates: dict[str, Any], config: LatencyConfig, decode_prompt_len: int) -> Table:
-    """Ratios against HF fp32, the baseline the issue targets are stated in (all pairs are in aggregates)."""
+    """Ratios against HF fp32, the baseline the speed targets are stated against (all pairs are in aggregates)."""
     medians = aggregates["median_tok_per_s"]
     ref = medians.get("hf/fp32")
     rows = []
