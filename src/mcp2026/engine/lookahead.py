@@ -103,7 +103,7 @@ def draft_attention(
                         draft.num_computed_tokens,
                         manager.block_table(rid),
                         True,
-                        manager.num_dropped_tokens(rid),
+                        kv_offset=manager.num_dropped_tokens(rid),
                     )
                 )
             if not chunks:

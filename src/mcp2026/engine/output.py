@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class ScheduledChunk:
     start_pos: int  # == the request's num_computed_tokens before this step
     block_table: list[int]
     samples: bool  # the chunk ends at the request's last known token: return one sampled token for it
+    _: KW_ONLY  # the optional fields below are named at every call: two of them are easy to swap
     wants_all_logits: bool = False  # prompt logprobs: the runner keeps the logits of every row of the chunk
     kv_offset: int = 0  # tokens of KV evicted before this chunk (a multiple of the block size)
 

@@ -79,7 +79,7 @@ def teacher_forced_logits(
                 start,
                 manager.block_table(request_id),
                 end == prompt_len,
-                manager.num_dropped_tokens(request_id),
+                kv_offset=manager.num_dropped_tokens(request_id),
             )
             _, logits = runner.execute(SchedulerOutput([chunk], end - start), all_logits=True)
             request.num_computed_tokens = end
