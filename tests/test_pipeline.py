@@ -107,6 +107,26 @@ def test_profile_fields(pipe):
 
 
 @pytest.mark.slow
+def test_speculative_decoding_keeps_drafts_and_the_tokens_of_plain_decoding():
+    """A copying task on the default path (the GGUF's blocks as stored): prompt-lookup drafts are kept, and
+    the tokens are those of the same model without speculation. The drafts run as rows of the decode kernels,
+    which compute each row alone, as plain decoding does. (Float weights go through torch's GEMM, whose
+    rounding depends on the number of rows, as batching does: a near-tie may then fall the other way.)"""
+    pipe = Pipeline()
+    text = (
+        "The committee met on Tuesday to review the budget for the new library. After a long discussion, "
+        "the members agreed to fund the children's reading room and to postpone the parking garage."
+    )
+    messages = [{"role": "user", "content": f"Repeat this text word for word:\n\n{text}"}]
+    params = SamplingParams(max_tokens=48)
+    result = pipe.infer([messages], params, profile=True)
+    spec = result.speculation
+    assert spec["enabled"] and spec["num_accepted_tokens"] > 10 and spec["tokens_per_draft"] > 1.5
+    plain = Pipeline(speculative="off").infer([messages], params).outputs[0]
+    assert result.outputs[0].token_ids == plain.token_ids
+
+
+@pytest.mark.slow
 def test_stop_string_cuts_text(pipe):
     full = pipe.generate("What is the capital of France?", SamplingParams(max_tokens=16), chat=True)
     assert "Paris" in full.text

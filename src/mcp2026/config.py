@@ -379,6 +379,45 @@ class SchedulerConfig:
         )
 
 
+SPECULATIVE_METHODS = ("ngram", "off")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a decode step also computes up to ``num_tokens`` drafted tokens, and the sampler
+    keeps the longest prefix of them that it would have produced itself, plus its own next token. Exact: the
+    output is what plain decoding gives (greedy: the same tokens; sampled: the same distribution, and a seeded
+    request the same tokens). ``ngram`` drafts by prompt lookup: the tokens that followed the latest earlier
+    occurrence of the sequence's last ``max_ngram`` .. ``min_ngram`` tokens. Whether and how far to draft is
+    decided per request and step from its measured acceptance and the measured cost of longer steps, so a
+    request whose drafts keep failing (free-form chat) stops drafting."""
+
+    method: str = "ngram"  # ngram | off
+    num_tokens: int = (
+        8  # the most draft tokens per request and step (the cost model picks fewer where they pay)
+    )
+    min_ngram: int = 2
+    max_ngram: int = 4
+
+    def __post_init__(self) -> None:
+        _require(
+            self.method in SPECULATIVE_METHODS,
+            f"SpeculativeConfig.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}",
+        )
+        _require(
+            1 <= self.num_tokens <= 16,
+            f"SpeculativeConfig.num_tokens must be in 1..16, got {self.num_tokens}",
+        )
+        _require(
+            1 <= self.min_ngram <= self.max_ngram <= 16,
+            f"SpeculativeConfig needs 1 <= min_ngram <= max_ngram <= 16, got {self.min_ngram}, {self.max_ngram}",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, grouped; each part goes only to the component that uses it."""
@@ -390,6 +429,7 @@ class EngineConfig:
     # On CUDA, decode-only steps of up to this many sequences replay a captured graph of the whole forward
     # (``engine.decode_graphs``); 0 runs every step eagerly. Capped by ``scheduler.max_num_seqs``.
     cuda_graph_max_batch: int = 256
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         _require(

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from mcp2026 import hardware
-from mcp2026.config import EngineConfig, KVConfig, QuantConfig, SchedulerConfig
+from mcp2026.config import EngineConfig, KVConfig, QuantConfig, SchedulerConfig, SpeculativeConfig
 from mcp2026.engine.engine import LLMEngine
 from mcp2026.errors import NotSupportedYetError
 from mcp2026.kv.compressor import KVCompressor
@@ -105,6 +105,17 @@ def quant_spec(config: QuantConfig | CompileSpec | None) -> CompileSpec | None:
     )
 
 
+def coerce_speculative(value: SpeculativeConfig | str | None) -> SpeculativeConfig:
+    """A SpeculativeConfig from itself, a method name ("ngram" | "off") or None (the default)."""
+    if value is None:
+        return SpeculativeConfig()
+    if isinstance(value, str):
+        return SpeculativeConfig(method=value)
+    if isinstance(value, SpeculativeConfig):
+        return value
+    raise TypeError(f"speculative must be a SpeculativeConfig or a method name, got {type(value).__name__}")
+
+
 class Pipeline:
     """``Pipeline(model=None | path, config=QuantConfig(...)).infer(inputs=[...], profile=True)``.
 
@@ -121,6 +132,7 @@ class Pipeline:
         kv: Any = None,  # KVCompressor, a dict of its fields, or a YAML path
         scheduler: SchedulerConfig | None = None,
         kv_config: KVConfig | None = None,
+        speculative: SpeculativeConfig | str | None = None,  # "ngram" (the default) | "off", or the config
     ) -> None:
         spec = quant_spec(config)
         config = spec.quant if spec is not None else None
@@ -174,7 +186,12 @@ class Pipeline:
             self.loaded.model,
             self.loaded.config,
             self.loaded.tokenizer,
-            EngineConfig(kv_config, scheduler or SchedulerConfig(), kv_compressor=kv),
+            EngineConfig(
+                kv_config,
+                scheduler or SchedulerConfig(),
+                kv_compressor=kv,
+                speculative=coerce_speculative(speculative),
+            ),
         )
 
     @property
@@ -257,6 +274,7 @@ class Pipeline:
         result.peak_rss_bytes = hardware.peak_rss_bytes()
         result.mem_saturation = stats.peak_kv_usage
         result.memory = self.memory_breakdown(result.peak_rss_bytes, stats.peak_kv_usage)
+        result.speculation = self.engine.speculation
         result.breakdown = {
             "tokenize": tokenize_ms,
             "prefill": stats.prefill_ms,

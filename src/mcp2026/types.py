@@ -172,6 +172,8 @@ class InferResult:
     breakdown: dict[str, float] = field(default_factory=dict)  # ms per phase
     # bytes: weights, kv_pool_reserved, kv_peak_in_use, activations_and_runtime (peak RSS less the others)
     memory: dict[str, int] = field(default_factory=dict)
+    # speculative decoding: enabled (or why not), settings, drafts, acceptance rate, tokens per drafted step
+    speculation: dict[str, Any] = field(default_factory=dict)
 
     @property
     def text(self) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcp2026.config import EngineConfig, KVConfig, SchedulerConfig
+from mcp2026.config import EngineConfig, KVConfig, SchedulerConfig, SpeculativeConfig
 from mcp2026.engine.decode_graphs import DecodeGraphs, buckets_up_to, graphable
 from mcp2026.engine.engine import LLMEngine
 from mcp2026.kv.compressor import KVCompressor
@@ -24,8 +24,11 @@ def tiny(tmp_path_factory):
 
 
 def make_engine(tiny, graphs: bool, max_num_seqs: int = 8, kv: KVCompressor | None = None) -> LLMEngine:
-    config = EngineConfig(
-        KVConfig(block_size=16, num_blocks=64), SchedulerConfig(max_num_seqs=max_num_seqs), kv_compressor=kv
+    config = EngineConfig(  # one token per decode step: the steps counted here are the graph's
+        KVConfig(block_size=16, num_blocks=64),
+        SchedulerConfig(max_num_seqs=max_num_seqs),
+        kv_compressor=kv,
+        speculative=SpeculativeConfig(method="off"),
     )
     engine = LLMEngine(tiny.model, tiny.config, None, config)
     if graphs:

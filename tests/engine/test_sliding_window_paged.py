@@ -170,4 +170,6 @@ def test_int4_prefill_reads_its_staged_blocks_alike_apart_or_joined(tiny, monkey
     apart = scored(make_engine(tiny, KVCompressor(dtype="int4", block_size=BLOCK)), ids, 30, 7)
     monkeypatch.setattr(attention, "SPLIT_STAGED_DEVICES", ())
     joined = scored(make_engine(tiny, KVCompressor(dtype="int4", block_size=BLOCK)), ids, 30, 7)
-    torch.testing.assert_close(apart, joined, atol=1e-5, rtol=1e-5)
+    # two summation orders over the same staged values: float32 noise (up to 6e-5 on an AVX2 CPU), far below
+    # what reading a wrong or missing block moves (int4 rounding alone moves these logits by ~1e-2)
+    torch.testing.assert_close(apart, joined, atol=2e-4, rtol=1e-4)

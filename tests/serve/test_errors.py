@@ -137,6 +137,8 @@ def test_metrics_exposition(live):
     assert samples['mcp2026_engine_steps_total{model="tiny"}'] >= 2  # the request's prefill and decode steps
     for phase in ("prefill", "decode", "sample"):
         assert samples[f'mcp2026_engine_busy_seconds_total{{model="tiny",phase="{phase}"}}'] > 0
+    for name in ("drafts", "draft_tokens", "accepted_tokens"):
+        assert f'mcp2026_spec_decode_{name}_total{{model="tiny"}}' in text
 
 
 TENANTS = TenantRegistry(

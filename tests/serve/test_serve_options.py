@@ -79,6 +79,19 @@ def test_serve_yaml_sections(tmp_path):
     (tmp_path / "bad.yaml").write_text("traffic: {gate: sometimes}\n")
     with pytest.raises(ValueError, match="gate"):
         load_serve_yaml(tmp_path / "bad.yaml")
+    assert engine.speculative.method == "ngram"  # on unless the YAML says otherwise
+
+
+def test_serve_yaml_speculative_section(tmp_path):
+    (tmp_path / "s.yaml").write_text("speculative: {method: off, num_tokens: 3}\n")
+    _, engine = load_serve_yaml(tmp_path / "s.yaml")
+    assert (engine.speculative.method, engine.speculative.num_tokens) == ("off", 3)
+    (tmp_path / "bad.yaml").write_text("speculative: {method: ngram, lookahead: 3}\n")
+    with pytest.raises(ValueError, match="speculative section"):
+        load_serve_yaml(tmp_path / "bad.yaml")
+    (tmp_path / "bad2.yaml").write_text("speculative: {method: eagle}\n")
+    with pytest.raises(ValueError, match="SpeculativeConfig.method"):
+        load_serve_yaml(tmp_path / "bad2.yaml")
 
 
 def test_pick_gate():

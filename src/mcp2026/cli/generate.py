@@ -29,13 +29,16 @@ def generate(
     top_k: Annotated[int, typer.Option()] = 0,
     seed: Annotated[int | None, typer.Option()] = None,
     dtype: Annotated[str, typer.Option(help="auto | fp32 | bf16")] = "auto",
+    speculative: Annotated[
+        str, typer.Option(help="speculative decoding: ngram (prompt lookup, exact; default) | off")
+    ] = "ngram",
     stats: Annotated[bool, typer.Option("--stats/--no-stats", help="print speed after the answer")] = True,
 ) -> None:
     """Stream a completion of PROMPT to the terminal."""
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
     )
-    pipe = Pipeline(model=model, dtype=dtype)
+    pipe = Pipeline(model=model, dtype=dtype, speculative=speculative)
     engine = pipe.engine
     request_id = engine.add_request(pipe.encode(prompt, chat), params)
     final = None
@@ -51,7 +54,13 @@ def generate(
         ttft = final.first_token_time - final.arrival_time
         decode = final.finish_time - final.first_token_time
         rate = (n - 1) / decode if n > 1 and decode > 0 else float("nan")
+        spec = engine.speculation
+        drafts = (
+            f", {spec['tokens_per_draft']:.2f} tokens per drafted step"
+            if spec.get("tokens_per_draft") is not None
+            else ""
+        )
         err.print(
             f"[dim]{n} tokens, finish={final.finish_reason}, TTFT {ttft * 1e3:.0f} ms, decode {rate:.1f} tok/s, "
-            f"{str(pipe.dtype).removeprefix('torch.')}[/]"
+            f"{str(pipe.dtype).removeprefix('torch.')}{drafts}[/]"
         )

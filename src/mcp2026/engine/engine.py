@@ -19,13 +19,14 @@ from torch import nn
 
 from mcp2026 import hardware
 from mcp2026.config import EngineConfig, KVConfig, ModelConfig
+from mcp2026.engine.drafting import Drafter
 from mcp2026.engine.embedding import Embedder
 from mcp2026.engine.fault_isolation import FaultHook, execute_isolating, without_failed
 from mcp2026.engine.kv_setup import build_engine_kv
 from mcp2026.engine.lookahead import draft_attention
 from mcp2026.engine.output import SchedulerOutput
 from mcp2026.engine.output_processor import OutputProcessor, RequestOutput, RequestState
-from mcp2026.engine.request import Request
+from mcp2026.engine.request import Request, RequestStatus
 from mcp2026.engine.runner import ModelRunner
 from mcp2026.engine.sampler import Sampler, SamplingState
 from mcp2026.engine.scheduler import Scheduler
@@ -56,6 +57,25 @@ class EngineCounters:
     errors: list[str] = field(default_factory=list)
 
 
+def split_draft_rows(
+    out: SchedulerOutput, sample_ids: list[str], logits: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The runner's rows, ``num_sample_rows`` per sampled request, as one row per request (what the batch
+    samples first) and, per drafted request, the rows after each of its drafts (sampled only as far as the
+    drafts hold)."""
+    drafted = {c.request_id: c.num_draft_tokens for c in out.chunks if c.num_draft_tokens and c.samples}
+    if not drafted or not sample_ids:
+        return logits, {}
+    first, rest, row = [], {}, 0
+    for rid in sample_ids:
+        first.append(row)
+        k = drafted.get(rid, 0)
+        if k:
+            rest[rid] = logits[row + 1 : row + 1 + k]
+        row += 1 + k
+    return logits[torch.tensor(first, device=logits.device)], rest
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -77,11 +97,15 @@ class LLMEngine:
         kv = build_engine_kv(self.config, model_config, model.max_positions, dtype, self.device)
         self.config, self.max_model_len = kv.config, kv.max_model_len
         self.cache, self.kv_manager, self.evictor = kv.cache, kv.manager, kv.evictor
+        # why speculative decoding is off (None: it runs); its drafts, if on
+        self.speculation_blocker = self._speculation_blocker()
+        self.drafter = Drafter(self.config.speculative) if self.speculation_blocker is None else None
         self.scheduler = Scheduler(
             self.config.scheduler,
             self.kv_manager,
             self.max_model_len,
             self._peak_blocks_rule(),
+            self._propose_drafts if self.drafter is not None else None,
         )
         self._release_window = kv.release_window
         self.runner = ModelRunner(
@@ -108,7 +132,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(tokenizer, eos)
         self.states: dict[str, RequestState] = {}
         self.stats = StepStats()
-        self.timer = StepTimer(self.stats, self.scheduler.observe_prefill)
+        self.timer = StepTimer(
+            self.stats, self.scheduler.observe_prefill, self.drafter.observe_step if self.drafter else None
+        )
         self.counters = EngineCounters()
         self.fault_hook: FaultHook | None = None  # tests inject failures here
         self.dtss = self._make_dtss(self.config.resolved_kv)
@@ -265,6 +291,42 @@ class LLMEngine:
         elif decision > 0:
             self.grow_kv_shards(1)
 
+    # ---- speculative decoding -------------------------------------------------------------------------
+    def _speculation_blocker(self) -> str | None:
+        """Why drafts cannot run with this engine's KV cache (None: they can). A rejected draft's KV is left
+        in its slots to be overwritten; an evictor would rank it and a staged codec would quantize it."""
+        if not self.config.speculative.enabled:
+            return "speculative decoding is off (SpeculativeConfig.method='off')"
+        if self.evictor is not None:
+            return "KV eviction is on: drafted KV would be ranked and kept or dropped as if it were real"
+        if self.cache.codec.is_staged:
+            return f"the KV codec {self.cache.codec.name} stages block tails: a rejected draft would be committed"
+        return None
+
+    def _propose_drafts(self, request: Request, num_decoding: int) -> list[int]:
+        """The scheduler asks for drafts after a decoding request's next token."""
+        state = self.states.get(request.request_id)
+        if state is None or state.sampling.grammar is not None:  # a grammar would need its own rollback
+            return []
+        left = request.sampling_params.max_tokens - request.num_output_tokens  # tokens still to produce
+        room = self.max_model_len - request.num_tokens  # positions left for drafts
+        limit = min(left - 1, room)
+        if limit <= 0:
+            return []
+        return self.drafter.propose(request.request_id, request.all_token_ids, limit, num_decoding)
+
+    @property
+    def speculation(self) -> dict[str, Any]:
+        """What speculative decoding does here: on/off (and why off), its settings and counters."""
+        spec = self.config.speculative
+        info: dict[str, Any] = {"enabled": self.drafter is not None, "method": spec.method}
+        if self.drafter is None:
+            info["reason"] = self.speculation_blocker
+            return info
+        info.update(num_tokens=spec.num_tokens, min_ngram=spec.min_ngram, max_ngram=spec.max_ngram)
+        info.update(self.stats.speculation())
+        return info
+
     # ---- the step -------------------------------------------------------------------------------
     def _peak_blocks_rule(self) -> Callable[[int], int] | None:
         """With eviction during chunked prefill a prompt longer than the pool streams through it: it never
@@ -285,19 +347,26 @@ class LLMEngine:
             return results
         with self.timer.execute(out):
             sample_ids, logits, failed = execute_isolating(self.runner, out, self.fault_hook)
+        logits, draft_rows = split_draft_rows(out, sample_ids, logits)
         with self.timer.phase("sample_ms"):
             states = [self.states[r].sampling for r in sample_ids]
             sampled = self.sampler.sample(logits, states) if sample_ids else None
         with self.timer.phase("detokenize_ms"):
-            results += self._update(out, failed, sample_ids, sampled)
+            results += self._update(out, failed, sample_ids, sampled, draft_rows)
         return results
 
     def _update(
-        self, out: SchedulerOutput, failed: dict[str, str], sample_ids: list[str], sampled: Any
+        self,
+        out: SchedulerOutput,
+        failed: dict[str, str],
+        sample_ids: list[str],
+        sampled: Any,
+        draft_rows: dict[str, torch.Tensor],
     ) -> list[RequestOutput]:
         """Append the sampled tokens, let the evictor drop blocks, and turn every request's news into outputs."""
         tokens = dict(zip(sample_ids, sampled.token_ids)) if sampled else {}
         ok_output = without_failed(out, failed)
+        drafts_of = {c.request_id: c.token_ids[1:] for c in ok_output.chunks if c.num_draft_tokens}
         self._record_prompt_logprobs(ok_output)
         self.scheduler.update(ok_output, tokens)
         self._evict(ok_output)
@@ -308,12 +377,46 @@ class LLMEngine:
             state = self.states[request_id]
             logprob = sampled.logprobs[i] if sampled.logprobs else None
             reason = self.outputs.append(state, tokens[request_id], logprob)
+            num_new = 1
+            if request_id in draft_rows:
+                drafts = drafts_of[request_id]
+                reason, num_kept = self._verify_drafts(
+                    state, tokens[request_id], drafts, draft_rows[request_id], reason
+                )
+                num_new += num_kept
             if reason is not None:
                 self.scheduler.finish_request(request_id, reason)
-                results.append(self._finish(request_id, reason, num_new_tokens=1))
+                results.append(self._finish(request_id, reason, num_new_tokens=num_new))
             else:
-                results.append(self.outputs.make_output(state, 1, None))
+                results.append(self.outputs.make_output(state, num_new, None))
         return results
+
+    def _verify_drafts(
+        self, state: RequestState, token: int, drafts: list[int], rows: torch.Tensor, reason: str | None
+    ) -> tuple[str | None, int]:
+        """Keep draft tokens while the sampler, run on each draft's own logits row as plain decoding would run
+        it on that token's step, produced exactly that draft; each kept draft adds the sampler's next token.
+        Exact: every token comes from the sampler, with the same state (penalties, seeded generator) as plain
+        decoding, which would have fed it the same tokens. Returns the finish reason and the drafts kept."""
+        request = state.request
+        rid = request.request_id
+        num_kept = 0
+        running = request.status is RequestStatus.RUNNING  # else the scheduler finished it (max_model_len)
+        while running and reason is None and num_kept < len(drafts) and token == drafts[num_kept]:
+            sampled = self.sampler.sample(rows[num_kept : num_kept + 1], [state.sampling])
+            token, logprob = sampled.token_ids[0], sampled.logprobs[0]
+            num_kept += 1
+            running = self.scheduler.accept_draft_token(
+                rid, token
+            )  # False at max_model_len: reported next step
+            reason = self.outputs.append(state, token, logprob)
+        self.drafter.observe(rid, len(drafts), num_kept)
+        stats = self.stats
+        stats.num_decode_tokens += num_kept
+        stats.num_drafts += 1
+        stats.num_draft_tokens += len(drafts)
+        stats.num_accepted_tokens += num_kept
+        return reason, num_kept
 
     def _record_prompt_logprobs(self, out: SchedulerOutput) -> None:
         chunk_logits, self.runner.chunk_logits = self.runner.chunk_logits, {}
@@ -352,7 +455,9 @@ class LLMEngine:
         )
 
     def _forget_kv(self, request_ids: list[str]) -> None:
-        """Finished or preempted requests: drop their staging blocks and eviction scores."""
+        """Finished or preempted requests: drop their staging blocks, eviction scores and draft index."""
+        if self.drafter is not None:
+            self.drafter.forget(request_ids)
         if request_ids:
             self.cache.release_requests(request_ids)
             if self.evictor is not None:

@@ -25,6 +25,9 @@ class ScheduledChunk:
     _: KW_ONLY  # the optional fields below are named at every call: two of them are easy to swap
     wants_all_logits: bool = False  # prompt logprobs: the runner keeps the logits of every row of the chunk
     kv_offset: int = 0  # tokens of KV evicted before this chunk (a multiple of the block size)
+    # speculative decoding: the last this many tokens are drafts after the request's last known token; the
+    # runner returns logits for that token and every draft (num_draft_tokens + 1 rows)
+    num_draft_tokens: int = 0
 
     @property
     def kv_start(self) -> int:
@@ -34,6 +37,16 @@ class ScheduledChunk:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Logit rows the runner returns for this chunk: the last known token's and one per draft."""
+        return 1 + self.num_draft_tokens if self.samples else 0
+
+    @property
+    def is_decode(self) -> bool:
+        """One known token after cached ones (with or without drafts): a decode step's work, not a prompt's."""
+        return self.start_pos > 0 and self.num_tokens - self.num_draft_tokens == 1
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,25 @@ def _in_window(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | Non
     return attend if window is None else attend & (key_pos.unsqueeze(0) > query_pos - window)
 
 
+def draft_rows(chunk: ScheduledChunk) -> list[ScheduledChunk]:
+    """A drafted chunk as one decode row per token, each attending to the positions up to its own: the rows
+    write their K/V before any reads in each layer, so row i sees rows < i. They run in the batched decode
+    kernels, which cost less than a chunk's prefill path at these sizes and compute each row as plain decoding
+    would (a rejected draft changes no kept token's numbers). Unstaged codecs only: a staged tail is one per
+    request (the engine turns drafting off for those)."""
+    return [
+        ScheduledChunk(
+            chunk.request_id,
+            [token],
+            chunk.start_pos + i,
+            chunk.block_table,
+            True,
+            kv_offset=chunk.kv_offset,
+        )
+        for i, token in enumerate(chunk.token_ids)
+    ]
+
+
 def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
     width = max(len(r) for r in rows)
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
@@ -430,12 +449,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, all_logits: bool = False) -> tuple[list[str], torch.Tensor]:
-        """Run the step; returns the request ids that sample and their logits (N, V) float32, in that order.
+        """Run the step; returns the request ids that sample and their logits (N, V) float32, in that order:
+        ``num_sample_rows`` rows per request (one, or one plus one per draft token).
         ``all_logits`` (teacher-forced evaluation): logits of every token, (T, V) in chunk order, and no ids."""
         if self.graphs is not None and not all_logits and self.graphs.accepts(output.chunks):
             return [c.request_id for c in output.chunks], self.graphs.run(output.chunks)
-        decodes = [c for c in output.chunks if len(c.token_ids) == 1 and c.start_pos > 0]
-        prefills = [c for c in output.chunks if not (len(c.token_ids) == 1 and c.start_pos > 0)]
+        decodes, prefills, units = [], [], []  # units: (chunk, its tokens in the batch), in batch order
+        for c in output.chunks:
+            if c.num_draft_tokens:
+                decodes += draft_rows(c)
+                units.append((c, c.num_tokens))
+            elif len(c.token_ids) == 1 and c.start_pos > 0:
+                decodes.append(c)
+                units.append((c, 1))
+        for c in output.chunks:
+            if not c.is_decode:
+                prefills.append(c)
+                units.append((c, c.num_tokens))
         chunks = decodes + prefills
         host_meta, observed = self._metadata(decodes, prefills)
         meta = host_meta.to(self.device)
@@ -451,12 +481,12 @@ class ModelRunner:
         if all_logits:
             return [], self.model.compute_logits(hidden)
         rows, sample_ids, end = [], [], 0
-        for c in chunks:
+        for c, num_tokens in units:
             if c.wants_all_logits:
                 self.chunk_logits[c.request_id] = self.model.compute_logits(hidden[end : end + c.num_tokens])
-            end += len(c.token_ids)
+            end += num_tokens
             if c.samples:
-                rows.append(end - 1)
+                rows.extend(range(end - c.num_sample_rows, end))
                 sample_ids.append(c.request_id)
         if not rows:
             return [], torch.empty(0)

@@ -38,14 +38,19 @@ class _Step:
 
     budget: int
     scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens this step
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # request id -> draft tokens after its next
     num_preempted: int = 0
+    num_decoding: int = 0  # running requests with exactly one token to compute
 
-    def add(self, request_id: str, num_tokens: int) -> None:
+    def add(self, request_id: str, num_tokens: int, drafts: list[int] | None = None) -> None:
         self.scheduled[request_id] = num_tokens
         self.budget -= num_tokens
+        if drafts:
+            self.drafts[request_id] = drafts
 
     def drop(self, request_id: str) -> None:
         self.budget += self.scheduled.pop(request_id, 0)
+        self.drafts.pop(request_id, None)
 
 
 class Scheduler:
@@ -61,9 +66,13 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         peak_blocks: Callable[[int], int] | None = None,
+        draft: Callable[[Request, int], list[int]] | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
+        # Speculative decoding: draft tokens for a decoding request in a step decoding n requests ([]: none);
+        # they are computed after its next token and the engine keeps what the sampler agrees with.
+        self.draft = draft
         # Blocks a request of n tokens holds at most at once (less than all of them when KV eviction runs
         # during chunked prefill); by default every block.
         self.peak_blocks = peak_blocks or kv.num_blocks_for
@@ -160,14 +169,18 @@ class Scheduler:
     # --- one step ------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = _Step(budget=self.config.max_num_batched_tokens)
+        step.num_decoding = sum(1 for r in self._running if r.num_tokens - r.num_computed_tokens == 1)
         deferred = self._schedule_running(step)
         # NOTE: after a preemption, admitting new work would only take the blocks back (thrashing).
         if step.num_preempted == 0:
             self._schedule_waiting(step, deferred)
         self._schedule_in_order(deferred, step, may_preempt=False)
         self.fair_share.charge(self._tokens_by_tenant(step))
-        chunks = [self._make_chunk(self._requests[rid], n) for rid, n in step.scheduled.items()]
-        chunks.sort(key=lambda c: c.num_tokens > 1)  # stable: decodes first, each group in schedule order
+        chunks = [
+            self._make_chunk(self._requests[rid], n, step.drafts.get(rid, []))
+            for rid, n in step.scheduled.items()
+        ]
+        chunks.sort(key=lambda c: c.num_tokens > 1)  # stable: decodes first (then drafted decodes, prefills)
         output = SchedulerOutput(
             chunks=chunks,
             num_batched_tokens=sum(step.scheduled.values()),
@@ -231,6 +244,8 @@ class Scheduler:
             num_new = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, step.budget)
             if num_new == 0:
                 continue
+            if num_new == 1 and self._schedule_drafted(request, step):
+                continue
             while not self.kv.allocate_slots(request, num_new):
                 if not may_preempt:
                     break
@@ -240,6 +255,17 @@ class Scheduler:
                     break
             else:
                 step.add(request.request_id, num_new)
+
+    def _schedule_drafted(self, request: Request, step: _Step) -> bool:
+        """A decoding request's next token plus draft tokens, if the drafter proposes some and free blocks
+        hold them (drafts never evict cached prefixes nor preempt). False: schedule it plainly."""
+        if self.draft is None or request.num_tokens - request.num_computed_tokens != 1:
+            return False
+        drafts = self.draft(request, step.num_decoding)[: step.budget - 1]
+        if not drafts or not self.kv.allocate_slots(request, 1 + len(drafts), evict_cached=False):
+            return False
+        step.add(request.request_id, 1 + len(drafts), drafts)
+        return True
 
     def _schedule_waiting(self, step: _Step, deferred: list[Request]) -> None:
         # Strict policy order (stop at the first request that does not fit): nothing overtakes a long
@@ -361,14 +387,16 @@ class Scheduler:
             step.drop(request.request_id)
             step.num_preempted += 1
 
-    def _make_chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
+    def _make_chunk(self, request: Request, num_tokens: int, drafts: list[int]) -> ScheduledChunk:
         start = request.num_computed_tokens
+        num_known = num_tokens - len(drafts)
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.token_ids_slice(start, start + num_tokens),
+            token_ids=request.token_ids_slice(start, start + num_known) + drafts,
             start_pos=start,
             block_table=self.kv.block_table(request.request_id),
-            samples=start + num_tokens == request.num_tokens,
+            samples=start + num_known == request.num_tokens,
+            num_draft_tokens=len(drafts),
             wants_all_logits=(
                 request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens
             ),
@@ -392,7 +420,7 @@ class Scheduler:
                 or request.num_computed_tokens != chunk.start_pos
             ):
                 continue
-            request.num_computed_tokens += chunk.num_tokens
+            request.num_computed_tokens += chunk.num_tokens - chunk.num_draft_tokens
             if chunk.samples:
                 request.output_token_ids.append(int(sampled[chunk.request_id]))
                 new_token.append(request)
@@ -400,6 +428,19 @@ class Scheduler:
             if chunk.samples and request.num_tokens >= self.max_model_len:
                 self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
         return new_token
+
+    def accept_draft_token(self, request_id: str, token: int) -> bool:
+        """The sampler kept the request's next draft token (its KV was computed in the step just run) and
+        produced ``token`` after it: one more computed token, one more output token. Returns whether the
+        request still runs (at max_model_len it is FINISHED_LENGTH, reported by the next ``schedule``)."""
+        request = self._requests[request_id]
+        request.num_computed_tokens += 1
+        request.output_token_ids.append(int(token))
+        self.kv.cache_full_blocks(request)
+        if request.num_tokens >= self.max_model_len:
+            self.finish_request(request_id, RequestStatus.FINISHED_LENGTH)
+            return False
+        return True
 
     # --- DTSS ----------------------------------------------------------------------------------------------
     def release_kv_shards(self, num_shards: int) -> list[str]:

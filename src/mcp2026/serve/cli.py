@@ -38,6 +38,9 @@ def serve(
         int | None, typer.Option(help="largest request body in bytes; larger ones get a 413 (16 MiB)")
     ] = None,
     dtype: Annotated[str | None, typer.Option(help="auto | fp32 | bf16")] = None,
+    speculative: Annotated[
+        str | None, typer.Option(help="speculative decoding: ngram (prompt lookup, exact; default) | off")
+    ] = None,
     device: Annotated[str | None, typer.Option(help="cpu (default) | cuda | cuda:N")] = None,
     otlp_traces_endpoint: Annotated[
         str | None,
@@ -105,6 +108,10 @@ def serve(
         )
     compressor = kv_compressor_from_options(engine_config, kv_dtype, kv_policy, kv_sparsity, kv_layer_weights)
     engine_config = dataclasses.replace(engine_config, kv_compressor=compressor)
+    if speculative is not None:
+        engine_config = dataclasses.replace(
+            engine_config, speculative=dataclasses.replace(engine_config.speculative, method=speculative)
+        )
     if not serve_config.is_loopback and serve_config.tenants_file is None:
         err.print(
             f"[bold yellow]warning:[/] binding {serve_config.host} without API keys: anyone who can reach this "

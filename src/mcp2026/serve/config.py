@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from mcp2026.canary.config import CanaryConfig
-from mcp2026.config import EngineConfig, KVConfig, QuantConfig, SchedulerConfig
+from mcp2026.config import EngineConfig, KVConfig, QuantConfig, SchedulerConfig, SpeculativeConfig
 from mcp2026.kv.codecs import default_block_size
 from mcp2026.kv.compressor import KVCompressor
 from mcp2026.quant.compile_cli import load_spec
@@ -101,7 +101,8 @@ class ServeConfig:
 
 
 def load_serve_yaml(path: str | Path) -> tuple[ServeConfig, EngineConfig]:
-    """Read a serve YAML: ServeConfig keys at the top level; ``kv:``, ``scheduler:``, ``breaker:`` sections."""
+    """Read a serve YAML: ServeConfig keys at the top level; ``kv:``, ``scheduler:``, ``speculative:``,
+    ``breaker:`` sections."""
 
     path = Path(path)
     try:
@@ -111,6 +112,7 @@ def load_serve_yaml(path: str | Path) -> tuple[ServeConfig, EngineConfig]:
     _require(isinstance(raw, dict), f"{path}: the serve config must be a mapping of keys to values")
     raw = dict(raw)
     kv, scheduler = raw.pop("kv", None) or {}, raw.pop("scheduler", None) or {}
+    speculative = raw.pop("speculative", None) or {}
     compressor = raw.pop("kv_compressor", None)
     for key, cls in (("breaker", BreakerConfig), ("traffic", TrafficConfig)):
         try:
@@ -124,15 +126,20 @@ def load_serve_yaml(path: str | Path) -> tuple[ServeConfig, EngineConfig]:
         raw["tenants_file"] = raw.pop("tenants")
     known = {f.name for f in dataclasses.fields(ServeConfig)}
     unknown = sorted(set(raw) - known)
-    sections = {"kv", "scheduler", "kv_compressor"}
+    sections = {"kv", "scheduler", "kv_compressor", "speculative"}
     _require(not unknown, f"{path}: unknown keys {unknown}; known: {sorted(known | sections)}")
     try:
         kv_compressor = None
         if compressor:
             kv_compressor = KVCompressor.from_dict(compressor)
-        engine = EngineConfig(KVConfig(**kv), SchedulerConfig(**scheduler), kv_compressor=kv_compressor)
+        engine = EngineConfig(
+            KVConfig(**kv),
+            SchedulerConfig(**scheduler),
+            kv_compressor=kv_compressor,
+            speculative=SpeculativeConfig(**speculative),
+        )
     except TypeError as e:
-        raise ValueError(f"{path}: bad kv/scheduler/kv_compressor section ({e})") from None
+        raise ValueError(f"{path}: bad kv/scheduler/kv_compressor/speculative section ({e})") from None
     return ServeConfig(**_resolve_paths(raw, path.parent)), engine
 
 

@@ -93,6 +93,22 @@ class _EngineTimeCollector(Collector):
         ):
             busy.add_metric([self.model, phase], ms / 1e3)
         yield busy
+        for name, doc, value in (
+            ("mcp2026_spec_decode_drafts", "Speculative decoding: drafts verified", stats.num_drafts),
+            (
+                "mcp2026_spec_decode_draft_tokens",
+                "Speculative decoding: tokens drafted",
+                stats.num_draft_tokens,
+            ),
+            (
+                "mcp2026_spec_decode_accepted_tokens",
+                "Speculative decoding: drafted tokens the sampler kept (each drafted step also yields one more)",
+                stats.num_accepted_tokens,
+            ),
+        ):
+            metric = CounterMetricFamily(name, doc, labels=["model"])
+            metric.add_metric([self.model], value)
+            yield metric
 
 
 class _TrafficCollector(Collector):
