@@ -16,6 +16,12 @@ COMMANDS = lazy_group(
         "Single-stream decode and prefill tok/s: ours vs HF transformers (interleaved, median of repeats).",
     ),
     LazyCommand(
+        "speculative",
+        "mcp2026.bench.speculative_cli:speculative",
+        "Single-stream decode with prompt-lookup drafts vs without and vs llama.cpp, on input-grounded and "
+        "free-form chat prompts.",
+    ),
+    LazyCommand(
         "offline",
         "mcp2026.bench.offline_cli:offline",
         "Offline throughput: all requests at once on our engine vs HF static batches, same prompts.",

@@ -237,7 +237,10 @@ def load_llama_cpp(
     )
 
 
-def llama_cpp_decode_latency(llm: Any, prompt_ids: Sequence[int], new_tokens: int = 128) -> GenerationTiming:
+def llama_cpp_decode_latency(
+    llm: Any, prompt_ids: Sequence[int], new_tokens: int = 128, stop_token_ids: Sequence[int] = ()
+) -> GenerationTiming:
+    """Greedy decode of ``new_tokens`` (fewer where a ``stop_token_ids`` token comes, which is kept)."""
     llm.reset()
     times: list[float] = []
     tokens: list[int] = []
@@ -245,7 +248,7 @@ def llama_cpp_decode_latency(llm: Any, prompt_ids: Sequence[int], new_tokens: in
     for token in llm.generate(list(prompt_ids), top_k=1, top_p=1.0, temp=0.0, reset=True):
         times.append(time.perf_counter())
         tokens.append(int(token))
-        if len(tokens) >= new_tokens:
+        if len(tokens) >= new_tokens or int(token) in stop_token_ids:
             break
     return GenerationTiming(start, times[-1], times, [tokens])
 
