@@ -36,7 +36,8 @@ def speculative(
     out_dir: OutOpt = None,
     progress: ProgressOpt = True,
 ) -> None:
-    """Decode tok/s with prompt-lookup drafts vs without, and vs llama.cpp, on grounded and chat prompts."""
+    """Single-stream decode with prompt-lookup drafts vs without and vs llama.cpp, on input-grounded and
+    free-form chat prompts."""
     config = SpeculativeBenchConfig(model, num_grounded, num_chat, new_tokens, num_tokens, peer)
     with progress_bars(progress) as bar:
         run = run_speculative(config, bar)

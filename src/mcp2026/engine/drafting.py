@@ -15,8 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from mcp2026.config import SpeculativeConfig
+from mcp2026.engine.output import SchedulerOutput
 
 # Acceptance of a request with no history yet: a request whose text repeats an n-gram is presumed to copy
 # until its drafts say otherwise (few do on free-form text, and a rejected draft costs less than a step).
@@ -146,3 +150,34 @@ class Drafter:
     def forget(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self._requests.pop(rid, None)
+
+
+def speculation_blocker(config: SpeculativeConfig, evictor: Any, cache: Any) -> str | None:
+    """Why drafts cannot run with this engine's KV cache (None: they can). A rejected draft's KV is left in its
+    slots to be overwritten; an evictor would rank it and a staged codec would quantize it."""
+    if not config.enabled:
+        return "speculative decoding is off (SpeculativeConfig.method='off')"
+    if evictor is not None:
+        return "KV eviction is on: drafted KV would be ranked and kept or dropped as if it were real"
+    if cache.codec.is_staged:
+        return f"the KV codec {cache.codec.name} stages block tails: a rejected draft would be committed"
+    return None
+
+
+def split_draft_rows(
+    out: SchedulerOutput, sample_ids: list[str], logits: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The runner's rows, ``num_sample_rows`` per sampled request, as one row per request (what the batch
+    samples first) and, per drafted request, the rows after each of its drafts (sampled only as far as the
+    drafts hold)."""
+    drafted = {c.request_id: c.num_draft_tokens for c in out.chunks if c.num_draft_tokens and c.samples}
+    if not drafted or not sample_ids:
+        return logits, {}
+    first, rest, row = [], {}, 0
+    for rid in sample_ids:
+        first.append(row)
+        k = drafted.get(rid, 0)
+        if k:
+            rest[rid] = logits[row + 1 : row + 1 + k]
+        row += 1 + k
+    return logits[torch.tensor(first, device=logits.device)], rest

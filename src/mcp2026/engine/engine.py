@@ -19,7 +19,7 @@ from torch import nn
 
 from mcp2026 import hardware
 from mcp2026.config import EngineConfig, KVConfig, ModelConfig
-from mcp2026.engine.drafting import Drafter
+from mcp2026.engine.drafting import Drafter, speculation_blocker, split_draft_rows
 from mcp2026.engine.embedding import Embedder
 from mcp2026.engine.fault_isolation import FaultHook, execute_isolating, without_failed
 from mcp2026.engine.kv_setup import build_engine_kv
@@ -57,25 +57,6 @@ class EngineCounters:
     errors: list[str] = field(default_factory=list)
 
 
-def split_draft_rows(
-    out: SchedulerOutput, sample_ids: list[str], logits: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The runner's rows, ``num_sample_rows`` per sampled request, as one row per request (what the batch
-    samples first) and, per drafted request, the rows after each of its drafts (sampled only as far as the
-    drafts hold)."""
-    drafted = {c.request_id: c.num_draft_tokens for c in out.chunks if c.num_draft_tokens and c.samples}
-    if not drafted or not sample_ids:
-        return logits, {}
-    first, rest, row = [], {}, 0
-    for rid in sample_ids:
-        first.append(row)
-        k = drafted.get(rid, 0)
-        if k:
-            rest[rid] = logits[row + 1 : row + 1 + k]
-        row += 1 + k
-    return logits[torch.tensor(first, device=logits.device)], rest
-
-
 class LLMEngine:
     def __init__(
         self,
@@ -98,7 +79,7 @@ class LLMEngine:
         self.config, self.max_model_len = kv.config, kv.max_model_len
         self.cache, self.kv_manager, self.evictor = kv.cache, kv.manager, kv.evictor
         # why speculative decoding is off (None: it runs); its drafts, if on
-        self.speculation_blocker = self._speculation_blocker()
+        self.speculation_blocker = speculation_blocker(self.config.speculative, self.evictor, self.cache)
         self.drafter = Drafter(self.config.speculative) if self.speculation_blocker is None else None
         self.scheduler = Scheduler(
             self.config.scheduler,
@@ -292,17 +273,6 @@ class LLMEngine:
             self.grow_kv_shards(1)
 
     # ---- speculative decoding -------------------------------------------------------------------------
-    def _speculation_blocker(self) -> str | None:
-        """Why drafts cannot run with this engine's KV cache (None: they can). A rejected draft's KV is left
-        in its slots to be overwritten; an evictor would rank it and a staged codec would quantize it."""
-        if not self.config.speculative.enabled:
-            return "speculative decoding is off (SpeculativeConfig.method='off')"
-        if self.evictor is not None:
-            return "KV eviction is on: drafted KV would be ranked and kept or dropped as if it were real"
-        if self.cache.codec.is_staged:
-            return f"the KV codec {self.cache.codec.name} stages block tails: a rejected draft would be committed"
-        return None
-
     def _propose_drafts(self, request: Request, num_decoding: int) -> list[int]:
         """The scheduler asks for drafts after a decoding request's next token."""
         state = self.states.get(request.request_id)

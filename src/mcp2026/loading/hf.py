@@ -87,6 +87,29 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
+# safetensors' dtype names -> torch's
+_STORED_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I8": "int8",
+    "U8": "uint8",
+}
+
+
+def stored_tensor_formats(folder: Path) -> dict[str, int]:
+    """How many tensors the folder's safetensors files store in each dtype, as stored (before any cast)."""
+    counts: dict[str, int] = {}
+    for f in weight_files(folder):
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                stored = handle.get_slice(name).get_dtype()
+                key = _STORED_DTYPES.get(stored, stored.lower())
+                counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 def load_hf_tensors(folder: Path, dtype: torch.dtype, config: ModelConfig) -> dict[str, torch.Tensor]:
     """All weights under our intermediate names, converted to ``dtype``."""
     tensors: dict[str, torch.Tensor] = {}

@@ -145,7 +145,7 @@ def load_model(
         raw = hf_loading.read_json(source / "config.json")
         config = hf_loading.config_from_hf(raw, str(source / "config.json"))
         tensors = hf_loading.load_hf_tensors(source, dtype, config)
-        formats = Counter(str(t.dtype).removeprefix("torch.") for t in tensors.values())
+        formats = hf_loading.stored_tensor_formats(source)  # the file's dtypes, not the load's
         tokenizer = None
         if (source / "tokenizer.json").exists():
             tokenizer = Tokenizer.from_hf_dir(source)
