@@ -22,6 +22,12 @@ COMMANDS = lazy_group(
         "free-form chat prompts.",
     ),
     LazyCommand(
+        "soak",
+        "mcp2026.bench.soak_cli:soak",
+        "Start-up seconds and RSS over time of `mcp2026 serve` under long ShareGPT load with hang-ups and "
+        "malformed requests.",
+    ),
+    LazyCommand(
         "offline",
         "mcp2026.bench.offline_cli:offline",
         "Offline throughput: all requests at once on our engine vs HF static batches, same prompts.",
