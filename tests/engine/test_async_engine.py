@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from mcp2026.config import EngineConfig, KVConfig
+from mcp2026.config import EngineConfig, KVConfig, SpeculativeConfig
 from mcp2026.engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError
 from mcp2026.engine.engine import LLMEngine
 from mcp2026.loading.loader import load_model
@@ -26,7 +26,9 @@ def tiny(tmp_path_factory):
 
 
 def make_engine(tiny) -> LLMEngine:
-    return LLMEngine(tiny.model, tiny.config, None, EngineConfig(KVConfig(num_blocks=NUM_BLOCKS)))
+    # one token per step: these tests stop streams part-way by the clock, and drafts would finish them first
+    config = EngineConfig(KVConfig(num_blocks=NUM_BLOCKS), speculative=SpeculativeConfig(method="off"))
+    return LLMEngine(tiny.model, tiny.config, None, config)
 
 
 def run(coro):

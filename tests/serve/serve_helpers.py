@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from mcp2026.config import EngineConfig, KVConfig, SchedulerConfig
+from mcp2026.config import EngineConfig, KVConfig, SchedulerConfig, SpeculativeConfig
 from mcp2026.engine.async_engine import AsyncEngine
 from mcp2026.engine.engine import LLMEngine
 from mcp2026.loading.loader import LoadedModel, default_model_path
@@ -83,13 +83,17 @@ def live_server(
     tracing: object = None,
     engine: LLMEngine | None = None,
     verify: object = True,
+    speculative: str = "ngram",
     **scheduler,
 ) -> Iterator[Live]:
     """``engine``: serve this engine (and its tokenizer) instead of the tiny model. ``verify``: how the
-    readiness probe checks a TLS server's certificate (an ``ssl.SSLContext``)."""
+    readiness probe checks a TLS server's certificate (an ``ssl.SSLContext``). ``speculative="off"``: one token
+    per step, for tests that cut requests short by the clock (drafts could finish them first)."""
     if engine is None:
         engine_config = EngineConfig(
-            KVConfig(block_size=16, num_blocks=num_blocks), SchedulerConfig(**scheduler)
+            KVConfig(block_size=16, num_blocks=num_blocks),
+            SchedulerConfig(**scheduler),
+            speculative=SpeculativeConfig(method=speculative),
         )
         model = tiny_vocab_model()
         engine = LLMEngine(model.model, model.config, smol_tokenizer(), engine_config)

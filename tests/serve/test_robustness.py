@@ -26,7 +26,7 @@ def sse_events(r: httpx.Response) -> list:
 
 
 def test_disconnect_mid_stream_frees_blocks():
-    with live_server() as live, httpx.Client(base_url=live.url, timeout=30) as client:
+    with live_server(speculative="off") as live, httpx.Client(base_url=live.url, timeout=30) as client:
         free_before = live.engine.kv_manager.num_free_blocks
         with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
             lines = r.iter_lines()
@@ -64,7 +64,7 @@ def test_flood_of_timed_out_clients_then_fresh_request():
             results = await asyncio.gather(*(one(i) for i in range(50)))
         return results.count("timeout")
 
-    with live_server() as live:
+    with live_server(speculative="off") as live:
         assert asyncio.run(flood(live.url)) >= 45
         t0 = time.monotonic()
         r = httpx.post(
@@ -85,7 +85,7 @@ def test_fault_fails_only_its_request():
         if MARKER in chunk.token_ids:
             raise RuntimeError("injected fault")
 
-    with live_server() as live, httpx.Client(base_url=live.url, timeout=30) as client:
+    with live_server(speculative="off") as live, httpx.Client(base_url=live.url, timeout=30) as client:
         live.engine.fault_hook = fault
         results = {}
 
@@ -114,7 +114,7 @@ def test_fault_fails_only_its_request():
 
 
 def test_dead_engine_loop_fails_health_and_readiness():
-    with live_server() as live, httpx.Client(base_url=live.url, timeout=30) as client:
+    with live_server(speculative="off") as live, httpx.Client(base_url=live.url, timeout=30) as client:
         assert client.get("/healthz").status_code == 200
 
         def broken_step():
@@ -131,7 +131,7 @@ def test_dead_engine_loop_fails_health_and_readiness():
 
 
 def test_client_timeout_non_stream_aborts():
-    with live_server() as live:
+    with live_server(speculative="off") as live:
         with pytest.raises(httpx.TimeoutException), httpx.Client(base_url=live.url, timeout=0.3) as client:
             client.post("/v1/completions", json=LONG)
         live.wait_blocks_back(timeout_s=5)

@@ -1,6 +1,8 @@
 """Start-up and memory under sustained load: ``mcp2026 serve`` launched as its own process, the seconds until
 ``/readyz`` answers, then ShareGPT streams for a long while (a share of clients hanging up mid-stream and a
-share of malformed requests), the server's resident memory sampled all along.
+share of malformed requests), the server's resident memory sampled all along. A server whose SLO breaker sheds the load answers most requests
+with 429 (the table counts them): to measure memory under load, not under shedding, pass a serve YAML with
+``breaker: {enabled: false}`` (``--serve-arg=--config=FILE``).
 
 What it reports: ready seconds; RSS idle, at its peak, at the end of the load and after it; the RSS slope over
 the load after a warm-up (MB per minute, a least-squares line: flat means memory plateaus); 5xx answers; and the
@@ -230,6 +232,7 @@ def _aggregate(
         "rss_slope_mb_per_min": slope_mb_per_min(settled),
         "num_completed": served.get("completed"),
         "num_5xx": served.get("num_5xx"),
+        "num_429": sum(int(by.get("429", 0)) for by in (served.get("statuses") or {}).values()),
         "statuses": served.get("statuses"),
         "output_throughput": served.get("output_throughput"),
         "server_after": served.get("server_after"),
@@ -252,6 +255,7 @@ def _table(a: dict[str, Any], config: SoakConfig) -> Table:
         ["server errors (5xx)", str(a["num_5xx"])],
         ["output tok/s", fmt(a["output_throughput"], 1)],
         ["requests completed", str(a["num_completed"])],
+        ["requests refused (429: the SLO breaker or a tenant limit)", str(a["num_429"])],
         [
             "afterwards: running / waiting / KV in use",
             f"{after.get('num_running', '—')} / {after.get('num_waiting', '—')} / {after.get('kv_usage', '—')}",

@@ -112,7 +112,9 @@ def load_serve_yaml(path: str | Path) -> tuple[ServeConfig, EngineConfig]:
     _require(isinstance(raw, dict), f"{path}: the serve config must be a mapping of keys to values")
     raw = dict(raw)
     kv, scheduler = raw.pop("kv", None) or {}, raw.pop("scheduler", None) or {}
-    speculative = raw.pop("speculative", None) or {}
+    speculative = dict(raw.pop("speculative", None) or {})
+    if speculative.get("method") is False:  # YAML 1.1 reads a bare `off` as false
+        speculative["method"] = "off"
     compressor = raw.pop("kv_compressor", None)
     for key, cls in (("breaker", BreakerConfig), ("traffic", TrafficConfig)):
         try:
