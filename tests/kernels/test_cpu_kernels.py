@@ -627,6 +627,44 @@ def test_a_stale_build_lock_is_removed_a_fresh_one_kept(tmp_path):
     assert clear_stale_lock(tmp_path) and not lock.exists()
 
 
+def test_a_load_holds_the_folder_exclusively_and_its_holder_dying_frees_it(tmp_path):
+    """The flock dies with its process (torch's lock file does not): a killed load never blocks the next one,
+    and while one is held no other process gets it."""
+    import subprocess
+    import sys
+
+    from mcp2026.kernels.cpu import _held_build_lock
+
+    probe = (
+        "import fcntl, sys; h = open(sys.argv[1], 'w')\n"
+        "try:\n    fcntl.flock(h, fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')\n"
+        "except OSError:\n    print('held')"
+    )
+    path = str(tmp_path / ".mcp2026-load.lock")
+    with _held_build_lock(tmp_path) as exclusive:
+        assert exclusive
+        assert (
+            subprocess.run([sys.executable, "-c", probe, path], capture_output=True, text=True).stdout
+            == "held\n"
+        )
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; h = open(sys.argv[1], 'w'); fcntl.flock(h, 2); "
+            "print('ok', flush=True); time.sleep(60)",
+            path,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline() == "ok\n"
+    holder.kill()  # a load killed midway
+    holder.wait()
+    with _held_build_lock(tmp_path) as exclusive:  # does not wait: the kernel dropped the dead holder's lock
+        assert exclusive
+
+
 def test_sources_are_built_from_copies_in_the_build_folder(tmp_path):
     """Two checkouts of the same sources share one build: the build reads copies whose paths do not depend
     on the checkout, rewritten only when their contents change."""

@@ -12,11 +12,13 @@ against each other).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +112,9 @@ def unavailable_reason() -> str | None:
 
 
 # A build takes ~2.5 min on 2 busy cores here; torch waits, without end, while its lock file exists, and a build
-# killed midway (a timed-out process) leaves that file behind: every later start would hang.
+# killed midway (a timed-out process) leaves that file behind: every later start would hang. Our own loads hold
+# an flock (which dies with its process) while torch's lock exists, so a load that holds the flock knows any
+# torch lock is stale; this age limit covers file systems without flock.
 STALE_LOCK_S = 30 * 60
 
 
@@ -136,17 +140,42 @@ def _build(verbose: bool) -> Any:
     key = build_key()
     build_dir = hardware.cache_dir() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
-    clear_stale_lock(build_dir)
-    if not (build_dir / f"mcp2026_cpu_{key}.so").exists():
-        log.warning("mcp2026: building the fused CPU kernels once for this machine (about a minute)...")
-    return cpp_extension.load(
-        name=f"mcp2026_cpu_{key}",
-        sources=[str(path) for path in _stage_sources(build_dir)],
-        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        verbose=verbose,
-    )
+    with _held_build_lock(build_dir) as exclusive:
+        if exclusive:  # no load of ours runs beside this one: a torch lock left here is a killed build's
+            (build_dir / "lock").unlink(missing_ok=True)
+        else:
+            clear_stale_lock(build_dir)
+        if not (build_dir / f"mcp2026_cpu_{key}.so").exists():
+            log.warning("mcp2026: building the fused CPU kernels once for this machine (about a minute)...")
+        return cpp_extension.load(
+            name=f"mcp2026_cpu_{key}",
+            sources=[str(path) for path in _stage_sources(build_dir)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=verbose,
+        )
+
+
+@contextlib.contextmanager
+def _held_build_lock(build_dir: Path) -> Iterator[bool]:
+    """An exclusive flock on the build folder for this load (waits for another process's load); yields False
+    where flock is unavailable. The kernel releases it when its holder dies, unlike torch's lock file."""
+    try:
+        import fcntl  # POSIX only; elsewhere torch's lock and the age limit are all there is
+    except ImportError:
+        yield False
+        return
+    with open(build_dir / ".mcp2026-load.lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # a file system without flock
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _stage_sources(build_dir: Path) -> list[Path]:
