@@ -393,9 +393,8 @@ class SpeculativeConfig:
     request whose drafts keep failing (free-form chat) stops drafting."""
 
     method: str = "ngram"  # ngram | off
-    num_tokens: int = (
-        8  # the most draft tokens per request and step (the cost model picks fewer where they pay)
-    )
+    # the most draft tokens per request and step (the cost model picks fewer where they pay)
+    num_tokens: int = 8
     min_ngram: int = 2
     max_ngram: int = 4
 

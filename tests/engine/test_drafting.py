@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mcp2026.config import SpeculativeConfig
-from mcp2026.engine.drafting import PRIOR_ACCEPTANCE, Drafter, NgramIndex, StepCosts, expected_tokens
+from mcp2026.engine.drafting import Drafter, NgramIndex, StepCosts, expected_tokens
 
 
 def test_the_latest_earlier_occurrence_of_the_longest_suffix_is_proposed():
@@ -66,7 +66,6 @@ def test_expensive_steps_draft_less():
     for n, seconds in ((1, 0.010), (2, 0.020), (3, 0.030), (4, 0.040), (5, 0.050)):
         drafter.observe_step(n, seconds)  # every token costs a whole step: no draft can pay at a < 1
     assert drafter.propose("r", [1, 2, 3, 1, 2], 10, 1) == []
-    assert drafter._requests["r"].acceptance <= PRIOR_ACCEPTANCE
 
 
 def test_the_limit_caps_the_draft():
@@ -85,3 +84,17 @@ def test_config_rejects_bad_values():
         SpeculativeConfig(num_tokens=0)
     with pytest.raises(ValueError, match="min_ngram"):
         SpeculativeConfig(min_ngram=3, max_ngram=2)
+
+
+def test_a_requests_token_view_reads_like_its_token_list():
+    from mcp2026.engine.request import Request
+
+    request = Request("r", [5, 6, 7, 8, 5, 6], output_token_ids=[7, 9, 5, 6])
+    tokens, view = request.all_token_ids, request.token_view
+    assert len(view) == len(tokens) and list(view) == tokens
+    for a, b in ((0, 3), (4, 8), (2, 9), (-3, None), (7, 3)):
+        assert view[a:b] == tokens[a:b]
+    assert view[-1] == 6 and view[6] == 7
+    with pytest.raises(IndexError):
+        view[10]
+    assert NgramIndex(2, 3).propose(view, 3) == NgramIndex(2, 3).propose(tokens, 3) == [7, 9, 5]

@@ -1,8 +1,9 @@
 """Start-up and memory under sustained load: ``mcp2026 serve`` launched as its own process, the seconds until
 ``/readyz`` answers, then ShareGPT streams for a long while (a share of clients hanging up mid-stream and a
-share of malformed requests), the server's resident memory sampled all along. A server whose SLO breaker sheds the load answers most requests
-with 429 (the table counts them): to measure memory under load, not under shedding, pass a serve YAML with
-``breaker: {enabled: false}`` (``--serve-arg=--config=FILE``).
+share of malformed requests), the server's resident memory sampled all along. A server whose SLO breaker
+sheds the load answers most requests with 429 (the table counts them): to measure memory under load, not
+under shedding, pass a serve YAML with ``breaker: {enabled: false}`` (``--serve-arg=--config=FILE``;
+examples/serve/no_breaker.yaml).
 
 What it reports: ready seconds; RSS idle, at its peak, at the end of the load and after it; the RSS slope over
 the load after a warm-up (MB per minute, a least-squares line: flat means memory plateaus); 5xx answers; and the
@@ -88,7 +89,7 @@ class RssSampler:
         self.phase = "idle"
         self.samples: list[tuple[float, int, str]] = []
         self._stop = threading.Event()
-        self._t0 = time.monotonic()
+        self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
     def __enter__(self) -> RssSampler:
@@ -99,10 +100,14 @@ class RssSampler:
         self._stop.set()
         self._thread.join()
 
+    def elapsed(self) -> float:
+        """Seconds since the sampler was made (the clock of ``samples``)."""
+        return time.monotonic() - self._started
+
     def sample(self) -> None:
         rss = rss_bytes(self.pid)
         if rss is not None:
-            self.samples.append((time.monotonic() - self._t0, rss, self.phase))
+            self.samples.append((self.elapsed(), rss, self.phase))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -130,12 +135,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_server(config: SoakConfig, port: int, log_path: Path) -> subprocess.Popen:
+def launch_server(config: SoakConfig, port: int, log: Any) -> subprocess.Popen:
+    """``mcp2026 serve`` on ``port`` with the config's options, its output into the open file ``log``."""
     args = [sys.executable, "-m", "mcp2026.cli", "serve", "--port", str(port), "--log-level", "warning"]
     if config.model:
         args += ["--model", config.model]
     args += list(config.serve_args)
-    log = log_path.open("w")
     return subprocess.Popen(
         args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
@@ -159,18 +164,39 @@ def run_soak(
     config: SoakConfig, requests: list[BenchRequest], log_dir: Path, progress: Any = None
 ) -> BenchRun:
     port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / "soak-server.log"
-    launched = time.monotonic()
-    server = launch_server(config, port, log_path)
+    with log_path.open("w") as log:
+        samples, load_started, ready_s, served = _serve_and_load(
+            config, requests, port, log, log_path, progress
+        )
+    aggregates = _aggregate(samples, load_started, config, ready_s, served.aggregates)
+    records = [{"seconds": t, "rss_bytes": r, "phase": p} for t, r, p in samples]
+    return BenchRun(
+        kind="soak",
+        command=config.command(),
+        config=asdict(config),
+        records=records,
+        aggregates=aggregates,
+        tables=[_table(aggregates, config)],
+        notes=served.notes,
+        machine=machine_info(),
+    )
+
+
+def _serve_and_load(
+    config: SoakConfig, requests: list[BenchRequest], port: int, log: Any, log_path: Path, progress: Any
+) -> tuple[list[tuple[float, int, str]], float, float, BenchRun]:
+    """Launch, wait for ready, sample RSS idle / under load / after it; the server is stopped at the end."""
+    base_url = f"http://127.0.0.1:{port}"
+    server = launch_server(config, port, log)
     try:
         ready_s = wait_ready(server, base_url, config.ready_timeout_s, log_path)
         with RssSampler(server.pid, config.sample_every_s) as sampler:
             time.sleep(min(10.0, config.sample_every_s * 2))  # idle after start
             sampler.sample()
             sampler.phase = "load"
-            load_started = time.monotonic() - sampler._t0
+            load_started = sampler.elapsed()
             load = ServeBenchConfig(
                 base_url=base_url,
                 max_concurrency=config.max_concurrency,
@@ -185,26 +211,13 @@ def run_soak(
             sampler.phase = "after"
             time.sleep(min(10.0, config.sample_every_s * 2))  # idle again: what the load left behind
             sampler.sample()
-        samples = sampler.samples
+        return sampler.samples, load_started, ready_s, served
     finally:
         server.terminate()
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
-    aggregates = _aggregate(samples, load_started, config, ready_s, served.aggregates)
-    aggregates["launch_to_exit_s"] = time.monotonic() - launched
-    records = [{"seconds": t, "rss_bytes": r, "phase": p} for t, r, p in samples]
-    return BenchRun(
-        kind="soak",
-        command=config.command(),
-        config=asdict(config),
-        records=records,
-        aggregates=aggregates,
-        tables=[_table(aggregates, config)],
-        notes=served.notes,
-        machine=machine_info(),
-    )
 
 
 def _aggregate(

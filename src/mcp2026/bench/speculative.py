@@ -30,6 +30,7 @@ TASKS = (
     "Extract every name, number and date from the following text as a list:\n\n",
 )
 WORKLOADS = ("grounded", "chat")
+DRAFT_COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")  # StepStats' num_* speculation counters
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ def run_speculative(config: SpeculativeBenchConfig | None = None, progress: Any 
             timing = peers.llama_cpp_decode_latency(llm, prompt, config.new_tokens, eos)
             runs["llama.cpp"] = (timing.token_ids[0], timing.token_times)
         after = drafted.engine.stats.speculation()
+        counted = {name: after[f"num_{name}"] - before[f"num_{name}"] for name in DRAFT_COUNTERS}
         for engine, (tokens, times) in runs.items():
             n, seconds = _decode_rate(times)
             records.append(
@@ -146,18 +148,19 @@ def run_speculative(config: SpeculativeBenchConfig | None = None, progress: Any 
                     "decode_tokens": n,
                     "decode_seconds": seconds,
                     "same_as_plain": tokens == runs["plain"][0],
-                    "drafts": after["num_drafts"] - before["num_drafts"] if engine == "drafted" else None,
-                    "draft_tokens": after["num_draft_tokens"] - before["num_draft_tokens"]
-                    if engine == "drafted"
-                    else None,
-                    "accepted_tokens": after["num_accepted_tokens"] - before["num_accepted_tokens"]
-                    if engine == "drafted"
-                    else None,
+                    **{name: counted[name] if engine == "drafted" else None for name in DRAFT_COUNTERS},
                 }
             )
         if progress is not None:
             progress.advance(task)
     aggregates = _aggregate(records)
+    # what a decode step cost by the tokens it computed (the drafter's measurements: 1 = a plain decode)
+    costs = drafted.engine.drafter.costs.seconds
+    aggregates["decode_step_ms_by_tokens"] = {n: costs[n] * 1e3 for n in sorted(costs)}
+    notes.append(
+        "decode step ms by tokens computed (drafted engine, moving averages): "
+        + ", ".join(f"{n}: {ms:.1f}" for n, ms in aggregates["decode_step_ms_by_tokens"].items())
+    )
     run = BenchRun(
         kind="speculative",
         command=config.command(),
@@ -200,7 +203,8 @@ def _aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _table(aggregates: dict[str, Any], config: SpeculativeBenchConfig) -> Table:
     rows = []
-    for workload, entry in aggregates.items():
+    for workload in (w for w in WORKLOADS if w in aggregates):
+        entry = aggregates[workload]
         plain, drafted, peer = entry["plain"], entry["drafted"], entry.get("llama.cpp")
         rows.append(
             [

@@ -166,18 +166,18 @@ def speculation_blocker(config: SpeculativeConfig, evictor: Any, cache: Any) -> 
 
 def split_draft_rows(
     out: SchedulerOutput, sample_ids: list[str], logits: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, dict[str, tuple[list[int], torch.Tensor]]]:
     """The runner's rows, ``num_sample_rows`` per sampled request, as one row per request (what the batch
-    samples first) and, per drafted request, the rows after each of its drafts (sampled only as far as the
-    drafts hold)."""
-    drafted = {c.request_id: c.num_draft_tokens for c in out.chunks if c.num_draft_tokens and c.samples}
-    if not drafted or not sample_ids:
+    samples first) and, per drafted request, its drafts with the rows after each of them (sampled only as far
+    as the drafts hold). Failed requests are not among ``sample_ids``."""
+    drafts = {c.request_id: c.token_ids[1:] for c in out.chunks if c.num_draft_tokens and c.samples}
+    if not drafts or not sample_ids:
         return logits, {}
     first, rest, row = [], {}, 0
     for rid in sample_ids:
         first.append(row)
-        k = drafted.get(rid, 0)
+        k = len(drafts.get(rid, ()))
         if k:
-            rest[rid] = logits[row + 1 : row + 1 + k]
+            rest[rid] = (drafts[rid], logits[row + 1 : row + 1 + k])
         row += 1 + k
     return logits[torch.tensor(first, device=logits.device)], rest

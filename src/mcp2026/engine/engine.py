@@ -283,7 +283,7 @@ class LLMEngine:
         limit = min(left - 1, room)
         if limit <= 0:
             return []
-        return self.drafter.propose(request.request_id, request.all_token_ids, limit, num_decoding)
+        return self.drafter.propose(request.request_id, request.token_view, limit, num_decoding)
 
     @property
     def speculation(self) -> dict[str, Any]:
@@ -317,12 +317,12 @@ class LLMEngine:
             return results
         with self.timer.execute(out):
             sample_ids, logits, failed = execute_isolating(self.runner, out, self.fault_hook)
-        logits, draft_rows = split_draft_rows(out, sample_ids, logits)
+        logits, drafted = split_draft_rows(out, sample_ids, logits)
         with self.timer.phase("sample_ms"):
             states = [self.states[r].sampling for r in sample_ids]
             sampled = self.sampler.sample(logits, states) if sample_ids else None
         with self.timer.phase("detokenize_ms"):
-            results += self._update(out, failed, sample_ids, sampled, draft_rows)
+            results += self._update(out, failed, sample_ids, sampled, drafted)
         return results
 
     def _update(
@@ -331,12 +331,11 @@ class LLMEngine:
         failed: dict[str, str],
         sample_ids: list[str],
         sampled: Any,
-        draft_rows: dict[str, torch.Tensor],
+        drafted: dict[str, tuple[list[int], torch.Tensor]],
     ) -> list[RequestOutput]:
         """Append the sampled tokens, let the evictor drop blocks, and turn every request's news into outputs."""
         tokens = dict(zip(sample_ids, sampled.token_ids)) if sampled else {}
         ok_output = without_failed(out, failed)
-        drafts_of = {c.request_id: c.token_ids[1:] for c in ok_output.chunks if c.num_draft_tokens}
         self._record_prompt_logprobs(ok_output)
         self.scheduler.update(ok_output, tokens)
         self._evict(ok_output)
@@ -348,11 +347,9 @@ class LLMEngine:
             logprob = sampled.logprobs[i] if sampled.logprobs else None
             reason = self.outputs.append(state, tokens[request_id], logprob)
             num_new = 1
-            if request_id in draft_rows:
-                drafts = drafts_of[request_id]
-                reason, num_kept = self._verify_drafts(
-                    state, tokens[request_id], drafts, draft_rows[request_id], reason
-                )
+            if request_id in drafted:
+                drafts, rows = drafted[request_id]
+                reason, num_kept = self._verify_drafts(state, tokens[request_id], drafts, rows, reason)
                 num_new += num_kept
             if reason is not None:
                 self.scheduler.finish_request(request_id, reason)
@@ -376,9 +373,8 @@ class LLMEngine:
             sampled = self.sampler.sample(rows[num_kept : num_kept + 1], [state.sampling])
             token, logprob = sampled.token_ids[0], sampled.logprobs[0]
             num_kept += 1
-            running = self.scheduler.accept_draft_token(
-                rid, token
-            )  # False at max_model_len: reported next step
+            # False at max_model_len (FINISHED_LENGTH, reported by the next step)
+            running = self.scheduler.accept_draft_token(rid, token)
             reason = self.outputs.append(state, token, logprob)
         self.drafter.observe(rid, len(drafts), num_kept)
         stats = self.stats

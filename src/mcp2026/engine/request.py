@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 
 class RequestStatus(enum.Enum):
@@ -90,9 +91,39 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     @property
+    def token_view(self) -> TokenView:
+        """prompt + output ids as a sequence that copies only what is sliced (a decode step reads a few)."""
+        return TokenView(self)
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 
     @property
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
+
+
+class TokenView(Sequence[int]):
+    """A request's prompt + output ids, read in place: ``len`` and slices (step 1) and single ids."""
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+
+    def __len__(self) -> int:
+        return self._request.num_tokens
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                raise ValueError("TokenView slices take step 1")
+            return self._request.token_ids_slice(start, max(start, stop))
+        position = index + len(self) if index < 0 else index
+        if not 0 <= position < len(self):
+            raise IndexError(f"token {index} of {len(self)}")
+        return self._request.token_ids_slice(position, position + 1)[0]

@@ -459,7 +459,7 @@ class ModelRunner:
             if c.num_draft_tokens:
                 decodes += draft_rows(c)
                 units.append((c, c.num_tokens))
-            elif len(c.token_ids) == 1 and c.start_pos > 0:
+            elif c.is_decode:
                 decodes.append(c)
                 units.append((c, 1))
         for c in output.chunks:

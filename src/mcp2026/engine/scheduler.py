@@ -169,7 +169,8 @@ class Scheduler:
     # --- one step ------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = _Step(budget=self.config.max_num_batched_tokens)
-        step.num_decoding = sum(1 for r in self._running if r.num_tokens - r.num_computed_tokens == 1)
+        if self.draft is not None:  # what the drafter weighs a longer step against
+            step.num_decoding = sum(1 for r in self._running if r.num_tokens - r.num_computed_tokens == 1)
         deferred = self._schedule_running(step)
         # NOTE: after a preemption, admitting new work would only take the blocks back (thrashing).
         if step.num_preempted == 0:

@@ -21,9 +21,8 @@ class StepStats:
     detokenize_ms: float = 0.0
     num_steps: int = 0
     num_decode_steps: int = 0
-    num_decode_tokens: int = (
-        0  # tokens decode steps produced (with speculative decoding, more than steps x batch)
-    )
+    # tokens decode steps produced (with speculative decoding, more than steps x batch)
+    num_decode_tokens: int = 0
     peak_kv_usage: float = 0.0
     decode_context_tokens: int = 0  # sum over decode steps of tokens attended (KV bytes read)
     kv_bytes_released: int = 0  # returned to the OS by DTSS shard releases

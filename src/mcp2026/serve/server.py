@@ -72,7 +72,8 @@ class GracefulServer(uvicorn.Server):
 def build_pipeline(serve_config: ServeConfig, engine_config: EngineConfig) -> Pipeline:
     """The model ``serve_config`` names, quantized as its ``quant`` YAML asks (its calibration and dqg
     sections included: the plan ``mcp2026 compile`` of that YAML would choose), on an engine with
-    ``engine_config``'s KV cache, KV compressor, scheduler and speculative decoding: what a server with these configs runs."""
+    ``engine_config``'s KV cache, KV compressor, scheduler and speculative decoding: what a server with these
+    configs runs."""
     return Pipeline(
         model=serve_config.model,
         config=load_quant_spec(serve_config.quant) if serve_config.quant else None,
