@@ -7,13 +7,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-import torch
-
 from mcp2026.config import ModelConfig
 from mcp2026.loading.gguf import config_from_gguf, open_gguf
 from mcp2026.loading.hf import config_from_hf, read_json
 from mcp2026.loading.loader import default_model_path
-from mcp2026.models.registry import build_model
+from mcp2026.models.registry import build_model_skeleton
 from mcp2026.quant.artifact import PLAN_FILE, is_artifact, read_metadata
 from mcp2026.quant.plan import QuantPlan, layer_bits, linear_modules
 
@@ -24,8 +22,7 @@ def plan_layer_bits(plan: QuantPlan, config: ModelConfig, dense_bits: float = 32
     """Bits per weight each linear of a ``config``-shaped model gets under ``plan``; layers the plan leaves
     alone keep ``dense_bits`` (the model's dtype)."""
 
-    with torch.device("meta"):
-        model = build_model(config)
+    model = build_model_skeleton(config)
     bits = {}
     for name, module in linear_modules(model):
         spec = plan.spec_for(name)

@@ -15,7 +15,7 @@ from torch import nn
 from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
 from mcp2026.loading.tokenizer import Tokenizer
-from mcp2026.models.registry import build_model
+from mcp2026.models.registry import build_model_skeleton
 from mcp2026.quant.artifact import WEIGHTS_FILE, read_metadata
 from mcp2026.quant.int4_packing import int4pack_block_rows, pack_int4, unpack_int4
 from mcp2026.quant.linear import Int4Linear, QuantLinear, empty_module
@@ -24,8 +24,8 @@ from mcp2026.quant.plan import LayerQuantSpec
 
 def _build(config: ModelConfig, layers: dict[str, dict]) -> nn.Module:
     """The model skeleton on the meta device, with each quantized layer's module in place."""
+    model = build_model_skeleton(config)
     with torch.device("meta"):
-        model = build_model(config)
         for name, info in layers.items():
             spec = LayerQuantSpec(**info["spec"])
             linear = model.get_submodule(name)

