@@ -289,9 +289,9 @@ class KVConfig:
     dtss_check_interval_steps: int = 8
     enable_prefix_caching: bool = True
     # Cached prefix blocks no request holds are kept up to this many GB; past it the least recently used go back
-    # to the free list, whose most recently freed blocks are reused first. The pool is reserved address space,
-    # committed as blocks are first written: without a bound, a server caching every finished prompt would write
-    # (and keep resident) every block of its pool in turn. None: keep cached blocks until the pool runs out.
+    # to the free list, whose lowest blocks are reused first. The pool is reserved address space, committed as
+    # blocks are first written: without a bound, a server caching every finished prompt would write (and keep
+    # resident) every block of its pool in turn. None: keep cached blocks until the pool runs out.
     prefix_cache_gb: float | None = 0.25
 
     def __post_init__(self) -> None:

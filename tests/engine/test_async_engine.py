@@ -97,6 +97,23 @@ def test_leaving_a_stream_aborts_and_frees_blocks(tiny):
     run(main())
 
 
+def test_an_idle_loop_hands_back_the_kv_memory_its_requests_wrote(tiny):
+    async def main():
+        engine = await started(tiny)
+        before = engine.engine.stats.kv_bytes_released
+        await asyncio.gather(*(collect(engine, p, LONG) for p in PROMPTS))
+        await wait_idle(engine)
+        for _ in range(500):  # the loop releases as it goes idle, right after its last step
+            if engine.engine.stats.kv_bytes_released > before:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.engine.stats.kv_bytes_released > before
+        assert (await collect(engine, PROMPTS[0]))[-1].finish_reason == "length"  # released blocks reused
+        await engine.shutdown(drain=False)
+
+    run(main())
+
+
 def test_rejected_request_raises_and_loop_lives(tiny):
     async def main():
         engine = await started(tiny)

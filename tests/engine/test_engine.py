@@ -207,3 +207,20 @@ def test_a_context_longer_than_the_kv_budget_runs_within_the_budget(tiny, caplog
         LLMEngine(
             tiny.model, tiny.config, None, EngineConfig(eight_blocks, SchedulerConfig(max_model_len=256))
         )
+
+
+def test_idle_release_hands_back_the_free_top_of_the_pool_and_keeps_cached_prefixes(tiny):
+    engine = make_engine(tiny, num_blocks=64)
+    ps = prompts(8, seed=3)
+    first = [o.token_ids for o in engine.generate(ps, GREEDY)]
+    pool = engine.kv_manager.pool
+    held = max(b for b in range(pool.num_blocks) if pool.ref_count(b) > 0 or pool.is_parked(b))
+    released = engine.release_idle_memory()
+    assert released > 0 and engine.stats.kv_bytes_released == released
+    top = (held + 2) * engine.cache.block_size  # the block after the highest held may share its page
+    assert engine.cache.k[:, top:].abs().sum() == 0
+    assert engine.release_idle_memory() == 0  # nothing written since
+    # cached prefixes survive the release (their prefix hits give the same tokens), released blocks are reused
+    again = [o.token_ids for o in engine.generate(ps + prompts(8, seed=4), GREEDY)][:8]
+    assert again == first
+    engine.kv_manager.check_integrity()

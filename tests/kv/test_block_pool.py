@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+
 import pytest
 
 from mcp2026.kv.block_pool import BlockPool, NoFreeBlocksError
@@ -71,7 +73,7 @@ def test_check_integrity_reports_broken_invariants():
 
 def test_check_integrity_detects_lost_blocks():
     pool = BlockPool(4)
-    pool._free_lists[0].pop()
+    assert heapq.heappop(pool._free_lists[0]) == 0
     pool._is_free[0] = False
     with pytest.raises(AssertionError, match="!= 4 blocks"):
         pool.check_integrity()
@@ -115,3 +117,28 @@ def test_offline_blocks_are_never_parked():
     pool.release_shards(1)
     assert pool.free(ids, park=ids) == [0, 1]
     pool.check_integrity([])
+
+
+def test_allocation_takes_the_lowest_free_blocks():
+    pool = BlockPool(8)
+    a = pool.allocate(4)
+    pool.free([a[1], a[3]])
+    pool.free([a[0]], park=[a[0]])
+    # holes are refilled from the bottom, not from the most recently freed block
+    assert pool.allocate(2) == [1, 3]
+    assert pool.allocate(1) == [4]
+
+
+def test_release_above_held_hands_back_the_free_top_once():
+    pool = BlockPool(16)
+    blocks = pool.allocate(10)  # 0..9 written
+    assert pool.release_above_held() == (10, 10)  # everything written is held
+    pool.free(blocks[4:])  # 4..9 free
+    pool.free([blocks[3]], park=[blocks[3]])  # a parked block still holds its contents
+    assert pool.release_above_held() == (4, 10)
+    assert pool.release_above_held() == (4, 4)  # released once; nothing written since
+    pool.allocate(2)  # 4, 5 written again
+    pool.reclaim([3])
+    pool.free([4, 5])
+    assert pool.release_above_held() == (3, 6)
+    pool.check_integrity()

@@ -349,6 +349,8 @@ class AsyncEngine:
     def _run_once(self) -> bool:
         """Run queued commands and one step; wait (no spinning) while idle. False when asked to stop."""
         with self._cond:
+            if not self._commands and not self._should_stop and not self.engine.has_unfinished():
+                self.engine.release_idle_memory()
             while not self._commands and not self._should_stop and not self.engine.has_unfinished():
                 self.engine.kv_manager.check_integrity()
                 self._cond.wait()

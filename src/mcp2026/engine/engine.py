@@ -257,6 +257,16 @@ class LLMEngine:
         )
         return victims
 
+    def release_idle_memory(self) -> int:
+        """With nothing running: hand the KV pages of the free blocks above the highest held one back to the
+        OS (CPU pools), and the heap's free pages; the process shrinks back after a burst of load. Returns the
+        KV bytes released."""
+        start, end = self.kv_manager.pool.release_above_held()
+        released = self.cache.release_blocks(start, end, free_above=True)
+        self.stats.kv_bytes_released += released
+        hardware.release_free_heap()
+        return released
+
     def grow_kv_shards(self, num_shards: int = 1) -> None:
         self.scheduler.grow_kv_shards(num_shards)
         log.info("DTSS: %d KV shard(s) back online", num_shards)

@@ -5,6 +5,7 @@ Pure bookkeeping over block ids; the tensors that hold the keys and values live 
 
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -22,6 +23,9 @@ class BlockPool:
       used   -- ref count > 0 (one count per block table that holds it);
       parked -- ref count 0 but kept off the free list because the prefix cache still offers its
                 contents; only ``incref`` (a prefix hit) or ``reclaim`` (eviction) take it out.
+    Allocation takes the lowest free ids (each free list is a min-heap): the blocks in use stay packed at the
+    bottom of the pool, so the memory a CPU pool commits (pages are committed on first write) follows the
+    peak load, and everything above the highest held block can be handed back (``release_above_held``).
     Shard ``s`` owns ids ``[bounds[s], bounds[s+1])``; the first ``num_online_shards`` shards are online.
     Offline shards keep their free lists but are never allocated from; parked blocks are always online.
     """
@@ -38,10 +42,10 @@ class BlockPool:
         self._num_used = 0
         self._is_free = [True] * num_blocks
         self._parked: set[int] = set()
-        # Stacks popped from the end; reversed so fresh pools hand out low ids first.
-        self._free_lists = [
-            list(range(self._bounds[s + 1] - 1, self._bounds[s] - 1, -1)) for s in range(num_shards)
-        ]
+        self._free_lists = [list(range(self._bounds[s], self._bounds[s + 1])) for s in range(num_shards)]
+        # One past the highest block handed out since the last release: blocks at or above it were never
+        # written since (their memory is not committed)
+        self._written_end = 0
 
     # --- queries -------------------------------------------------------------------------------------------
     @property
@@ -92,11 +96,13 @@ class BlockPool:
         for s in range(self.num_online_shards):
             free = self._free_lists[s]
             while free and len(block_ids) < num_blocks:
-                block_ids.append(free.pop())
+                block_ids.append(heapq.heappop(free))
         for b in block_ids:
             self._is_free[b] = False
             self._ref_counts[b] = 1
         self._num_used += num_blocks
+        if block_ids:
+            self._written_end = max(self._written_end, max(block_ids) + 1)
         return block_ids
 
     def incref(self, block_ids: Iterable[int]) -> None:
@@ -138,7 +144,15 @@ class BlockPool:
 
     def _push_free(self, block_id: int) -> None:
         self._is_free[block_id] = True
-        self._free_lists[self.shard_of(block_id)].append(block_id)
+        heapq.heappush(self._free_lists[self.shard_of(block_id)], block_id)
+
+    def release_above_held(self) -> tuple[int, int]:
+        """The range [start, end) of blocks written since the last release that are now all free, above the
+        highest used or parked block; it counts as unwritten afterwards (the caller hands its memory back)."""
+        held = max((b for b, r in enumerate(self._ref_counts) if r > 0), default=-1)
+        start = max(held, max(self._parked, default=-1)) + 1
+        end, self._written_end = self._written_end, min(self._written_end, start)
+        return start, max(start, end)
 
     # --- DTSS ----------------------------------------------------------------------------------------------
     def release_shards(self, num_shards: int) -> list[int]:

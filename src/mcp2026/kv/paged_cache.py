@@ -459,10 +459,14 @@ class PagedKVCache:
         }
 
     # --- DTSS ------------------------------------------------------------------------------------------
-    def release_blocks(self, start_block: int, end_block: int) -> int:
+    def release_blocks(self, start_block: int, end_block: int, free_above: bool = False) -> int:
         """Return the memory of blocks [start, end) to the OS (CPU only); they read as zeros afterwards.
-        Returns the number of bytes released (whole pages inside the range, every layer and plane)."""
+        Returns the number of bytes released (whole pages inside the range, every layer and plane; with
+        ``free_above``, when no block after ``end`` holds anything, also the page ``end`` falls in)."""
         if not self._buffers or end_block <= start_block:
             return 0
         planes = [*self.k_planes.values(), *self.v_planes.values()]
-        return sum(release_block_range(b, p, start_block, end_block) for b, p in zip(self._buffers, planes))
+        return sum(
+            release_block_range(b, p, start_block, end_block, free_above)
+            for b, p in zip(self._buffers, planes)
+        )

@@ -23,9 +23,12 @@ def allocate_plane(
     return tensor, buffer
 
 
-def release_block_range(buffer: mmap.mmap, plane: torch.Tensor, start_block: int, end_block: int) -> int:
+def release_block_range(
+    buffer: mmap.mmap, plane: torch.Tensor, start_block: int, end_block: int, free_above: bool = False
+) -> int:
     """Hand blocks [start, end) of every layer of ``plane`` (layers, blocks, ...), held by ``buffer``, back to the
-    OS; they read as zeros afterwards. Returns the bytes released (whole pages inside the range)."""
+    OS; they read as zeros afterwards. Returns the bytes released (whole pages inside the range; with
+    ``free_above`` - the blocks after ``end`` hold nothing - also the page ``end`` falls in)."""
     page = mmap.PAGESIZE
     num_layers, num_blocks = plane.shape[:2]
     block_bytes = plane[0, 0].numel() * plane.element_size()
@@ -34,7 +37,8 @@ def release_block_range(buffer: mmap.mmap, plane: torch.Tensor, start_block: int
     for layer in range(num_layers):
         lo = layer * layer_bytes + start_block * block_bytes
         hi = layer * layer_bytes + end_block * block_bytes
-        lo, hi = -(-lo // page) * page, hi // page * page
+        lo = -(-lo // page) * page
+        hi = min(-(-hi // page) * page, (layer + 1) * layer_bytes) if free_above else hi // page * page
         if hi > lo:
             buffer.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
             released += hi - lo
