@@ -23,12 +23,16 @@ def save_tiny_hf(path: Path, arch: str = "llama", tie: bool = False, seed: int =
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Phi3Config,
         Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     torch.manual_seed(seed)
@@ -53,6 +57,13 @@ def save_tiny_hf(path: Path, arch: str = "llama", tie: bool = False, seed: int =
         model = Phi3ForCausalLM(Phi3Config(**fields))
     elif arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**{"head_dim": 16, **common}))
+    elif arch == "qwen3_moe":  # 4 experts of width 32, 2 per token, renormalised (as released Qwen3-MoE)
+        moe = {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**moe, "norm_topk_prob": True, **common}))
+    elif arch == "mixtral":
+        model = MixtralForCausalLM(
+            MixtralConfig(**{"num_local_experts": 4, "num_experts_per_tok": 2, **common})
+        )
     elif arch == "gemma3":
         model = Gemma3ForCausalLM(Gemma3TextConfig(**{"head_dim": 16, "query_pre_attn_scalar": 24, **common}))
     else:
@@ -64,6 +75,8 @@ def save_tiny_hf(path: Path, arch: str = "llama", tie: bool = False, seed: int =
                 p.uniform_(-0.5, 0.5) if arch == "gemma3" else p.uniform_(0.5, 1.5)
             elif "bias" in name:
                 p.normal_(0, 0.5)
+            elif name.endswith("mlp.gate.weight"):  # routers: clear preferences (no near-ties in the top-k)
+                p.normal_(0, 0.2)
     model.save_pretrained(path)
     return path
 

@@ -185,3 +185,108 @@ def write_converted_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path.name
+
+
+# Mixture-of-experts checkpoints: the router, and each expert's gate / up / down (HF name part -> llama.cpp's)
+MOE_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
+EXPERT_PARTS = {
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+}
+
+
+def write_moe_gguf(
+    hf_dir: Path,
+    arch: str,
+    heads: int,
+    kv_heads: int,
+    expert_type: str = "F32",
+    stacked: bool = True,
+    add_extra: Callable[[gguf.GGUFWriter], None] | None = None,
+) -> str:
+    """A tiny Qwen3-MoE ("qwen3moe") or Mixtral ("llama") HF model written as llama.cpp's converter writes it:
+    the experts of each layer stacked as (experts, rows, cols) ``ffn_{gate,up,down}_exps`` tensors stored as
+    ``expert_type`` (or, ``stacked=False``, one tensor per expert as older Mixtral files have them), the router as
+    ``ffn_gate_inp`` (``add_extra`` adds metadata a test needs); returns the file's name in ``hf_dir``."""
+    import json
+
+    from gguf.quants import quantize  # defer: only the MoE tests write quantized experts
+    from safetensors.torch import load_file
+
+    raw = load_file(str(hf_dir / "model.safetensors"))
+    config = json.loads((hf_dir / "config.json").read_text())
+    path = hf_dir / f"{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    for key, value in {
+        "context_length": 512,
+        "embedding_length": config["hidden_size"],
+        "feed_forward_length": config["intermediate_size"],
+        "block_count": config["num_hidden_layers"],
+        "attention.head_count": heads,
+        "attention.head_count_kv": kv_heads,
+        "attention.key_length": head_dim,
+        "expert_count": config["num_local_experts"],
+        "expert_used_count": config["num_experts_per_tok"],
+    }.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    if "moe_intermediate_size" in config:
+        writer.add_uint32(f"{arch}.expert_feed_forward_length", config["moe_intermediate_size"])
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_float32(f"{arch}.rope.freq_base", config["rope_parameters"]["rope_theta"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(byte_tokens(320))
+    writer.add_token_merges(["a b"])
+    writer.add_eos_token_id(2)
+    if add_extra is not None:
+        add_extra(writer)
+
+    def matrix(name: str, a: np.ndarray) -> None:
+        if expert_type == "F32":
+            writer.add_tensor(name, a)
+        else:
+            qtype = gguf.GGMLQuantizationType[expert_type]
+            writer.add_tensor(name, quantize(a, qtype), raw_dtype=qtype)
+
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # (layer, part) -> expert -> matrix
+    for name, t in raw.items():
+        a = t.float().numpy()
+        if name in GLOBAL_NAMES:
+            writer.add_tensor(GLOBAL_NAMES[name], a)
+            continue
+        layer, rest = name.removeprefix("model.layers.").split(".", 1)
+        if rest in MOE_ROUTERS:
+            writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", a)
+        elif ".experts." in rest:
+            index, part, _ = rest.split(".experts.")[1].split(".")
+            experts.setdefault((layer, EXPERT_PARTS[part]), {})[int(index)] = a
+        else:
+            module, kind = rest.rsplit(".", 1)
+            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                a = llama_cpp_permute(a, heads if module.endswith("q_proj") else kv_heads)
+            writer.add_tensor(f"blk.{layer}.{LAYER_NAMES[module]}.{kind}", a)
+    for (layer, part), per_expert in experts.items():
+        if stacked:
+            matrix(
+                f"blk.{layer}.ffn_{part}_exps.weight", np.stack([per_expert[e] for e in sorted(per_expert)])
+            )
+        else:
+            for e, a in per_expert.items():
+                matrix(f"blk.{layer}.ffn_{part}.{e}.weight", a)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.name
+
+
+GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}

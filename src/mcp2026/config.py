@@ -65,8 +65,8 @@ def _check_rope_scaling(scaling: dict[str, Any], head_dim: int) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM, Gemma 3); what one family implies beyond these
-    fields (Gemma's scaled embeddings and extra norms) lives in its model class."""
+    """Shape of a decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM, Gemma 3, Qwen3-MoE, Mixtral); what one family
+    implies beyond these fields (Gemma's scaled embeddings and extra norms) lives in its model class."""
 
     architecture: str
     vocab_size: int
@@ -98,10 +98,19 @@ class ModelConfig:
     # Partial rotary (Phi-4-mini rotates 3/4 of each head): how many leading dims of each q/k head rotate, the
     # rest pass through unrotated; None rotates all head_dim dims.
     rotary_dim: int | None = None
+    # Mixture of experts (Qwen3-MoE, Mixtral): num_experts > 0 replaces the MLP of every layer not in
+    # ``dense_layers`` (those keep intermediate_size) by experts of width ``moe_intermediate_size``; a softmax
+    # router picks ``num_experts_per_tok`` per token, ``norm_topk_prob`` rescales their weights to sum to 1.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None  # None: intermediate_size
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.layer_types is not None:  # a list when read back from JSON
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
         for name in (
             "vocab_size",
             "hidden_size",
@@ -148,6 +157,28 @@ class ModelConfig:
                 self.sliding_window is not None or "sliding_attention" not in self.layer_types,
                 "model config: layer_types has sliding_attention layers but sliding_window is not set",
             )
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        if self.num_experts == 0:
+            only_moe = self.num_experts_per_tok or self.dense_layers or self.moe_intermediate_size is not None
+            _require(
+                not only_moe,
+                "model config: num_experts_per_tok, moe_intermediate_size and dense_layers apply to "
+                "mixture-of-experts models only (num_experts > 0)",
+            )
+            return
+        _require(
+            0 < self.num_experts_per_tok <= self.num_experts,
+            f"model config: num_experts_per_tok must be in [1, num_experts={self.num_experts}], got "
+            f"{self.num_experts_per_tok}",
+        )
+        _require(
+            (self.moe_intermediate_size or 1) > 0
+            and all(0 <= i < self.num_layers for i in self.dense_layers),
+            f"model config: moe_intermediate_size must be > 0 or None (got {self.moe_intermediate_size}) and "
+            f"dense_layers {list(self.dense_layers)} must name layers in 0..{self.num_layers - 1}",
+        )
 
     def attention_window(self, layer: int) -> int | None:
         """How many positions (itself included) a query of ``layer`` sees; None: the whole context."""
@@ -156,6 +187,14 @@ class ModelConfig:
         if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
             return self.sliding_window
         return None
+
+    def has_experts(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts (else one dense MLP)."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def expert_size(self) -> int:  # the intermediate width of one expert
+        return self.moe_intermediate_size or self.intermediate_size
 
     def query_scale(self) -> float:
         return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
@@ -166,8 +205,10 @@ class ModelConfig:
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        per_layer = attn + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
-        return self.num_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+        per_layer = attn + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        moe = self.num_experts * 3 * h * self.expert_size + self.num_experts * h  # experts + router
+        mlps = sum(moe if self.has_experts(layer) else 3 * h * i for layer in range(self.num_layers))
+        return self.num_layers * per_layer + mlps + v * h * (1 if self.tie_word_embeddings else 2) + h
 
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4", "fp8", "auto")

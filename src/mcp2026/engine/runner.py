@@ -125,6 +125,11 @@ class ModelRunner:
         the same buffers, eagerly). Returns why not where this runner's cache or kernels cannot."""
         if self.windows:
             return "the model has sliding-window layers (graphs read every sequence's whole context)"
+        if getattr(getattr(self.model, "config", None), "num_experts", 0):
+            return (
+                "the model routes tokens to experts (each layer reads its expert group sizes on the host: a "
+                "captured graph would replay the first step's routing)"
+            )
         if not graphable(self.cache):
             return "the KV cache is quantized, staged or per-layer (graphs need plain K/V rows in one pool)"
         if not self.fused_decode:

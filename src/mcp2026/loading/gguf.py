@@ -19,7 +19,15 @@ from mcp2026.config import ModelConfig, unsupported_rope_type
 from mcp2026.errors import ModelLoadError
 from mcp2026.loading.gguf_blocks import BLOCK_FORMATS, read_blocks
 from mcp2026.loading.gguf_file import GGUFFile, GGUFFormatError, GGUFTensorInfo
-from mcp2026.loading.names import GGUF_GLOBAL_NAMES, GGUF_LAYER, GGUF_LAYER_NAMES, Weight, map_name
+from mcp2026.loading.names import (
+    GGUF_GLOBAL_NAMES,
+    GGUF_LAYER,
+    GGUF_LAYER_NAMES,
+    Weight,
+    expert_name,
+    is_expert_stack,
+    map_name,
+)
 from mcp2026.loading.progress import load_progress
 from mcp2026.loading.rope_scaling import normalized_rope_scaling
 from mcp2026.models.registry import family_of, resolve_architecture
@@ -58,6 +66,9 @@ def gguf_field(gguf_file: GGUFFile, key: str, default: Any = None) -> Any:
 def config_from_gguf(reader: GGUFFile, source: str) -> ModelConfig:
     """The config a parsed GGUF describes (its rope_freqs tensor, when it has one, is read into rope_scaling)."""
     arch = resolve_architecture(str(gguf_field(reader, "general.architecture", "")), source)
+    with_experts = family_of(arch).gguf_with_experts
+    # the registry name the model runs as; the metadata keys keep the file's prefix
+    architecture = with_experts if with_experts and gguf_field(reader, f"{arch}.expert_count") else arch
 
     def get(key: str, default: Any = None) -> Any:
         value = gguf_field(reader, f"{arch}.{key}", default)
@@ -83,7 +94,7 @@ def config_from_gguf(reader: GGUFFile, source: str) -> ModelConfig:
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     try:
         fields: dict[str, Any] = dict(
-            architecture=arch,
+            architecture=architecture,
             vocab_size=int(gguf_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0)),
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length")),
@@ -102,7 +113,7 @@ def config_from_gguf(reader: GGUFFile, source: str) -> ModelConfig:
             eos_token_ids=(int(eos),) if eos is not None else (),
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
         )
-        family_fields = family_of(arch).gguf_config(lambda key: gguf_field(reader, f"{arch}.{key}"))
+        family_fields = family_of(architecture).gguf_config(lambda key: gguf_field(reader, f"{arch}.{key}"))
         return ModelConfig(**{**fields, **family_fields})
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent GGUF metadata: {e}") from None
@@ -214,7 +225,8 @@ def keeps_blocks(t: GGUFTensorInfo, ours: str, source: str) -> bool:
     A block type we cannot run exactly is an error naming the tensor (the float path still loads it); a matrix
     the GEMM tiles do not fit (rows not in 16s, K not in 32s) runs as floats, with a warning naming it."""
     type_name = t.tensor_type.name
-    if len(t.dims) != 2 or not ours.endswith(NATIVE_SUFFIXES) or type_name in FLOAT_TYPES:
+    matrix = len(t.dims) == 2 or (len(t.dims) == 3 and is_expert_stack(ours))  # each expert's is a matrix
+    if not matrix or not ours.endswith(NATIVE_SUFFIXES) or type_name in FLOAT_TYPES:
         return False
     if type_name not in BLOCK_FORMATS:
         raise ModelLoadError(
@@ -222,7 +234,7 @@ def keeps_blocks(t: GGUFTensorInfo, ours: str, source: str) -> bool:
             f"{', '.join(BLOCK_FORMATS)}); load the model as floats instead: dtype='fp32' or 'bf16' "
             "(--dtype fp32)"
         )
-    if not packable(t.shape):
+    if not packable(t.shape[-2:]):
         log.warning(
             "%s: tensor %s %s runs as floats: the block GEMM needs rows in 16s and columns in 32s",
             source, t.name, tuple(t.shape),
@@ -244,6 +256,11 @@ def load_gguf_tensors(
             advance(1)
             if ours is None:
                 continue
+            if len(t.dims) == 3 and is_expert_stack(ours):
+                tensors.update(
+                    _experts(reader, t, ours, native and keeps_blocks(t, ours, source), dtype, source)
+                )
+                continue
             heads = _heads_of(ours, config)
             if native and keeps_blocks(t, ours, source):
                 blocks: BlockWeights = read_blocks(reader.raw(t), t.tensor_type.name)
@@ -254,3 +271,18 @@ def load_gguf_tensors(
                 data = _unpermute(data.reshape(data.shape[0], -1), heads).reshape(data.shape)
             tensors[ours] = torch.from_numpy(np.array(data, dtype=np.float32, copy=True)).to(dtype)
     return tensors
+
+
+def _experts(
+    reader: GGUFFile, t: GGUFTensorInfo, ours: str, blocks: bool, dtype: torch.dtype, source: str
+) -> dict[str, Weight]:
+    """A stacked (experts, rows, cols) tensor as one matrix per expert: stored blocks, or floats."""
+    if blocks:
+        raw = reader.raw(t)  # (experts, rows, bytes per row)
+        type_name = t.tensor_type.name
+        return {expert_name(ours, e): read_blocks(raw[e], type_name) for e in range(t.shape[0])}
+    data = _read_float(reader, t, source)  # (experts, rows, cols)
+    return {
+        expert_name(ours, e): torch.from_numpy(np.array(data[e], dtype=np.float32, copy=True)).to(dtype)
+        for e in range(t.shape[0])
+    }

@@ -1,4 +1,5 @@
-"""Weight names: HF and GGUF tensors -> our fused layout (qkv_proj, gate_up_proj), q rows pre-scaled."""
+"""Weight names: HF and GGUF tensors -> our fused layout (qkv_proj, gate_up_proj, per expert too), q rows
+pre-scaled."""
 
 from __future__ import annotations
 
@@ -60,6 +61,12 @@ GGUF_GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 
+# A layer tensor with an index inside its name (an expert's: "mlp.experts.3.up_proj.weight"); the maps name such
+# tensors with "{}" in the index's place ("mlp.experts.{}.up_proj.weight")
+INDEXED = re.compile(r"^(.+?)\.(\d+)\.(.+)$")
+# Our name of a stacked tensor of every expert's matrices (GGUF's (experts, rows, cols) "ffn_up_exps")
+STACKED_EXPERTS = re.compile(r"(^|\.)experts\.(?!\d)")
+
 # Tensors that are not weights of the decoder are skipped: HF's precomputed inv_freq, and GGUF's rope_freqs,
 # which config_from_gguf reads into ModelConfig.rope_scaling.
 IGNORED = re.compile(r"(rotary_emb\.inv_freq|rope_freqs\.weight)$")
@@ -76,7 +83,22 @@ def map_name(
     m = layer_re.match(name)
     if m and m.group(2) in layer_names:
         return f"layers.{m.group(1)}.{layer_names[m.group(2)]}"
+    indexed = INDEXED.match(m.group(2)) if m else None
+    if indexed:
+        template = layer_names.get(f"{indexed.group(1)}.{{}}.{indexed.group(3)}")
+        if template is not None:
+            return f"layers.{m.group(1)}.{template.format(int(indexed.group(2)))}"
     raise ModelLoadError(f"unexpected tensor {name!r}: not part of a {architecture} decoder")
+
+
+def is_expert_stack(ours: str) -> bool:
+    """Whether our name is one of a stacked (experts, rows, cols) tensor (split per expert at load)."""
+    return STACKED_EXPERTS.search(ours) is not None
+
+
+def expert_name(stacked: str, expert: int) -> str:
+    """The name of one expert's matrix of a stacked tensor ("layers.0.experts.up.weight" -> "...experts.3.up...")."""
+    return STACKED_EXPERTS.sub(lambda m: f"{m.group(1)}experts.{expert}.", stacked, count=1)
 
 
 def _cat_rows(parts: list[Weight]) -> Weight:
@@ -150,8 +172,14 @@ def fuse_weights(tensors: dict[str, Weight], config: ModelConfig, source: str) -
             out[p + "attn.qkv_proj.bias"] = torch.cat(
                 [take("q.bias") * q_scale, take("k.bias"), take("v.bias")]
             )
-        out[p + "mlp.gate_up_proj.weight"] = _cat_rows([take("gate.weight"), take("up.weight")])
-        for key in [key for key in tensors if key.startswith(p)]:  # the rest as they are (norms, o, down)
+        if config.has_experts(i):
+            for e in range(config.num_experts):
+                gate_up = [take(f"experts.{e}.gate.weight"), take(f"experts.{e}.up.weight")]
+                out[f"{p}mlp.experts.{e}.gate_up_proj.weight"] = _cat_rows(gate_up)
+        else:
+            out[p + "mlp.gate_up_proj.weight"] = _cat_rows([take("gate.weight"), take("up.weight")])
+        rest = [key for key in tensors if key.startswith(p)]  # norms, o, down, routers: as they are
+        for key in rest:
             out[key] = tensors.pop(key)
     for key in ("embed_tokens.weight", "norm.weight"):
         if key not in tensors:

@@ -33,3 +33,6 @@ class ModelFamily:
     # Added to every RMSNorm weight of an HF checkpoint: Gemma stores w and scales by (1 + w); its GGUF files
     # already hold 1 + w (llama.cpp's converter adds it)
     hf_norm_offset: float = 0.0
+    # The registry name a GGUF of this architecture runs as when its metadata counts experts
+    # ("{architecture}.expert_count" > 0): llama.cpp writes Mixtral files as architecture "llama"
+    gguf_with_experts: str | None = None

@@ -63,11 +63,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
+        """``intermediate_size``: the width when not the config's (one expert of a mixture)."""
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
@@ -212,7 +213,8 @@ def _qwen2_fields(raw: dict[str, Any]) -> dict[str, Any]:
     return {"sliding_window": int(raw["sliding_window"]), "layer_types": tuple(types)}
 
 
-FAMILY = ModelFamily(LlamaForCausalLM)
+# A "llama" GGUF that counts experts is Mixtral (models/moe.py)
+FAMILY = ModelFamily(LlamaForCausalLM, gguf_with_experts="MixtralForCausalLM")
 MISTRAL_FAMILY = ModelFamily(LlamaForCausalLM, hf_config=_mistral_fields)
 # Qwen2 is this decoder with q/k/v biases (a config field); its GGUF q/k rows are stored unpermuted.
 QWEN2_FAMILY = ModelFamily(LlamaForCausalLM, gguf_rope_permuted=False, hf_config=_qwen2_fields)

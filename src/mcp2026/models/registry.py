@@ -10,7 +10,7 @@ from torch import nn
 
 from mcp2026.config import ModelConfig
 from mcp2026.errors import UnsupportedArchitectureError
-from mcp2026.models import gemma3, llama, phi3
+from mcp2026.models import gemma3, llama, moe, phi3
 from mcp2026.models.family import ModelFamily
 
 # HF config.json "architectures" entries and GGUF general.architecture values -> implementation.
@@ -21,12 +21,16 @@ MODEL_REGISTRY: dict[str, ModelFamily] = {
     "Qwen3ForCausalLM": llama.QWEN3_FAMILY,
     "Gemma3ForCausalLM": gemma3.FAMILY,
     "Phi3ForCausalLM": phi3.FAMILY,
+    "Qwen3MoeForCausalLM": moe.QWEN3_MOE_FAMILY,
+    "MixtralForCausalLM": moe.MIXTRAL_FAMILY,
     "llama": llama.FAMILY,
     "mistral": llama.MISTRAL_FAMILY,
     "qwen2": llama.QWEN2_FAMILY,
     "qwen3": llama.QWEN3_FAMILY,
     "gemma3": gemma3.FAMILY,
     "phi3": phi3.FAMILY,
+    "qwen3moe": moe.QWEN3_MOE_FAMILY,
+    # llama.cpp writes Mixtral as "llama" with llama.expert_count (llama.FAMILY.gguf_with_experts names it)
 }
 
 

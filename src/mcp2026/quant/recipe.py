@@ -185,6 +185,13 @@ def _measure(model, tokenizer, config: QuantConfig, formats, settings, calibrati
 
 
 def _allocate(model, calib, layers, config: QuantConfig, formats, settings, progress: bool) -> DQGResult:
+    result = _allocate_measured(model, calib, layers, config, formats, settings, progress)
+    return _cover_unreached(model, result, config, formats)
+
+
+def _allocate_measured(
+    model, calib, layers, config: QuantConfig, formats, settings, progress: bool
+) -> DQGResult:
     budget = _budget(config)
     if budget is None:
         return _analytic(layers, config, formats, settings)
@@ -201,6 +208,27 @@ def _allocate(model, calib, layers, config: QuantConfig, formats, settings, prog
         raise BudgetError(f"{kind}={value}: {error}; candidate formats: {', '.join(formats)}") from None
     plan, scales = dqg.plan_from_choices(choices)
     return DQGResult("measured", plan, scales, f"{kind}={value:g}", layers, choices)
+
+
+def _cover_unreached(model: nn.Module, result: DQGResult, config: QuantConfig, formats) -> DQGResult:
+    """Plan the linears no calibration token reached (experts the router never picked on the calibration text):
+    nothing was measured for them and they add no error on that text, so the DQG's objective gives them the
+    cheapest candidate format their shape takes (as ``uniform_plan`` fits int4 groups). They sit outside the
+    budget's accounting, which only lowers the plan's real size below it; the result's notes count them."""
+    unreached = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in result.layers]
+    quantized = sorted((f for f in formats if f in QUANT_FORMATS), key=WEIGHT_BITS.get)
+    if not unreached or not quantized:
+        return result
+    fmt = quantized[0]
+    spec = LayerQuantSpec(fmt, config.group_size, config.symmetric) if fmt == "int4" else LayerQuantSpec(fmt)
+    cheapest = uniform_plan(model, spec)
+    rules = {name: cheapest.spec_for(name) for name in unreached}
+    result.plan = QuantPlan({**rules, **result.plan.to_dict()})
+    result.notes.append(
+        f"{len(unreached)} linears no calibration token reached (e.g. {unreached[0]}) run as {spec.describe()}: "
+        "nothing was measured for them"
+    )
+    return result
 
 
 def fixed_bytes(model: nn.Module, layers: dict[str, LayerOptions]) -> int:
