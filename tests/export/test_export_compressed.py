@@ -11,6 +11,7 @@ import torch
 from mcp2026.export.compressed_tensors import export_compressed_tensors
 from mcp2026.export.report import CONVERTED
 from mcp2026.loading.loader import load_model
+from mcp2026.pipeline import native_weights_blocker
 from mcp2026.quant.int4_linear import Int4Linear
 from mcp2026.quant.plan import LayerQuantSpec, QuantPlan
 
@@ -87,3 +88,10 @@ def test_transformers_loads_the_export(tmp_path):
         theirs = hf(ids[None]).logits[0]
     ours = logits(load_model(tmp_path / "ct").model, ids)
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)  # the same fp32 weights, two implementations
+
+
+def test_pipeline_runs_a_compressed_folder_as_stored(tmp_path, kernels):
+    loaded = compiled(tmp_path, SYMMETRIC)
+    export_compressed_tensors(loaded, tmp_path / "ct")
+    assert native_weights_blocker(tmp_path / "ct", "auto", None, "cpu") is None
+    assert native_weights_blocker(tmp_path / "src", "auto", None, "cpu") is not None  # a plain HF folder
