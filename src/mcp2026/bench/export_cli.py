@@ -22,8 +22,8 @@ def export(
         bool, typer.Option("--symmetric/--asymmetric", help="int4 body: Q4_0 or Q4_1")
     ] = False,
 ) -> None:
-    """Quantize (int4 g32 + int8 lm_head), export to GGUF, and score the file in llama.cpp and the model in
-    mcp2026 on the same windows: the perplexity gap says whether the file holds the model we run."""
+    """A plan exported to GGUF: its perplexity in llama.cpp against ours on the same held-out windows. The plan is
+    int4 g32 with an int8 lm_head; the gap says whether the file holds the model we run."""
     result = run_export_check(model, num_windows, symmetric)
     out.print(f"Command: `{shell_join(['mcp2026', 'bench', 'export', *sys.argv[3:]])}`\n", markup=False)
     out.print(result.markdown(), markup=False, highlight=False)
