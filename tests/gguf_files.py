@@ -290,3 +290,20 @@ GLOBAL_NAMES = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
+
+
+CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+
+
+def save_tiny_tokenizer(folder: Path) -> Path:
+    """The tiny GGUF's byte-level BPE tokenizer (smollm pre-tokenizer, 320 tokens) saved into an HF ``folder`` as
+    tokenizer.json + tokenizer_config.json, with a chat template."""
+    from mcp2026.loading.tokenizer import Tokenizer  # defer: only the tests that need a tokenizer import it
+    from mcp2026.quant.artifact import save_tokenizer
+
+    source = write_tiny_gguf(folder / "vocab.gguf", "Q8_0")
+    tokenizer = Tokenizer.from_gguf(source)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    save_tokenizer(tokenizer, folder)
+    source.unlink()
+    return folder

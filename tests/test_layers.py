@@ -23,14 +23,14 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "mcp2026"
 # group that imports a command's module when it runs (a LazyCommand's "module:attribute" counts as an import of
 # that module here); sharegpt
 # locates and splits the ShareGPT text that calibration (quant) and evaluation (bench) both read; compiler is
-# `mcp2026 compile`'s load -> quantize -> save, beside the pipeline.
+# `mcp2026 compile`'s load -> quantize -> save, beside the pipeline; export writes what loading reads, beside it.
 # "mcp2026" is the package's own __init__: the public facade, importable from nowhere inside.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("mcp2026", "cli"),
     ("serve", "canary", "doctor", "bench"),
     ("pipeline", "compiler"),
     ("engine",),
-    ("loading",),
+    ("loading", "export"),
     ("kv", "quant", "models"),
     ("kernels",),
     ("config", "types", "errors", "hardware", "cli_errors", "cli_lazy", "sharegpt"),

@@ -1,10 +1,13 @@
 """The body of ``mcp2026 compile`` / ``mcp-compile``: read a quantization YAML, calibrate, plan, quantize
-and write an artifact folder that ``Pipeline(model=DIR)`` loads without recalibrating."""
+and write an artifact folder that ``Pipeline(model=DIR)`` loads without recalibrating, or export the quantized
+model to another engine's format (GGUF, compressed-tensors)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from mcp2026.export.formats import check_export, export_model
+from mcp2026.export.report import ExportReport
 from mcp2026.loading.loader import load_model
 from mcp2026.quant import recipe
 from mcp2026.quant.artifact import is_artifact, save_artifact
@@ -18,8 +21,10 @@ def compile_model(
     *,
     progress: bool = True,
     console=None,
-) -> Path:
-    """Load, calibrate, plan, quantize, save. Prints the plan table to ``console`` (a rich Console)."""
+    export: str | None = None,
+) -> Path | ExportReport:
+    """Load, calibrate, plan, quantize, save (the artifact folder, or with ``export`` that format's file or folder,
+    returning its report). Prints the plan table to ``console`` (a rich Console)."""
     spec = load_spec(config_path)
     if not spec.quant.quantizes_weights:
         raise ValueError(
@@ -27,7 +32,9 @@ def compile_model(
             "nothing; set int8 / int4 / fp8, or enable_dqg: true"
         )
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not is_artifact(out))):
+    if export is not None:
+        check_export(export, out)
+    elif out.exists() and (not out.is_dir() or (any(out.iterdir()) and not is_artifact(out))):
         raise ValueError(f"{out}: exists and is not an empty folder or an artifact; choose another --out")
     loaded = load_model(model)
     if loaded.file_format == "mcp2026-artifact":
@@ -40,4 +47,6 @@ def compile_model(
         if result.layers:
             console.print(result.to_table(), width=max(console.width, 180))  # 13 columns, even piped
         console.print(recipe.describe(result, loaded.model))
+    if export is not None:
+        return export_model(loaded, export, out)
     return save_artifact(out, loaded, result, spec.quant)

@@ -15,3 +15,7 @@ class UnsupportedArchitectureError(ModelLoadError):
 
 class NotSupportedYetError(MCPError):
     """A configuration value that is accepted by the API but not implemented yet."""
+
+
+class ExportError(MCPError):
+    """A model, plan or output path that cannot be written in the asked export format."""

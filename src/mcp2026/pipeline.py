@@ -15,6 +15,7 @@ from mcp2026.config import EngineConfig, KVConfig, QuantConfig, SchedulerConfig,
 from mcp2026.engine.engine import LLMEngine
 from mcp2026.errors import NotSupportedYetError
 from mcp2026.kv.compressor import KVCompressor
+from mcp2026.loading.compressed_tensors import is_compressed_folder
 from mcp2026.loading.loader import LoadedModel, load_model
 from mcp2026.loading.loader import weight_bytes as loader_weight_bytes
 from mcp2026.quant.block_linear import kernels_unavailable
@@ -46,10 +47,10 @@ def resolve_dtype(dtype: str | torch.dtype, quant: QuantConfig | None) -> torch.
 def native_weights_blocker(
     model: str | Path | None, dtype: str | torch.dtype, quant: QuantConfig | None, device: str
 ) -> str | None:
-    """Why a model's stored block quantization will not run as it is (None: it will). Only GGUF files have
-    one; an explicit float dtype or a re-quantization asks for float weights; the blocks' kernels are CPU ones."""
-    if model is not None and not str(model).endswith(".gguf"):
-        return "not a GGUF file (HF folders and artifacts load as they are stored)"
+    """Why a model's stored block quantization will not run as it is (None: it will). Only GGUF files and
+    compressed-tensors folders have one; an explicit float dtype or a re-quantization asks for float weights; the blocks' kernels are CPU ones."""
+    if model is not None and not (str(model).endswith(".gguf") or is_compressed_folder(model)):
+        return "not a GGUF file or a compressed-tensors folder (HF folders and artifacts load as they are stored)"
     if dtype != "auto":
         return f"dtype={dtype} asks for float weights"
     if quant is not None and (quant.quantizes_weights or quant.pressure_bits_budget is not None):

@@ -138,7 +138,7 @@ def test_tokenizer_files_round_trip(tmp_path, default_model_path):
     from mcp2026.loading.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(default_model_path)
-    artifact._save_tokenizer(tokenizer, tmp_path)
+    artifact.save_tokenizer(tokenizer, tmp_path)
     again = Tokenizer.from_hf_dir(tmp_path)
     text = "Hello world 2026!\n  code: def f(x): return x"
     assert again.encode(text) == tokenizer.encode(text)

@@ -45,6 +45,11 @@ COMMANDS = lazy_group(
         "HF transformers and llama.cpp scored on the same windows.",
     ),
     LazyCommand(
+        "export",
+        "mcp2026.bench.export_cli:export",
+        "A plan exported to GGUF: its perplexity in llama.cpp against ours on the same held-out windows.",
+    ),
+    LazyCommand(
         "sweep",
         "mcp2026.bench.sweep_cli:sweep",
         "Serve each configuration at each request rate; table, Pareto fronts and plots.",

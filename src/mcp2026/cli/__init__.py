@@ -28,7 +28,8 @@ COMMANDS = lazy_group(
     LazyCommand(
         "compile",
         "mcp2026.cli.compile:compile_cmd",
-        "Calibrate, plan and quantize a model into an artifact folder that loads without recalibrating.",
+        "Calibrate, plan and quantize a model into an artifact folder that loads without recalibrating, or export "
+        "the quantized model (--export gguf --out model.gguf, --export compressed-tensors --out DIR).",
     ),
     LazyCommand(
         "bench",

@@ -1,4 +1,5 @@
-"""``mcp2026 compile`` (alias ``mcp-compile``): calibrate, plan and quantize a model into an artifact folder."""
+"""``mcp2026 compile`` (alias ``mcp-compile``): calibrate, plan and quantize a model into an artifact folder, or
+export it as GGUF (llama.cpp) or compressed-tensors (transformers, vLLM)."""
 
 from __future__ import annotations
 
@@ -22,11 +23,30 @@ def compile_cmd(
     config: Annotated[
         Path | None, typer.Option("--config", help="quantization YAML (see examples/quant/)")
     ] = None,
-    out_dir: Annotated[Path | None, typer.Option("--out", help="artifact folder to write")] = None,
+    out_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--out", help="artifact folder to write (with --export: the .gguf file, or a new folder)"
+        ),
+    ] = None,
+    export: Annotated[
+        str | None,
+        typer.Option(
+            "--export",
+            help="write another engine's format instead of an artifact: gguf (llama.cpp: int8 as Q8_0, int4 "
+            "sym/asym as Q4_0/Q4_1) or compressed-tensors (transformers, vLLM); never overwrites --out",
+        ),
+    ] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="progress bars")] = True,
 ) -> None:
-    """Calibrate, plan and quantize a model into an artifact folder that loads without recalibrating."""
+    """Calibrate, plan and quantize a model into an artifact folder that loads without recalibrating, or export
+    the quantized model (--export gguf --out model.gguf, --export compressed-tensors --out DIR)."""
     if config is None or out_dir is None:
         raise ValueError("give --config QUANT.yaml and --out DIR (example configs: examples/quant/*.yaml)")
-    path = compile_model(model, config, out_dir, progress=progress, console=out)
-    out.print(f"wrote {path} (load it with Pipeline(model={str(path)!r}) or --model {path})")
+    result = compile_model(model, config, out_dir, progress=progress, console=out, export=export)
+    if export is None:
+        out.print(f"wrote {result} (load it with Pipeline(model={str(result)!r}) or --model {result})")
+        return
+    out.print(f"wrote {result.path} ({export})")
+    for line in result.summary():
+        out.print(f"  {line}", highlight=False, markup=False)

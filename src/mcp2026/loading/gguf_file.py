@@ -15,6 +15,7 @@ import os
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ DEFAULT_ALIGNMENT = 32
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+ValueType = tuple[int, int | None]  # a metadata value's gguf.GGUFValueType, and its items' for an array
 
 
 class GGUFFormatError(ValueError):
@@ -39,10 +41,14 @@ class _Cursor:
     endian: str
     pos: int
 
-    def pairs(self, num_kv: int) -> Iterable[tuple[str, Any]]:
+    def pairs(self, num_kv: int) -> Iterable[tuple[str, ValueType, Any]]:
         for _ in range(num_kv):
             key = self.string()
-            yield key, self.value(self.scalar("I"))
+            kind = self.scalar("I")
+            item_kind = (
+                struct.unpack_from(self.endian + "I", self.buf, self.pos)[0] if kind == _ARRAY else None
+            )
+            yield key, (kind, item_kind), self.value(kind)
 
     def scalar(self, fmt: str) -> Any:
         return self.array(fmt, 1)[0]
@@ -109,6 +115,8 @@ class GGUFFile:
     tensors: tuple[GGUFTensorInfo, ...]
     data_start: int
     file_bytes: int
+    # each metadata key's stored type, so a writer can copy a value exactly as it was stored
+    value_types: dict[str, ValueType] = dataclass_field(default_factory=dict)
 
     def field(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -164,7 +172,10 @@ class GGUFFile:
         if version not in SUPPORTED_VERSIONS:
             raise GGUFFormatError(f"GGUF version {version} is not supported (only {SUPPORTED_VERSIONS})")
         cursor = _Cursor(buf, endian, 24)
-        metadata = dict(cursor.pairs(num_kv))
+        metadata: dict[str, Any] = {}
+        value_types: dict[str, ValueType] = {}
+        for key, value_type, value in cursor.pairs(num_kv):
+            metadata[key], value_types[key] = value, value_type
         infos: list[tuple[str, tuple[int, ...], int, int]] = []
         if with_tensors:
             for _ in range(num_tensors):
@@ -180,4 +191,4 @@ class GGUFFile:
             GGUFTensorInfo(name, dims, type_id, data_start + rel, _tensor_bytes(name, dims, type_id))
             for name, dims, type_id, rel in infos
         )
-        return cls(path, version, metadata, tensors, data_start, len(buf))
+        return cls(path, version, metadata, tensors, data_start, len(buf), value_types)

@@ -11,7 +11,8 @@ from safetensors import safe_open
 
 from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
-from mcp2026.loading.names import HF_GLOBAL_NAMES, HF_LAYER, HF_LAYER_NAMES, map_name
+from mcp2026.loading.compressed_tensors import PARTS, compression_of, read_compressed
+from mcp2026.loading.names import HF_GLOBAL_NAMES, HF_LAYER, HF_LAYER_NAMES, Weight, map_name
 from mcp2026.loading.progress import load_progress
 from mcp2026.loading.rope_scaling import normalized_rope_scaling
 from mcp2026.models.registry import family_of, resolve_architecture
@@ -95,6 +96,9 @@ _STORED_DTYPES = {
     "BF16": "bfloat16",
     "I8": "int8",
     "U8": "uint8",
+    "I32": "int32",
+    "I64": "int64",
+    "F8_E4M3": "float8_e4m3fn",
 }
 
 
@@ -110,9 +114,21 @@ def stored_tensor_formats(folder: Path) -> dict[str, int]:
     return counts
 
 
-def load_hf_tensors(folder: Path, dtype: torch.dtype, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """All weights under our intermediate names, converted to ``dtype``."""
-    tensors: dict[str, torch.Tensor] = {}
+def _compressed_modules(handles: list, quant: dict[str, Any] | None) -> set[str]:
+    """The modules whose weight a compressed-tensors folder stores quantized (their tensors are read together)."""
+    if quant is None:
+        return set()
+    names = [n for _, h in handles for n in h.keys()]  # noqa: SIM118 - safe_open handles are not iterable
+    return {n.rsplit(".", 1)[0] for n in names if n.endswith((".weight_packed", ".weight_scale"))}
+
+
+def load_hf_tensors(
+    folder: Path, dtype: torch.dtype, config: ModelConfig, native: bool = False
+) -> dict[str, Weight]:
+    """All weights under our intermediate names, converted to ``dtype``; a compressed-tensors folder's quantized
+    linears as ``BlockWeights`` with ``native`` (their stored values, exactly), else dequantized to ``dtype``."""
+    tensors: dict[str, Weight] = {}
+    quant = compression_of(read_json(folder / "config.json"))
     family = family_of(config.architecture)
     layer_names = {**HF_LAYER_NAMES, **family.hf_layer_names}
     files = weight_files(folder)
@@ -125,16 +141,18 @@ def load_hf_tensors(folder: Path, dtype: torch.dtype, config: ModelConfig) -> di
         except Exception as e:  # safetensors raises its own SafetensorError for truncated/corrupt headers
             raise ModelLoadError(f"{f}: corrupted or truncated safetensors file ({e})") from None
     total = sum(len(list(h.keys())) for _, h in handles)  # noqa: SIM118
+    compressed = _compressed_modules(handles, quant)
+    parts: dict[str, dict[str, torch.Tensor]] = {m: {} for m in compressed}
     with load_progress(f"loading {folder.name}", total) as advance:
         for f, handle in handles:
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                module, _, part = name.rpartition(".")
+                if module in compressed and part in ("weight", *PARTS):
+                    parts[module][part] = _read(f, handle, name)
+                    advance(1)
+                    continue
                 ours = map_name(name, HF_LAYER, layer_names, HF_GLOBAL_NAMES, config.architecture)
-                try:
-                    t = handle.get_tensor(name)
-                except Exception as e:
-                    raise ModelLoadError(
-                        f"{f}: tensor {name} cannot be read, the file is truncated or corrupted ({e})"
-                    ) from None
+                t = _read(f, handle, name)
                 if ours is not None and ours.endswith("norm.weight") and family.hf_norm_offset:
                     # added in float32: in a bf16 checkpoint's own dtype, 1 + w would lose w's low bits before
                     # an fp32 model reads it
@@ -142,4 +160,17 @@ def load_hf_tensors(folder: Path, dtype: torch.dtype, config: ModelConfig) -> di
                 if ours is not None:
                     tensors[ours] = t.to(dtype)
                 advance(1)
+    for module, module_parts in parts.items():
+        ours = map_name(f"{module}.weight", HF_LAYER, layer_names, HF_GLOBAL_NAMES, config.architecture)
+        if ours is not None:
+            tensors[ours] = read_compressed(module, module_parts, quant, native, dtype)
     return tensors
+
+
+def _read(file: Path, handle: Any, name: str) -> torch.Tensor:
+    try:
+        return handle.get_tensor(name)
+    except Exception as e:
+        raise ModelLoadError(
+            f"{file}: tensor {name} cannot be read, the file is truncated or corrupted ({e})"
+        ) from None

@@ -131,8 +131,9 @@ def load_model(
 ) -> LoadedModel:
     """Load weights, config and tokenizer. Every failure is a ModelLoadError naming the file and problem.
 
-    ``native``: a GGUF's block-quantized matrices stay as stored and run on our VNNI GEMMs (the caller checks
-    the kernels are there: ``native_quant_unavailable``); everything else is ``dtype``."""
+    ``native``: a GGUF's block-quantized matrices (and a compressed-tensors folder's int4 / int8 linears) stay as
+    stored and run on our VNNI GEMMs (the caller checks the kernels are there: ``native_quant_unavailable``);
+    everything else is ``dtype``."""
     source = default_model_path() if path is None else Path(path).expanduser()
     if not source.exists():
         raise ModelLoadError(
@@ -143,7 +144,7 @@ def load_model(
     if source.is_dir():
         raw = hf_loading.read_json(source / "config.json")
         config = hf_loading.config_from_hf(raw, str(source / "config.json"))
-        tensors = hf_loading.load_hf_tensors(source, dtype, config)
+        tensors = hf_loading.load_hf_tensors(source, dtype, config, native=native)
         formats = hf_loading.stored_tensor_formats(source)  # the file's dtypes, not the load's
         tokenizer = None
         if (source / "tokenizer.json").exists():

@@ -50,7 +50,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _save_tokenizer(tokenizer, out: Path) -> list[str]:
+def save_tokenizer(tokenizer, out: Path) -> list[str]:
     """As HF files ``Tokenizer.from_hf_dir`` reads back (vocabulary, specials, chat template)."""
     if tokenizer is None:
         return []
@@ -106,7 +106,7 @@ def save_artifact(out_dir: str | Path, loaded, result, quant_config=None) -> Pat
                    "file_format": loaded.file_format, "tensor_formats": loaded.tensor_formats},
         "model_config": dataclasses.asdict(loaded.config),
         "dtype": _dtype_name(model.embed_tokens.weight.dtype),
-        "tokenizer": {"source": f"{loaded.file_format}:{source.resolve()}", "files": _save_tokenizer(loaded.tokenizer, out)},
+        "tokenizer": {"source": f"{loaded.file_format}:{source.resolve()}", "files": save_tokenizer(loaded.tokenizer, out)},
         "quant_config": dataclasses.asdict(quant_config) if quant_config is not None else None,
         "plan_id": plan.plan_id,
         "int4_pack_block_rows": int4pack_block_rows(),
