@@ -171,6 +171,7 @@ class ModelConfig:
 
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4", "fp8", "auto")
+LM_HEAD_PRECISIONS = ("auto", "fp32", "bf16", "fp16", "int8", "int4", "fp8")
 GRANULARITIES = ("auto", "per_channel", "per_group", "per_tensor")
 
 
@@ -180,6 +181,9 @@ class QuantConfig:
 
     ``target_precision`` "fp32"/"bf16"/"fp16" means no weight quantization (the activation dtype);
     "int8"/"int4"/"fp8" quantize every linear; "auto" lets the DQG pick per layer within a budget.
+    ``lm_head_precision``: the output (vocabulary) projection's format. "auto": int8 under a uniform int4 target
+    (as llama.cpp's 4-bit files keep their output in 8 bits: int4 there costs most of int4's perplexity), the
+    target's format otherwise, and the DQG's choice with ``enable_dqg``; a format pins it in every mode.
     ``enable_dtss`` and ``max_kv_cache_shards`` are forwarded to the KV cache (DTSS: kv/dtss.py).
     """
 
@@ -194,6 +198,7 @@ class QuantConfig:
     group_size: int = 32
     granularity: str = "auto"
     symmetric: bool = False
+    lm_head_precision: str = "auto"
     calibration_source: str = "sharegpt"
     calibration_samples: int = 32
     strict: bool = False
@@ -208,6 +213,10 @@ class QuantConfig:
         _require(
             self.granularity in GRANULARITIES,
             f"QuantConfig.granularity must be one of {GRANULARITIES}, got {self.granularity!r}",
+        )
+        _require(
+            self.lm_head_precision in LM_HEAD_PRECISIONS,
+            f"QuantConfig.lm_head_precision must be one of {LM_HEAD_PRECISIONS}, got {self.lm_head_precision!r}",
         )
         _require(
             self.group_size in (32, 64, 128),
@@ -249,7 +258,8 @@ class QuantConfig:
 
     @property
     def quantizes_weights(self) -> bool:
-        return self.enable_dqg or self.target_precision in ("int8", "int4", "fp8")
+        quantized = ("int8", "int4", "fp8")
+        return self.enable_dqg or self.target_precision in quantized or self.lm_head_precision in quantized
 
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block without a compressor that says otherwise

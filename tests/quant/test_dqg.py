@@ -225,6 +225,24 @@ def test_uniform_plan_falls_back_where_group_does_not_divide(measured):
     assert plan.spec_for("layers.0.attn.qkv_proj") == LayerQuantSpec("int4", 64, symmetric=True)
 
 
+def test_pinned_lm_head_precision_holds_under_the_dqg(measured):
+    model, layers, calib = measured
+    for fmt, bits in (("int4", 6.0), ("fp32", 12.0)):
+        free = recipe._allocate(
+            model, calib, layers, _config(bits_budget=bits), FORMATS, dqg_options.DQGSettings(), False
+        )
+        config = _config(bits_budget=bits, lm_head_precision=fmt)
+        result = recipe._allocate(model, calib, layers, config, FORMATS, dqg_options.DQGSettings(), False)
+        head = result.plan.spec_for("lm_head")
+        assert head.format == fmt and not head.high_rows and free.plan.spec_for("lm_head") != head
+        assert result.plan.avg_bits_per_weight(model) <= bits + 1e-9
+    config = QuantConfig(enable_dqg=True, lm_head_precision="int8")  # analytic: b* does not choose the head
+    result = recipe._allocate(model, calib, layers, config, FORMATS, dqg_options.DQGSettings(), False)
+    assert result.mode == "analytic" and result.plan.spec_for("lm_head") == LayerQuantSpec("int8")
+    with pytest.raises(ValueError, match="lm_head_precision=fp8: not among the formats measured"):
+        recipe.pin_output(layers, "fp8")
+
+
 # ---- Pipeline wiring ---------------------------------------------------------------------------------
 @pytest.fixture
 def fixed_candidates(monkeypatch):

@@ -26,6 +26,7 @@ INDEX_BITS = 32  # a split layer stores its int8 rows' indices as int32
 BIAS_BITS = 32  # a correction bias is counted as fp32 (it is stored in the compute dtype)
 SPLIT_ROW_MULTIPLE = 16  # the int4 kernel packs 16 output rows at a time, so the int8 rows come in 16s
 DEFAULT_KEY = "_default"
+OUTPUT_PROJECTION = "lm_head"  # the models' vocabulary projection (its weight may be the tied embedding's)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,14 @@ from mcp2026.quant.dqg_options import DQGSettings, LayerOptions, int4_groups
 from mcp2026.quant.gate import QuantGate
 from mcp2026.quant.linear import quantize_
 from mcp2026.quant.perplexity import perplexity
-from mcp2026.quant.plan import DENSE_FORMATS, WEIGHT_BITS, LayerQuantSpec, QuantPlan
+from mcp2026.quant.plan import (
+    DENSE_FORMATS,
+    OUTPUT_PROJECTION,
+    WEIGHT_BITS,
+    LayerQuantSpec,
+    QuantPlan,
+    linear_modules,
+)
 from mcp2026.quant.quantizer import correction_bias, fake_quantize
 
 QUANT_FORMATS = ("int8", "int4", "fp8")
@@ -93,20 +100,49 @@ def _budget(config: QuantConfig) -> tuple[str, float] | None:
     return None  # analytic
 
 
+def fitted_spec(linear: nn.Linear, spec: LayerQuantSpec) -> LayerQuantSpec:
+    """``spec`` as ``linear`` can store it: an int4 group that does not divide its width becomes the largest
+    group that does (int8 if none)."""
+    if spec.format != "int4" or spec.group_size in int4_groups(linear.in_features, linear.out_features):
+        return spec
+    groups = [g for g in int4_groups(linear.in_features, linear.out_features) if g < spec.group_size]
+    if not groups:
+        return LayerQuantSpec("int8")
+    return dataclasses.replace(spec, group_size=max(groups))
+
+
 def uniform_plan(model: nn.Module, spec: LayerQuantSpec) -> QuantPlan:
     """``spec`` for every linear; int4 layers whose width the group does not divide get the largest group
     that does (then int8 if none), as exact-name exceptions before the ``_default``."""
     rules: dict[str, LayerQuantSpec] = {}
-    if spec.format == "int4":
-        for name, m in model.named_modules():
-            if isinstance(m, nn.Linear) and spec.group_size not in int4_groups(m.in_features, m.out_features):
-                groups = [g for g in int4_groups(m.in_features, m.out_features) if g < spec.group_size]
-                rules[name] = (
-                    LayerQuantSpec("int4", max(groups), spec.symmetric, spec.clip_ratio)
-                    if groups
-                    else LayerQuantSpec("int8")
-                )
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and fitted_spec(m, spec) != spec:
+            rules[name] = fitted_spec(m, spec)
     return QuantPlan({**rules, "_default": spec})
+
+
+def output_format(config: QuantConfig, body_format: str | None) -> str | None:
+    """The output projection's format in a uniform plan whose other linears are ``body_format`` (None: not
+    quantized): ``config.lm_head_precision``, or with "auto" int8 under int4 and the body's format otherwise."""
+    if config.lm_head_precision != "auto":
+        return config.lm_head_precision
+    return "int8" if body_format == "int4" else body_format
+
+
+def with_output(
+    model: nn.Module, plan: QuantPlan, fmt: str | None, config: QuantConfig, formats: Sequence[str]
+) -> QuantPlan:
+    """``plan`` with the output projection (``OUTPUT_PROJECTION``) stored as ``fmt`` (resolved against this
+    device's candidate ``formats``; int4 with the config's group and symmetry), as an exact-name rule first."""
+    head = dict(linear_modules(model)).get(OUTPUT_PROJECTION)
+    if fmt is None or not isinstance(head, nn.Linear):
+        return plan
+    if fmt not in DENSE_FORMATS:
+        fmt = resolve_format(fmt, formats, config.strict)
+    spec = LayerQuantSpec(fmt, config.group_size, config.symmetric) if fmt == "int4" else LayerQuantSpec(fmt)
+    rules = plan.to_dict()
+    rules.pop(OUTPUT_PROJECTION, None)
+    return QuantPlan({OUTPUT_PROJECTION: fitted_spec(head, spec), **rules})
 
 
 def fake_quantized_weights(
@@ -162,17 +198,30 @@ def plan_for_config(
 ) -> DQGResult:
     """The plan ``config`` asks for on a device whose candidate formats are ``formats``."""
     formats = _granularity_formats(config, formats)
-    if not config.enable_dqg and config.target_precision not in QUANT_FORMATS:
-        return DQGResult("uniform", QuantPlan({}), budget=f"unquantized {config.target_precision}")
     if not config.enable_dqg:
-        fmt = resolve_format(config.target_precision, formats, config.strict)
-        spec = (
-            LayerQuantSpec(fmt, config.group_size, config.symmetric) if fmt == "int4" else LayerQuantSpec(fmt)
-        )
-        return DQGResult("uniform", uniform_plan(model, spec), budget=f"uniform {config.target_precision}")
+        return _uniform(model, config, formats)
     settings = settings or DQGSettings(symmetric_only=config.symmetric)
     calib, layers = _measure(model, tokenizer, config, formats, settings, calibration, progress)
     return _allocate(model, calib, layers, config, formats, settings, progress)
+
+
+def _uniform(model: nn.Module, config: QuantConfig, formats: Sequence[str]) -> DQGResult:
+    """Every linear in the target format (none when it is not a quantized one), the output projection as
+    ``output_format`` says."""
+    body = None
+    plan = QuantPlan({})
+    if config.target_precision in QUANT_FORMATS:
+        body = resolve_format(config.target_precision, formats, config.strict)
+        spec = (
+            LayerQuantSpec(body, config.group_size, config.symmetric)
+            if body == "int4"
+            else LayerQuantSpec(body)
+        )
+        plan = uniform_plan(model, spec)
+    head = output_format(config, body)
+    plan = with_output(model, plan, head, config, formats)
+    target = f"uniform {config.target_precision}" if body else f"unquantized {config.target_precision}"
+    return DQGResult("uniform", plan, budget=target + (f", lm_head {head}" if head != body else ""))
 
 
 def _measure(model, tokenizer, config: QuantConfig, formats, settings, calibration, progress: bool):
@@ -184,10 +233,27 @@ def _measure(model, tokenizer, config: QuantConfig, formats, settings, calibrati
     return calib, dqg.measure_options(model, calib, formats, settings, progress)
 
 
+def pin_output(layers: dict[str, LayerOptions], fmt: str) -> dict[str, LayerOptions]:
+    """``layers`` with the output projection's options cut to format ``fmt`` (no rows split off to int8), as
+    a pinned ``lm_head_precision`` asks; an error when it has none of that format."""
+    head = layers.get(OUTPUT_PROJECTION)
+    if head is None:
+        return layers
+    options = [o for o in head.options if o.spec.format == fmt and not o.spec.high_rows]
+    if not options:
+        measured = sorted({o.spec.format for o in head.options})
+        raise ValueError(
+            f"lm_head_precision={fmt}: not among the formats measured for it ({', '.join(measured)})"
+        )
+    return {**layers, OUTPUT_PROJECTION: dataclasses.replace(head, options=options)}
+
+
 def _allocate(model, calib, layers, config: QuantConfig, formats, settings, progress: bool) -> DQGResult:
     budget = _budget(config)
     if budget is None:
         return _analytic(layers, config, formats, settings)
+    if config.lm_head_precision != "auto":
+        layers = pin_output(layers, config.lm_head_precision)
     kind, value = budget
     if kind == "max_ppl_increase":
         return _ppl_search(model, calib, layers, value, settings, progress)
@@ -219,6 +285,11 @@ def _analytic(layers, config: QuantConfig, formats, settings: DQGSettings) -> DQ
         raise ValueError("analytic mode needs output sensitivities: calibrate with fisher_samples > 0")
     eps = dqg.analytic_eps(layers, settings.analytic_kld)
     picked = dqg.analytic_choice(layers, eps, formats, config.group_size, config.symmetric)
+    if config.lm_head_precision != "auto" and OUTPUT_PROJECTION in layers:  # pinned: b* does not choose it
+        head = pin_output({OUTPUT_PROJECTION: layers[OUTPUT_PROJECTION]}, config.lm_head_precision)
+        picked.update(
+            dqg.analytic_choice(head, eps, [config.lm_head_precision], config.group_size, config.symmetric)
+        )
     choices = {n: o for n, (_, o) in picked.items()}
     plan, scales = dqg.plan_from_choices(choices)
     result = DQGResult(
