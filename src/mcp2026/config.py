@@ -171,6 +171,7 @@ class ModelConfig:
 
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4", "fp8", "auto")
+QUANT_METHODS = ("rtn", "gptq")
 LM_HEAD_PRECISIONS = ("auto", "fp32", "bf16", "fp16", "int8", "int4", "fp8")
 GRANULARITIES = ("auto", "per_channel", "per_group", "per_tensor")
 
@@ -184,6 +185,8 @@ class QuantConfig:
     ``lm_head_precision``: the output (vocabulary) projection's format. "auto": int8 under a uniform int4 target
     (as llama.cpp's 4-bit files keep their output in 8 bits: int4 there costs most of int4's perplexity), the
     target's format otherwise, and the DQG's choice with ``enable_dqg``; a format pins it in every mode.
+    ``method``: how int4 levels are chosen: "rtn" rounds to nearest; "gptq" minimises each layer's output
+    error on calibration text (quant/gptq.py), layer after layer; the plan and its storage are the same.
     ``enable_dtss`` and ``max_kv_cache_shards`` are forwarded to the KV cache (DTSS: kv/dtss.py).
     """
 
@@ -199,6 +202,7 @@ class QuantConfig:
     granularity: str = "auto"
     symmetric: bool = False
     lm_head_precision: str = "auto"
+    method: str = "rtn"
     calibration_source: str = "sharegpt"
     calibration_samples: int = 32
     strict: bool = False
@@ -217,6 +221,14 @@ class QuantConfig:
         _require(
             self.lm_head_precision in LM_HEAD_PRECISIONS,
             f"QuantConfig.lm_head_precision must be one of {LM_HEAD_PRECISIONS}, got {self.lm_head_precision!r}",
+        )
+        _require(
+            self.method in QUANT_METHODS,
+            f"QuantConfig.method must be one of {QUANT_METHODS}, got {self.method!r}",
+        )
+        _require(
+            self.method == "rtn" or self.pressure_bits_budget is None,
+            "QuantConfig.method='gptq' builds one plan; a pressure plan (pressure_bits_budget) needs method='rtn'",
         )
         _require(
             self.group_size in (32, 64, 128),

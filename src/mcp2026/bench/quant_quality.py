@@ -22,13 +22,13 @@ from mcp2026.bench.quality import evaluate, reference_logprobs
 from mcp2026.kernels import cpu
 from mcp2026.loading.loader import load_model, parameter_count, weight_bytes
 from mcp2026.pipeline import native_weights_blocker
-from mcp2026.quant import dqg, recipe
+from mcp2026.quant import dqg, gptq, recipe
 from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, calibration_samples
 from mcp2026.quant.cpu_routing import GEMV_MAX_ROWS
 from mcp2026.quant.linear import QuantLinear
 from mcp2026.quant.perplexity import N_CTX, evaluation_windows
 from mcp2026.quant.plan import LayerQuantSpec, QuantPlan, layer_bits, linear_modules
-from mcp2026.quant.recipe import uniform_plan
+from mcp2026.quant.uniform_plan import uniform_plan
 
 
 def use_more_bits(layer: int, num_layers: int) -> bool:
@@ -107,14 +107,27 @@ def _fixed_plans(model):
                 model, LayerQuantSpec("int4", g, sym)
             )
     for sym, peer in ((True, "Q4_0"), (False, "Q4_1")):
-        name = f"int4 {'sym' if sym else 'asym'} g32, lm_head int8 (llama.cpp {peer}'s layout)"
-        plans[name] = wide_output_plan(model, LayerQuantSpec("int4", 32, sym))
+        for g in (32, 64):
+            name = f"int4 {'sym' if sym else 'asym'} g{g}, lm_head int8" + (
+                f" (llama.cpp {peer}'s layout)" if g == 32 else ""
+            )
+            plans[name] = wide_output_plan(model, LayerQuantSpec("int4", g, sym))
     for sym in (True, False):
         base = LayerQuantSpec("int4", 64, sym)
         plans[f"llama.cpp-style mixture ({'sym' if sym else 'asym'} g64 + int8)"] = role_mixture_plan(
             model, base
         )
     return plans
+
+
+def _gptq_plans(fixed: dict[str, QuantPlan]) -> dict[str, QuantPlan]:
+    """The uniform int4 plans again with GPTQ's levels ("GPTQ " + the name, without the llama.cpp note): same
+    layouts, same bits, so each pair differs by the rounding alone."""
+    return {
+        "GPTQ " + name.split(" (")[0]: gptq.as_gptq(plan)
+        for name, plan in fixed.items()
+        if name.startswith("int4")
+    }
 
 
 def as_decode_steps(model: nn.Module) -> int:
@@ -180,12 +193,17 @@ def run_quality_bench(
     windows = evaluation_windows(tokenizer, settings.num_windows, settings.n_ctx, settings.seed)
     reference = reference_logprobs(model, windows)
     wanted = lambda name: not settings.only or any(k in name for k in settings.only)  # noqa: E731
-    plans = {name: (plan, {}, "fixed") for name, plan in _fixed_plans(model).items() if wanted(name)}
+    fixed = _fixed_plans(model)
+    plans = {name: (plan, {}, "fixed") for name, plan in fixed.items() if wanted(name)}
+    plans |= {name: (plan, {}, "GPTQ") for name, plan in _gptq_plans(fixed).items() if wanted(name)}
     # "DQG 5" selects one DQG plan: calibrate whenever a filter could match a DQG plan's name
-    if any(wanted(n) for n in ("DQG", "curve")) or any("DQG" in k for k in settings.only):
-        calibration = calibration or CalibrationSettings()
-        calib = calibrate(model, calibration_samples(calibration, tokenizer, model.embed_tokens.num_embeddings),
-                          calibration, progress)  # fmt: skip
+    wants_dqg = any(wanted(n) for n in ("DQG", "curve")) or any("DQG" in k for k in settings.only)
+    calibration = calibration or CalibrationSettings()
+    samples = None  # calibration text (GPTQ and the DQG): the calibration split, never the windows' text
+    if wants_dqg or any(family == "GPTQ" for *_, family in plans.values()):
+        samples = calibration_samples(calibration, tokenizer, model.embed_tokens.num_embeddings)
+    if wants_dqg:
+        calib = calibrate(model, samples, calibration, progress)
         full = dqg.measure_options(model, calib, formats, dqg.DQGSettings(), progress)
         families = {"DQG": full, "DQG-sym": _symmetric_family(full)}
         numel = sum(lo.numel for lo in full.values())
@@ -221,14 +239,14 @@ def run_quality_bench(
         task = bar.add_task("evaluating plans", total=len(plans))
         for name, (plan, scales, family) in plans.items():
             bits, mib = plan.avg_bits_per_weight(model), plan.total_bytes(model) / 2**20
-            quantized = recipe.apply(
-                copy.deepcopy(model), dqg.DQGResult("bench", plan, scales), dtypes, False
-            )
+            result = dqg.DQGResult("bench", plan, scales)
+            quantized = recipe.apply(copy.deepcopy(model), result, dtypes, False, samples=samples)
             if settings.decode_kernels:
                 as_decode_steps(quantized)
             head = plan.spec_for("lm_head")
             rows.append({"plan": name, "family": family, "bits": bits, "mib": mib,
                          "lm_head": head.describe() if head else "unchanged", "layer_bits": layer_bits(quantized),
+                         "notes": result.notes,
                          **evaluate(quantized, windows, reference).to_dict()})  # fmt: skip
             del quantized
             bar.advance(task)
@@ -261,6 +279,12 @@ def _markdown(rows, header: str, notes: Sequence[str] = ()) -> str:
     heads = [f"{r['plan']}: {r['lm_head']}" for r in rows if str(r.get("family", "")).startswith("DQG")]
     if heads:
         lines += ["", "lm_head as the DQG stored it: " + "; ".join(heads) + "."]
+    gptq_notes = [
+        f"{r['plan']}: {r['notes'][0]}" for r in rows if r.get("family") == "GPTQ" and r.get("notes")
+    ]
+    if gptq_notes:
+        lines += ["", "GPTQ rows (calibration: the ShareGPT calibration split, never these windows): "
+                  + "; ".join(gptq_notes) + "."]  # fmt: skip
     if any(r.get("family") == "peer" for r in rows):
         lines += ["", "Peers (their ΔPPL and KLD are against our fp32 reference on the same windows and token "
                   "ids): HF transformers runs the same weights in fp32; llama.cpp runs the model file as stored."]  # fmt: skip
@@ -281,8 +305,8 @@ def _write(bench: QualityBench, out_dir: str) -> str:
         if points:
             ax.plot(*zip(*points), style, label=family)
     for r in bench.rows:
-        if r["family"] == "fixed":
-            ax.plot(r["bits"], 100 * r["delta_ppl"], "x", color="k")
+        if r["family"] in ("fixed", "GPTQ"):
+            ax.plot(r["bits"], 100 * r["delta_ppl"], "x" if r["family"] == "fixed" else "+", color="k")
             ax.annotate(r["plan"], (r["bits"], 100 * r["delta_ppl"]), fontsize=7)
     ax.set_xlabel("bits per weight (scales and zeros included)")
     ax.set_ylabel("ΔPPL vs fp32 (%)")

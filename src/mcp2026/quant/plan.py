@@ -26,6 +26,7 @@ INDEX_BITS = 32  # a split layer stores its int8 rows' indices as int32
 BIAS_BITS = 32  # a correction bias is counted as fp32 (it is stored in the compute dtype)
 SPLIT_ROW_MULTIPLE = 16  # the int4 kernel packs 16 output rows at a time, so the int8 rows come in 16s
 DEFAULT_KEY = "_default"
+METHODS = ("rtn", "gptq")  # how int4 levels are chosen: round to nearest, or GPTQ (quant/gptq.py)
 OUTPUT_PROJECTION = "lm_head"  # the models' vocabulary projection (its weight may be the tied embedding's)
 
 
@@ -43,6 +44,9 @@ class LayerQuantSpec:
     Meant for a vocabulary projection, where a few thousand frequent tokens carry nearly all the probability.
     ``bias_correction``: name of the (K,) mean input from calibration; the module adds the bias
     ``-mean @ (Wq - W).T``, cancelling the quantization error's average effect on each output.
+    ``method`` (int4 only): how the levels are chosen. "rtn" rounds each weight to its group's grid; "gptq"
+    rounds column by column and spreads each column's error over the columns not yet rounded, weighted by the
+    layer's input Hessian from calibration (``quant.gptq``). Same storage either way.
     """
 
     format: str = "fp32"
@@ -53,6 +57,7 @@ class LayerQuantSpec:
     high_rows: float = 0.0
     row_scores: str | None = None
     bias_correction: str | None = None
+    method: str = "rtn"
 
     def __post_init__(self) -> None:
         if self.format not in WEIGHT_BITS:
@@ -80,6 +85,15 @@ class LayerQuantSpec:
             raise ValueError("high_rows and act_scale cannot be combined (one input scale per split layer)")
         if self.row_scores is not None and not self.high_rows:
             raise ValueError("row_scores ranks the rows of high_rows; set high_rows > 0 or drop row_scores")
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.method == "gptq" and (
+            not is_int4 or self.high_rows or self.act_scale is not None or self.bias_correction is not None
+        ):
+            raise ValueError(
+                "method 'gptq' applies to plain int4 layers (no high_rows, act_scale or bias_correction), "
+                f"not {self.format}" + (" with those" if is_int4 else "")
+            )
         object.__setattr__(self, "high_rows", float(self.high_rows))
         object.__setattr__(self, "group_size", group)
         object.__setattr__(
@@ -121,11 +135,17 @@ class LayerQuantSpec:
             f"clip {self.clip_ratio}" if self.clip_ratio != 1.0 else "",
             "AWQ-scaled" if self.act_scale else "",
             "bias-corrected" if self.bias_correction else "",
+            "GPTQ" if self.method == "gptq" else "",
         ]
         return ", ".join([text, *filter(None, extras)])
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields; ``method`` only when it is not the default, so plans (and their ids) from before it
+        existed read and hash as they did."""
+        out = asdict(self)
+        if out["method"] == "rtn":
+            del out["method"]
+        return out
 
 
 def high_row_count(out_features: int, share: float) -> int:
@@ -329,6 +349,7 @@ def _spec_cells(spec: LayerQuantSpec | None) -> list[str]:
         f"+{spec.high_rows:.0%} rows int8" if spec.high_rows else "",
         "+bias corr" if spec.bias_correction else "",
     ]
+    extras.append("GPTQ" if spec.method == "gptq" else "")
     return [
         " ".join([spec.format, *filter(None, extras)]),
         str(spec.group_size or ""),

@@ -70,7 +70,7 @@ def quantize_groupwise_int4(
         hi, lo = wg.amax(-1, keepdim=True) * clip, wg.amin(-1, keepdim=True) * clip
         scales = _round_scale(((hi - lo) / 15).clamp_min(_TINY))
         zeros = _round_scale(lo + 8 * scales)
-    q = _levels(wg, scales, zeros)
+    q = nearest_levels(wg, scales, zeros)
     return q.reshape(n, k), scales.squeeze(-1), zeros.squeeze(-1)
 
 
@@ -78,7 +78,7 @@ def _nonzero(scales: Tensor) -> Tensor:
     return torch.where(scales.abs() < _TINY, torch.full_like(scales, _TINY), scales)
 
 
-def _levels(wg: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
+def nearest_levels(wg: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
     """Nearest level 0..15 of each weight (N, G, g) on the grids (N, G, 1) ``(q - 8) * scales + zeros``."""
     return (torch.round((wg - zeros) / scales) + 8).clamp(0, 15).to(torch.uint8)
 
@@ -115,7 +115,7 @@ def search_groupwise_int4(
         q = q.reshape(wg.shape)
         grids = [(scales.unsqueeze(-1), zeros.unsqueeze(-1)), _least_squares_grid(wg, q, symmetric)]
         for s, z in grids:
-            levels = _levels(wg, s, z)
+            levels = nearest_levels(wg, s, z)
             err = ((levels.float() - 8) * s + z - wg).pow(2).sum(-1, keepdim=True)  # (N, G, 1)
             if best is None:
                 best = (levels, s, z, err)
@@ -184,6 +184,8 @@ def fake_quantize(
 ) -> Tensor:
     """The effective fp32 weight a module built from ``spec`` computes with (act scale folded back;
     a split spec's int8 rows chosen by ``row_scores`` as ``split_rows`` does)."""
+    if spec.method == "gptq":
+        raise ValueError("GPTQ levels depend on the layer's calibration inputs: quantize with quant.gptq")
     if spec.format in DENSE_FORMATS:
         return _qdq(w, spec, 1.0)
     if spec.high_rows:

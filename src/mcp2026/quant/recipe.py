@@ -14,11 +14,10 @@ import torch
 from torch import Tensor, nn
 
 from mcp2026.config import QuantConfig
-from mcp2026.quant import backend, dqg
-from mcp2026.quant.backend import clamp_bits
+from mcp2026.quant import backend, dqg, gptq
 from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, calibration_samples
 from mcp2026.quant.dqg import BudgetError, DQGResult
-from mcp2026.quant.dqg_options import DQGSettings, LayerOptions, int4_groups
+from mcp2026.quant.dqg_options import DQGSettings, LayerOptions
 from mcp2026.quant.gate import QuantGate
 from mcp2026.quant.linear import quantize_
 from mcp2026.quant.perplexity import perplexity
@@ -28,11 +27,10 @@ from mcp2026.quant.plan import (
     WEIGHT_BITS,
     LayerQuantSpec,
     QuantPlan,
-    linear_modules,
 )
 from mcp2026.quant.quantizer import correction_bias, fake_quantize
+from mcp2026.quant.uniform_plan import QUANT_FORMATS, uniform_result
 
-QUANT_FORMATS = ("int8", "int4", "fp8")
 FAST_DTYPE = {"int8": torch.bfloat16, "int4": torch.bfloat16}  # see hardware_candidates
 
 
@@ -55,23 +53,6 @@ def hardware_candidates(device: str | torch.device = "cpu") -> tuple[tuple[str, 
     )
     dtypes = {**report.compute_dtypes, **{f: d for f, d in FAST_DTYPE.items() if f in formats}}
     return tuple(sorted(formats, key=WEIGHT_BITS.get)), dtypes
-
-
-def resolve_format(fmt: str, candidates: Sequence[str], strict: bool, device: str = "cpu") -> str:
-    """``fmt`` itself when this device runs it fast, else the nearest candidate by weight width (the
-    notes' clampBitwidth) with a warning naming both; ``strict`` raises listing the candidates."""
-    if fmt in candidates:
-        return fmt
-    usable = [c for c in candidates if c in QUANT_FORMATS] or list(candidates)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        chosen = clamp_bits(WEIGHT_BITS[fmt], usable)
-    listing = ", ".join(f"{c} ({WEIGHT_BITS[c]} bits)" for c in candidates)
-    message = f"{fmt} has no fast kernel on {device}; nearest candidate is {chosen}. Candidates: {listing}"
-    if strict:
-        raise ValueError(message)
-    warnings.warn(message, stacklevel=3)
-    return chosen
 
 
 def _granularity_formats(config: QuantConfig, formats: Sequence[str]) -> list[str]:
@@ -98,51 +79,6 @@ def _budget(config: QuantConfig) -> tuple[str, float] | None:
         spec = LayerQuantSpec(config.target_precision, config.group_size, config.symmetric)
         return "bits_budget", spec.bits_per_weight(1 << 20)
     return None  # analytic
-
-
-def fitted_spec(linear: nn.Linear, spec: LayerQuantSpec) -> LayerQuantSpec:
-    """``spec`` as ``linear`` can store it: an int4 group that does not divide its width becomes the largest
-    group that does (int8 if none)."""
-    if spec.format != "int4" or spec.group_size in int4_groups(linear.in_features, linear.out_features):
-        return spec
-    groups = [g for g in int4_groups(linear.in_features, linear.out_features) if g < spec.group_size]
-    if not groups:
-        return LayerQuantSpec("int8")
-    return dataclasses.replace(spec, group_size=max(groups))
-
-
-def uniform_plan(model: nn.Module, spec: LayerQuantSpec) -> QuantPlan:
-    """``spec`` for every linear; int4 layers whose width the group does not divide get the largest group
-    that does (then int8 if none), as exact-name exceptions before the ``_default``."""
-    rules: dict[str, LayerQuantSpec] = {}
-    for name, m in model.named_modules():
-        if isinstance(m, nn.Linear) and fitted_spec(m, spec) != spec:
-            rules[name] = fitted_spec(m, spec)
-    return QuantPlan({**rules, "_default": spec})
-
-
-def output_format(config: QuantConfig, body_format: str | None) -> str | None:
-    """The output projection's format in a uniform plan whose other linears are ``body_format`` (None: not
-    quantized): ``config.lm_head_precision``, or with "auto" int8 under int4 and the body's format otherwise."""
-    if config.lm_head_precision != "auto":
-        return config.lm_head_precision
-    return "int8" if body_format == "int4" else body_format
-
-
-def with_output(
-    model: nn.Module, plan: QuantPlan, fmt: str | None, config: QuantConfig, formats: Sequence[str]
-) -> QuantPlan:
-    """``plan`` with the output projection (``OUTPUT_PROJECTION``) stored as ``fmt`` (resolved against this
-    device's candidate ``formats``; int4 with the config's group and symmetry), as an exact-name rule first."""
-    head = dict(linear_modules(model)).get(OUTPUT_PROJECTION)
-    if fmt is None or not isinstance(head, nn.Linear):
-        return plan
-    if fmt not in DENSE_FORMATS:
-        fmt = resolve_format(fmt, formats, config.strict)
-    spec = LayerQuantSpec(fmt, config.group_size, config.symmetric) if fmt == "int4" else LayerQuantSpec(fmt)
-    rules = plan.to_dict()
-    rules.pop(OUTPUT_PROJECTION, None)
-    return QuantPlan({OUTPUT_PROJECTION: fitted_spec(head, spec), **rules})
 
 
 def fake_quantized_weights(
@@ -199,29 +135,18 @@ def plan_for_config(
     """The plan ``config`` asks for on a device whose candidate formats are ``formats``."""
     formats = _granularity_formats(config, formats)
     if not config.enable_dqg:
-        return _uniform(model, config, formats)
-    settings = settings or DQGSettings(symmetric_only=config.symmetric)
-    calib, layers = _measure(model, tokenizer, config, formats, settings, calibration, progress)
-    return _allocate(model, calib, layers, config, formats, settings, progress)
-
-
-def _uniform(model: nn.Module, config: QuantConfig, formats: Sequence[str]) -> DQGResult:
-    """Every linear in the target format (none when it is not a quantized one), the output projection as
-    ``output_format`` says."""
-    body = None
-    plan = QuantPlan({})
-    if config.target_precision in QUANT_FORMATS:
-        body = resolve_format(config.target_precision, formats, config.strict)
-        spec = (
-            LayerQuantSpec(body, config.group_size, config.symmetric)
-            if body == "int4"
-            else LayerQuantSpec(body)
-        )
-        plan = uniform_plan(model, spec)
-    head = output_format(config, body)
-    plan = with_output(model, plan, head, config, formats)
-    target = f"uniform {config.target_precision}" if body else f"unquantized {config.target_precision}"
-    return DQGResult("uniform", plan, budget=target + (f", lm_head {head}" if head != body else ""))
+        result = uniform_result(model, config, formats)
+    else:
+        settings = settings or DQGSettings(symmetric_only=config.symmetric)
+        calib, layers = _measure(model, tokenizer, config, formats, settings, calibration, progress)
+        result = _allocate(model, calib, layers, config, formats, settings, progress)
+    if config.method == "gptq":
+        result.plan = gptq.as_gptq(result.plan)
+        if not gptq.uses_gptq(result.plan, model):
+            warnings.warn(
+                "method='gptq' chooses int4 levels; this plan has no plain int4 layer", stacklevel=2
+            )
+    return result
 
 
 def _measure(model, tokenizer, config: QuantConfig, formats, settings, calibration, progress: bool):
@@ -344,9 +269,32 @@ def _ppl_search(
 
 
 def apply(
-    model: nn.Module, result: DQGResult, compute_dtypes: dict[str, torch.dtype] | None, progress: bool = True
+    model: nn.Module,
+    result: DQGResult,
+    compute_dtypes: dict[str, torch.dtype] | None,
+    progress: bool = True,
+    *,
+    samples: Sequence[Sequence[int]] | None = None,
+    gptq_settings: gptq.GPTQSettings | None = None,
 ) -> nn.Module:
-    """Quantize ``model`` in place as ``result.plan`` says, one layer at a time (with a progress bar)."""
+    """Quantize ``model`` in place as ``result.plan`` says, one layer at a time (with a progress bar). A plan
+    with GPTQ layers runs layer after layer on ``samples`` (token ids of calibration text; ``quant.gptq``), and
+    ``result.notes`` gets a line on how their output errors compare with round-to-nearest's."""
+    if gptq.uses_gptq(result.plan, model):
+        if not samples:
+            raise ValueError("a plan with GPTQ layers needs calibration samples to quantize with")
+        ids = [torch.tensor(list(s), dtype=torch.long) for s in samples]
+        errors = gptq.quantize_sequential(
+            model,
+            result.plan,
+            ids,
+            result.tensors,
+            compute_dtypes,
+            gptq_settings or gptq.GPTQSettings(),
+            progress,
+        )
+        result.notes.append(gptq.summary(errors))
+        return model
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     with _progress(progress) as bar:
         task = bar.add_task("quantizing", total=len(names))
@@ -366,9 +314,11 @@ def quantize_model(
     *,
     settings: DQGSettings | None = None,
     calibration: CalibrationSettings | None = None,
+    gptq_settings: gptq.GPTQSettings | None = None,
     progress: bool = True,
 ) -> DQGResult:
-    """Plan (on this device's candidates) and quantize in place; returns how the plan was chosen."""
+    """Plan (on this device's candidates) and quantize in place; returns how the plan was chosen. GPTQ layers
+    are quantized on the calibration text of ``calibration`` (the config's source and sample count by default)."""
     formats, dtypes = hardware_candidates(device)
     result = plan_for_config(
         model,
@@ -379,7 +329,14 @@ def quantize_model(
         calibration=calibration,
         progress=progress,
     )
-    apply(model, result, dtypes, progress)
+    samples = None
+    if gptq.uses_gptq(result.plan, model):
+        calibration = calibration or CalibrationSettings(
+            config.calibration_source, config.calibration_samples
+        )
+        vocab = model.get_submodule("embed_tokens").num_embeddings
+        samples = calibration_samples(calibration, tokenizer, vocab)
+    apply(model, result, dtypes, progress, samples=samples, gptq_settings=gptq_settings)
     return result
 
 
@@ -430,6 +387,7 @@ def quantize_loaded(
     *,
     settings: DQGSettings | None = None,
     calibration: CalibrationSettings | None = None,
+    gptq_settings: gptq.GPTQSettings | None = None,
 ):
     """Pipeline's quantization step: quantize a freshly loaded model as ``config`` asks (with the DQG and
     calibration settings of its YAML, as ``compile`` does); a compiled artifact is already quantized, so
@@ -446,5 +404,6 @@ def quantize_loaded(
         device,
         settings=settings,
         calibration=calibration,
+        gptq_settings=gptq_settings,
         progress=progress,
     )
