@@ -101,17 +101,17 @@ def test_gptq_levels_are_stored_in_the_int4_layout_the_kernels_run(float_inputs)
 
 
 def test_sequential_layers_see_the_quantized_layers_before_them():
-    model = tiny_random_model()[0]
+    model = tiny_random_model(num_layers=3)[0]
     plan = QuantPlan({"_default": SPECS[1]})
     whole = copy.deepcopy(model)
     gptq.quantize_sequential(whole, plan, _samples(), progress=False)
-    # layer 0 alone, then layer 1's H measured on that partly quantized model
+    # layers 0 and 1 alone, then layer 2's H measured by whole forward passes of that partly quantized model
     first = copy.deepcopy(model)
-    gptq.quantize_sequential(first, QuantPlan({"layers.0.*": SPECS[1]}), _samples(), progress=False)
-    name = "layers.1.attn.qkv_proj"
+    gptq.quantize_sequential(first, QuantPlan({"layers.[01].*": SPECS[1]}), _samples(), progress=False)
+    name = "layers.2.attn.qkv_proj"
     linear = first.get_submodule(name)
     total = gptq.HessianAccumulator(linear.in_features)
-    hook = linear.register_forward_pre_hook(lambda _m, a: total.add(a[0]))
+    hook = linear.register_forward_pre_hook(lambda _m, a: total.add(a[0], len(a[0])))  # the sink's weight
     with torch.no_grad():
         for ids in _samples():
             first(ids, torch.arange(len(ids)))
@@ -190,3 +190,26 @@ def test_method_is_read_from_yaml_and_kept_out_of_rtn_plans():
         QuantPlan.from_json(plan.to_json()) == plan
         and plan.plan_id != QuantPlan({"_default": "int4"}).plan_id
     )
+
+
+def test_weights_already_on_a_grid_keep_their_rounded_levels():
+    """Weights on an asym g32 grid whose scales are not bf16 numbers (a GGUF's fp16 ones): rounding gives the
+    levels back, off only by the scales' bf16 rounding; GPTQ's error feedback moves weights off the grid, so such
+    a layer keeps the rounded levels, as the lower output error on its calibration inputs."""
+    model = tiny_random_model()[0]
+    rtn = LayerQuantSpec("int4", 32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, linear in linear_modules(model):
+            q, scales, zeros = quantize_int4(linear.weight, rtn)
+            scales = scales * (1 + 3e-3 * torch.rand(scales.shape, generator=g))  # off bf16
+            linear.weight.copy_(dequantize_groupwise_int4(q, scales, zeros, 32))
+    expected = {n: fake_quantize(m.weight, rtn) for n, m in linear_modules(model)}
+    errors = gptq.quantize_sequential(
+        model, gptq.as_gptq(QuantPlan({"_default": rtn})), _samples(), progress=False
+    )
+    rounded = [n for n, e in errors.items() if not e.kept_gptq]
+    assert len(rounded) >= len(errors) // 2, errors
+    for name in rounded:
+        assert torch.equal(model.get_submodule(name).dequantize(), expected[name]), name
+    assert f"{len(rounded)} kept round-to-nearest's" in gptq.summary(errors)

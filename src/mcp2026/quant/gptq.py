@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from mcp2026.quant.calibrate import _progress
+from mcp2026.quant.dqg_options import role_of
 from mcp2026.quant.int4_linear import Int4Linear
 from mcp2026.quant.linear import build_linear, quantize_
 from mcp2026.quant.plan import (
@@ -35,6 +36,12 @@ _DAMP_RETRIES = 4  # each retry multiplies the damping by 10 when H + damping is
 class GPTQSettings:
     damp: float = 0.01  # added to H's diagonal as a share of its mean (GPTQ's percdamp): H stays invertible
     block_size: int = 128  # columns per lazy batch update (GPTQ's blocksize); a multiple of every int4 group
+    # In the Hessian of a qkv projection a sample's first token counts once per token of the sample: every later
+    # position attends to it (the attention sink), so an error in its keys and values reaches all of them.
+    # Counted once like any token, GPTQ leaves it more error than rounding to nearest does, which on SmolLM2
+    # costs more than GPTQ saves elsewhere. (Other linears count it once: with its massive activations, weighting
+    # it there moves error onto every other token.)
+    weight_first_token: bool = True
     # Columns in order of decreasing H diagonal (GPTQ's act-order), with each group's grid fixed beforehand
     # from the unrounded weights (its "static groups"), so that groups stay runs of g consecutive columns.
     act_order: bool = False
@@ -49,19 +56,23 @@ class GPTQSettings:
 
 
 class HessianAccumulator:
-    """x x^T summed over every input row a linear sees: ``hessian()`` = 2 X^T X / n, GPTQ's H."""
+    """x x^T summed over every input row a linear sees, each row with a weight (1 unless given):
+    ``hessian()`` = 2 X^T diag(weights) X / sum(weights), GPTQ's H with weighted tokens."""
 
     def __init__(self, in_features: int) -> None:
         self.total = torch.zeros(in_features, in_features)
-        self.num_rows = 0
+        self.total_weight = 0.0
 
-    def add(self, x: Tensor) -> None:
+    def add(self, x: Tensor, first_row_weight: float = 1.0) -> None:
+        """The rows of ``x`` (..., K), the first one counted ``first_row_weight`` times."""
         rows = x.detach().reshape(-1, self.total.shape[0]).float().cpu()  # (T, K)
+        if first_row_weight != 1.0 and len(rows):
+            rows = torch.cat([rows[:1] * first_row_weight**0.5, rows[1:]])
         self.total.addmm_(rows.T, rows)
-        self.num_rows += rows.shape[0]
+        self.total_weight += rows.shape[0] - 1 + first_row_weight if len(rows) else 0.0
 
     def hessian(self) -> Tensor:
-        return self.total * (2.0 / max(self.num_rows, 1))
+        return self.total * (2.0 / max(self.total_weight, 1e-30))
 
 
 def _inverse_cholesky(hessian: Tensor, damp: float) -> Tensor:
@@ -125,14 +136,15 @@ def gptq_int4(
 
 
 def output_error(w: Tensor, quantized: Tensor, hessian: Tensor) -> float:
-    """Mean over calibration rows of ||x (W - Q)^T||^2, from H = 2 X^T X / n: tr(D H D^T) / 2."""
+    """Mean over calibration rows (weighted as H weights them) of ||x (W - Q)^T||^2: tr(D H D^T) / 2."""
     d = quantized.float() - w.float()  # (N, K)
     return float(((d @ hessian) * d).sum() / 2)
 
 
 @dataclass(frozen=True)
 class LayerError:
-    """One GPTQ linear's output error on its calibration inputs, and round-to-nearest's on the same inputs."""
+    """One GPTQ linear's output error on its calibration inputs, round-to-nearest's on the same inputs, and
+    which of the two levels the layer kept (the lower error's)."""
 
     gptq: float
     rtn: float
@@ -142,22 +154,28 @@ class LayerError:
     def ratio(self) -> float:
         return self.gptq / self.rtn if self.rtn > 0 else float("nan")
 
+    @property
+    def kept_gptq(self) -> bool:
+        return self.gptq <= self.rtn
+
 
 def _gptq_module(
     name: str, linear: nn.Linear, spec: LayerQuantSpec, hessian: Tensor, dtype, settings: GPTQSettings
 ) -> tuple[Int4Linear, LayerError]:
+    """The layer with GPTQ's levels, or round-to-nearest's where those have the lower output error on the
+    calibration inputs (weights already on a grid of this layout: rounding gives them back, GPTQ's error feedback
+    moves them off it)."""
     w = linear.weight.detach()
-    q, scales, zeros = gptq_int4(w, hessian, spec, settings)
-    rtn = dequantize_groupwise_int4(
-        *quantize_int4(w, dataclasses.replace(spec, method="rtn")), spec.group_size
-    )
+    levels = gptq_int4(w, hessian, spec, settings)
+    rounded = quantize_int4(w, dataclasses.replace(spec, method="rtn"))
+    g = spec.group_size
     error = LayerError(
-        output_error(w, dequantize_groupwise_int4(q, scales, zeros, spec.group_size), hessian),
-        output_error(w, rtn, hessian),
+        output_error(w, dequantize_groupwise_int4(*levels, g), hessian),
+        output_error(w, dequantize_groupwise_int4(*rounded, g), hessian),
         output_error(w, torch.zeros_like(w, dtype=torch.float32), hessian),
     )
     try:
-        return Int4Linear.from_levels(linear, spec, q, scales, zeros, dtype), error
+        return Int4Linear.from_levels(linear, spec, *(levels if error.kept_gptq else rounded), dtype), error
     except ValueError as problem:
         raise ValueError(f"{name}: {problem}") from problem
 
@@ -185,15 +203,31 @@ def _first_layer_inputs(model: nn.Module, samples: Sequence[Tensor]) -> list[tup
     return captured
 
 
+def _fresh(args: tuple) -> tuple:
+    """A layer call's arguments with its tensors copied: the fused add + norm updates the residual stream in
+    place, and the stored inputs are run through a layer twice (for the Hessians, then for the outputs)."""
+    return tuple(a.clone() if isinstance(a, Tensor) else a for a in args)
+
+
 def _hessians(
-    layer: nn.Module, inputs: Sequence[tuple[tuple, dict]], modules: Mapping[str, nn.Module]
+    layer: nn.Module,
+    inputs: Sequence[tuple[tuple, dict]],
+    modules: Mapping[str, nn.Module],
+    weight_first_token: bool,
 ) -> dict[str, Tensor]:
-    """H of each of ``modules`` (linears inside ``layer``) over what they see while ``layer`` runs on ``inputs``."""
+    """H of each of ``modules`` (linears inside ``layer``) over what they see while ``layer`` runs on ``inputs``
+    (one sample per call; its first row weighted by the sample's length when ``weight_first_token``)."""
     sums = {name: HessianAccumulator(m.in_features) for name, m in modules.items()}
-    handles = [m.register_forward_pre_hook(lambda _m, a, n=n: sums[n].add(a[0])) for n, m in modules.items()]
+
+    def add(name: str, x: Tensor) -> None:
+        rows = x.reshape(-1, x.shape[-1])
+        is_kv = role_of(name) == "attn_qkv"
+        sums[name].add(rows, float(len(rows)) if weight_first_token and is_kv else 1.0)
+
+    handles = [m.register_forward_pre_hook(lambda _m, a, n=n: add(n, a[0])) for n, m in modules.items()]
     try:
         for args, kwargs in inputs:
-            layer(*args, **kwargs)
+            layer(*_fresh(args), **kwargs)
     finally:
         for handle in handles:
             handle.remove()
@@ -224,13 +258,13 @@ def quantize_sequential(
             prefix = names[id(layer)]
             linears = {f"{prefix}.{n}": m for n, m in linear_modules(layer) if isinstance(m, nn.Linear)}
             gptq = {n: m for n, m in linears.items() if n in pending}
-            hessians = _hessians(layer, inputs, gptq) if gptq else {}
+            hessians = _hessians(layer, inputs, gptq, settings.weight_first_token) if gptq else {}
             for name, linear in linears.items():
                 errors.update(_replace(model, name, linear, plan.spec_for(name), hessians.get(name), tensors,
                                        compute_dtypes, settings))  # fmt: skip
             pending -= set(gptq)
             if pending:  # the next layer's inputs, through this layer as quantized
-                inputs = [((*layer(*a, **kw), *a[2:]), kw) for a, kw in inputs]
+                inputs = [((*layer(*_fresh(a), **kw), *a[2:]), kw) for a, kw in inputs]
             bar.advance(task)
         for name in sorted(pending):
             if name != OUTPUT_PROJECTION:
@@ -282,9 +316,11 @@ def summary(errors: Mapping[str, LayerError]) -> str:
     ratios = sorted(e.ratio for e in errors.values())
     if not ratios:
         return "GPTQ: no linear quantized"
+    rounded = sum(not e.kept_gptq for e in errors.values())
     return (
         f"GPTQ: {len(ratios)} linears; output error on calibration inputs vs round-to-nearest: median "
         f"{ratios[len(ratios) // 2]:.3f}x (from {ratios[0]:.3f}x to {ratios[-1]:.3f}x)"
+        + (f"; {rounded} kept round-to-nearest's lower-error levels" if rounded else "")
     )
 
 
