@@ -127,9 +127,9 @@ def test_gptq_rows_pair_each_int4_layout_with_its_round_to_nearest_row(tiny_llam
     model = load_model(tiny_llama_dir).model
     fixed = _fixed_plans(model)
     twins = _gptq_plans(fixed)
-    assert "GPTQ int4 sym g32, lm_head int8" in twins and "GPTQ int4 asym g64" in twins
-    for name, plan in twins.items():
-        rtn = next(p for n, p in fixed.items() if n.split(" (")[0] == name.removeprefix("GPTQ "))
+    assert "GPTQ int4 sym g32, lm_head int8" in twins and "GPTQ act-order int4 asym g64" in twins
+    for name, (plan, family) in twins.items():
+        rtn = next(p for n, p in fixed.items() if n.split(" (")[0] == name.removeprefix(family + " "))
         assert plan.avg_bits_per_weight(model) == rtn.avg_bits_per_weight(model)
         specs, rtn_specs = plan.layer_specs(model), rtn.layer_specs(model)
         for layer, spec in specs.items():

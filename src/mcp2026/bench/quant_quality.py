@@ -120,11 +120,16 @@ def _fixed_plans(model):
     return plans
 
 
-def _gptq_plans(fixed: dict[str, QuantPlan]) -> dict[str, QuantPlan]:
-    """The uniform int4 plans again with GPTQ's levels ("GPTQ " + the name, without the llama.cpp note): same
-    layouts, same bits, so each pair differs by the rounding alone."""
+GPTQ_FAMILIES = {"GPTQ": gptq.GPTQSettings(), "GPTQ act-order": gptq.GPTQSettings(act_order=True)}
+
+
+def _gptq_plans(fixed: dict[str, QuantPlan]) -> dict[str, tuple[QuantPlan, str]]:
+    """The uniform int4 plans again with GPTQ's levels, in column order and in act-order ("GPTQ " / "GPTQ
+    act-order " + the name, without the llama.cpp note): same layouts, same bits, so each row differs from its
+    round-to-nearest row by the rounding alone. name -> (plan, family)."""
     return {
-        "GPTQ " + name.split(" (")[0]: gptq.as_gptq(plan)
+        f"{family} {name.split(' (')[0]}": (gptq.as_gptq(plan), family)
+        for family in GPTQ_FAMILIES
         for name, plan in fixed.items()
         if name.startswith("int4")
     }
@@ -195,12 +200,12 @@ def run_quality_bench(
     wanted = lambda name: not settings.only or any(k in name for k in settings.only)  # noqa: E731
     fixed = _fixed_plans(model)
     plans = {name: (plan, {}, "fixed") for name, plan in fixed.items() if wanted(name)}
-    plans |= {name: (plan, {}, "GPTQ") for name, plan in _gptq_plans(fixed).items() if wanted(name)}
+    plans |= {name: (plan, {}, family) for name, (plan, family) in _gptq_plans(fixed).items() if wanted(name)}
     # "DQG 5" selects one DQG plan: calibrate whenever a filter could match a DQG plan's name
     wants_dqg = any(wanted(n) for n in ("DQG", "curve")) or any("DQG" in k for k in settings.only)
     calibration = calibration or CalibrationSettings()
     samples = None  # calibration text (GPTQ and the DQG): the calibration split, never the windows' text
-    if wants_dqg or any(family == "GPTQ" for *_, family in plans.values()):
+    if wants_dqg or any(family in GPTQ_FAMILIES for *_, family in plans.values()):
         samples = calibration_samples(calibration, tokenizer, model.embed_tokens.num_embeddings)
     if wants_dqg:
         calib = calibrate(model, samples, calibration, progress)
@@ -240,7 +245,14 @@ def run_quality_bench(
         for name, (plan, scales, family) in plans.items():
             bits, mib = plan.avg_bits_per_weight(model), plan.total_bytes(model) / 2**20
             result = dqg.DQGResult("bench", plan, scales)
-            quantized = recipe.apply(copy.deepcopy(model), result, dtypes, False, samples=samples)
+            quantized = recipe.apply(
+                copy.deepcopy(model),
+                result,
+                dtypes,
+                False,
+                samples=samples,
+                gptq_settings=GPTQ_FAMILIES.get(family),
+            )
             if settings.decode_kernels:
                 as_decode_steps(quantized)
             head = plan.spec_for("lm_head")
@@ -280,7 +292,7 @@ def _markdown(rows, header: str, notes: Sequence[str] = ()) -> str:
     if heads:
         lines += ["", "lm_head as the DQG stored it: " + "; ".join(heads) + "."]
     gptq_notes = [
-        f"{r['plan']}: {r['notes'][0]}" for r in rows if r.get("family") == "GPTQ" and r.get("notes")
+        f"{r['plan']}: {r['notes'][0]}" for r in rows if r.get("family") in GPTQ_FAMILIES and r.get("notes")
     ]
     if gptq_notes:
         lines += ["", "GPTQ rows (calibration: the ShareGPT calibration split, never these windows): "
@@ -305,7 +317,7 @@ def _write(bench: QualityBench, out_dir: str) -> str:
         if points:
             ax.plot(*zip(*points), style, label=family)
     for r in bench.rows:
-        if r["family"] in ("fixed", "GPTQ"):
+        if r["family"] == "fixed" or r["family"] in GPTQ_FAMILIES:
             ax.plot(r["bits"], 100 * r["delta_ppl"], "x" if r["family"] == "fixed" else "+", color="k")
             ax.annotate(r["plan"], (r["bits"], 100 * r["delta_ppl"]), fontsize=7)
     ax.set_xlabel("bits per weight (scales and zeros included)")
