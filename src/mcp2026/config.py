@@ -235,6 +235,11 @@ class QuantConfig:
             f"QuantConfig.group_size must be 32, 64 or 128, got {self.group_size}",
         )
         _require(
+            not (self.target_precision == "int8" and self.granularity == "per_group")
+            or self.group_size == 32,
+            f"QuantConfig: int8 per_group stores groups of 32 values (GGUF's Q8_0 blocks), got group_size={self.group_size}",
+        )
+        _require(
             self.bits_budget is None or 2.0 <= self.bits_budget <= 32.0,
             f"QuantConfig.bits_budget must be in [2, 32] bits per weight, got {self.bits_budget}",
         )

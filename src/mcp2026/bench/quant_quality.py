@@ -100,7 +100,10 @@ def _symmetric_family(layers):
 
 
 def _fixed_plans(model):
-    plans = {"int8": uniform_plan(model, LayerQuantSpec("int8"))}
+    plans = {
+        "int8": uniform_plan(model, LayerQuantSpec("int8")),
+        "int8 g32": uniform_plan(model, LayerQuantSpec("int8", 32)),
+    }
     for sym in (True, False):
         for g in (32, 64, 128):
             plans[f"int4 {'sym' if sym else 'asym'} g{g}"] = uniform_plan(
@@ -120,7 +123,10 @@ def _fixed_plans(model):
     return plans
 
 
-GPTQ_FAMILIES = {"GPTQ": gptq.GPTQSettings(), "GPTQ act-order": gptq.GPTQSettings(act_order=True)}
+GPTQ_FAMILIES = {
+    "GPTQ": gptq.GPTQSettings(act_order=False),
+    "GPTQ act-order": gptq.GPTQSettings(act_order=True),
+}
 
 
 def _gptq_plans(fixed: dict[str, QuantPlan]) -> dict[str, tuple[QuantPlan, str]]:

@@ -21,6 +21,7 @@ WEIGHT_BITS: dict[str, int] = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "in
 FORMATS: tuple[str, ...] = tuple(WEIGHT_BITS)
 DENSE_FORMATS = ("fp32", "bf16", "fp16")
 INT4_GROUP_SIZES = (32, 64, 128)
+INT8_GROUP_SIZES = (32,)  # GGUF's Q8_0 blocks (a scale per 32 values), on the block GEMM
 SCALE_BITS = 16  # scales and zero points are stored as bf16 (see linear.SCALE_DTYPE)
 INDEX_BITS = 32  # a split layer stores its int8 rows' indices as int32
 BIAS_BITS = 32  # a correction bias is counted as fp32 (it is stored in the compute dtype)
@@ -50,7 +51,7 @@ class LayerQuantSpec:
     """
 
     format: str = "fp32"
-    group_size: int | None = None  # int4 only; None there means 32
+    group_size: int | None = None  # int4: None means 32; int8: None is one scale per output channel
     symmetric: bool = False  # int4 only; int8 and fp8 are always symmetric
     clip_ratio: float | str = 1.0
     act_scale: str | None = None
@@ -63,9 +64,14 @@ class LayerQuantSpec:
         if self.format not in WEIGHT_BITS:
             raise ValueError(f"unknown weight format {self.format!r}; known formats: {', '.join(FORMATS)}")
         is_int4 = self.format == "int4"
-        group = (self.group_size or 32) if is_int4 else None
+        group = (self.group_size or 32) if is_int4 else self.group_size if self.format == "int8" else None
         if is_int4 and group not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {self.group_size}")
+        if self.format == "int8" and group not in (None, *INT8_GROUP_SIZES):
+            raise ValueError(
+                f"int8 group_size must be None (per output channel) or one of {INT8_GROUP_SIZES}, got "
+                f"{self.group_size}: grouped int8 runs on the block GEMM, whose scales are per 32 values"
+            )
         if isinstance(self.clip_ratio, str):
             if self.clip_ratio != "mse":
                 raise ValueError(f"clip_ratio must be a float in (0, 1] or 'mse', got {self.clip_ratio!r}")
@@ -110,7 +116,7 @@ class LayerQuantSpec:
         """Stored bits per weight, scales and zero points included (bf16 each).
 
         int4 keeps a scale and a zero per group even when symmetric (the kernel's layout), so
-        g32 = 4 + 32/32 = 5.0, g64 = 4.5, g128 = 4.25; int8/fp8 keep one scale per output channel.
+        g32 = 4 + 32/32 = 5.0, g64 = 4.5, g128 = 4.25; int8/fp8 keep one scale per output channel (grouped int8: one per group, 8.5 at g32).
         A split int4 layer's int8 rows cost 8 + (16-bit scale + 32-bit row index) / K each (their exact
         number needs ``out_features``; without it the share is ``high_rows``); a correction bias 32 / K.
         """
@@ -122,7 +128,7 @@ class LayerQuantSpec:
                 share = high_row_count(out_features, share) / out_features
             return low + share * (8 + (SCALE_BITS + INDEX_BITS) / in_features - low) + bias
         if self.format in ("int8", "fp8"):
-            return 8 + SCALE_BITS / in_features + bias
+            return 8 + SCALE_BITS / (self.group_size or in_features) + bias
         return float(self.weight_bits)
 
     def describe(self) -> str:
@@ -130,6 +136,8 @@ class LayerQuantSpec:
         text = self.format
         if self.format == "int4":
             text += f" g{self.group_size} {'sym' if self.symmetric else 'asym'}"
+        elif self.group_size:
+            text += f" g{self.group_size}"
         extras = [
             f"{self.high_rows:.0%} of rows int8" if self.high_rows else "",
             f"clip {self.clip_ratio}" if self.clip_ratio != 1.0 else "",

@@ -56,7 +56,11 @@ def hardware_candidates(device: str | torch.device = "cpu") -> tuple[tuple[str, 
 
 
 def _granularity_formats(config: QuantConfig, formats: Sequence[str]) -> list[str]:
-    keep = {"per_channel": ("int8", "fp8"), "per_group": ("int4",)}.get(config.granularity)
+    # per_group: int4, and for a uniform plan int8 in groups (the DQG measures int8 per channel only)
+    keep = {
+        "per_channel": ("int8", "fp8"),
+        "per_group": ("int4",) if config.enable_dqg else ("int4", "int8"),
+    }.get(config.granularity)
     if config.granularity == "per_tensor":
         message = "per-tensor granularity has no kernel here; using per-channel int8 / group-wise int4"
         if config.strict:

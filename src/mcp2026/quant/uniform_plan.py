@@ -11,10 +11,12 @@ from torch import nn
 
 from mcp2026.config import QuantConfig
 from mcp2026.quant.backend import clamp_bits
+from mcp2026.quant.block_linear import packable
 from mcp2026.quant.dqg import DQGResult
 from mcp2026.quant.dqg_options import int4_groups
 from mcp2026.quant.plan import (
     DENSE_FORMATS,
+    INT8_GROUP_SIZES,
     OUTPUT_PROJECTION,
     WEIGHT_BITS,
     LayerQuantSpec,
@@ -44,7 +46,12 @@ def resolve_format(fmt: str, candidates: Sequence[str], strict: bool, device: st
 
 def fitted_spec(linear: nn.Linear, spec: LayerQuantSpec) -> LayerQuantSpec:
     """``spec`` as ``linear`` can store it: an int4 group that does not divide its width becomes the largest
-    group that does (int8 if none)."""
+    group that does (int8 if none); grouped int8 whose shape the block GEMM's tiles do not fit, per channel."""
+    if spec.format == "int8" and spec.group_size:
+        fits = linear.in_features % spec.group_size == 0 and packable(
+            (linear.out_features, linear.in_features)
+        )
+        return spec if fits else LayerQuantSpec("int8", clip_ratio=spec.clip_ratio)
     if spec.format != "int4" or spec.group_size in int4_groups(linear.in_features, linear.out_features):
         return spec
     groups = [g for g in int4_groups(linear.in_features, linear.out_features) if g < spec.group_size]
@@ -61,6 +68,16 @@ def uniform_plan(model: nn.Module, spec: LayerQuantSpec) -> QuantPlan:
         if isinstance(m, nn.Linear) and fitted_spec(m, spec) != spec:
             rules[name] = fitted_spec(m, spec)
     return QuantPlan({**rules, "_default": spec})
+
+
+def format_spec(fmt: str, config: QuantConfig) -> LayerQuantSpec:
+    """The spec ``config`` gives format ``fmt``: int4 with its group and symmetry; int8 in groups of 32 with
+    ``granularity: per_group`` (GGUF's Q8_0 form), else per output channel."""
+    if fmt == "int4":
+        return LayerQuantSpec(fmt, config.group_size, config.symmetric)
+    if fmt == "int8" and config.granularity == "per_group":
+        return LayerQuantSpec(fmt, INT8_GROUP_SIZES[0])
+    return LayerQuantSpec(fmt)
 
 
 def output_format(config: QuantConfig, body_format: str | None) -> str | None:
@@ -81,7 +98,7 @@ def with_output(
         return plan
     if fmt not in DENSE_FORMATS:
         fmt = resolve_format(fmt, formats, config.strict)
-    spec = LayerQuantSpec(fmt, config.group_size, config.symmetric) if fmt == "int4" else LayerQuantSpec(fmt)
+    spec = format_spec(fmt, config)
     rules = plan.to_dict()
     rules.pop(OUTPUT_PROJECTION, None)
     return QuantPlan({OUTPUT_PROJECTION: fitted_spec(head, spec), **rules})
@@ -94,12 +111,7 @@ def uniform_result(model: nn.Module, config: QuantConfig, formats: Sequence[str]
     plan = QuantPlan({})
     if config.target_precision in QUANT_FORMATS:
         body = resolve_format(config.target_precision, formats, config.strict)
-        spec = (
-            LayerQuantSpec(body, config.group_size, config.symmetric)
-            if body == "int4"
-            else LayerQuantSpec(body)
-        )
-        plan = uniform_plan(model, spec)
+        plan = uniform_plan(model, format_spec(body, config))
     head = output_format(config, body)
     plan = with_output(model, plan, head, config, formats)
     target = f"uniform {config.target_precision}" if body else f"unquantized {config.target_precision}"
