@@ -67,7 +67,8 @@ class QualityBenchSettings:
     seed: int = 0
     dqg_budgets: tuple[float, ...] = (4.5, 5.0)
     curve_budgets: tuple[float, ...] = (4.25, 4.5, 4.75, 5.0, 5.25, 5.5, 5.75, 6.0)
-    only: tuple[str, ...] = ()  # only plans whose name contains one of these ("curve": the curve)
+    # only plans whose name contains one of these ("=NAME": that name exactly; "curve": the curve)
+    only: tuple[str, ...] = ()
     out_dir: str | None = None  # where quality.json / quality.md / quality_curve.png go
     # Score quantized plans with their linears fed decode-sized row chunks, i.e. through the int4/int8 GEMV
     # kernels (int8 activations) that generation uses, instead of one prefill-sized matmul (bf16 activations).
@@ -186,6 +187,10 @@ def stored_row(
             **evaluate(loaded.model, windows, reference).to_dict()}  # fmt: skip
 
 
+def _matches(key: str, name: str) -> bool:
+    return name == key[1:] if key.startswith("=") else key in name
+
+
 def run_quality_bench(
     model_path=None,
     settings: QualityBenchSettings = QualityBenchSettings(),
@@ -203,7 +208,7 @@ def run_quality_bench(
     formats, dtypes = recipe.hardware_candidates("cpu")
     windows = evaluation_windows(tokenizer, settings.num_windows, settings.n_ctx, settings.seed)
     reference = reference_logprobs(model, windows)
-    wanted = lambda name: not settings.only or any(k in name for k in settings.only)  # noqa: E731
+    wanted = lambda name: not settings.only or any(_matches(k, name) for k in settings.only)  # noqa: E731
     fixed = _fixed_plans(model)
     plans = {name: (plan, {}, "fixed") for name, plan in fixed.items() if wanted(name)}
     plans |= {name: (plan, {}, family) for name, (plan, family) in _gptq_plans(fixed).items() if wanted(name)}
