@@ -212,6 +212,8 @@ class ModelConfig:
 
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4", "fp8", "auto")
+QUANT_METHODS = ("rtn", "gptq")
+LM_HEAD_PRECISIONS = ("auto", "fp32", "bf16", "fp16", "int8", "int4", "fp8")
 GRANULARITIES = ("auto", "per_channel", "per_group", "per_tensor")
 
 
@@ -221,6 +223,11 @@ class QuantConfig:
 
     ``target_precision`` "fp32"/"bf16"/"fp16" means no weight quantization (the activation dtype);
     "int8"/"int4"/"fp8" quantize every linear; "auto" lets the DQG pick per layer within a budget.
+    ``lm_head_precision``: the output (vocabulary) projection's format. "auto": int8 under a uniform int4 target
+    (as llama.cpp's 4-bit files keep their output in 8 bits: int4 there costs most of int4's perplexity), the
+    target's format otherwise, and the DQG's choice with ``enable_dqg``; a format pins it in every mode.
+    ``method``: how int4 levels are chosen: "rtn" rounds to nearest; "gptq" minimises each layer's output
+    error on calibration text (quant/gptq.py), layer after layer; the plan and its storage are the same.
     ``enable_dtss`` and ``max_kv_cache_shards`` are forwarded to the KV cache (DTSS: kv/dtss.py).
     """
 
@@ -235,6 +242,8 @@ class QuantConfig:
     group_size: int = 32
     granularity: str = "auto"
     symmetric: bool = False
+    lm_head_precision: str = "auto"
+    method: str = "rtn"
     calibration_source: str = "sharegpt"
     calibration_samples: int = 32
     strict: bool = False
@@ -251,8 +260,25 @@ class QuantConfig:
             f"QuantConfig.granularity must be one of {GRANULARITIES}, got {self.granularity!r}",
         )
         _require(
+            self.lm_head_precision in LM_HEAD_PRECISIONS,
+            f"QuantConfig.lm_head_precision must be one of {LM_HEAD_PRECISIONS}, got {self.lm_head_precision!r}",
+        )
+        _require(
+            self.method in QUANT_METHODS,
+            f"QuantConfig.method must be one of {QUANT_METHODS}, got {self.method!r}",
+        )
+        _require(
+            self.method == "rtn" or self.pressure_bits_budget is None,
+            "QuantConfig.method='gptq' builds one plan; a pressure plan (pressure_bits_budget) needs method='rtn'",
+        )
+        _require(
             self.group_size in (32, 64, 128),
             f"QuantConfig.group_size must be 32, 64 or 128, got {self.group_size}",
+        )
+        _require(
+            not (self.target_precision == "int8" and self.granularity == "per_group")
+            or self.group_size == 32,
+            f"QuantConfig: int8 per_group stores groups of 32 values (GGUF's Q8_0 blocks), got group_size={self.group_size}",
         )
         _require(
             self.bits_budget is None or 2.0 <= self.bits_budget <= 32.0,
@@ -290,7 +316,8 @@ class QuantConfig:
 
     @property
     def quantizes_weights(self) -> bool:
-        return self.enable_dqg or self.target_precision in ("int8", "int4", "fp8")
+        quantized = ("int8", "int4", "fp8")
+        return self.enable_dqg or self.target_precision in quantized or self.lm_head_precision in quantized
 
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block without a compressor that says otherwise

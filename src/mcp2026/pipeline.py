@@ -177,7 +177,12 @@ class Pipeline:
             )
         elif config is not None and config.quantizes_weights:
             self.quant_result = quantize_loaded(
-                self.loaded, config, self.device, settings=spec.dqg, calibration=spec.calibration
+                self.loaded,
+                config,
+                self.device,
+                settings=spec.dqg,
+                calibration=spec.calibration,
+                gptq_settings=spec.gptq,
             )
         kv_config = kv_config or KVConfig(  # block size: the compressor's (EngineConfig resolves it)
             max_kv_cache_shards=config.max_kv_cache_shards if config else 1,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,6 +12,8 @@ from torch import nn
 from mcp2026.bench.quality import QualityResult, evaluate, kld_of, reference_logprobs
 from mcp2026.bench.quant_quality import (
     BF16_PLAN,
+    _fixed_plans,
+    _gptq_plans,
     as_decode_steps,
     bf16_row,
     role_mixture_plan,
@@ -116,6 +119,22 @@ def test_wide_output_plan_keeps_the_lm_head_in_int8(tiny_llama_dir):
     plan = wide_output_plan(model, body)
     assert plan.spec_for("lm_head") == LayerQuantSpec("int8")
     assert plan.spec_for("layers.0.mlp.down_proj") == body
+
+
+def test_gptq_rows_pair_each_int4_layout_with_its_round_to_nearest_row(tiny_llama_dir):
+    from mcp2026.loading.loader import load_model
+
+    model = load_model(tiny_llama_dir).model
+    fixed = _fixed_plans(model)
+    twins = _gptq_plans(fixed)
+    assert "GPTQ int4 sym g32, lm_head int8" in twins and "GPTQ act-order int4 asym g64" in twins
+    for name, (plan, family) in twins.items():
+        rtn = next(p for n, p in fixed.items() if n.split(" (")[0] == name.removeprefix(family + " "))
+        assert plan.avg_bits_per_weight(model) == rtn.avg_bits_per_weight(model)
+        specs, rtn_specs = plan.layer_specs(model), rtn.layer_specs(model)
+        for layer, spec in specs.items():
+            same = dataclasses.replace(spec, method="rtn") == rtn_specs[layer]
+            assert same and (spec.method == "gptq") == (spec.format == "int4"), (name, layer)
 
 
 def test_as_decode_steps_feeds_quantized_linears_decode_sized_chunks(monkeypatch):

@@ -13,7 +13,7 @@ import torch
 from mcp2026.bench.quality import evaluate, reference_logprobs
 from mcp2026.config import QuantConfig
 from mcp2026.loading.loader import load_model
-from mcp2026.quant import dqg, dqg_options, recipe
+from mcp2026.quant import dqg, dqg_options, recipe, uniform_plan
 from mcp2026.quant.calibrate import CalibrationSettings, calibrate, calibration_samples
 from mcp2026.quant.perplexity import windows_from_tokens
 from mcp2026.quant.plan import LayerQuantSpec
@@ -68,12 +68,12 @@ def test_analytic_plan_clamps_to_candidates(measured):
 
 def test_unavailable_format_clamps_with_warning_or_raises_when_strict():
     with pytest.warns(UserWarning, match=r"fp8 has no fast kernel.*nearest candidate is int8"):
-        assert recipe.resolve_format("fp8", FORMATS, strict=False) == "int8"
+        assert uniform_plan.resolve_format("fp8", FORMATS, strict=False) == "int8"
     with pytest.raises(ValueError, match=r"Candidates: fp32 \(32 bits\), int8 \(8 bits\), int4 \(4 bits\)"):
-        recipe.resolve_format("fp8", FORMATS, strict=True)
+        uniform_plan.resolve_format("fp8", FORMATS, strict=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert recipe.resolve_format("int4", FORMATS, strict=True) == "int4"
+        assert uniform_plan.resolve_format("int4", FORMATS, strict=True) == "int4"
 
 
 # ---- allocation ----------------------------------------------------------------------------------
@@ -130,7 +130,7 @@ def test_bytes_budget_is_respected_with_tied_lm_head(tmp_path):
     from conftest import save_tiny_hf
 
     model = load_model(save_tiny_hf(tmp_path / "tied", tie=True)).model
-    budget = recipe.uniform_plan(model, LayerQuantSpec("int4", 64)).total_bytes(model)
+    budget = uniform_plan.uniform_plan(model, LayerQuantSpec("int4", 64)).total_bytes(model)
     result = recipe.plan_for_config(
         model, None, _config(bytes_budget=budget), formats=FORMATS, calibration=CALIB, progress=False
     )
@@ -193,7 +193,7 @@ def test_dqg_beats_uniform_int4_at_equal_bits(wide_dir):
     tokens = torch.randint(320, (512,), generator=torch.Generator().manual_seed(7)).tolist()
     windows = windows_from_tokens(tokens, 128)  # random tokens, not the calibration ones (seed 0)
     reference = reference_logprobs(model, windows)
-    uniform = recipe.uniform_plan(model, LayerQuantSpec("int4", 64, symmetric=True))
+    uniform = uniform_plan.uniform_plan(model, LayerQuantSpec("int4", 64, symmetric=True))
     bits = uniform.avg_bits_per_weight(model)
     config = _config(bits_budget=bits, symmetric=True)
     result = recipe.plan_for_config(model, None, config, formats=FORMATS, calibration=CALIB, progress=False)
@@ -220,9 +220,27 @@ def test_max_ppl_increase_search(wide_dir):
 
 def test_uniform_plan_falls_back_where_group_does_not_divide(measured):
     model = measured[0]  # hidden 64: g128 only fits the down projection (K = 128)
-    plan = recipe.uniform_plan(model, LayerQuantSpec("int4", 128, symmetric=True))
+    plan = uniform_plan.uniform_plan(model, LayerQuantSpec("int4", 128, symmetric=True))
     assert plan.spec_for("layers.0.mlp.down_proj").group_size == 128
     assert plan.spec_for("layers.0.attn.qkv_proj") == LayerQuantSpec("int4", 64, symmetric=True)
+
+
+def test_pinned_lm_head_precision_holds_under_the_dqg(measured):
+    model, layers, calib = measured
+    for fmt, bits in (("int4", 6.0), ("fp32", 12.0)):
+        free = recipe._allocate(
+            model, calib, layers, _config(bits_budget=bits), FORMATS, dqg_options.DQGSettings(), False
+        )
+        config = _config(bits_budget=bits, lm_head_precision=fmt)
+        result = recipe._allocate(model, calib, layers, config, FORMATS, dqg_options.DQGSettings(), False)
+        head = result.plan.spec_for("lm_head")
+        assert head.format == fmt and not head.high_rows and free.plan.spec_for("lm_head") != head
+        assert result.plan.avg_bits_per_weight(model) <= bits + 1e-9
+    config = QuantConfig(enable_dqg=True, lm_head_precision="int8")  # analytic: b* does not choose the head
+    result = recipe._allocate(model, calib, layers, config, FORMATS, dqg_options.DQGSettings(), False)
+    assert result.mode == "analytic" and result.plan.spec_for("lm_head") == LayerQuantSpec("int8")
+    with pytest.raises(ValueError, match="lm_head_precision=fp8: not among the formats measured"):
+        recipe.pin_output(layers, "fp8")
 
 
 # ---- Pipeline wiring ---------------------------------------------------------------------------------

@@ -23,7 +23,10 @@ def quality(
     model: Annotated[Path | None, typer.Option(help="HF folder or .gguf (default: embedded model)")] = None,
     num_windows: Annotated[int, typer.Option(help="512-token windows of held-out ShareGPT text")] = 20,
     only: Annotated[
-        str | None, typer.Option(help="comma list: only plans whose name contains one of these")
+        str | None,
+        typer.Option(
+            help="comma list: only plans whose name contains one of these (=NAME: that name exactly)"
+        ),
     ] = None,
     seed: Annotated[int, typer.Option()] = 0,
     out_dir: Annotated[

@@ -22,13 +22,13 @@ from mcp2026.bench.quality import evaluate, reference_logprobs
 from mcp2026.kernels import cpu
 from mcp2026.loading.loader import load_model, parameter_count, weight_bytes
 from mcp2026.pipeline import native_weights_blocker
-from mcp2026.quant import dqg, recipe
+from mcp2026.quant import dqg, gptq, recipe
 from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, calibration_samples
 from mcp2026.quant.cpu_routing import GEMV_MAX_ROWS
 from mcp2026.quant.linear import QuantLinear
 from mcp2026.quant.perplexity import N_CTX, evaluation_windows
 from mcp2026.quant.plan import LayerQuantSpec, QuantPlan, layer_bits, linear_modules
-from mcp2026.quant.recipe import uniform_plan
+from mcp2026.quant.uniform_plan import uniform_plan
 
 
 def use_more_bits(layer: int, num_layers: int) -> bool:
@@ -67,7 +67,8 @@ class QualityBenchSettings:
     seed: int = 0
     dqg_budgets: tuple[float, ...] = (4.5, 5.0)
     curve_budgets: tuple[float, ...] = (4.25, 4.5, 4.75, 5.0, 5.25, 5.5, 5.75, 6.0)
-    only: tuple[str, ...] = ()  # only plans whose name contains one of these ("curve": the curve)
+    # only plans whose name contains one of these ("=NAME": that name exactly; "curve": the curve)
+    only: tuple[str, ...] = ()
     out_dir: str | None = None  # where quality.json / quality.md / quality_curve.png go
     # Score quantized plans with their linears fed decode-sized row chunks, i.e. through the int4/int8 GEMV
     # kernels (int8 activations) that generation uses, instead of one prefill-sized matmul (bf16 activations).
@@ -100,21 +101,45 @@ def _symmetric_family(layers):
 
 
 def _fixed_plans(model):
-    plans = {"int8": uniform_plan(model, LayerQuantSpec("int8"))}
+    plans = {
+        "int8": uniform_plan(model, LayerQuantSpec("int8")),
+        "int8 g32": uniform_plan(model, LayerQuantSpec("int8", 32)),
+    }
     for sym in (True, False):
         for g in (32, 64, 128):
             plans[f"int4 {'sym' if sym else 'asym'} g{g}"] = uniform_plan(
                 model, LayerQuantSpec("int4", g, sym)
             )
     for sym, peer in ((True, "Q4_0"), (False, "Q4_1")):
-        name = f"int4 {'sym' if sym else 'asym'} g32, lm_head int8 (llama.cpp {peer}'s layout)"
-        plans[name] = wide_output_plan(model, LayerQuantSpec("int4", 32, sym))
+        for g in (32, 64):
+            name = f"int4 {'sym' if sym else 'asym'} g{g}, lm_head int8" + (
+                f" (llama.cpp {peer}'s layout)" if g == 32 else ""
+            )
+            plans[name] = wide_output_plan(model, LayerQuantSpec("int4", g, sym))
     for sym in (True, False):
         base = LayerQuantSpec("int4", 64, sym)
         plans[f"llama.cpp-style mixture ({'sym' if sym else 'asym'} g64 + int8)"] = role_mixture_plan(
             model, base
         )
     return plans
+
+
+GPTQ_FAMILIES = {
+    "GPTQ": gptq.GPTQSettings(act_order=False),
+    "GPTQ act-order": gptq.GPTQSettings(act_order=True),
+}
+
+
+def _gptq_plans(fixed: dict[str, QuantPlan]) -> dict[str, tuple[QuantPlan, str]]:
+    """The uniform int4 plans again with GPTQ's levels, in column order and in act-order ("GPTQ " / "GPTQ
+    act-order " + the name, without the llama.cpp note): same layouts, same bits, so each row differs from its
+    round-to-nearest row by the rounding alone. name -> (plan, family)."""
+    return {
+        f"{family} {name.split(' (')[0]}": (gptq.as_gptq(plan), family)
+        for family in GPTQ_FAMILIES
+        for name, plan in fixed.items()
+        if name.startswith("int4")
+    }
 
 
 def as_decode_steps(model: nn.Module) -> int:
@@ -162,6 +187,10 @@ def stored_row(
             **evaluate(loaded.model, windows, reference).to_dict()}  # fmt: skip
 
 
+def _matches(key: str, name: str) -> bool:
+    return name == key[1:] if key.startswith("=") else key in name
+
+
 def run_quality_bench(
     model_path=None,
     settings: QualityBenchSettings = QualityBenchSettings(),
@@ -179,13 +208,18 @@ def run_quality_bench(
     formats, dtypes = recipe.hardware_candidates("cpu")
     windows = evaluation_windows(tokenizer, settings.num_windows, settings.n_ctx, settings.seed)
     reference = reference_logprobs(model, windows)
-    wanted = lambda name: not settings.only or any(k in name for k in settings.only)  # noqa: E731
-    plans = {name: (plan, {}, "fixed") for name, plan in _fixed_plans(model).items() if wanted(name)}
+    wanted = lambda name: not settings.only or any(_matches(k, name) for k in settings.only)  # noqa: E731
+    fixed = _fixed_plans(model)
+    plans = {name: (plan, {}, "fixed") for name, plan in fixed.items() if wanted(name)}
+    plans |= {name: (plan, {}, family) for name, (plan, family) in _gptq_plans(fixed).items() if wanted(name)}
     # "DQG 5" selects one DQG plan: calibrate whenever a filter could match a DQG plan's name
-    if any(wanted(n) for n in ("DQG", "curve")) or any("DQG" in k for k in settings.only):
-        calibration = calibration or CalibrationSettings()
-        calib = calibrate(model, calibration_samples(calibration, tokenizer, model.embed_tokens.num_embeddings),
-                          calibration, progress)  # fmt: skip
+    wants_dqg = any(wanted(n) for n in ("DQG", "curve")) or any("DQG" in k for k in settings.only)
+    calibration = calibration or CalibrationSettings()
+    samples = None  # calibration text (GPTQ and the DQG): the calibration split, never the windows' text
+    if wants_dqg or any(family in GPTQ_FAMILIES for *_, family in plans.values()):
+        samples = calibration_samples(calibration, tokenizer, model.embed_tokens.num_embeddings)
+    if wants_dqg:
+        calib = calibrate(model, samples, calibration, progress)
         full = dqg.measure_options(model, calib, formats, dqg.DQGSettings(), progress)
         families = {"DQG": full, "DQG-sym": _symmetric_family(full)}
         numel = sum(lo.numel for lo in full.values())
@@ -221,14 +255,21 @@ def run_quality_bench(
         task = bar.add_task("evaluating plans", total=len(plans))
         for name, (plan, scales, family) in plans.items():
             bits, mib = plan.avg_bits_per_weight(model), plan.total_bytes(model) / 2**20
+            result = dqg.DQGResult("bench", plan, scales)
             quantized = recipe.apply(
-                copy.deepcopy(model), dqg.DQGResult("bench", plan, scales), dtypes, False
+                copy.deepcopy(model),
+                result,
+                dtypes,
+                False,
+                samples=samples,
+                gptq_settings=GPTQ_FAMILIES.get(family),
             )
             if settings.decode_kernels:
                 as_decode_steps(quantized)
             head = plan.spec_for("lm_head")
             rows.append({"plan": name, "family": family, "bits": bits, "mib": mib,
                          "lm_head": head.describe() if head else "unchanged", "layer_bits": layer_bits(quantized),
+                         "notes": result.notes,
                          **evaluate(quantized, windows, reference).to_dict()})  # fmt: skip
             del quantized
             bar.advance(task)
@@ -261,6 +302,12 @@ def _markdown(rows, header: str, notes: Sequence[str] = ()) -> str:
     heads = [f"{r['plan']}: {r['lm_head']}" for r in rows if str(r.get("family", "")).startswith("DQG")]
     if heads:
         lines += ["", "lm_head as the DQG stored it: " + "; ".join(heads) + "."]
+    gptq_notes = [
+        f"{r['plan']}: {r['notes'][0]}" for r in rows if r.get("family") in GPTQ_FAMILIES and r.get("notes")
+    ]
+    if gptq_notes:
+        lines += ["", "GPTQ rows (calibration: the ShareGPT calibration split, never these windows): "
+                  + "; ".join(gptq_notes) + "."]  # fmt: skip
     if any(r.get("family") == "peer" for r in rows):
         lines += ["", "Peers (their ΔPPL and KLD are against our fp32 reference on the same windows and token "
                   "ids): HF transformers runs the same weights in fp32; llama.cpp runs the model file as stored."]  # fmt: skip
@@ -281,8 +328,8 @@ def _write(bench: QualityBench, out_dir: str) -> str:
         if points:
             ax.plot(*zip(*points), style, label=family)
     for r in bench.rows:
-        if r["family"] == "fixed":
-            ax.plot(r["bits"], 100 * r["delta_ppl"], "x", color="k")
+        if r["family"] == "fixed" or r["family"] in GPTQ_FAMILIES:
+            ax.plot(r["bits"], 100 * r["delta_ppl"], "x" if r["family"] == "fixed" else "+", color="k")
             ax.annotate(r["plan"], (r["bits"], 100 * r["delta_ppl"]), fontsize=7)
     ax.set_xlabel("bits per weight (scales and zeros included)")
     ax.set_ylabel("ΔPPL vs fp32 (%)")

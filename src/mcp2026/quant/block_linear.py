@@ -102,7 +102,7 @@ def packable(shape: Sequence[int]) -> bool:
     return n % COLUMN_TILE == 0 and k % BLOCK == 0
 
 
-def _tile_scales(scale: Tensor, offset: Tensor) -> Tensor:
+def tile_scales(scale: Tensor, offset: Tensor) -> Tensor:
     """(N, G) scales and offsets -> (N/16, G, 2, 16): per (tile, group) the 16 rows' scales, then offsets."""
     n, groups = scale.shape
     per_tile = [
@@ -165,7 +165,7 @@ class BlockLinear(nn.Module):
         self.bits, self.group_size, self.formats = blocks.bits, blocks.group_size, blocks.formats
         pack = pack_int4_tiles if blocks.bits == 4 else pack_byte_tiles
         self.register_buffer("weight", pack(blocks.u))
-        self.register_buffer("scales_offsets", _tile_scales(blocks.scale, blocks.offset))
+        self.register_buffer("scales_offsets", tile_scales(blocks.scale, blocks.offset))
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
 
     @property

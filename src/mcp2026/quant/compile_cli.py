@@ -2,9 +2,10 @@
 ``CompileSpec`` (``mcp2026.compiler`` quantizes with it and writes the artifact).
 
 YAML keys: the ``QuantConfig`` fields (target_precision, enable_dqg, bits_budget | bytes_budget |
-max_ppl_increase, group_size, granularity, symmetric, strict, calibration_source, calibration_samples),
+max_ppl_increase, group_size, granularity, symmetric, lm_head_precision, strict, calibration_source, calibration_samples),
 plus optional sections ``calibration:`` (CalibrationSettings: source, num_samples, max_len, min_len,
-max_rows, fisher_samples, seed) and ``dqg:`` (DQGSettings). Examples: examples/quant/*.yaml.
+max_rows, fisher_samples, seed), ``dqg:`` (DQGSettings) and ``gptq:`` (GPTQSettings: damp, block_size,
+act_order; with ``method: gptq``). Examples: examples/quant/*.yaml.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import yaml
 from mcp2026.config import QuantConfig
 from mcp2026.quant.calibrate import CalibrationSettings
 from mcp2026.quant.dqg_options import DQGSettings
+from mcp2026.quant.gptq import GPTQSettings
 
 _QUANT_KEYS = {f.name for f in dataclasses.fields(QuantConfig)} - {"enable_dtss", "max_kv_cache_shards"}
-_SECTIONS = {"calibration": CalibrationSettings, "dqg": DQGSettings}
+_SECTIONS = {"calibration": CalibrationSettings, "dqg": DQGSettings, "gptq": GPTQSettings}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +33,7 @@ class CompileSpec:
     quant: QuantConfig
     calibration: CalibrationSettings
     dqg: DQGSettings
+    gptq: GPTQSettings = GPTQSettings()
 
     @classmethod
     def from_config(cls, quant: QuantConfig) -> CompileSpec:
@@ -85,6 +88,7 @@ def parse_spec(data: Any, source: str = "<yaml>") -> CompileSpec:
         quant = QuantConfig(**{k: v for k, v in data.items() if k in _QUANT_KEYS})
         calibration = _section("calibration", CalibrationSettings, data.get("calibration"))
         settings = _section("dqg", DQGSettings, data.get("dqg"))
+        gptq = _section("gptq", GPTQSettings, data.get("gptq"))
     except TypeError as error:  # a value of the wrong type reaching a dataclass
         raise ValueError(f"{source}: {error}") from None
     except ValueError as error:
@@ -94,7 +98,7 @@ def parse_spec(data: Any, source: str = "<yaml>") -> CompileSpec:
     calibration = dataclasses.replace(calibration, **{k: v for k, v in flat.items() if k not in given})
     if "symmetric_only" not in (data.get("dqg") or {}):
         settings = dataclasses.replace(settings, symmetric_only=quant.symmetric)
-    return CompileSpec(quant, calibration, settings)
+    return CompileSpec(quant, calibration, settings, gptq)
 
 
 def load_spec(path: str | Path) -> CompileSpec:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from mcp2026.kernels import ops as kernel_ops
 from mcp2026.quant import cpu_routing as routing
@@ -46,10 +46,36 @@ class Int4Linear(QuantLinear):
             return "aten._weight_int4pack_mm" if torch.cuda.get_device_capability(device) >= (8, 0) else None
         return "aten._weight_int4pack_mm_for_cpu" if device.type == "cpu" else None
 
+    @classmethod
+    def from_levels(
+        cls, linear: nn.Linear, spec, q: Tensor, scales: Tensor, zeros: Tensor, compute_dtype=None
+    ) -> Int4Linear:
+        """A module holding levels chosen elsewhere (GPTQ's, ``quant.gptq``): ``q`` (N, K) in 0..15, ``scales``
+        and ``zeros`` (N, K/g), ``w = (q - 8) * scale + zero``; ``linear`` gives the shape and the bias."""
+        w = linear.weight.detach()
+        module = cls(
+            linear.in_features, linear.out_features, spec, linear.bias is not None, compute_dtype or w.dtype
+        )
+        if q.shape != w.shape or scales.shape != (w.shape[0], w.shape[1] // spec.group_size):
+            raise ValueError(
+                f"levels {tuple(q.shape)} / grids {tuple(scales.shape)} do not fit a {tuple(w.shape)} int4 "
+                f"g{spec.group_size} weight"
+            )
+        module._store(q, scales, zeros)
+        if linear.bias is not None:
+            module.bias = linear.bias.detach().to(module.compute_dtype).clone()
+        return module.to(w.device)
+
     def _load(self, w):
+        if self.spec.method != "rtn":
+            raise ValueError(
+                f"{self.spec.method} levels come with the layer's calibration: build with from_levels"
+            )
+        self._store(*quantize_int4(w, self.spec))
+
+    def _store(self, q: Tensor, scales: Tensor, zeros: Tensor) -> None:
         self._drop_kernel_copies()
-        q, scales, zeros = quantize_int4(w, self.spec)
-        self.weight = pack_int4(q.cpu()).to(w.device)
+        self.weight = pack_int4(q.to(torch.uint8).cpu()).to(q.device)
         self.scales_and_zeros = (
             torch.stack([scales.t(), zeros.t()], dim=-1).to(self.compute_dtype).contiguous()
         )

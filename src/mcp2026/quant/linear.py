@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from mcp2026.quant.dense_linear import DenseLinear
 from mcp2026.quant.fp8_linear import Fp8Linear
 from mcp2026.quant.int4_linear import Int4Linear
+from mcp2026.quant.int8_group_linear import Int8GroupLinear
 from mcp2026.quant.int8_linear import Int8Linear
 from mcp2026.quant.plan import DENSE_FORMATS, LayerQuantSpec, linear_modules
 from mcp2026.quant.quant_linear import QuantLinear, has_bias
@@ -28,7 +29,10 @@ LINEAR_FORMATS: dict[str, type[QuantLinear]] = {
 
 
 def linear_class(spec: LayerQuantSpec) -> type[QuantLinear]:
-    """The module that stores ``spec``: its format's, or ``SplitRowsLinear`` for a split int4 spec."""
+    """The module that stores ``spec``: its format's, ``SplitRowsLinear`` for a split int4 spec,
+    ``Int8GroupLinear`` for int8 with a group size."""
+    if spec.format == "int8" and spec.group_size:
+        return Int8GroupLinear
     return SplitRowsLinear if spec.high_rows else LINEAR_FORMATS[spec.format]
 
 

@@ -21,11 +21,14 @@ WEIGHT_BITS: dict[str, int] = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "in
 FORMATS: tuple[str, ...] = tuple(WEIGHT_BITS)
 DENSE_FORMATS = ("fp32", "bf16", "fp16")
 INT4_GROUP_SIZES = (32, 64, 128)
+INT8_GROUP_SIZES = (32,)  # GGUF's Q8_0 blocks (a scale per 32 values), on the block GEMM
 SCALE_BITS = 16  # scales and zero points are stored as bf16 (see linear.SCALE_DTYPE)
 INDEX_BITS = 32  # a split layer stores its int8 rows' indices as int32
 BIAS_BITS = 32  # a correction bias is counted as fp32 (it is stored in the compute dtype)
 SPLIT_ROW_MULTIPLE = 16  # the int4 kernel packs 16 output rows at a time, so the int8 rows come in 16s
 DEFAULT_KEY = "_default"
+METHODS = ("rtn", "gptq")  # how int4 levels are chosen: round to nearest, or GPTQ (quant/gptq.py)
+OUTPUT_PROJECTION = "lm_head"  # the models' vocabulary projection (its weight may be the tied embedding's)
 
 
 @dataclass(frozen=True)
@@ -42,24 +45,33 @@ class LayerQuantSpec:
     Meant for a vocabulary projection, where a few thousand frequent tokens carry nearly all the probability.
     ``bias_correction``: name of the (K,) mean input from calibration; the module adds the bias
     ``-mean @ (Wq - W).T``, cancelling the quantization error's average effect on each output.
+    ``method`` (int4 only): how the levels are chosen. "rtn" rounds each weight to its group's grid; "gptq"
+    rounds column by column and spreads each column's error over the columns not yet rounded, weighted by the
+    layer's input Hessian from calibration (``quant.gptq``). Same storage either way.
     """
 
     format: str = "fp32"
-    group_size: int | None = None  # int4 only; None there means 32
+    group_size: int | None = None  # int4: None means 32; int8: None is one scale per output channel
     symmetric: bool = False  # int4 only; int8 and fp8 are always symmetric
     clip_ratio: float | str = 1.0
     act_scale: str | None = None
     high_rows: float = 0.0
     row_scores: str | None = None
     bias_correction: str | None = None
+    method: str = "rtn"
 
     def __post_init__(self) -> None:
         if self.format not in WEIGHT_BITS:
             raise ValueError(f"unknown weight format {self.format!r}; known formats: {', '.join(FORMATS)}")
         is_int4 = self.format == "int4"
-        group = (self.group_size or 32) if is_int4 else None
+        group = (self.group_size or 32) if is_int4 else self.group_size if self.format == "int8" else None
         if is_int4 and group not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {self.group_size}")
+        if self.format == "int8" and group not in (None, *INT8_GROUP_SIZES):
+            raise ValueError(
+                f"int8 group_size must be None (per output channel) or one of {INT8_GROUP_SIZES}, got "
+                f"{self.group_size}: grouped int8 runs on the block GEMM, whose scales are per 32 values"
+            )
         if isinstance(self.clip_ratio, str):
             if self.clip_ratio != "mse":
                 raise ValueError(f"clip_ratio must be a float in (0, 1] or 'mse', got {self.clip_ratio!r}")
@@ -79,6 +91,15 @@ class LayerQuantSpec:
             raise ValueError("high_rows and act_scale cannot be combined (one input scale per split layer)")
         if self.row_scores is not None and not self.high_rows:
             raise ValueError("row_scores ranks the rows of high_rows; set high_rows > 0 or drop row_scores")
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.method == "gptq" and (
+            not is_int4 or self.high_rows or self.act_scale is not None or self.bias_correction is not None
+        ):
+            raise ValueError(
+                "method 'gptq' applies to plain int4 layers (no high_rows, act_scale or bias_correction), "
+                f"not {self.format}" + (" with those" if is_int4 else "")
+            )
         object.__setattr__(self, "high_rows", float(self.high_rows))
         object.__setattr__(self, "group_size", group)
         object.__setattr__(
@@ -95,7 +116,7 @@ class LayerQuantSpec:
         """Stored bits per weight, scales and zero points included (bf16 each).
 
         int4 keeps a scale and a zero per group even when symmetric (the kernel's layout), so
-        g32 = 4 + 32/32 = 5.0, g64 = 4.5, g128 = 4.25; int8/fp8 keep one scale per output channel.
+        g32 = 4 + 32/32 = 5.0, g64 = 4.5, g128 = 4.25; int8/fp8 keep one scale per output channel (grouped int8: one per group, 8.5 at g32).
         A split int4 layer's int8 rows cost 8 + (16-bit scale + 32-bit row index) / K each (their exact
         number needs ``out_features``; without it the share is ``high_rows``); a correction bias 32 / K.
         """
@@ -107,7 +128,7 @@ class LayerQuantSpec:
                 share = high_row_count(out_features, share) / out_features
             return low + share * (8 + (SCALE_BITS + INDEX_BITS) / in_features - low) + bias
         if self.format in ("int8", "fp8"):
-            return 8 + SCALE_BITS / in_features + bias
+            return 8 + SCALE_BITS / (self.group_size or in_features) + bias
         return float(self.weight_bits)
 
     def describe(self) -> str:
@@ -115,16 +136,24 @@ class LayerQuantSpec:
         text = self.format
         if self.format == "int4":
             text += f" g{self.group_size} {'sym' if self.symmetric else 'asym'}"
+        elif self.group_size:
+            text += f" g{self.group_size}"
         extras = [
             f"{self.high_rows:.0%} of rows int8" if self.high_rows else "",
             f"clip {self.clip_ratio}" if self.clip_ratio != 1.0 else "",
             "AWQ-scaled" if self.act_scale else "",
             "bias-corrected" if self.bias_correction else "",
+            "GPTQ" if self.method == "gptq" else "",
         ]
         return ", ".join([text, *filter(None, extras)])
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields; ``method`` only when it is not the default, so plans (and their ids) from before it
+        existed read and hash as they did."""
+        out = asdict(self)
+        if out["method"] == "rtn":
+            del out["method"]
+        return out
 
 
 def high_row_count(out_features: int, share: float) -> int:
@@ -328,6 +357,7 @@ def _spec_cells(spec: LayerQuantSpec | None) -> list[str]:
         f"+{spec.high_rows:.0%} rows int8" if spec.high_rows else "",
         "+bias corr" if spec.bias_correction else "",
     ]
+    extras.append("GPTQ" if spec.method == "gptq" else "")
     return [
         " ".join([spec.format, *filter(None, extras)]),
         str(spec.group_size or ""),

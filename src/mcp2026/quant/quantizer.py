@@ -44,6 +44,28 @@ def dequantize_per_channel_int8(q: Tensor, scales: Tensor) -> Tensor:
     return q.float() * scales[:, None].float()
 
 
+# ---- int8, group-wise, symmetric (GGUF's Q8_0 with a bf16 scale when g = 32) ------------------------
+def quantize_groupwise_int8(
+    w: Tensor, group_size: int, clip_ratio: float | Tensor = 1.0
+) -> tuple[Tensor, Tensor]:
+    """w (N, K) -> q int8 (N, K) in [-127, 127], scales (N, K/g); w ~= q * scale of its group.
+    ``clip_ratio``: a float or one ratio per group (N, K/g)."""
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"int8 group size {group_size} must divide in_features={k}")
+    wg = w.float().reshape(n, k // group_size, group_size)  # (N, G, g)
+    clip = torch.as_tensor(clip_ratio, dtype=torch.float32)
+    scales = _round_scale((wg.abs().amax(-1) * clip / 127).clamp_min(_TINY))  # (N, G)
+    q = torch.round(wg / scales.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k), scales
+
+
+def dequantize_groupwise_int8(q: Tensor, scales: Tensor) -> Tensor:
+    n, k = q.shape
+    groups = scales.shape[1]
+    return (q.float().reshape(n, groups, k // groups) * scales.float().unsqueeze(-1)).reshape(n, k)
+
+
 # ---- int4, group-wise, kernel convention w = (q - 8) * scale + zero ----------------------------
 def quantize_groupwise_int4(
     w: Tensor, group_size: int, symmetric: bool = False, clip_ratio: float | Tensor = 1.0
@@ -70,7 +92,7 @@ def quantize_groupwise_int4(
         hi, lo = wg.amax(-1, keepdim=True) * clip, wg.amin(-1, keepdim=True) * clip
         scales = _round_scale(((hi - lo) / 15).clamp_min(_TINY))
         zeros = _round_scale(lo + 8 * scales)
-    q = _levels(wg, scales, zeros)
+    q = nearest_levels(wg, scales, zeros)
     return q.reshape(n, k), scales.squeeze(-1), zeros.squeeze(-1)
 
 
@@ -78,7 +100,7 @@ def _nonzero(scales: Tensor) -> Tensor:
     return torch.where(scales.abs() < _TINY, torch.full_like(scales, _TINY), scales)
 
 
-def _levels(wg: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
+def nearest_levels(wg: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
     """Nearest level 0..15 of each weight (N, G, g) on the grids (N, G, 1) ``(q - 8) * scales + zeros``."""
     return (torch.round((wg - zeros) / scales) + 8).clamp(0, 15).to(torch.uint8)
 
@@ -115,7 +137,7 @@ def search_groupwise_int4(
         q = q.reshape(wg.shape)
         grids = [(scales.unsqueeze(-1), zeros.unsqueeze(-1)), _least_squares_grid(wg, q, symmetric)]
         for s, z in grids:
-            levels = _levels(wg, s, z)
+            levels = nearest_levels(wg, s, z)
             err = ((levels.float() - 8) * s + z - wg).pow(2).sum(-1, keepdim=True)  # (N, G, 1)
             if best is None:
                 best = (levels, s, z, err)
@@ -152,6 +174,8 @@ def _qdq(w: Tensor, spec: LayerQuantSpec, clip: float | Tensor) -> Tensor:
     if spec.format == "int4":
         q, s, z = quantize_groupwise_int4(w, spec.group_size, spec.symmetric, clip)
         return dequantize_groupwise_int4(q, s, z, spec.group_size)
+    if spec.format == "int8" and spec.group_size:
+        return dequantize_groupwise_int8(*quantize_groupwise_int8(w, spec.group_size, clip))
     if spec.format == "int8":
         return dequantize_per_channel_int8(*quantize_per_channel_int8(w, clip))
     if spec.format == "fp8":
@@ -163,20 +187,20 @@ def _qdq(w: Tensor, spec: LayerQuantSpec, clip: float | Tensor) -> Tensor:
 def mse_clip_ratios(
     w: Tensor, spec: LayerQuantSpec, ratios: Sequence[float] = CLIP_GRID, channel_weight: Tensor | None = None
 ) -> Tensor:
-    """Per-group (int4: (N, K/g)) or per-channel (int8/fp8: (N,)) clip ratio minimizing the squared
-    weight error, optionally weighted per input channel (e.g. by E[x^2] from calibration)."""
+    """Per-group (int4, grouped int8: (N, K/g)) or per-channel (int8/fp8: (N,)) clip ratio minimizing the
+    squared weight error, optionally weighted per input channel (e.g. by E[x^2] from calibration)."""
     n, k = w.shape
-    group = spec.group_size if spec.format == "int4" else k
+    group = spec.group_size or k
     weight = torch.ones(k) if channel_weight is None else channel_weight.float()
     best_err = torch.full((n, k // group), float("inf"))
     best = torch.ones(n, k // group)
     for ratio in ratios:
-        clip = ratio if spec.format == "int4" else torch.full((n,), ratio)
+        clip = ratio if spec.group_size else torch.full((n,), ratio)
         err = ((_qdq(w, spec, clip) - w.float()) ** 2 * weight).reshape(n, k // group, group).sum(-1)
         better = err < best_err
         best = torch.where(better, torch.tensor(float(ratio)), best)
         best_err = torch.where(better, err, best_err)
-    return best if spec.format == "int4" else best.squeeze(1)
+    return best if spec.group_size else best.squeeze(1)
 
 
 def fake_quantize(
@@ -184,6 +208,8 @@ def fake_quantize(
 ) -> Tensor:
     """The effective fp32 weight a module built from ``spec`` computes with (act scale folded back;
     a split spec's int8 rows chosen by ``row_scores`` as ``split_rows`` does)."""
+    if spec.method == "gptq":
+        raise ValueError("GPTQ levels depend on the layer's calibration inputs: quantize with quant.gptq")
     if spec.format in DENSE_FORMATS:
         return _qdq(w, spec, 1.0)
     if spec.high_rows:

@@ -14,18 +14,23 @@ import torch
 from torch import Tensor, nn
 
 from mcp2026.config import QuantConfig
-from mcp2026.quant import backend, dqg
-from mcp2026.quant.backend import clamp_bits
+from mcp2026.quant import backend, dqg, gptq
 from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, calibration_samples
 from mcp2026.quant.dqg import BudgetError, DQGResult
-from mcp2026.quant.dqg_options import DQGSettings, LayerOptions, int4_groups
+from mcp2026.quant.dqg_options import DQGSettings, LayerOptions
 from mcp2026.quant.gate import QuantGate
 from mcp2026.quant.linear import quantize_
 from mcp2026.quant.perplexity import perplexity
-from mcp2026.quant.plan import DENSE_FORMATS, WEIGHT_BITS, LayerQuantSpec, QuantPlan
+from mcp2026.quant.plan import (
+    DENSE_FORMATS,
+    OUTPUT_PROJECTION,
+    WEIGHT_BITS,
+    LayerQuantSpec,
+    QuantPlan,
+)
 from mcp2026.quant.quantizer import correction_bias, fake_quantize
+from mcp2026.quant.uniform_plan import QUANT_FORMATS, uniform_result
 
-QUANT_FORMATS = ("int8", "int4", "fp8")
 FAST_DTYPE = {"int8": torch.bfloat16, "int4": torch.bfloat16}  # see hardware_candidates
 
 
@@ -50,25 +55,12 @@ def hardware_candidates(device: str | torch.device = "cpu") -> tuple[tuple[str, 
     return tuple(sorted(formats, key=WEIGHT_BITS.get)), dtypes
 
 
-def resolve_format(fmt: str, candidates: Sequence[str], strict: bool, device: str = "cpu") -> str:
-    """``fmt`` itself when this device runs it fast, else the nearest candidate by weight width (the
-    notes' clampBitwidth) with a warning naming both; ``strict`` raises listing the candidates."""
-    if fmt in candidates:
-        return fmt
-    usable = [c for c in candidates if c in QUANT_FORMATS] or list(candidates)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        chosen = clamp_bits(WEIGHT_BITS[fmt], usable)
-    listing = ", ".join(f"{c} ({WEIGHT_BITS[c]} bits)" for c in candidates)
-    message = f"{fmt} has no fast kernel on {device}; nearest candidate is {chosen}. Candidates: {listing}"
-    if strict:
-        raise ValueError(message)
-    warnings.warn(message, stacklevel=3)
-    return chosen
-
-
 def _granularity_formats(config: QuantConfig, formats: Sequence[str]) -> list[str]:
-    keep = {"per_channel": ("int8", "fp8"), "per_group": ("int4",)}.get(config.granularity)
+    # per_group: int4, and for a uniform plan int8 in groups (the DQG measures int8 per channel only)
+    keep = {
+        "per_channel": ("int8", "fp8"),
+        "per_group": ("int4",) if config.enable_dqg else ("int4", "int8"),
+    }.get(config.granularity)
     if config.granularity == "per_tensor":
         message = "per-tensor granularity has no kernel here; using per-channel int8 / group-wise int4"
         if config.strict:
@@ -91,22 +83,6 @@ def _budget(config: QuantConfig) -> tuple[str, float] | None:
         spec = LayerQuantSpec(config.target_precision, config.group_size, config.symmetric)
         return "bits_budget", spec.bits_per_weight(1 << 20)
     return None  # analytic
-
-
-def uniform_plan(model: nn.Module, spec: LayerQuantSpec) -> QuantPlan:
-    """``spec`` for every linear; int4 layers whose width the group does not divide get the largest group
-    that does (then int8 if none), as exact-name exceptions before the ``_default``."""
-    rules: dict[str, LayerQuantSpec] = {}
-    if spec.format == "int4":
-        for name, m in model.named_modules():
-            if isinstance(m, nn.Linear) and spec.group_size not in int4_groups(m.in_features, m.out_features):
-                groups = [g for g in int4_groups(m.in_features, m.out_features) if g < spec.group_size]
-                rules[name] = (
-                    LayerQuantSpec("int4", max(groups), spec.symmetric, spec.clip_ratio)
-                    if groups
-                    else LayerQuantSpec("int8")
-                )
-    return QuantPlan({**rules, "_default": spec})
 
 
 def fake_quantized_weights(
@@ -162,17 +138,19 @@ def plan_for_config(
 ) -> DQGResult:
     """The plan ``config`` asks for on a device whose candidate formats are ``formats``."""
     formats = _granularity_formats(config, formats)
-    if not config.enable_dqg and config.target_precision not in QUANT_FORMATS:
-        return DQGResult("uniform", QuantPlan({}), budget=f"unquantized {config.target_precision}")
     if not config.enable_dqg:
-        fmt = resolve_format(config.target_precision, formats, config.strict)
-        spec = (
-            LayerQuantSpec(fmt, config.group_size, config.symmetric) if fmt == "int4" else LayerQuantSpec(fmt)
-        )
-        return DQGResult("uniform", uniform_plan(model, spec), budget=f"uniform {config.target_precision}")
-    settings = settings or DQGSettings(symmetric_only=config.symmetric)
-    calib, layers = _measure(model, tokenizer, config, formats, settings, calibration, progress)
-    return _allocate(model, calib, layers, config, formats, settings, progress)
+        result = uniform_result(model, config, formats)
+    else:
+        settings = settings or DQGSettings(symmetric_only=config.symmetric)
+        calib, layers = _measure(model, tokenizer, config, formats, settings, calibration, progress)
+        result = _allocate(model, calib, layers, config, formats, settings, progress)
+    if config.method == "gptq":
+        result.plan = gptq.as_gptq(result.plan)
+        if not gptq.uses_gptq(result.plan, model):
+            warnings.warn(
+                "method='gptq' chooses int4 levels; this plan has no plain int4 layer", stacklevel=2
+            )
+    return result
 
 
 def _measure(model, tokenizer, config: QuantConfig, formats, settings, calibration, progress: bool):
@@ -182,6 +160,21 @@ def _measure(model, tokenizer, config: QuantConfig, formats, settings, calibrati
     samples = calibration_samples(calibration, tokenizer, vocab)
     calib = calibrate(model, samples, calibration, progress)
     return calib, dqg.measure_options(model, calib, formats, settings, progress)
+
+
+def pin_output(layers: dict[str, LayerOptions], fmt: str) -> dict[str, LayerOptions]:
+    """``layers`` with the output projection's options cut to format ``fmt`` (no rows split off to int8), as
+    a pinned ``lm_head_precision`` asks; an error when it has none of that format."""
+    head = layers.get(OUTPUT_PROJECTION)
+    if head is None:
+        return layers
+    options = [o for o in head.options if o.spec.format == fmt and not o.spec.high_rows]
+    if not options:
+        measured = sorted({o.spec.format for o in head.options})
+        raise ValueError(
+            f"lm_head_precision={fmt}: not among the formats measured for it ({', '.join(measured)})"
+        )
+    return {**layers, OUTPUT_PROJECTION: dataclasses.replace(head, options=options)}
 
 
 def _allocate(model, calib, layers, config: QuantConfig, formats, settings, progress: bool) -> DQGResult:
@@ -195,6 +188,8 @@ def _allocate_measured(
     budget = _budget(config)
     if budget is None:
         return _analytic(layers, config, formats, settings)
+    if config.lm_head_precision != "auto":
+        layers = pin_output(layers, config.lm_head_precision)
     kind, value = budget
     if kind == "max_ppl_increase":
         return _ppl_search(model, calib, layers, value, settings, progress)
@@ -247,6 +242,11 @@ def _analytic(layers, config: QuantConfig, formats, settings: DQGSettings) -> DQ
         raise ValueError("analytic mode needs output sensitivities: calibrate with fisher_samples > 0")
     eps = dqg.analytic_eps(layers, settings.analytic_kld)
     picked = dqg.analytic_choice(layers, eps, formats, config.group_size, config.symmetric)
+    if config.lm_head_precision != "auto" and OUTPUT_PROJECTION in layers:  # pinned: b* does not choose it
+        head = pin_output({OUTPUT_PROJECTION: layers[OUTPUT_PROJECTION]}, config.lm_head_precision)
+        picked.update(
+            dqg.analytic_choice(head, eps, [config.lm_head_precision], config.group_size, config.symmetric)
+        )
     choices = {n: o for n, (_, o) in picked.items()}
     plan, scales = dqg.plan_from_choices(choices)
     result = DQGResult(
@@ -301,9 +301,32 @@ def _ppl_search(
 
 
 def apply(
-    model: nn.Module, result: DQGResult, compute_dtypes: dict[str, torch.dtype] | None, progress: bool = True
+    model: nn.Module,
+    result: DQGResult,
+    compute_dtypes: dict[str, torch.dtype] | None,
+    progress: bool = True,
+    *,
+    samples: Sequence[Sequence[int]] | None = None,
+    gptq_settings: gptq.GPTQSettings | None = None,
 ) -> nn.Module:
-    """Quantize ``model`` in place as ``result.plan`` says, one layer at a time (with a progress bar)."""
+    """Quantize ``model`` in place as ``result.plan`` says, one layer at a time (with a progress bar). A plan
+    with GPTQ layers runs layer after layer on ``samples`` (token ids of calibration text; ``quant.gptq``), and
+    ``result.notes`` gets a line on how their output errors compare with round-to-nearest's."""
+    if gptq.uses_gptq(result.plan, model):
+        if not samples:
+            raise ValueError("a plan with GPTQ layers needs calibration samples to quantize with")
+        ids = [torch.tensor(list(s), dtype=torch.long) for s in samples]
+        errors = gptq.quantize_sequential(
+            model,
+            result.plan,
+            ids,
+            result.tensors,
+            compute_dtypes,
+            gptq_settings or gptq.GPTQSettings(),
+            progress,
+        )
+        result.notes.append(gptq.summary(errors))
+        return model
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     with _progress(progress) as bar:
         task = bar.add_task("quantizing", total=len(names))
@@ -323,9 +346,11 @@ def quantize_model(
     *,
     settings: DQGSettings | None = None,
     calibration: CalibrationSettings | None = None,
+    gptq_settings: gptq.GPTQSettings | None = None,
     progress: bool = True,
 ) -> DQGResult:
-    """Plan (on this device's candidates) and quantize in place; returns how the plan was chosen."""
+    """Plan (on this device's candidates) and quantize in place; returns how the plan was chosen. GPTQ layers
+    are quantized on the calibration text of ``calibration`` (the config's source and sample count by default)."""
     formats, dtypes = hardware_candidates(device)
     result = plan_for_config(
         model,
@@ -336,7 +361,14 @@ def quantize_model(
         calibration=calibration,
         progress=progress,
     )
-    apply(model, result, dtypes, progress)
+    samples = None
+    if gptq.uses_gptq(result.plan, model):
+        calibration = calibration or CalibrationSettings(
+            config.calibration_source, config.calibration_samples
+        )
+        vocab = model.get_submodule("embed_tokens").num_embeddings
+        samples = calibration_samples(calibration, tokenizer, vocab)
+    apply(model, result, dtypes, progress, samples=samples, gptq_settings=gptq_settings)
     return result
 
 
@@ -387,6 +419,7 @@ def quantize_loaded(
     *,
     settings: DQGSettings | None = None,
     calibration: CalibrationSettings | None = None,
+    gptq_settings: gptq.GPTQSettings | None = None,
 ):
     """Pipeline's quantization step: quantize a freshly loaded model as ``config`` asks (with the DQG and
     calibration settings of its YAML, as ``compile`` does); a compiled artifact is already quantized, so
@@ -403,5 +436,6 @@ def quantize_loaded(
         device,
         settings=settings,
         calibration=calibration,
+        gptq_settings=gptq_settings,
         progress=progress,
     )
