@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("loading", "export"),
     ("kv", "quant", "models"),
     ("kernels",),
-    ("config", "types", "errors", "hardware", "cli_errors", "cli_lazy", "sharegpt"),
+    ("config", "rope_types", "types", "errors", "hardware", "cli_errors", "cli_lazy", "sharegpt"),
 )
 RANK = {unit: len(LAYERS) - i for i, layer in enumerate(LAYERS) for unit in layer}
 

@@ -11,10 +11,10 @@ import gguf
 import pytest
 import torch
 
-from mcp2026.config import HF_ROPE_TYPES
 from mcp2026.errors import ModelLoadError
 from mcp2026.loading.loader import load_model
 from mcp2026.models.rotary import RotaryEmbedding
+from mcp2026.rope_types import HF_ROPE_TYPES
 
 from conftest import save_tiny_hf
 from gguf_files import write_converted_gguf

@@ -53,7 +53,9 @@ def test_unknown_format_lists_known_formats():
 
 
 def test_spec_validation_and_normalization():
-    assert LayerQuantSpec("int8", group_size=32).group_size == 32 and LayerQuantSpec("int8").group_size is None
+    assert (
+        LayerQuantSpec("int8", group_size=32).group_size == 32 and LayerQuantSpec("int8").group_size is None
+    )
     with pytest.raises(ValueError, match="int8 group_size must be None"):
         LayerQuantSpec("int8", group_size=64)  # the block GEMM keeps a scale per 32 values
     assert LayerQuantSpec("int8").symmetric and LayerQuantSpec("int4").group_size == 32

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
-from mcp2026.config import ModelConfig, unsupported_rope_type
+from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
 from mcp2026.loading.gguf_blocks import BLOCK_FORMATS, read_blocks
 from mcp2026.loading.gguf_file import GGUFFile, GGUFFormatError, GGUFTensorInfo
@@ -32,6 +32,7 @@ from mcp2026.loading.progress import load_progress
 from mcp2026.loading.rope_scaling import normalized_rope_scaling
 from mcp2026.models.registry import family_of, resolve_architecture
 from mcp2026.quant.block_linear import BlockWeights, packable
+from mcp2026.rope_types import unsupported_rope_type
 
 log = logging.getLogger(__name__)
 

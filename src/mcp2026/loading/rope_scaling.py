@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mcp2026.config import HF_ROPE_TYPES, unsupported_rope_type
 from mcp2026.errors import ModelLoadError
+from mcp2026.rope_types import HF_ROPE_TYPES, unsupported_rope_type
 
 
 def normalized_rope_scaling(

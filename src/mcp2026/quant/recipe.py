@@ -29,7 +29,7 @@ from mcp2026.quant.plan import (
     QuantPlan,
 )
 from mcp2026.quant.quantizer import correction_bias, fake_quantize
-from mcp2026.quant.uniform_plan import QUANT_FORMATS, uniform_result
+from mcp2026.quant.uniform_plan import QUANT_FORMATS, format_spec, uniform_plan, uniform_result
 
 FAST_DTYPE = {"int8": torch.bfloat16, "int4": torch.bfloat16}  # see hardware_candidates
 
@@ -215,7 +215,7 @@ def _cover_unreached(model: nn.Module, result: DQGResult, config: QuantConfig, f
     if not unreached or not quantized:
         return result
     fmt = quantized[0]
-    spec = LayerQuantSpec(fmt, config.group_size, config.symmetric) if fmt == "int4" else LayerQuantSpec(fmt)
+    spec = format_spec(fmt, config)
     cheapest = uniform_plan(model, spec)
     rules = {name: cheapest.spec_for(name) for name in unreached}
     result.plan = QuantPlan({**rules, **result.plan.to_dict()})
