@@ -13,6 +13,8 @@ from mcp2026.bench.quality_peers import peer_quality_rows
 from mcp2026.bench.quant_quality import QualityBench, QualityBenchSettings
 from mcp2026.loading.loader import load_model
 
+from gguf_files import write_tiny_gguf
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -68,3 +70,32 @@ def test_peer_rows_are_in_the_run_but_not_among_the_plans():
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[1:4] == ["6.9", "6.9 (fp32)", "6.95 (m.Q4_1.gguf as stored)"]
     assert cells[5].startswith("1.00x HF, 0.99x llama.cpp")
+
+
+@pytest.mark.parametrize(("weight_type", "bits"), [("Q8_0", 8.5), ("Q4_0", 4.5), ("Q4_1", 5.0)])
+def test_weight_bits_count_block_scales_over_the_files_matrices(tmp_path, weight_type, bits):
+    from mcp2026.bench.llama_cpp_quantize import weight_bits
+
+    assert weight_bits(write_tiny_gguf(tmp_path / "m.gguf", weight_type)) == pytest.approx(bits)
+
+
+def test_llama_cpp_formats_are_skipped_with_a_line_without_llama_cpp(tmp_path, monkeypatch):
+    import mcp2026.bench.llama_cpp_quantize as quantize
+
+    monkeypatch.setattr(quantize.importlib.util, "find_spec", lambda name: None)
+    source = write_tiny_gguf(tmp_path / "m.gguf", "Q8_0")
+    rows, notes = peer_quality_rows(source, ("llama.cpp:Q4_K_M",), [torch.zeros(8, dtype=torch.long)], [])
+    assert rows == [] and notes == ["llama.cpp Q4_K_M peer skipped: llama-cpp-python is not installed"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+def test_llama_cpp_requantizes_the_file_and_scores_it(tmp_path):
+    source = write_tiny_gguf(tmp_path / "m.gguf", "Q4_1")
+    model = load_model(source, dtype=torch.float32).model
+    gen = torch.Generator().manual_seed(0)
+    windows = [torch.randint(320, (64,), generator=gen) for _ in range(2)]
+    rows, notes = peer_quality_rows(source, ("llama.cpp:Q8_0",), windows, reference_logprobs(model, windows))
+    (row,) = rows
+    assert notes == [] and row["family"] == "llama.cpp" and row["plan"].startswith("llama.cpp Q8_0")
+    # Q8_0 of Q4_1 weights: close to the reference, not equal (and llama.cpp quantizes activations too)
+    assert row["bits"] == pytest.approx(8.5) and 0 < row["kld"] < 0.05

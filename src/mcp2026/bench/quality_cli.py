@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from mcp2026.bench.cli_common import out
+from mcp2026.bench.llama_cpp_quantize import DEFAULT_LLAMA_CPP_TYPES, LLAMA_CPP_FILE_TYPES
 from mcp2026.bench.quality_peers import PEERS, peer_quality_rows
 from mcp2026.bench.quality_run import quality_run
 from mcp2026.bench.quant_quality import QualityBenchSettings, run_quality_bench
@@ -46,13 +47,14 @@ def quality(
         str,
         typer.Option(
             help="peers scored on the same windows: hf (same weights, fp32), llama.cpp (the GGUF as stored, "
-            "via llama-cpp-python), comma-separated, or none"
+            "via llama-cpp-python), llama.cpp:TYPE (the GGUF re-quantized by llama.cpp to TYPE: "
+            f"{', '.join(LLAMA_CPP_FILE_TYPES)}), comma-separated, or none"
         ),
-    ] = "hf,llama.cpp",
+    ] = "hf,llama.cpp," + ",".join(f"llama.cpp:{t}" for t in DEFAULT_LLAMA_CPP_TYPES),
     write_docs: Annotated[bool, typer.Option("--write-docs/--no-write-docs")] = False,
 ) -> None:
     """Perplexity and KLD of quantized plans (int8, int4, role mixture, DQG budgets) vs full precision,
-    with HF transformers and llama.cpp scored on the same windows."""
+    with HF transformers, llama.cpp and llama.cpp's own formats scored on the same windows."""
     peers = tuple(p for p in parse_list(peer) if p != "none")
     if set(peers) - set(PEERS):
         err.print(f"[bold red]error:[/] --peer takes {', '.join(PEERS)} or none, got {peer!r}")

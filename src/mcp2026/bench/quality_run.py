@@ -39,9 +39,11 @@ def quality_run(result: Any, settings: Any, command: str, model: Any = None) -> 
     plans = {
         r["plan"]: {k: r.get(k) for k in keys}
         for r in result.rows
-        if r["family"] not in ("reference", "peer")
+        if r["family"] not in ("reference", "peer", "llama.cpp")
     }
-    peers = {r["plan"]: {k: r.get(k) for k in keys} for r in result.rows if r["family"] == "peer"}
+    peers = {
+        r["plan"]: {k: r.get(k) for k in keys} for r in result.rows if r["family"] in ("peer", "llama.cpp")
+    }
     config = {**asdict(settings), "model": str(model) if model else None}
     headline = headline_plans(plans, tuple(settings.dqg_budgets))
     table = Table(

@@ -308,9 +308,11 @@ def _markdown(rows, header: str, notes: Sequence[str] = ()) -> str:
     if gptq_notes:
         lines += ["", "GPTQ rows (calibration: the ShareGPT calibration split, never these windows): "
                   + "; ".join(gptq_notes) + "."]  # fmt: skip
-    if any(r.get("family") == "peer" for r in rows):
+    if any(r.get("family") in ("peer", "llama.cpp") for r in rows):
         lines += ["", "Peers (their ΔPPL and KLD are against our fp32 reference on the same windows and token "
-                  "ids): HF transformers runs the same weights in fp32; llama.cpp runs the model file as stored."]  # fmt: skip
+                  "ids): HF transformers runs the same weights in fp32; llama.cpp runs the model file as stored; "
+                  "\"llama.cpp Q…\" rows run that file re-quantized by llama.cpp's quantizer "
+                  "(llama_model_quantize, no importance matrix), their bits/weight over the file's matrices."]  # fmt: skip
     lines += [f"- {note}" for note in notes]
     return "\n".join(lines)
 
@@ -331,6 +333,14 @@ def _write(bench: QualityBench, out_dir: str) -> str:
         if r["family"] == "fixed" or r["family"] in GPTQ_FAMILIES:
             ax.plot(r["bits"], 100 * r["delta_ppl"], "x" if r["family"] == "fixed" else "+", color="k")
             ax.annotate(r["plan"], (r["bits"], 100 * r["delta_ppl"]), fontsize=7)
+    peers = sorted((r["bits"], 100 * r["delta_ppl"], r["plan"].split(" (")[0]) for r in bench.rows
+                   if r["family"] == "llama.cpp")  # fmt: skip
+    if peers:
+        ax.plot(
+            [p[0] for p in peers], [p[1] for p in peers], "D", color="tab:red", label="llama.cpp's formats"
+        )
+        for bits, delta, label in peers:
+            ax.annotate(label, (bits, delta), fontsize=7, color="tab:red")
     ax.set_xlabel("bits per weight (scales and zeros included)")
     ax.set_ylabel("ΔPPL vs fp32 (%)")
     if ax.get_legend_handles_labels()[0]:  # a run of fixed plans only has no curve to label
