@@ -49,6 +49,8 @@ def test_serve_cli_real_model(tmp_path):
     port = free_port()
     (tmp_path / "serve.yaml").write_text(
         f"port: {port}\nmodel_name: smol\ndtype: fp32\ndrain_on_sigterm: true\nkv:\n  num_blocks: 512\n"
+        # the drain finishes the stream, however slow a loaded machine makes its 64 tokens
+        "drain_timeout_s: 120\n"
     )
     cmd = [
         sys.executable,
