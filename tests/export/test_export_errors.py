@@ -81,7 +81,8 @@ def test_compile_exports_gguf(tmp_path):
     result = _compile(tmp_path, source, "--export", "gguf", "--out", str(out))
     assert result.exit_code == 0, result.output + result.stderr
     assert "Q4_0" in result.stdout and "holds exactly the weights" in result.stdout
-    assert load_model(out).tensor_formats["Q4_0"] == 15
+    formats = load_model(out).tensor_formats  # 14 linears in int4; uniform int4 keeps the lm_head int8
+    assert formats["Q4_0"] == 14 and formats["Q8_0"] == 1
     again = _compile(tmp_path, source, "--export", "gguf", "--out", str(out))
     assert again.exit_code == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr
     unknown = _compile(tmp_path, source, "--export", "onnx", "--out", str(tmp_path / "x"))
