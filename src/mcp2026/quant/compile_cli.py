@@ -4,7 +4,7 @@
 YAML keys: the ``QuantConfig`` fields (target_precision, enable_dqg, bits_budget | bytes_budget |
 max_ppl_increase, group_size, granularity, symmetric, lm_head_precision, strict, calibration_source, calibration_samples),
 plus optional sections ``calibration:`` (CalibrationSettings: source, num_samples, max_len, min_len,
-max_rows, fisher_samples, seed), ``dqg:`` (DQGSettings) and ``gptq:`` (GPTQSettings: damp, block_size,
+max_rows, fisher_samples, seed, ema_decay), ``dqg:`` (DQGSettings) and ``gptq:`` (GPTQSettings: damp, block_size,
 act_order; with ``method: gptq``). Examples: examples/quant/*.yaml.
 """
 

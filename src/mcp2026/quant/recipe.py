@@ -144,6 +144,7 @@ def plan_for_config(
         settings = settings or DQGSettings(symmetric_only=config.symmetric)
         calib, layers = _measure(model, tokenizer, config, formats, settings, calibration, progress)
         result = _allocate(model, calib, layers, config, formats, settings, progress)
+        result.calibration = dataclasses.asdict(calibration_settings(config, calibration))
     if config.method == "gptq":
         result.plan = gptq.as_gptq(result.plan)
         if not gptq.uses_gptq(result.plan, model):
@@ -153,9 +154,14 @@ def plan_for_config(
     return result
 
 
+def calibration_settings(config: QuantConfig, calibration: CalibrationSettings | None) -> CalibrationSettings:
+    """``calibration``, or the config's source and sample count with the other settings' defaults."""
+    return calibration or CalibrationSettings(config.calibration_source, config.calibration_samples)
+
+
 def _measure(model, tokenizer, config: QuantConfig, formats, settings, calibration, progress: bool):
     """Calibrate, then measure every layer's options (the expensive part a second budget can reuse)."""
-    calibration = calibration or CalibrationSettings(config.calibration_source, config.calibration_samples)
+    calibration = calibration_settings(config, calibration)
     vocab = model.get_submodule("embed_tokens").num_embeddings
     samples = calibration_samples(calibration, tokenizer, vocab)
     calib = calibrate(model, samples, calibration, progress)
@@ -399,6 +405,7 @@ def gate_for_config(
     settings = settings or DQGSettings(symmetric_only=config.symmetric)
     calib, layers = _measure(model, tokenizer, config, formats, settings, calibration, progress)
     quality = _allocate(model, calib, layers, config, formats, settings, progress)
+    quality.calibration = dataclasses.asdict(calibration_settings(config, calibration))
     pressure_config = dataclasses.replace(
         config,
         bits_budget=config.pressure_bits_budget,
@@ -407,6 +414,7 @@ def gate_for_config(
         pressure_bits_budget=None,
     )
     pressure = _allocate(model, calib, layers, pressure_config, formats, settings, progress)
+    pressure.calibration = quality.calibration
     gate = QuantGate(model, quality.plan, pressure.plan, {**quality.tensors, **pressure.tensors}, dtypes)
     return quality, pressure, gate
 
