@@ -41,7 +41,8 @@ def compile_model(
         raise ValueError(f"{loaded.source}: already a compiled artifact; compile the source model instead")
     result = recipe.quantize_model(
         loaded.model, loaded.tokenizer, spec.quant, "cpu",
-        settings=spec.dqg, calibration=spec.calibration, gptq_settings=spec.gptq, progress=progress,
+        settings=spec.dqg, calibration=spec.calibration, gptq_settings=spec.gptq,
+        learned_settings=spec.learned, progress=progress,
     )  # fmt: skip
     if console is not None:
         if result.layers:

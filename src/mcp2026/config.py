@@ -169,7 +169,7 @@ class ModelConfig:
 
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4", "fp8", "auto")
-QUANT_METHODS = ("rtn", "gptq")
+QUANT_METHODS = ("rtn", "gptq", "learned")
 LM_HEAD_PRECISIONS = ("auto", "fp32", "bf16", "fp16", "int8", "int4", "fp8")
 GRANULARITIES = ("auto", "per_channel", "per_group", "per_tensor")
 
@@ -184,7 +184,8 @@ class QuantConfig:
     (as llama.cpp's 4-bit files keep their output in 8 bits: int4 there costs most of int4's perplexity), the
     target's format otherwise, and the DQG's choice with ``enable_dqg``; a format pins it in every mode.
     ``method``: how int4 levels are chosen: "rtn" rounds to nearest; "gptq" minimises each layer's output
-    error on calibration text (quant/gptq.py), layer after layer; the plan and its storage are the same.
+    error on calibration text (quant/gptq.py), layer after layer; "learned" learns each group's scale (and zero)
+    from round-to-nearest's on calibration text (quant/learned_scales.py); the plan and its storage are the same.
     ``enable_dtss`` and ``max_kv_cache_shards`` are forwarded to the KV cache (DTSS: kv/dtss.py).
     """
 
@@ -226,7 +227,8 @@ class QuantConfig:
         )
         _require(
             self.method == "rtn" or self.pressure_bits_budget is None,
-            "QuantConfig.method='gptq' builds one plan; a pressure plan (pressure_bits_budget) needs method='rtn'",
+            f"QuantConfig.method={self.method!r} builds one plan; a pressure plan (pressure_bits_budget) needs "
+            "method='rtn'",
         )
         _require(
             self.group_size in (32, 64, 128),

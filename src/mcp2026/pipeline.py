@@ -183,6 +183,7 @@ class Pipeline:
                 settings=spec.dqg,
                 calibration=spec.calibration,
                 gptq_settings=spec.gptq,
+                learned_settings=spec.learned,
             )
         kv_config = kv_config or KVConfig(  # block size: the compressor's (EngineConfig resolves it)
             max_kv_cache_shards=config.max_kv_cache_shards if config else 1,

@@ -128,13 +128,15 @@ def test_gptq_rows_pair_each_int4_layout_with_its_round_to_nearest_row(tiny_llam
     fixed = _fixed_plans(model)
     twins = _gptq_plans(fixed)
     assert "GPTQ int4 sym g32, lm_head int8" in twins and "GPTQ act-order int4 asym g64" in twins
+    assert "learned int4 sym g32" in twins and "learned int4 asym g64, lm_head int8" in twins
     for name, (plan, family) in twins.items():
+        method = "learned" if family == "learned" else "gptq"
         rtn = next(p for n, p in fixed.items() if n.split(" (")[0] == name.removeprefix(family + " "))
         assert plan.avg_bits_per_weight(model) == rtn.avg_bits_per_weight(model)
         specs, rtn_specs = plan.layer_specs(model), rtn.layer_specs(model)
         for layer, spec in specs.items():
             same = dataclasses.replace(spec, method="rtn") == rtn_specs[layer]
-            assert same and (spec.method == "gptq") == (spec.format == "int4"), (name, layer)
+            assert same and (spec.method == method) == (spec.format == "int4"), (name, layer)
 
 
 def test_as_decode_steps_feeds_quantized_linears_decode_sized_chunks(monkeypatch):

@@ -206,13 +206,22 @@ def test_compile_cli_writes_loadable_artifact(tmp_path, tiny_llama_dir):
     result = _compile(
         tmp_path,
         tiny_llama_dir,
-        "enable_dqg: true\nbits_budget: 6\ncalibration:\n  source: random\n  num_samples: 2\n  max_len: 64\n",
+        "enable_dqg: true\nbits_budget: 6\ncalibration:\n  source: random\n  num_samples: 2\n  max_len: 64\n"
+        "  ema_decay: 0.9\n",
     )
     assert result.exit_code == 0, result.output + result.stderr
     out = tmp_path / "art"
     assert (out / artifact.REPORT_FILE).exists() and "bits/weight" in result.stdout
     report = json.loads((out / artifact.REPORT_FILE).read_text())
     assert report["avg_bits_per_weight"] <= 6 and report["mode"] == "measured"
+    metadata = artifact.read_metadata(out)
+    for recorded in (
+        report["calibration"],
+        metadata["calibration"],
+    ):  # the settings the plan was measured with
+        assert (
+            recorded["ema_decay"] == 0.9 and recorded["num_samples"] == 2 and recorded["source"] == "random"
+        )
     assert load_model(out).file_format == "mcp2026-artifact"
     again = _compile(tmp_path, tmp_path / "art", "target_precision: int8\n", out="art2")
     assert again.exit_code == 2 and "already a compiled artifact" in again.stderr

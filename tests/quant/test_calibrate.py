@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -88,3 +89,33 @@ def test_lm_head_fisher_is_the_softmax_curvature_over_every_token(calibrated):
             count += len(ids)
     assert len(samples) > SETTINGS.fisher_samples
     assert torch.allclose(calib.layers["lm_head"].output_fisher, total / count, rtol=1e-4, atol=1e-7)
+
+
+def test_ema_decay_setting_reaches_the_statistics(tiny_llama_dir):
+    """calibration.ema_decay is the decay of the EMA over calls: ema = d * ema + (1 - d) * batch, from the first
+    call's value; two decays give two EMAs, each the formula's, and the same exact means."""
+    model = load_model(tiny_llama_dir).model
+    samples = calibration_samples(SETTINGS, None, 320)
+    settings = dataclasses.replace(SETTINGS, fisher_samples=0)
+    runs = {
+        d: calibrate(model, samples, dataclasses.replace(settings, ema_decay=d), False) for d in (0.999, 0.2)
+    }
+    linear = model.layers[0].mlp.down_proj
+    batches = []
+    handle = linear.register_forward_pre_hook(
+        lambda _m, a: batches.append((a[0].detach().reshape(-1, a[0].shape[-1]).double() ** 2).mean(0))
+    )
+    with torch.inference_mode():
+        for s in samples:
+            ids = torch.tensor(s)
+            model(ids, torch.arange(len(ids)))
+    handle.remove()
+    for decay, calib in runs.items():
+        expected = batches[0]
+        for batch in batches[1:]:
+            expected = decay * expected + (1 - decay) * batch
+        stats = calib.layers["layers.0.mlp.down_proj"].activations
+        torch.testing.assert_close(stats.ema_second_moment, expected.float())
+    slow, fast = (runs[d].layers["layers.0.mlp.down_proj"].activations for d in (0.999, 0.2))
+    assert (slow.ema_second_moment - fast.ema_second_moment).abs().max() > 1e-3 * slow.ema_second_moment.max()
+    torch.testing.assert_close(slow.second_moment, fast.second_moment)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from mcp2026.config import QuantConfig
@@ -38,6 +40,10 @@ def test_sections_are_typed_and_override_the_flat_keys():
         ({"calibration": {"max_len": 1}}, "calibration.max_len must be >= 2, got 1"),
         ({"calibration": {"fisher_samples": True}}, "calibration.fisher_samples must be int, got True"),
         ({"calibration": {"source": 3}}, "calibration.source must be str, got 3"),
+        ({"calibration": {"ema_decay": 1}}, "calibration.ema_decay must be in (0, 1)"),
+        ({"calibration": {"ema_decay": 0.0}}, "calibration.ema_decay must be in (0, 1)"),
+        ({"calibration": {"ema_decay": "fast"}}, "calibration.ema_decay must be float, got 'fast'"),
+        ({"calibration": {"ema": 0.9}}, "unknown keys in 'calibration': ['ema']"),
     ],
 )
 def test_bad_section_names_file_and_key_once(tmp_path, data, message):
@@ -50,3 +56,15 @@ def test_bad_section_names_file_and_key_once(tmp_path, data, message):
     text = str(caught.value)
     assert text.startswith(f"{path}: ") and message in text
     assert text.count(str(path)) == 1 and "\n" not in text
+
+
+def test_ema_decay_round_trips_through_yaml(tmp_path):
+    import yaml
+
+    path = tmp_path / "q.yaml"
+    path.write_text(yaml.safe_dump({"calibration": {"ema_decay": 0.95, "num_samples": 4}}))
+    spec = load_spec(path)
+    assert spec.calibration.ema_decay == 0.95 and spec.calibration.num_samples == 4
+    path.write_text(yaml.safe_dump({"calibration": dataclasses.asdict(spec.calibration)}))
+    assert load_spec(path).calibration == spec.calibration
+    assert parse_spec({}).calibration.ema_decay == 0.999  # the default

@@ -22,7 +22,7 @@ from mcp2026.bench.quality import evaluate, reference_logprobs
 from mcp2026.kernels import cpu
 from mcp2026.loading.loader import load_model, parameter_count, weight_bytes
 from mcp2026.pipeline import native_weights_blocker
-from mcp2026.quant import dqg, gptq, recipe
+from mcp2026.quant import dqg, gptq, learned_scales, recipe
 from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, calibration_samples
 from mcp2026.quant.cpu_routing import GEMV_MAX_ROWS
 from mcp2026.quant.linear import QuantLinear
@@ -128,15 +128,18 @@ GPTQ_FAMILIES = {
     "GPTQ": gptq.GPTQSettings(act_order=False),
     "GPTQ act-order": gptq.GPTQSettings(act_order=True),
 }
+LEARNED_FAMILIES = {"learned": learned_scales.LearnedScaleSettings()}
+LEVEL_FAMILIES = (*GPTQ_FAMILIES, *LEARNED_FAMILIES)  # int4 levels from calibration text
 
 
 def _gptq_plans(fixed: dict[str, QuantPlan]) -> dict[str, tuple[QuantPlan, str]]:
-    """The uniform int4 plans again with GPTQ's levels, in column order and in act-order ("GPTQ " / "GPTQ
-    act-order " + the name, without the llama.cpp note): same layouts, same bits, so each row differs from its
-    round-to-nearest row by the rounding alone. name -> (plan, family)."""
+    """The uniform int4 plans again with GPTQ's levels, in column order and in act-order, and with learned
+    scales ("GPTQ " / "GPTQ act-order " / "learned " + the name, without the llama.cpp note): same layouts, same
+    bits, so each row differs from its round-to-nearest row by the rounding alone. name -> (plan, family)."""
+    method = {**dict.fromkeys(GPTQ_FAMILIES, "gptq"), **dict.fromkeys(LEARNED_FAMILIES, "learned")}
     return {
-        f"{family} {name.split(' (')[0]}": (gptq.as_gptq(plan), family)
-        for family in GPTQ_FAMILIES
+        f"{family} {name.split(' (')[0]}": (gptq.as_gptq(plan, method[family]), family)
+        for family in LEVEL_FAMILIES
         for name, plan in fixed.items()
         if name.startswith("int4")
     }
@@ -216,7 +219,7 @@ def run_quality_bench(
     wants_dqg = any(wanted(n) for n in ("DQG", "curve")) or any("DQG" in k for k in settings.only)
     calibration = calibration or CalibrationSettings()
     samples = None  # calibration text (GPTQ and the DQG): the calibration split, never the windows' text
-    if wants_dqg or any(family in GPTQ_FAMILIES for *_, family in plans.values()):
+    if wants_dqg or any(family in LEVEL_FAMILIES for *_, family in plans.values()):
         samples = calibration_samples(calibration, tokenizer, model.embed_tokens.num_embeddings)
     if wants_dqg:
         calib = calibrate(model, samples, calibration, progress)
@@ -263,6 +266,7 @@ def run_quality_bench(
                 False,
                 samples=samples,
                 gptq_settings=GPTQ_FAMILIES.get(family),
+                learned_settings=LEARNED_FAMILIES.get(family),
             )
             if settings.decode_kernels:
                 as_decode_steps(quantized)
@@ -303,10 +307,10 @@ def _markdown(rows, header: str, notes: Sequence[str] = ()) -> str:
     if heads:
         lines += ["", "lm_head as the DQG stored it: " + "; ".join(heads) + "."]
     gptq_notes = [
-        f"{r['plan']}: {r['notes'][0]}" for r in rows if r.get("family") in GPTQ_FAMILIES and r.get("notes")
+        f"{r['plan']}: {r['notes'][0]}" for r in rows if r.get("family") in LEVEL_FAMILIES and r.get("notes")
     ]
     if gptq_notes:
-        lines += ["", "GPTQ rows (calibration: the ShareGPT calibration split, never these windows): "
+        lines += ["", "GPTQ and learned-scale rows (calibration: the ShareGPT calibration split, never these windows): "
                   + "; ".join(gptq_notes) + "."]  # fmt: skip
     if any(r.get("family") in ("peer", "llama.cpp") for r in rows):
         lines += ["", "Peers (their ΔPPL and KLD are against our fp32 reference on the same windows and token "
@@ -330,7 +334,7 @@ def _write(bench: QualityBench, out_dir: str) -> str:
         if points:
             ax.plot(*zip(*points), style, label=family)
     for r in bench.rows:
-        if r["family"] == "fixed" or r["family"] in GPTQ_FAMILIES:
+        if r["family"] == "fixed" or r["family"] in LEVEL_FAMILIES:
             ax.plot(r["bits"], 100 * r["delta_ppl"], "x" if r["family"] == "fixed" else "+", color="k")
             ax.annotate(r["plan"], (r["bits"], 100 * r["delta_ppl"]), fontsize=7)
     peers = sorted((r["bits"], 100 * r["delta_ppl"], r["plan"].split(" (")[0]) for r in bench.rows

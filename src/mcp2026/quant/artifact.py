@@ -1,7 +1,7 @@
 """A compiled model folder: packed quantized weights, the plan and metadata; loads without recalibrating.
 
 Layout: ``mcp2026_artifact.json`` (metadata: source model path and sha256, model config, per-layer spec
-and compute dtype, tokenizer source), ``model.safetensors`` (the quantized model's state dict: packed
+and compute dtype, tokenizer source, the calibration settings when the plan or its levels were calibrated), ``model.safetensors`` (the quantized model's state dict: packed
 int4/int8 buffers, scales, act scales, and every other tensor as compiled), ``plan.json``,
 ``dqg_report.json`` (when the DQG chose the plan) and the tokenizer as HF files (tokenizer.json, ...).
 """
@@ -108,6 +108,7 @@ def save_artifact(out_dir: str | Path, loaded, result, quant_config=None) -> Pat
         "dtype": _dtype_name(model.embed_tokens.weight.dtype),
         "tokenizer": {"source": f"{loaded.file_format}:{source.resolve()}", "files": save_tokenizer(loaded.tokenizer, out)},
         "quant_config": dataclasses.asdict(quant_config) if quant_config is not None else None,
+        "calibration": None if isinstance(result, QuantPlan) else result.calibration,
         "plan_id": plan.plan_id,
         "int4_pack_block_rows": int4pack_block_rows(),
         "layers": layers,

@@ -35,11 +35,18 @@ class CalibrationSettings:
     max_rows: int = 256  # input rows kept per linear for error measurement
     fisher_samples: int = 8  # samples that also run backward (output sensitivities); 0 disables
     seed: int = 0
+    # Decay per forward call of the activation statistics' EMA (``ActivationStats.ema_absmax`` / ``ema_second_moment``):
+    # 0.999 remembers ~1000 calls, i.e. every sample of a calibration run, weighted towards the later ones.
+    ema_decay: float = 0.999
 
     def __post_init__(self) -> None:
         for name, low in (("num_samples", 1), ("max_len", 2), ("max_rows", 1), ("fisher_samples", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"calibration.{name} must be >= {low}, got {getattr(self, name)}")
+        if not 0.0 < self.ema_decay < 1.0:
+            raise ValueError(
+                f"calibration.ema_decay must be in (0, 1) (the EMA's weight on its past per call), got {self.ema_decay}"
+            )
 
 
 @dataclass
@@ -179,7 +186,7 @@ def calibrate(
     device = next(model.parameters()).device
     per_call = max(1, -(-settings.max_rows // len(samples)))
     rows = _RowSampler(settings.max_rows, per_call, settings.seed)
-    collector = ActivationStatsCollector(model)
+    collector = ActivationStatsCollector(model, settings.ema_decay)
     row_hooks = [
         model.get_submodule(n).register_forward_pre_hook(lambda _m, a, n=n: rows.capture(n, a[0])) for n in names
     ]  # fmt: skip

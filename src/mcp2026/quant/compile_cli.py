@@ -4,8 +4,9 @@
 YAML keys: the ``QuantConfig`` fields (target_precision, enable_dqg, bits_budget | bytes_budget |
 max_ppl_increase, group_size, granularity, symmetric, lm_head_precision, strict, calibration_source, calibration_samples),
 plus optional sections ``calibration:`` (CalibrationSettings: source, num_samples, max_len, min_len,
-max_rows, fisher_samples, seed), ``dqg:`` (DQGSettings) and ``gptq:`` (GPTQSettings: damp, block_size,
-act_order; with ``method: gptq``). Examples: examples/quant/*.yaml.
+max_rows, fisher_samples, seed, ema_decay), ``dqg:`` (DQGSettings) and ``gptq:`` (GPTQSettings: damp, block_size,
+act_order; with ``method: gptq``) and ``learned:`` (LearnedScaleSettings: steps, lr, train_rows,
+heldout_rows, heldout_share, seed; with ``method: learned``). Examples: examples/quant/*.yaml.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from mcp2026.config import QuantConfig
 from mcp2026.quant.calibrate import CalibrationSettings
 from mcp2026.quant.dqg_options import DQGSettings
 from mcp2026.quant.gptq import GPTQSettings
+from mcp2026.quant.learned_scales import LearnedScaleSettings
 
 _QUANT_KEYS = {f.name for f in dataclasses.fields(QuantConfig)} - {"enable_dtss", "max_kv_cache_shards"}
-_SECTIONS = {"calibration": CalibrationSettings, "dqg": DQGSettings, "gptq": GPTQSettings}
+_SECTIONS = {
+    "calibration": CalibrationSettings, "dqg": DQGSettings, "gptq": GPTQSettings, "learned": LearnedScaleSettings,
+}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +38,7 @@ class CompileSpec:
     calibration: CalibrationSettings
     dqg: DQGSettings
     gptq: GPTQSettings = GPTQSettings()
+    learned: LearnedScaleSettings = LearnedScaleSettings()
 
     @classmethod
     def from_config(cls, quant: QuantConfig) -> CompileSpec:
@@ -89,6 +94,7 @@ def parse_spec(data: Any, source: str = "<yaml>") -> CompileSpec:
         calibration = _section("calibration", CalibrationSettings, data.get("calibration"))
         settings = _section("dqg", DQGSettings, data.get("dqg"))
         gptq = _section("gptq", GPTQSettings, data.get("gptq"))
+        learned = _section("learned", LearnedScaleSettings, data.get("learned"))
     except TypeError as error:  # a value of the wrong type reaching a dataclass
         raise ValueError(f"{source}: {error}") from None
     except ValueError as error:
@@ -98,7 +104,7 @@ def parse_spec(data: Any, source: str = "<yaml>") -> CompileSpec:
     calibration = dataclasses.replace(calibration, **{k: v for k, v in flat.items() if k not in given})
     if "symmetric_only" not in (data.get("dqg") or {}):
         settings = dataclasses.replace(settings, symmetric_only=quant.symmetric)
-    return CompileSpec(quant, calibration, settings, gptq)
+    return CompileSpec(quant, calibration, settings, gptq, learned)
 
 
 def load_spec(path: str | Path) -> CompileSpec:

@@ -207,6 +207,7 @@ class DQGResult:
     analytic: dict[str, int] = field(default_factory=dict)  # analytic mode: b* per layer before clamping
     ppl_checks: list[dict[str, float]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    calibration: dict[str, object] | None = None  # the CalibrationSettings the plan or its levels came from
 
     @property
     def avg_bits(self) -> float:
@@ -263,7 +264,7 @@ class DQGResult:
             "mode": self.mode, "budget": self.budget, "avg_bits_per_weight": self.avg_bits,
             "predicted_error": self.predicted_error, "plan": self.plan.to_dict(), "plan_id": self.plan.plan_id,
             "precompensation": self.precompensation_report(), "ppl_checks": self.ppl_checks,
-            "notes": self.notes, "layers": self.rows(),
+            "notes": self.notes, "calibration": self.calibration, "layers": self.rows(),
         }  # fmt: skip
 
     def to_json(self) -> str:

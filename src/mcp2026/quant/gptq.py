@@ -290,20 +290,21 @@ def _output_hessian(model: nn.Module, in_features: int, samples: Sequence[Tensor
     return total.hessian()
 
 
-def as_gptq(plan: QuantPlan) -> QuantPlan:
-    """``plan`` with every plain int4 spec (no split rows, AWQ scale or bias correction) chosen by GPTQ."""
+def as_gptq(plan: QuantPlan, method: str = "gptq") -> QuantPlan:
+    """``plan`` with every plain int4 spec (no split rows, AWQ scale or bias correction) chosen by GPTQ (or by
+    another ``method`` that applies to plain int4 layers: "learned")."""
     rules = [*plan.rules, *([(DEFAULT_KEY, plan.default)] if plan.default is not None else [])]
-    return QuantPlan({pattern: _gptq_spec(spec) for pattern, spec in rules})
+    return QuantPlan({pattern: _method_spec(spec, method) for pattern, spec in rules})
 
 
-def _gptq_spec(spec: LayerQuantSpec) -> LayerQuantSpec:
+def _method_spec(spec: LayerQuantSpec, method: str) -> LayerQuantSpec:
     plain = (
         spec.format == "int4"
         and not spec.high_rows
         and spec.act_scale is None
         and spec.bias_correction is None
     )
-    return dataclasses.replace(spec, method="gptq") if plain else spec
+    return dataclasses.replace(spec, method=method) if plain else spec
 
 
 def uses_gptq(plan: QuantPlan, model: nn.Module) -> bool:

@@ -27,7 +27,9 @@ INDEX_BITS = 32  # a split layer stores its int8 rows' indices as int32
 BIAS_BITS = 32  # a correction bias is counted as fp32 (it is stored in the compute dtype)
 SPLIT_ROW_MULTIPLE = 16  # the int4 kernel packs 16 output rows at a time, so the int8 rows come in 16s
 DEFAULT_KEY = "_default"
-METHODS = ("rtn", "gptq")  # how int4 levels are chosen: round to nearest, or GPTQ (quant/gptq.py)
+# how int4 levels are chosen: round to nearest, GPTQ (quant/gptq.py), learned scales (quant/learned_scales.py)
+METHODS = ("rtn", "gptq", "learned")
+_METHOD_LABELS = {"gptq": "GPTQ", "learned": "learned scales"}
 OUTPUT_PROJECTION = "lm_head"  # the models' vocabulary projection (its weight may be the tied embedding's)
 
 
@@ -47,7 +49,8 @@ class LayerQuantSpec:
     ``-mean @ (Wq - W).T``, cancelling the quantization error's average effect on each output.
     ``method`` (int4 only): how the levels are chosen. "rtn" rounds each weight to its group's grid; "gptq"
     rounds column by column and spreads each column's error over the columns not yet rounded, weighted by the
-    layer's input Hessian from calibration (``quant.gptq``). Same storage either way.
+    layer's input Hessian from calibration (``quant.gptq``); "learned" learns each group's scale and zero from
+    round-to-nearest's on calibration inputs (``quant.learned_scales``). Same storage either way.
     """
 
     format: str = "fp32"
@@ -93,11 +96,11 @@ class LayerQuantSpec:
             raise ValueError("row_scores ranks the rows of high_rows; set high_rows > 0 or drop row_scores")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        if self.method == "gptq" and (
+        if self.method != "rtn" and (
             not is_int4 or self.high_rows or self.act_scale is not None or self.bias_correction is not None
         ):
             raise ValueError(
-                "method 'gptq' applies to plain int4 layers (no high_rows, act_scale or bias_correction), "
+                f"method {self.method!r} applies to plain int4 layers (no high_rows, act_scale or bias_correction), "
                 f"not {self.format}" + (" with those" if is_int4 else "")
             )
         object.__setattr__(self, "high_rows", float(self.high_rows))
@@ -143,7 +146,7 @@ class LayerQuantSpec:
             f"clip {self.clip_ratio}" if self.clip_ratio != 1.0 else "",
             "AWQ-scaled" if self.act_scale else "",
             "bias-corrected" if self.bias_correction else "",
-            "GPTQ" if self.method == "gptq" else "",
+            _METHOD_LABELS.get(self.method, ""),
         ]
         return ", ".join([text, *filter(None, extras)])
 
@@ -357,7 +360,7 @@ def _spec_cells(spec: LayerQuantSpec | None) -> list[str]:
         f"+{spec.high_rows:.0%} rows int8" if spec.high_rows else "",
         "+bias corr" if spec.bias_correction else "",
     ]
-    extras.append("GPTQ" if spec.method == "gptq" else "")
+    extras.append(_METHOD_LABELS.get(spec.method, ""))
     return [
         " ".join([spec.format, *filter(None, extras)]),
         str(spec.group_size or ""),

@@ -208,8 +208,11 @@ def fake_quantize(
 ) -> Tensor:
     """The effective fp32 weight a module built from ``spec`` computes with (act scale folded back;
     a split spec's int8 rows chosen by ``row_scores`` as ``split_rows`` does)."""
-    if spec.method == "gptq":
-        raise ValueError("GPTQ levels depend on the layer's calibration inputs: quantize with quant.gptq")
+    if spec.method != "rtn":
+        raise ValueError(
+            f"{spec.method} levels depend on the layer's calibration inputs: quantize with quant.gptq / "
+            "quant.learned_scales"
+        )
     if spec.format in DENSE_FORMATS:
         return _qdq(w, spec, 1.0)
     if spec.high_rows:

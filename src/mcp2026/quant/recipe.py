@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from mcp2026.config import QuantConfig
-from mcp2026.quant import backend, dqg, gptq
+from mcp2026.quant import backend, dqg, gptq, learned_scales
 from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, calibration_samples
 from mcp2026.quant.dqg import BudgetError, DQGResult
 from mcp2026.quant.dqg_options import DQGSettings, LayerOptions
@@ -144,18 +144,30 @@ def plan_for_config(
         settings = settings or DQGSettings(symmetric_only=config.symmetric)
         calib, layers = _measure(model, tokenizer, config, formats, settings, calibration, progress)
         result = _allocate(model, calib, layers, config, formats, settings, progress)
-    if config.method == "gptq":
-        result.plan = gptq.as_gptq(result.plan)
-        if not gptq.uses_gptq(result.plan, model):
+        result.calibration = dataclasses.asdict(calibration_settings(config, calibration))
+    if config.method != "rtn":
+        result.plan = gptq.as_gptq(result.plan, config.method)
+        if not _calibrated_levels(result.plan, model):
             warnings.warn(
-                "method='gptq' chooses int4 levels; this plan has no plain int4 layer", stacklevel=2
+                f"method={config.method!r} chooses int4 levels; this plan has no plain int4 layer",
+                stacklevel=2,
             )
     return result
 
 
+def _calibrated_levels(plan: QuantPlan, model: nn.Module) -> bool:
+    """Whether some layer's levels come from calibration text (GPTQ or learned scales)."""
+    return gptq.uses_gptq(plan, model) or learned_scales.uses_learned(plan, model)
+
+
+def calibration_settings(config: QuantConfig, calibration: CalibrationSettings | None) -> CalibrationSettings:
+    """``calibration``, or the config's source and sample count with the other settings' defaults."""
+    return calibration or CalibrationSettings(config.calibration_source, config.calibration_samples)
+
+
 def _measure(model, tokenizer, config: QuantConfig, formats, settings, calibration, progress: bool):
     """Calibrate, then measure every layer's options (the expensive part a second budget can reuse)."""
-    calibration = calibration or CalibrationSettings(config.calibration_source, config.calibration_samples)
+    calibration = calibration_settings(config, calibration)
     vocab = model.get_submodule("embed_tokens").num_embeddings
     samples = calibration_samples(calibration, tokenizer, vocab)
     calib = calibrate(model, samples, calibration, progress)
@@ -308,14 +320,28 @@ def apply(
     *,
     samples: Sequence[Sequence[int]] | None = None,
     gptq_settings: gptq.GPTQSettings | None = None,
+    learned_settings: learned_scales.LearnedScaleSettings | None = None,
 ) -> nn.Module:
     """Quantize ``model`` in place as ``result.plan`` says, one layer at a time (with a progress bar). A plan
-    with GPTQ layers runs layer after layer on ``samples`` (token ids of calibration text; ``quant.gptq``), and
-    ``result.notes`` gets a line on how their output errors compare with round-to-nearest's."""
-    if gptq.uses_gptq(result.plan, model):
+    with GPTQ or learned-scale layers runs layer after layer on ``samples`` (token ids of calibration text;
+    ``quant.gptq``, ``quant.learned_scales``), and ``result.notes`` gets lines on how their output errors compare
+    with round-to-nearest's."""
+    if _calibrated_levels(result.plan, model):
         if not samples:
-            raise ValueError("a plan with GPTQ layers needs calibration samples to quantize with")
+            raise ValueError(
+                "a plan with GPTQ or learned-scale layers needs calibration samples to quantize with"
+            )
         ids = [torch.tensor(list(s), dtype=torch.long) for s in samples]
+    if learned_scales.uses_learned(result.plan, model):
+        if gptq.uses_gptq(result.plan, model):
+            raise ValueError("a plan mixes GPTQ and learned-scale layers; choose one method per plan")
+        errors = learned_scales.quantize_sequential(
+            model, result.plan, ids, result.tensors, compute_dtypes,
+            learned_settings or learned_scales.LearnedScaleSettings(), progress,
+        )  # fmt: skip
+        result.notes += [learned_scales.summary(errors), learned_scales.per_layer(errors)]
+        return model
+    if gptq.uses_gptq(result.plan, model):
         errors = gptq.quantize_sequential(
             model,
             result.plan,
@@ -347,10 +373,12 @@ def quantize_model(
     settings: DQGSettings | None = None,
     calibration: CalibrationSettings | None = None,
     gptq_settings: gptq.GPTQSettings | None = None,
+    learned_settings: learned_scales.LearnedScaleSettings | None = None,
     progress: bool = True,
 ) -> DQGResult:
-    """Plan (on this device's candidates) and quantize in place; returns how the plan was chosen. GPTQ layers
-    are quantized on the calibration text of ``calibration`` (the config's source and sample count by default)."""
+    """Plan (on this device's candidates) and quantize in place; returns how the plan was chosen. GPTQ and
+    learned-scale layers are quantized on the calibration text of ``calibration`` (the config's source and
+    sample count by default)."""
     formats, dtypes = hardware_candidates(device)
     result = plan_for_config(
         model,
@@ -362,13 +390,13 @@ def quantize_model(
         progress=progress,
     )
     samples = None
-    if gptq.uses_gptq(result.plan, model):
-        calibration = calibration or CalibrationSettings(
-            config.calibration_source, config.calibration_samples
-        )
+    if _calibrated_levels(result.plan, model):
+        calibration = calibration_settings(config, calibration)
         vocab = model.get_submodule("embed_tokens").num_embeddings
         samples = calibration_samples(calibration, tokenizer, vocab)
-    apply(model, result, dtypes, progress, samples=samples, gptq_settings=gptq_settings)
+        result.calibration = dataclasses.asdict(calibration)
+    apply(model, result, dtypes, progress, samples=samples, gptq_settings=gptq_settings,
+          learned_settings=learned_settings)  # fmt: skip
     return result
 
 
@@ -399,6 +427,7 @@ def gate_for_config(
     settings = settings or DQGSettings(symmetric_only=config.symmetric)
     calib, layers = _measure(model, tokenizer, config, formats, settings, calibration, progress)
     quality = _allocate(model, calib, layers, config, formats, settings, progress)
+    quality.calibration = dataclasses.asdict(calibration_settings(config, calibration))
     pressure_config = dataclasses.replace(
         config,
         bits_budget=config.pressure_bits_budget,
@@ -407,6 +436,7 @@ def gate_for_config(
         pressure_bits_budget=None,
     )
     pressure = _allocate(model, calib, layers, pressure_config, formats, settings, progress)
+    pressure.calibration = quality.calibration
     gate = QuantGate(model, quality.plan, pressure.plan, {**quality.tensors, **pressure.tensors}, dtypes)
     return quality, pressure, gate
 
@@ -420,6 +450,7 @@ def quantize_loaded(
     settings: DQGSettings | None = None,
     calibration: CalibrationSettings | None = None,
     gptq_settings: gptq.GPTQSettings | None = None,
+    learned_settings: learned_scales.LearnedScaleSettings | None = None,
 ):
     """Pipeline's quantization step: quantize a freshly loaded model as ``config`` asks (with the DQG and
     calibration settings of its YAML, as ``compile`` does); a compiled artifact is already quantized, so
@@ -437,5 +468,6 @@ def quantize_loaded(
         settings=settings,
         calibration=calibration,
         gptq_settings=gptq_settings,
+        learned_settings=learned_settings,
         progress=progress,
     )

@@ -2,8 +2,8 @@
 
 Weights: sigma, Fisher-Pearson skewness, excess kurtosis, outlier ratio, absmax; the
 pre-compensation trigger is |skew| > 0.8 or kurtosis > 5. Activations: forward pre-hooks on linears
-accumulate per-input-channel absmax and second moment, as an EMA (decay 0.999 per batch)
-and as exact means over everything seen.
+accumulate per-input-channel absmax and second moment, as an EMA (decay per batch from
+``CalibrationSettings.ema_decay``, 0.999 by default) and as exact means over everything seen.
 """
 
 from __future__ import annotations
