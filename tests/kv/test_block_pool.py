@@ -129,16 +129,18 @@ def test_allocation_takes_the_lowest_free_blocks():
     assert pool.allocate(1) == [4]
 
 
-def test_release_above_held_hands_back_the_free_top_once():
+def test_release_free_runs_hands_back_free_blocks_between_and_above_the_held_ones_once():
     pool = BlockPool(16)
     blocks = pool.allocate(10)  # 0..9 written
-    assert pool.release_above_held() == (10, 10)  # everything written is held
+    assert pool.release_free_runs() == []  # everything written is held
     pool.free(blocks[4:])  # 4..9 free
+    pool.free([blocks[1]])  # a hole between held blocks
     pool.free([blocks[3]], park=[blocks[3]])  # a parked block still holds its contents
-    assert pool.release_above_held() == (4, 10)
-    assert pool.release_above_held() == (4, 4)  # released once; nothing written since
-    pool.allocate(2)  # 4, 5 written again
+    # the hole (1), and the top from 4 up (never-written 10..15 included: nothing above is held)
+    assert pool.release_free_runs() == [(1, 2, False), (4, 16, True)]
+    assert pool.release_free_runs() == []  # released once; nothing written since
+    assert pool.allocate(2) == [1, 4]  # written again
     pool.reclaim([3])
-    pool.free([4, 5])
-    assert pool.release_above_held() == (3, 6)
+    pool.free([1, 4])
+    assert pool.release_free_runs() == [(1, 2, False), (3, 16, True)]
     pool.check_integrity()

@@ -258,11 +258,11 @@ class LLMEngine:
         return victims
 
     def release_idle_memory(self) -> int:
-        """With nothing running: hand the KV pages of the free blocks above the highest held one back to the
+        """With nothing running: hand the KV pages of the free blocks written since the last release back to the
         OS (CPU pools), and the heap's free pages; the process shrinks back after a burst of load. Returns the
         KV bytes released."""
-        start, end = self.kv_manager.pool.release_above_held()
-        released = self.cache.release_blocks(start, end, free_above=True)
+        runs = self.kv_manager.pool.release_free_runs()
+        released = sum(self.cache.release_blocks(s, e, free_above=top) for s, e, top in runs)
         self.stats.kv_bytes_released += released
         hardware.release_free_heap()
         return released

@@ -25,7 +25,7 @@ class BlockPool:
                 contents; only ``incref`` (a prefix hit) or ``reclaim`` (eviction) take it out.
     Allocation takes the lowest free ids (each free list is a min-heap): the blocks in use stay packed at the
     bottom of the pool, so the memory a CPU pool commits (pages are committed on first write) follows the
-    peak load, and everything above the highest held block can be handed back (``release_above_held``).
+    peak load, and the free blocks between and above the held ones can be handed back (``release_free_runs``).
     Shard ``s`` owns ids ``[bounds[s], bounds[s+1])``; the first ``num_online_shards`` shards are online.
     Offline shards keep their free lists but are never allocated from; parked blocks are always online.
     """
@@ -43,9 +43,8 @@ class BlockPool:
         self._is_free = [True] * num_blocks
         self._parked: set[int] = set()
         self._free_lists = [list(range(self._bounds[s], self._bounds[s + 1])) for s in range(num_shards)]
-        # One past the highest block handed out since the last release: blocks at or above it were never
-        # written since (their memory is not committed)
-        self._written_end = 0
+        # Blocks handed out since the last release: the only ones whose memory may be committed
+        self._written: set[int] = set()
 
     # --- queries -------------------------------------------------------------------------------------------
     @property
@@ -101,8 +100,7 @@ class BlockPool:
             self._is_free[b] = False
             self._ref_counts[b] = 1
         self._num_used += num_blocks
-        if block_ids:
-            self._written_end = max(self._written_end, max(block_ids) + 1)
+        self._written.update(block_ids)
         return block_ids
 
     def incref(self, block_ids: Iterable[int]) -> None:
@@ -146,13 +144,26 @@ class BlockPool:
         self._is_free[block_id] = True
         heapq.heappush(self._free_lists[self.shard_of(block_id)], block_id)
 
-    def release_above_held(self) -> tuple[int, int]:
-        """The range [start, end) of blocks written since the last release that are now all free, above the
-        highest used or parked block; it counts as unwritten afterwards (the caller hands its memory back)."""
+    def release_free_runs(self) -> list[tuple[int, int, bool]]:
+        """The runs [start, end) of consecutive free blocks holding at least one block written since the last
+        release, and whether nothing above a run is used or parked; those blocks count as unwritten afterwards
+        (the caller hands their memory back). Parked blocks scattered through the pool leave the free runs
+        between them, not only the top, to hand back."""
+        dirty = sorted(b for b in self._written if self._is_free[b])
+        self._written.difference_update(dirty)
         held = max((b for b, r in enumerate(self._ref_counts) if r > 0), default=-1)
-        start = max(held, max(self._parked, default=-1)) + 1
-        end, self._written_end = self._written_end, min(self._written_end, start)
-        return start, max(start, end)
+        top = max(held, max(self._parked, default=-1))
+        runs: list[tuple[int, int, bool]] = []
+        for b in dirty:
+            if runs and runs[-1][1] >= b:  # already inside the run grown from an earlier dirty block
+                continue
+            start, end = b, b + 1
+            while start > 0 and self._is_free[start - 1]:
+                start -= 1
+            while end < self.num_blocks and self._is_free[end]:
+                end += 1
+            runs.append((start, end, start > top))
+        return runs
 
     # --- DTSS ----------------------------------------------------------------------------------------------
     def release_shards(self, num_shards: int) -> list[int]:
