@@ -42,7 +42,7 @@ COMMANDS = lazy_group(
         "quality",
         "mcp2026.bench.quality_cli:quality",
         "Perplexity and KLD of quantized plans (int8, int4, role mixture, DQG budgets) vs full precision, with "
-        "HF transformers and llama.cpp scored on the same windows.",
+        "HF transformers, llama.cpp and llama.cpp's own formats scored on the same windows.",
     ),
     LazyCommand(
         "export",
