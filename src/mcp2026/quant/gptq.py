@@ -184,7 +184,7 @@ class _FirstLayerInputs(Exception):
     """Raised by the hook on the first decoder layer once it has its inputs: the rest of the pass is not needed."""
 
 
-def _first_layer_inputs(model: nn.Module, samples: Sequence[Tensor]) -> list[tuple[tuple, dict]]:
+def first_layer_inputs(model: nn.Module, samples: Sequence[Tensor]) -> list[tuple[tuple, dict]]:
     """(args, kwargs) of ``model.layers[0]`` for each sample, the model run as far as that layer."""
     captured: list[tuple[tuple, dict]] = []
 
@@ -203,7 +203,7 @@ def _first_layer_inputs(model: nn.Module, samples: Sequence[Tensor]) -> list[tup
     return captured
 
 
-def _fresh(args: tuple) -> tuple:
+def fresh_args(args: tuple) -> tuple:
     """A layer call's arguments with its tensors copied: the fused add + norm updates the residual stream in
     place, and the stored inputs are run through a layer twice (for the Hessians, then for the outputs)."""
     return tuple(a.clone() if isinstance(a, Tensor) else a for a in args)
@@ -227,7 +227,7 @@ def _hessians(
     handles = [m.register_forward_pre_hook(lambda _m, a, n=n: add(n, a[0])) for n, m in modules.items()]
     try:
         for args, kwargs in inputs:
-            layer(*_fresh(args), **kwargs)
+            layer(*fresh_args(args), **kwargs)
     finally:
         for handle in handles:
             handle.remove()
@@ -253,7 +253,7 @@ def quantize_sequential(
     errors: dict[str, LayerError] = {}
     with torch.no_grad(), _progress(progress) as bar:
         task = bar.add_task("GPTQ", total=len(model.layers) + 1)
-        inputs = _first_layer_inputs(model, samples) if pending else []
+        inputs = first_layer_inputs(model, samples) if pending else []
         for layer in model.layers:
             prefix = names[id(layer)]
             linears = {f"{prefix}.{n}": m for n, m in linear_modules(layer) if isinstance(m, nn.Linear)}
@@ -264,7 +264,7 @@ def quantize_sequential(
                                        compute_dtypes, settings))  # fmt: skip
             pending -= set(gptq)
             if pending:  # the next layer's inputs, through this layer as quantized
-                inputs = [((*layer(*_fresh(a), **kw), *a[2:]), kw) for a, kw in inputs]
+                inputs = [((*layer(*fresh_args(a), **kw), *a[2:]), kw) for a, kw in inputs]
             bar.advance(task)
         for name in sorted(pending):
             if name != OUTPUT_PROJECTION:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from mcp2026.quant.calibrate import _progress
-from mcp2026.quant.gptq import _first_layer_inputs, _fresh
+from mcp2026.quant.gptq import first_layer_inputs, fresh_args
 from mcp2026.quant.int4_linear import Int4Linear
 from mcp2026.quant.linear import build_linear, quantize_
 from mcp2026.quant.plan import DENSE_FORMATS, OUTPUT_PROJECTION, LayerQuantSpec, QuantPlan, linear_modules
@@ -217,21 +217,21 @@ def quantize_sequential(
     errors: dict[str, LayerError] = {}
     with torch.no_grad(), _progress(progress) as bar:
         task = bar.add_task("learning int4 scales", total=len(model.layers) + 1)
-        inputs = _first_layer_inputs(model, samples) if pending else []
+        inputs = first_layer_inputs(model, samples) if pending else []
         for index, layer in enumerate(model.layers):
             prefix = names[id(layer)]
             linears = {f"{prefix}.{n}": m for n, m in linear_modules(layer) if isinstance(m, nn.Linear)}
             learned = {n: m for n, m in linears.items() if n in pending}
             rows = None
             if learned:
-                run = lambda call, layer=layer: layer(*_fresh(call[0]), **call[1])  # noqa: E731
+                run = lambda call, layer=layer: layer(*fresh_args(call[0]), **call[1])  # noqa: E731
                 rows = _collect(learned, inputs, run, train, per_call, settings.seed + index)
             for name, linear in linears.items():
                 errors.update(_replace(model, name, linear, plan.spec_for(name), rows, tensors, compute_dtypes,
                                        settings))  # fmt: skip
             pending -= set(learned)
             if pending:  # the next layer's inputs, through this layer as quantized
-                inputs = [((*layer(*_fresh(a), **kw), *a[2:]), kw) for a, kw in inputs]
+                inputs = [((*layer(*fresh_args(a), **kw), *a[2:]), kw) for a, kw in inputs]
             bar.advance(task)
         for name in sorted(pending):
             if name != OUTPUT_PROJECTION:
