@@ -22,17 +22,35 @@ SCALE_FIELDS = {
     "Q3_K": ((108, 0.001),),  # no exact kernel form: the loaders' error path
 }
 
+# byte offset of the first quantized value of a block; llama.cpp's quantizers map each block's extremes onto
+# the format's extreme levels (Q4_1: min -> 0, max -> 15; Q4_0: the peak -> 0, i.e. -8 d; Q8_0: the peak -> ±127)
+FIRST_VALUE = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}
+
 HIDDEN, FFN, VOCAB, HEADS, KV_HEADS, LAYERS = 256, 512, 320, 4, 2, 2
 
 
-def random_blocks(rng: np.random.Generator, type_name: str, rows: int, cols: int) -> np.ndarray:
-    """(rows, bytes per row) of random blocks of ``type_name`` whose fp16 scales are finite and moderate."""
+def random_blocks(
+    rng: np.random.Generator, type_name: str, rows: int, cols: int, full_range: bool = False
+) -> np.ndarray:
+    """(rows, bytes per row) of random blocks of ``type_name`` whose fp16 scales are finite and moderate.
+    ``full_range`` (Q4_0 / Q4_1 / Q8_0): every block holds the extreme levels a llama.cpp quantizer gives it."""
     qtype = gguf.GGMLQuantizationType[type_name]
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows * cols // block, type_size), dtype=np.uint8)
     for offset, magnitude in SCALE_FIELDS[type_name]:
+        # full range: scales as large as real files' (folding 1 / sqrt(head_dim) = 1/8 into q keeps them fp16 normals)
+        magnitude *= 8 if full_range else 1
         values = (magnitude * rng.uniform(0.5, 1.0, size=raw.shape[0])).astype(np.float16)
         raw[:, offset : offset + 2] = values.view(np.uint8).reshape(-1, 2)
+    if full_range:
+        first = FIRST_VALUE[type_name]
+        if type_name == "Q8_0":  # values -127..127 (never -128), the first at the peak
+            values = raw[:, first:]
+            values[values == 0x80] = 0x81
+            raw[:, first] = 127
+        else:  # value 0 (low nibble of the first byte) at level 0, value 1 at level 15
+            raw[:, first] &= 0xF0
+            raw[:, first + 1] |= 0x0F
     return raw.reshape(rows, cols // block * type_size)
 
 
@@ -46,10 +64,15 @@ def byte_tokens(count: int) -> list[str]:
 
 
 def write_tiny_gguf(
-    path: Path, weight_type: str, tie: bool = True, seed: int = 0, v_type: str | None = None
+    path: Path,
+    weight_type: str,
+    tie: bool = True,
+    seed: int = 0,
+    v_type: str | None = None,
+    full_range: bool = False,
 ) -> Path:
     """A 2-layer Llama GGUF with every matrix stored as ``weight_type`` (the v projections as ``v_type``,
-    default the same), norms in F32."""
+    default the same), norms in F32; ``full_range``: blocks as llama.cpp's quantizers fill them."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "llama")
     for key, value in {
@@ -71,7 +94,7 @@ def write_tiny_gguf(
 
     def matrix(name: str, rows: int, cols: int, type_name: str) -> None:
         qtype = gguf.GGMLQuantizationType[type_name]
-        writer.add_tensor(name, random_blocks(rng, type_name, rows, cols), raw_dtype=qtype)
+        writer.add_tensor(name, random_blocks(rng, type_name, rows, cols, full_range), raw_dtype=qtype)
 
     def norm(name: str) -> None:
         writer.add_tensor(name, rng.uniform(0.5, 1.5, size=HIDDEN).astype(np.float32))

@@ -111,13 +111,13 @@ def test_role_mixture_plan(tiny_llama_dir):
     assert 4.5 < plan.avg_bits_per_weight(model) < 8
 
 
-def test_wide_output_plan_keeps_the_lm_head_in_int8(tiny_llama_dir):
+def test_wide_output_plan_keeps_the_lm_head_in_int8_as_q8_0_does(tiny_llama_dir):
     from mcp2026.loading.loader import load_model
 
     model = load_model(tiny_llama_dir).model
     body = LayerQuantSpec("int4", 32, symmetric=True)
     plan = wide_output_plan(model, body)
-    assert plan.spec_for("lm_head") == LayerQuantSpec("int8")
+    assert plan.spec_for("lm_head") == LayerQuantSpec("int8", 32)  # groups of 32: Q8_0's form
     assert plan.spec_for("layers.0.mlp.down_proj") == body
 
 

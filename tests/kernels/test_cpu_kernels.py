@@ -290,7 +290,7 @@ def test_int4_gemv_gives_a_row_the_same_bits_in_any_batch(kernels, k):
     # batched == alone for int4 models rests on this: each row's arithmetic must not depend on the others
     torch.manual_seed(3)
     packed = torch.randint(0, 256, (40, k // 32, 16), dtype=torch.uint8)
-    sz = (torch.rand(40, k // 32, 2) * 0.02 + 0.001).to(torch.bfloat16)
+    sz = (torch.rand(40, k // 32, 2) * 0.02 + 0.001).to(torch.float16)
     x = torch.randn(20, k)
     batched = kernels.int4_gemv(x, packed, sz)
     for i in range(20):

@@ -53,7 +53,7 @@ def test_bf16_activations_and_bad_operands(gemm):
     with pytest.raises(RuntimeError, match="wp must be"):
         gemm.int4_gemm(torch.randn(6, 96), wp, so)  # another K
     with pytest.raises(RuntimeError, match="N must be a multiple of 16"):
-        qs, sz = torch.zeros(24, 2, 16, dtype=torch.uint8), torch.zeros(24, 2, 2, dtype=torch.bfloat16)
+        qs, sz = torch.zeros(24, 2, 16, dtype=torch.uint8), torch.zeros(24, 2, 2, dtype=torch.float16)
         gemm.int4_gemm_pack(qs, sz)
 
 

@@ -28,7 +28,7 @@ from mcp2026.quant.cpu_routing import GEMV_MAX_ROWS
 from mcp2026.quant.linear import QuantLinear
 from mcp2026.quant.perplexity import N_CTX, evaluation_windows
 from mcp2026.quant.plan import LayerQuantSpec, QuantPlan, layer_bits, linear_modules
-from mcp2026.quant.uniform_plan import uniform_plan
+from mcp2026.quant.uniform_plan import fitted_spec, uniform_plan
 
 
 def use_more_bits(layer: int, num_layers: int) -> bool:
@@ -54,10 +54,15 @@ def role_mixture_plan(model: nn.Module, base, high=None):
 
 
 def wide_output_plan(model: nn.Module, body: LayerQuantSpec) -> QuantPlan:
-    """``body`` for every linear but the output projection, which is int8: the layout of llama.cpp's files,
-    which never store the output in 4 bits (Q8_0 when the width is not a multiple of 256, else Q6_K), so
-    the comparison with its Q4_1 / Q4_0 at the same bits."""
-    return QuantPlan({"lm_head": LayerQuantSpec("int8"), **uniform_plan(model, body).to_dict()})
+    """``body`` for every linear but the output projection, which is int8 in groups of 32 (Q8_0's form; per
+    channel where the block GEMM's tiles do not fit it): the layout of llama.cpp's files, which never store
+    the output in 4 bits (Q8_0 when the width is not a multiple of 256, else Q6_K), so the comparison with
+    its Q4_1 / Q4_0 at the same bits."""
+    head = dict(linear_modules(model)).get("lm_head")
+    spec = LayerQuantSpec("int8", 32)
+    if isinstance(head, nn.Linear):
+        spec = fitted_spec(head, spec)
+    return QuantPlan({"lm_head": spec, **uniform_plan(model, body).to_dict()})
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from mcp2026.export.report import CONVERTED, FLOAT, PACKED, ExportReport, Tensor
 from mcp2026.loading.compressed_tensors import FLOAT_QUANTIZED, PACK_QUANTIZED, QUANT_METHOD, pack_int32
 from mcp2026.loading.names import HF_GLOBAL_NAMES, HF_LAYER_NAMES
 from mcp2026.quant.artifact import save_tokenizer
+from mcp2026.quant.quantizer import SCALE_DTYPE
 
 HF_ARCHITECTURES = {  # ours -> (transformers class, model_type)
     "LlamaForCausalLM": ("LlamaForCausalLM", "llama"), "llama": ("LlamaForCausalLM", "llama"),
@@ -48,7 +49,7 @@ def _int4(module: str, m: Int4Groups) -> tuple[dict[str, Tensor], dict[str, Any]
     """(tensors, weights scheme, origin, max error) of an int4 linear."""
     n, k = m.u.shape
     q = m.u.to(torch.int8) - 8  # (N, K) in -8..7
-    tensors = {"weight_packed": pack_int32(q, 4), "weight_scale": m.scale.to(torch.bfloat16),
+    tensors = {"weight_packed": pack_int32(q, 4), "weight_scale": m.scale.to(SCALE_DTYPE),
                "weight_shape": torch.tensor([n, k], dtype=torch.int64)}  # fmt: skip
     scheme = {
         "num_bits": 4,
@@ -76,7 +77,7 @@ def _linear(module: str, m: Weight) -> tuple[dict[str, Tensor], dict[str, Any] |
         return {"weight": m.weight.contiguous()}, None, FLOAT, 0.0
     if isinstance(m, Int8Rows):
         n, k = m.q.shape
-        tensors = {"weight_packed": pack_int32(m.q, 8), "weight_scale": m.scale[:, None].to(torch.bfloat16),
+        tensors = {"weight_packed": pack_int32(m.q, 8), "weight_scale": m.scale[:, None].to(SCALE_DTYPE),
                    "weight_shape": torch.tensor([n, k], dtype=torch.int64)}  # fmt: skip
         return tensors, {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}, PACKED, 0.0
     if isinstance(m, Fp8Rows):

@@ -20,8 +20,9 @@
 
 // ---- int4 x int8 GEMV (decode-sized batches) ---------------------------------------------------------------
 // Weights in 32-wide blocks: qs (N, K/32, 16) bytes, byte i holding w[32b + i] (low nibble) and w[32b + 16 + i]
-// (high nibble); sz (N, K/32, 2) bf16 scale and zero, value = (q - 8) * scale + zero with q in 0..15 (the
-// convention and the bf16 bits of torch's int4 kernel, so both compute from identical weights). Activations
+// (high nibble); sz (N, K/32, 2) fp16 scale and zero, value = (q - 8) * scale + zero with q in 0..15 (the
+// convention of torch's int4 kernel; fp16 as GGUF's Q4_0 / Q4_1 store theirs, so a file's 4-bit grid is held
+// exactly: bf16's 8-bit mantissa moved every weight of a group by its zero's rounding). Activations
 // are quantized per 32-block to int8 at call time (as llama.cpp's Q8 activations), so one block's dot product
 // is integer multiply-adds: u8 x s8 pairs (maddubs), widened to int32, then one float FMA with scale * dx; the
 // (zero - 8 * scale) term needs only the block's sum of the quantized x. Rows are taken 8 at a time: each weight
@@ -51,16 +52,24 @@ void with_row_count(int64_t M, F&& f) {
 // QuantizedRows, quantize_rows and MCP_INT4_VNNI: quantize_rows.h (shared with int4_gemm.cpp).
 
 #if defined(__AVX2__) && defined(__FMA__)
-// Eight blocks' bf16 (scale, zero) pairs as two float vectors: a pair is one 32-bit lane, scale in the low
-// half, so shifting it up is the scale's float and masking the low half off is the zero's.
+#if !defined(__F16C__)
+#error "the int4 kernels widen fp16 scales with F16C, which every AVX2 CPU has; build with -march=native"
+#endif
+// Eight blocks' fp16 (scale, zero) pairs as two float vectors: a pair is one 32-bit lane, scale in the low
+// half; the halves are split into two 8 x 16-bit runs (pack within 128-bit lanes, then order the quadwords)
+// and widened with F16C.
 struct BlockScales {
   __m256 s, off;  // scale, zero - 8 * scale
 };
 
 inline BlockScales block_scales8(const uint16_t* sz) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz));
-  const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-  const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  const __m256i low = _mm256_and_si256(raw, _mm256_set1_epi32(0xFFFF));
+  const __m256i high = _mm256_srli_epi32(raw, 16);
+  // packus: [low 0-3, high 0-3 | low 4-7, high 4-7] -> quadwords 0, 2, 1, 3: [low 0-7 | high 0-7]
+  const __m256i split = _mm256_permute4x64_epi64(_mm256_packus_epi32(low, high), 0xD8);
+  const __m256 s = _mm256_cvtph_ps(_mm256_castsi256_si128(split));
+  const __m256 z = _mm256_cvtph_ps(_mm256_extracti128_si256(split, 1));
   return {s, _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, z)};
 }
 
@@ -110,8 +119,8 @@ inline void gemv_weight_row(const uint8_t* wq, const uint16_t* szn, const RowsVi
     for (int i = 0; i < M; ++i) acc[i] = _mm256_add_ps(acc[i], group[i]);
   }
   for (; b < nblk; ++b) {
-    const float s = bf16_bits_to_float(szn[2 * b]);
-    const float off = bf16_bits_to_float(szn[2 * b + 1]) - 8.f * s;
+    const float s = half_bits_to_float(szn[2 * b]);
+    const float off = half_bits_to_float(szn[2 * b + 1]) - 8.f * s;
     const __m256i w = unpack_block(wq + b * 16);
     for (int i = 0; i < M; ++i) {
       acc[i] = _mm256_fmadd_ps(dot_block(w, xr.q + i * K + b * 32), _mm256_set1_ps(s * xr.scale[i * nblk + b]),
@@ -159,21 +168,21 @@ inline void gemv_weight_row_vnni(const uint8_t* wq, const uint16_t* szn, const R
   };
   int64_t b = 0;
   for (; b + 16 <= nblk; b += 16) {
-    const __m512i raw = _mm512_loadu_si512(szn + 2 * b);
-    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-    const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    const __m512i raw = _mm512_loadu_si512(szn + 2 * b);  // 16 (scale, zero) fp16 pairs, scale in the low half
+    const __m512 s = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw));
+    const __m512 z = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(raw, 16)));
     const __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);
     for (int i = 0; i < M; ++i) acc[i][0] = _mm512_fmadd_ps(off, _mm512_loadu_ps(xr.sum + i * nblk + b), acc[i][0]);
     for (int p = 0; p < 8; ++p)
       pair(b + 2 * p, _mm512_permutexvar_ps(_mm512_add_epi32(halves, _mm512_set1_epi32(2 * p)), s), p & 1);
   }
   for (; b < nblk; ++b) {
-    const float s0 = bf16_bits_to_float(szn[2 * b]);
-    const float off0 = bf16_bits_to_float(szn[2 * b + 1]) - 8.f * s0;
+    const float s0 = half_bits_to_float(szn[2 * b]);
+    const float off0 = half_bits_to_float(szn[2 * b + 1]) - 8.f * s0;
     for (int i = 0; i < M; ++i) tail[i] += off0 * xr.sum[i * nblk + b];
     if (b + 1 < nblk) {
-      const float s1 = bf16_bits_to_float(szn[2 * b + 2]);
-      const float off1 = bf16_bits_to_float(szn[2 * b + 3]) - 8.f * s1;
+      const float s1 = half_bits_to_float(szn[2 * b + 2]);
+      const float off1 = half_bits_to_float(szn[2 * b + 3]) - 8.f * s1;
       for (int i = 0; i < M; ++i) tail[i] += off1 * xr.sum[i * nblk + b + 1];
       pair(b, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1)), 0);
       ++b;
@@ -226,8 +235,8 @@ void gemv_rows(const uint8_t* qs, const uint16_t* sz, const RowsView& xr, int64_
           const uint8_t byte = wq[b * 16 + k];
           isum += static_cast<int32_t>(byte & 0x0F) * xq[k] + static_cast<int32_t>(byte >> 4) * xq[k + 16];
         }
-        const float s = bf16_bits_to_float(szn[2 * b]);
-        const float off = bf16_bits_to_float(szn[2 * b + 1]) - 8.f * s;
+        const float s = half_bits_to_float(szn[2 * b]);
+        const float off = half_bits_to_float(szn[2 * b + 1]) - 8.f * s;
         total += s * xr.scale[i * nblk + b] * static_cast<float>(isum) + off * xr.sum[i * nblk + b];
       }
       out[i * N + n] = total;
@@ -245,8 +254,8 @@ torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& qs, const t
   TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
   TORCH_CHECK(qs.scalar_type() == torch::kByte && qs.is_contiguous() && qs.numel() == N * K / 2,
               "qs must be contiguous uint8 (N, K/32, 16)");
-  TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.is_contiguous() && sz.numel() == N * K / 16,
-              "sz must be contiguous bfloat16 (N, K/32, 2)");
+  TORCH_CHECK(sz.scalar_type() == torch::kHalf && sz.is_contiguous() && sz.numel() == N * K / 16,
+              "sz must be contiguous float16 (N, K/32, 2)");
   const auto xc = x.contiguous();
   QuantizedRows xr;
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, xc.scalar_type(), "int4_gemv_q", [&] {
@@ -254,7 +263,7 @@ torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& qs, const t
   });
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
+  const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::Half>());
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < M; r0 += kRowTile)
@@ -451,8 +460,8 @@ torch::Tensor int4_dequant(const torch::Tensor& qs, const torch::Tensor& sz, boo
                            const c10::optional<torch::Tensor>& out_buffer) {
   TORCH_CHECK(qs.scalar_type() == torch::kByte && qs.is_contiguous() && qs.dim() == 3 && qs.size(2) == 16,
               "qs must be contiguous uint8 (N, K/32, 16)");
-  TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.is_contiguous() && sz.numel() == qs.numel() / 8,
-              "sz must be contiguous bfloat16 (N, K/32, 2)");
+  TORCH_CHECK(sz.scalar_type() == torch::kHalf && sz.is_contiguous() && sz.numel() == qs.numel() / 8,
+              "sz must be contiguous float16 (N, K/32, 2)");
   const int64_t N = qs.size(0), nblk = qs.size(1), K = nblk * 32;
   const auto out_dtype = out_bf16 ? torch::kBFloat16 : torch::kFloat;
   torch::Tensor out;
@@ -465,15 +474,15 @@ torch::Tensor int4_dequant(const torch::Tensor& qs, const torch::Tensor& sz, boo
     out = torch::empty({N, K}, out_dtype);
   }
   const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
+  const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::Half>());
   float* out_f32 = out_bf16 ? nullptr : out.data_ptr<float>();
   at::BFloat16* out_b16 = out_bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     alignas(64) float buf[32];
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t b = 0; b < nblk; ++b) {
-        const float s = bf16_bits_to_float(sp[(n * nblk + b) * 2]);
-        const float off = bf16_bits_to_float(sp[(n * nblk + b) * 2 + 1]) - 8.f * s;
+        const float s = half_bits_to_float(sp[(n * nblk + b) * 2]);
+        const float off = half_bits_to_float(sp[(n * nblk + b) * 2 + 1]) - 8.f * s;
         const uint8_t* q = qp + (n * nblk + b) * 16;
         float* o = out_bf16 ? buf : out_f32 + n * K + b * 32;
 #ifdef MCP_INT4_VNNI

@@ -86,20 +86,20 @@ bool vnni_gemm_available() {
 }
 
 // The GEMV layout (qs (N, K/32, 16) bytes: w[32b + i] in the low nibble of byte i, w[32b + 16 + i] in the high;
-// sz (N, K/32, 2) bf16 scale and zero) -> the GEMM's: wp (N/16, K/8, 64) bytes, byte 4c + e of vector j of
+// sz (N, K/32, 2) fp16 scale and zero) -> the GEMM's: wp (N/16, K/8, 64) bytes, byte 4c + e of vector j of
 // tile t holding w[16t + c][8j + e] (low nibble) and w[16t + c][8j + 4 + e] (high); so (N/16, K/32, 2, 16)
 // fp32: per (tile, block) the 16 columns' scales, then their offsets (zero - 8 scale).
 std::vector<torch::Tensor> int4_gemm_pack(const torch::Tensor& qs, const torch::Tensor& sz) {
   TORCH_CHECK(qs.scalar_type() == torch::kByte && qs.is_contiguous() && qs.dim() == 3 && qs.size(2) == 16,
               "qs must be contiguous uint8 (N, K/32, 16)");
   const int64_t N = qs.size(0), nblk = qs.size(1), K = nblk * 32;
-  TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.is_contiguous() && sz.numel() == N * nblk * 2,
-              "sz must be contiguous bfloat16 (N, K/32, 2)");
+  TORCH_CHECK(sz.scalar_type() == torch::kHalf && sz.is_contiguous() && sz.numel() == N * nblk * 2,
+              "sz must be contiguous float16 (N, K/32, 2)");
   TORCH_CHECK(N % kColTile == 0, "N must be a multiple of 16");
   auto wp = torch::empty({N / kColTile, K / 8, 64}, qs.options());
   auto so = torch::empty({N / kColTile, nblk, 2, kColTile}, qs.options().dtype(torch::kFloat));
   const uint8_t* q = qs.data_ptr<uint8_t>();
-  const at::BFloat16* s = sz.data_ptr<at::BFloat16>();
+  const at::Half* s = sz.data_ptr<at::Half>();
   uint8_t* w = wp.data_ptr<uint8_t>();
   float* sop = so.data_ptr<float>();
   auto weight = [&](int64_t n, int64_t k) -> uint8_t {  // w[n][k] in 0..15 from the GEMV layout

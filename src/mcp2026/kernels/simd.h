@@ -51,6 +51,9 @@ inline __m512 bf16x16_to_float(const at::BFloat16* p) {
 }
 #endif
 
+// One fp16, given as its bits, as a float.
+inline float half_bits_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
 // n fp16 -> float, 8 at a time with F16C.
 inline void halves_to_floats(const at::Half* src, int64_t n, float* dst) {
   int64_t i = 0;

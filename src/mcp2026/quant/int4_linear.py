@@ -10,7 +10,7 @@ from mcp2026.kernels import ops as kernel_ops
 from mcp2026.quant import cpu_routing as routing
 from mcp2026.quant.int4_packing import gemv_layout, pack_int4, unpack_int4
 from mcp2026.quant.quant_linear import QuantLinear
-from mcp2026.quant.quantizer import dequantize_groupwise_int4, quantize_int4
+from mcp2026.quant.quantizer import SCALE_DTYPE, dequantize_groupwise_int4, quantize_int4
 
 
 def check_int4_shape(out_features: int, in_features: int, group_size: int) -> None:
@@ -35,10 +35,9 @@ class Int4Linear(QuantLinear):
         super().__init__(in_features, out_features, spec, bias, compute_dtype)
         num_groups = in_features // spec.group_size
         self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
-        # (K/g, N, 2): [..., 0] scale, [..., 1] zero, the kernel's layout
-        self.register_buffer(
-            "scales_and_zeros", torch.empty(num_groups, out_features, 2, dtype=compute_dtype)
-        )
+        # (K/g, N, 2): [..., 0] scale, [..., 1] zero, torch's int4 layout; fp16 whatever the compute dtype (the
+        # quantizer rounds them to fp16: quantizer.SCALE_DTYPE), widened to fp32 by our kernels
+        self.register_buffer("scales_and_zeros", torch.empty(num_groups, out_features, 2, dtype=SCALE_DTYPE))
 
     @classmethod
     def kernel_on(cls, device):
@@ -76,9 +75,7 @@ class Int4Linear(QuantLinear):
     def _store(self, q: Tensor, scales: Tensor, zeros: Tensor) -> None:
         self._drop_kernel_copies()
         self.weight = pack_int4(q.to(torch.uint8).cpu()).to(q.device)
-        self.scales_and_zeros = (
-            torch.stack([scales.t(), zeros.t()], dim=-1).to(self.compute_dtype).contiguous()
-        )
+        self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(SCALE_DTYPE).contiguous()
 
     def _quantized(self):
         q = unpack_int4(self.weight, self.out_features, self.in_features)
@@ -89,7 +86,10 @@ class Int4Linear(QuantLinear):
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if x2.is_cuda:  # bf16 activations and scales: the only dtype torch's CUDA kernel takes
             y = torch.ops.aten._weight_int4pack_mm(
-                self._input(x2).contiguous(), self.cuda_weights(), self.spec.group_size, self.scales_and_zeros
+                self._input(x2).contiguous(),
+                self.cuda_weights(),
+                self.spec.group_size,
+                self.torch_scales(torch.bfloat16),
             )
             return self._output(y, x)
         kernels = kernel_ops.vnni_gemm_kernels(x2)
@@ -118,10 +118,21 @@ class Int4Linear(QuantLinear):
                 )
                 xs = self._input(x)  # an fp16 compute dtype runs the GEMM in fp32 (w is fp32 then)
                 return self._output(F.linear(xs, w) if bf16 else kernel_ops.prefill_linear(xs.float(), w), x)
+        xs = self._input(x)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            self._input(x), self.weight, self.spec.group_size, self.scales_and_zeros
+            xs, self.weight, self.spec.group_size, self.torch_scales(xs.dtype)
         )
         return self._output(y, x)
+
+    def torch_scales(self, dtype: torch.dtype) -> Tensor:
+        """The scales and zeros in ``dtype``, as torch's int4 kernels take them (the activations' dtype; bf16 on
+        CUDA, which rounds the fp16 values to bf16's 8-bit mantissa there), built on first use."""
+        if dtype == self.scales_and_zeros.dtype:
+            return self.scales_and_zeros
+        cached = self.__dict__.get("_torch_scales")
+        if cached is None or cached.dtype != dtype:
+            cached = self.__dict__["_torch_scales"] = self.scales_and_zeros.to(dtype)
+        return cached
 
     def cuda_weights(self) -> Tensor:
         """The weights in the layout of torch's CUDA int4 kernel (two values per byte, even k in the high

@@ -11,12 +11,12 @@ from torch import Tensor
 
 def gemv_layout(q: Tensor, scales_and_zeros: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     """q (N, K) in 0..15 and torch's (K/g, N, 2) scales and zeros -> the GEMV kernel's 32-wide blocks: bytes
-    (N, K/32, 16) holding elements i (low nibble) and i + 16 (high) of each block, and (N, K/32, 2) bf16
-    scale and zero per block (the same bits, repeated when a group spans several blocks)."""
+    (N, K/32, 16) holding elements i (low nibble) and i + 16 (high) of each block, and (N, K/32, 2) fp16
+    scale and zero per block (the same values, repeated when a group spans several blocks)."""
     n, k = q.shape
     blocks = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
     packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).contiguous()
-    sz = scales_and_zeros.to(torch.bfloat16).transpose(0, 1)  # (N, K/g, 2)
+    sz = scales_and_zeros.to(torch.float16).transpose(0, 1)  # (N, K/g, 2)
     return packed, sz.repeat_interleave(group_size // 32, dim=1).contiguous()
 
 

@@ -1,4 +1,4 @@
-"""int8 weights with one scale per group of 32 along K (GGUF's Q8_0 form, the scale in bf16) as a ``QuantLinear``,
+"""int8 weights with one scale per group of 32 along K (GGUF's Q8_0 form, the scale in fp16) as a ``QuantLinear``,
 run on the block GEMM that runs a GGUF's stored Q8_0 blocks (``block_linear``, ``kernels/block_gemm.cpp``)."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from torch import Tensor
 from mcp2026.kernels import ops as kernel_ops
 from mcp2026.quant.block_linear import kernels_unavailable, pack_byte_tiles, packable, tile_scales
 from mcp2026.quant.quant_linear import QuantLinear
-from mcp2026.quant.quantizer import dequantize_groupwise_int8, quantize_groupwise_int8
+from mcp2026.quant.quantizer import SCALE_DTYPE, dequantize_groupwise_int8, quantize_groupwise_int8
 
 _OFFSET = 128  # the block GEMM takes unsigned bytes: u = q + 128, w = scale * u - 128 * scale
 
 
 class Int8GroupLinear(QuantLinear):
-    """Symmetric int8 in groups of 32 input values, a bf16 scale each (8.5 bits per weight): q (N, K) int8 and
+    """Symmetric int8 in groups of 32 input values, an fp16 scale each (8.5 bits per weight): q (N, K) int8 and
     scales (N, K/32). The block GEMM's copy (byte tiles, fp32 scale and offset per group) is built on first use;
     its activations are rounded to int8 per 32 values, as llama.cpp's Q8_0 x Q8_0 dot products do."""
 
@@ -30,7 +30,7 @@ class Int8GroupLinear(QuantLinear):
         super().__init__(in_features, out_features, spec, bias, compute_dtype)
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
         self.register_buffer(
-            "scales", torch.empty(out_features, in_features // spec.group_size, dtype=torch.bfloat16)
+            "scales", torch.empty(out_features, in_features // spec.group_size, dtype=SCALE_DTYPE)
         )
 
     @classmethod
@@ -40,7 +40,7 @@ class Int8GroupLinear(QuantLinear):
     def _load(self, w):
         self._drop_kernel_copies()
         self.weight, scales = quantize_groupwise_int8(w, self.spec.group_size, self._clip(w))
-        self.scales = scales.to(torch.bfloat16)  # exact: the quantizer rounds scales to bf16
+        self.scales = scales.to(SCALE_DTYPE)  # exact: the quantizer rounds scales to SCALE_DTYPE
 
     def _quantized(self):
         return dequantize_groupwise_int8(self.weight, self.scales)

@@ -23,7 +23,9 @@ class Int8Linear(QuantLinear):
     def __init__(self, in_features, out_features, spec, bias, compute_dtype):
         super().__init__(in_features, out_features, spec, bias, compute_dtype)
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("scales", torch.empty(out_features, dtype=compute_dtype))
+        # fp32 holds the quantizer's fp16-rounded scales exactly whatever the compute dtype (N values: no memory
+        # to speak of); torch's kernel gets a copy in the activations' dtype
+        self.register_buffer("scales", torch.empty(out_features, dtype=torch.float32))
 
     @classmethod
     def kernel_on(cls, device):
@@ -34,7 +36,7 @@ class Int8Linear(QuantLinear):
     def _load(self, w):
         self._drop_kernel_copies()
         self.weight, scales = quantize_per_channel_int8(w, self._clip(w))
-        self.scales = scales.to(self.compute_dtype)
+        self.scales = scales.float()
 
     def _quantized(self):
         return dequantize_per_channel_int8(self.weight, self.scales)
@@ -68,8 +70,18 @@ class Int8Linear(QuantLinear):
             return self._output(y, x)
         if self.weight.data_ptr() % routing.INT8PACK_ALIGN:  # mmapped from a file: one aligned copy
             self.weight = self.weight.clone()
-        y = torch.ops.aten._weight_int8pack_mm(routing.aligned(self._input(x)), self.weight, self.scales)
+        xs = routing.aligned(self._input(x))
+        y = torch.ops.aten._weight_int8pack_mm(xs, self.weight, self.torch_scales(xs.dtype))
         return self._output(y, x)
+
+    def torch_scales(self, dtype: torch.dtype) -> Tensor:
+        """The scales in ``dtype``, as torch's int8 kernel takes them (the activations' dtype), built on first use."""
+        if dtype == self.scales.dtype:
+            return self.scales
+        cached = self.__dict__.get("_torch_scales")
+        if cached is None or cached.dtype != dtype:
+            cached = self.__dict__["_torch_scales"] = self.scales.to(dtype)
+        return cached
 
     def gemm_shape_ok(self) -> bool:
         """Whether the int8 GEMM takes this layer: 16-column tiles, 32-value activation blocks."""

@@ -4,7 +4,7 @@ point, with zero points) is learned by gradient descent so that the layer's outp
 least: loss = mean ||x Q^T - x W^T||^2 over sampled input rows, Q fake-quantized with a straight-through
 estimator for the rounding (levels follow the grid as it moves, clamped to 0..15). Adam on fp32 parameters,
 fp32 throughout (no loss scaler needed). The result is stored exactly as round-to-nearest's is (same groups,
-levels 0..15, bf16 scales and zeros, same kernels); only the grids, and so the levels, differ.
+levels 0..15, fp16 scales and zeros, same kernels); only the grids, and so the levels, differ.
 
 Layer after layer like ``quant.gptq``: a decoder layer's linears learn on the inputs they see with every earlier
 layer already quantized. Calibration samples are split: the later ``heldout_share`` of them only measure each

@@ -116,7 +116,7 @@ class QuantLinear(nn.Module):
 
     def _drop_kernel_copies(self) -> None:
         """Forget what was derived from the weights for the kernels (GEMV layouts, the fused-layer handle)."""
-        for key in ("_gemv", "_gemm", "_gemv_scales", "_fused", "_cuda"):
+        for key in ("_gemv", "_gemm", "_gemv_scales", "_fused", "_cuda", "_torch_scales"):
             self.__dict__.pop(key, None)
 
     def _clip(self, w: Tensor) -> float | Tensor:
@@ -129,7 +129,7 @@ class QuantLinear(nn.Module):
 
     @property
     def bits_per_weight(self) -> float:
-        """Stored bits per weight (bf16 scales/zeros), as in ``LayerQuantSpec.bits_per_weight``."""
+        """Stored bits per weight (fp16 scales/zeros), as in ``LayerQuantSpec.bits_per_weight``."""
         return self.spec.bits_per_weight(self.in_features)
 
     @property
