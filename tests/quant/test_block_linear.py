@@ -20,11 +20,14 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
-def random_blocks(n: int, k: int, bits: int, group: int, seed: int = 0) -> BlockWeights:
+def random_blocks(n: int, k: int, bits: int, group: int, seed: int = 0, fp16: bool = False) -> BlockWeights:
+    """Random blocks; ``fp16``: scales and offsets on fp16's grid (as Q4_0 / Q4_1 / Q8_0 store them)."""
     g = torch.Generator().manual_seed(seed)
     u = torch.randint(0, 2**bits, (n, k), generator=g, dtype=torch.uint8)
     scale = torch.rand(n, k // group, generator=g) * 0.01 + 0.001
     offset = -(2 ** (bits - 1)) * scale * (1 + 0.1 * torch.randn(n, k // group, generator=g))
+    if fp16:
+        scale, offset = scale.half().float(), offset.half().float()
     return BlockWeights(u, scale, offset, group, bits, (f"test{bits}",))
 
 
@@ -59,11 +62,15 @@ def test_four_bit_values_need_groups_of_32():
 @needs_kernels
 @pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 32), (8, 16)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 33])
-def test_gemm_equals_the_rounded_activation_oracle(bits, group, rows):
+@pytest.mark.parametrize("fp16", [False, True])
+def test_gemm_equals_the_rounded_activation_oracle(bits, group, rows, fp16):
     torch.manual_seed(rows)
-    blocks = random_blocks(64, 256, bits, group, seed=bits + group)
+    blocks = random_blocks(64, 256, bits, group, seed=bits + group, fp16=fp16)
     bias = torch.randn(64)
     module = BlockLinear(blocks, bias)
+    # scales and offsets fp16 exactly where fp16 holds them all (half their bytes), fp32 otherwise
+    assert module.scales_offsets.dtype == (torch.float16 if fp16 else torch.float32)
+    assert module.bits_per_weight == bits + (32 if fp16 else 64) / group
     x = torch.randn(rows, 256)
     kernels = kernel_ops.cpu.load()
     float_from = kernels.block_float_gemm_min_rows(64, 256)

@@ -1,5 +1,6 @@
 // Stored block quantization x int8 activations: w = scale * u + offset per group of 16 or 32 weights along K,
-// u unsigned, scale and offset fp32. This holds GGUF's block formats exactly (Q4_0/Q4_1/Q4_K: u the nibble;
+// u unsigned, scale and offset fp32 (or fp16 where that holds a weight's every scale and offset exactly: Q4_0,
+// Q4_1 and Q8_0 store fp16, so their layers keep half the bytes of scales). This holds GGUF's block formats exactly (Q4_0/Q4_1/Q4_K: u the nibble;
 // Q8_0: u = q + 128, offset -128 d; Q5_0/Q5_1/Q5_K: the 5-bit value; Q6_K: the 6-bit value in groups of 16), so
 // a GGUF file runs on its stored values instead of a float copy of them.
 //
@@ -14,6 +15,7 @@
 #include <torch/extension.h>
 
 #include "cpu_kernels.h"
+#include "simd.h"
 #include "vnni_gemm.h"
 
 // Rows from which CPUs without VNNI run a float GEMM on the dequantized weight instead (block_gemm), for weights
@@ -28,8 +30,8 @@ namespace {
 // R rows x C column tiles of 16, groups of G. wp: the first tile's packed weights (K/4 vectors of 64 bytes, the
 // next tile tile_bytes further); so: per group the tile's 16 scales, then its 16 offsets; xq: R rows of K int8;
 // dx: (row, 32-block) steps; dxs: (row, group) dx * sum(xq). out: R rows of stride N at the tile's first column.
-template <int R, int C, int G>
-void block_tile(const uint8_t* wp, const float* so, const int8_t* xq, const float* dx, const float* dxs,
+template <int R, int C, int G, typename S>
+void block_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx, const float* dxs,
                 int64_t K, float* out, int64_t N) {
   constexpr int kVectors = G / 4;  // 64-byte vectors per group
   const int64_t ngrp = K / G, nblk = K / 32, tile_bytes = (K / 4) * 64, tile_scales = ngrp * 2 * kColTile;
@@ -50,8 +52,8 @@ void block_tile(const uint8_t* wp, const float* so, const int8_t* xq, const floa
     }
     const int64_t blk = g * G / 32;
     for (int c = 0; c < C; ++c) {
-      const __m512 s = _mm512_loadu_ps(so + c * tile_scales + g * 2 * kColTile);
-      const __m512 o = _mm512_loadu_ps(so + c * tile_scales + g * 2 * kColTile + kColTile);
+      const __m512 s = load16(so + c * tile_scales + g * 2 * kColTile);
+      const __m512 o = load16(so + c * tile_scales + g * 2 * kColTile + kColTile);
       for (int r = 0; r < R; ++r) {
         const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(dx[r * nblk + blk]));
         acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), scale, acc[r][c]);
@@ -63,27 +65,27 @@ void block_tile(const uint8_t* wp, const float* so, const int8_t* xq, const floa
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * N + c * kColTile, acc[r][c]);
 }
 
-template <int C, int G>
-void block_rows(const uint8_t* wp, const float* so, const QuantizedRows& xr, const float* dxs, int64_t M,
+template <int C, int G, typename S>
+void block_rows(const uint8_t* wp, const S* so, const QuantizedRows& xr, const float* dxs, int64_t M,
                 int64_t K, float* out, int64_t N) {
   const int64_t nblk = K / 32, ngrp = K / G;
   for_row_tiles(M, [&](int64_t r0, auto rows) {
-    block_tile<decltype(rows)::value, C, G>(wp, so, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
+    block_tile<decltype(rows)::value, C, G, S>(wp, so, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
                                             dxs + r0 * ngrp, K, out + r0 * N, N);
   });
 }
 
-template <int G>
-void block_gemm_run(const QuantizedRows& xr, const float* dxs, const uint8_t* w, const float* s, int64_t M,
+template <int G, typename S>
+void block_gemm_run(const QuantizedRows& xr, const float* dxs, const uint8_t* w, const S* s, int64_t M,
                     int64_t K, float* out, int64_t N) {
   const int64_t tiles = N / kColTile, tile_bytes = (K / 4) * 64, tile_scales = (K / G) * 2 * kColTile;
   for_column_tile_pairs(tiles, [&](int64_t t, bool pair) {
     const auto* wt = w + t * tile_bytes;
-    const float* st = s + t * tile_scales;
+    const S* st = s + t * tile_scales;
     if (pair)
-      block_rows<2, G>(wt, st, xr, dxs, M, K, out + t * kColTile, N);
+      block_rows<2, G, S>(wt, st, xr, dxs, M, K, out + t * kColTile, N);
     else
-      block_rows<1, G>(wt, st, xr, dxs, M, K, out + t * kColTile, N);
+      block_rows<1, G, S>(wt, st, xr, dxs, M, K, out + t * kColTile, N);
   });
 }
 #endif
@@ -118,18 +120,20 @@ inline int32_t stored_value(const uint8_t* w, int bits, int64_t n, int64_t k, in
   return w[(t * (K / 4) + k / 4) * 64 + 4 * c + (k % 4)];
 }
 
-void scalar_gemm(const uint8_t* w, const float* so, int bits, int64_t G, const QuantizedRows& xr,
+template <typename S>
+void scalar_gemm(const uint8_t* w, const S* so, int bits, int64_t G, const QuantizedRows& xr,
                  const GroupSums& gs, int64_t M, int64_t K, int64_t N, float* out) {
   const int64_t ngrp = K / G, nblk = K / 32;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-      const float* st = so + (n / kColTile) * ngrp * 2 * kColTile + n % kColTile;
+      const S* st = so + (n / kColTile) * ngrp * 2 * kColTile + n % kColTile;
       for (int64_t r = 0; r < M; ++r) {
         float acc = 0.f;
         for (int64_t g = 0; g < ngrp; ++g) {
           int32_t dot = 0;
           for (int64_t k = g * G; k < (g + 1) * G; ++k) dot += stored_value(w, bits, n, k, K) * xr.q[r * K + k];
-          const float scale = st[g * 2 * kColTile], offset = st[g * 2 * kColTile + kColTile];
+          const float scale = static_cast<float>(st[g * 2 * kColTile]);
+          const float offset = static_cast<float>(st[g * 2 * kColTile + kColTile]);
           acc += static_cast<float>(dot) * (scale * xr.scale[r * nblk + g * G / 32]) + offset * gs.dxs[r * ngrp + g];
         }
         out[r * N + n] = acc;
@@ -139,25 +143,27 @@ void scalar_gemm(const uint8_t* w, const float* so, int bits, int64_t G, const Q
 }
 
 // The whole weight as fp32 (N, K): scale * u + offset, tile by tile (reads the packed bytes in order).
-void dequantize_tiles(const uint8_t* w, const float* so, int bits, int64_t G, int64_t K, int64_t N, float* out) {
+template <typename S>
+void dequantize_tiles(const uint8_t* w, const S* so, int bits, int64_t G, int64_t K, int64_t N, float* out) {
   const int64_t ngrp = K / G, per_vector = bits == 4 ? 8 : 4, vectors = K / per_vector;
   at::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* wt = w + t * vectors * 64;
-      const float* st = so + t * ngrp * 2 * kColTile;
+      const S* st = so + t * ngrp * 2 * kColTile;
       for (int64_t j = 0; j < vectors; ++j)
         for (int64_t c = 0; c < kColTile; ++c) {
           float* row = out + (t * kColTile + c) * K;
           for (int64_t e = 0; e < 4; ++e) {
             const uint8_t byte = wt[j * 64 + 4 * c + e];
             const int64_t k = j * per_vector + e;
-            const float* sg = st + (k / G) * 2 * kColTile + c;
+            const S* sg = st + (k / G) * 2 * kColTile + c;
+            const float s0 = static_cast<float>(sg[0]), o0 = static_cast<float>(sg[kColTile]);
             if (bits == 4) {
-              const float* sh = st + ((k + 4) / G) * 2 * kColTile + c;
-              row[k] = sg[0] * static_cast<float>(byte & 0x0F) + sg[kColTile];
-              row[k + 4] = sh[0] * static_cast<float>(byte >> 4) + sh[kColTile];
+              const S* sh = st + ((k + 4) / G) * 2 * kColTile + c;
+              row[k] = s0 * static_cast<float>(byte & 0x0F) + o0;
+              row[k + 4] = static_cast<float>(sh[0]) * static_cast<float>(byte >> 4) + static_cast<float>(sh[kColTile]);
             } else {
-              row[k] = sg[0] * static_cast<float>(byte) + sg[kColTile];
+              row[k] = s0 * static_cast<float>(byte) + o0;
             }
           }
         }
@@ -176,8 +182,8 @@ inline __m256i splat_dword(const int8_t* p) {
 // time keeps R int32 dots and R float sums in registers). maddubs takes u8 x s8 pairs into int16: nibbles
 // (<= 15) never saturate; bytes (u up to 255) could, so they are multiplied as signed q = u - 128 (|q| <= 128,
 // the sign moved onto x) and 128 x sum(xq) is added back: the same int32 dot of u as dpbusd computes.
-template <int R, int BITS, int G>
-void avx2_half(const uint8_t* wt, const float* st, const QuantizedRows& xr, const GroupSums& gs, int64_t r0,
+template <int R, int BITS, int G, typename S>
+void avx2_half(const uint8_t* wt, const S* st, const QuantizedRows& xr, const GroupSums& gs, int64_t r0,
                int h, int64_t K, float* out, int64_t N) {
   constexpr int kPerVector = BITS == 4 ? 8 : 4, kVectors = G / kPerVector;
   const int64_t ngrp = K / G, nblk = K / 32;
@@ -207,8 +213,8 @@ void avx2_half(const uint8_t* wt, const float* st, const QuantizedRows& xr, cons
         }
       }
     }
-    const float* sg = st + g * 2 * kColTile + 8 * h;
-    const __m256 s = _mm256_loadu_ps(sg), o = _mm256_loadu_ps(sg + kColTile);
+    const S* sg = st + g * 2 * kColTile + 8 * h;
+    const __m256 s = load8(sg), o = load8(sg + kColTile);
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
       __m256i d = dot[r];
@@ -221,15 +227,15 @@ void avx2_half(const uint8_t* wt, const float* st, const QuantizedRows& xr, cons
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + (r0 + r) * N + 8 * h, acc[r]);
 }
 
-template <int BITS, int G>
-void avx2_gemm(const uint8_t* w, const float* so, const QuantizedRows& xr, const GroupSums& gs, int64_t M,
+template <int BITS, int G, typename S>
+void avx2_gemm(const uint8_t* w, const S* so, const QuantizedRows& xr, const GroupSums& gs, int64_t M,
                int64_t K, int64_t N, float* out) {
   const int64_t tile_bytes = (BITS == 4 ? K / 8 : K / 4) * 64, tile_scales = (K / G) * 2 * kColTile;
   at::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int h = 0; h < 2; ++h)
         for_row_tiles(M, [&](int64_t r0, auto rows) {
-          avx2_half<decltype(rows)::value, BITS, G>(w + t * tile_bytes, so + t * tile_scales, xr, gs, r0, h, K,
+          avx2_half<decltype(rows)::value, BITS, G, S>(w + t * tile_bytes, so + t * tile_scales, xr, gs, r0, h, K,
                                                     out + t * kColTile, N);
         });
   });
@@ -239,7 +245,7 @@ void avx2_gemm(const uint8_t* w, const float* so, const QuantizedRows& xr, const
 }  // namespace
 
 // x (M, K) fp32/bf16; wp: u in the nibble (N/16, K/8, 64) or byte (N/16, K/4, 64) layout; so (N/16, K/G, 2, 16)
-// fp32. -> (M, N) in x's dtype. On AVX-512 VNNI, nibbles go through int4_gemm (the same arithmetic).
+// fp32 or fp16. -> (M, N) in x's dtype. On AVX-512 VNNI, nibbles go through int4_gemm (the same arithmetic).
 torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x must be a CPU (M, K) tensor");
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
@@ -249,9 +255,9 @@ torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const 
                   (wp.size(1) * 8 == K || wp.size(1) * 4 == K),
               "wp must be (N/16, K/8, 64) nibbles or (N/16, K/4, 64) bytes for this K");
   const int bits = wp.size(1) * 8 == K ? 4 : 8;
-  TORCH_CHECK(so.scalar_type() == torch::kFloat && so.is_contiguous() && so.dim() == 4 && so.size(0) == wp.size(0) &&
-                  so.size(2) == 2 && so.size(3) == kColTile,
-              "so must be (N/16, K/G, 2, 16) fp32");
+  TORCH_CHECK((so.scalar_type() == torch::kFloat || so.scalar_type() == torch::kHalf) && so.is_contiguous() &&
+                  so.dim() == 4 && so.size(0) == wp.size(0) && so.size(2) == 2 && so.size(3) == kColTile,
+              "so must be (N/16, K/G, 2, 16) fp32 or fp16");
   const int64_t G = K / so.size(1);
   TORCH_CHECK(so.size(1) * G == K && (G == 32 || (G == 16 && bits == 8)),
               "groups must be 32 weights (or 16 with byte values)");
@@ -265,7 +271,9 @@ torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const 
     thread_local torch::Tensor buffer;
     if (!buffer.defined() || buffer.numel() < N * K) buffer = torch::empty({N * K}, x.options());
     auto w = buffer.narrow(0, 0, N * K).view({N, K});
-    dequantize_tiles(wp.data_ptr<uint8_t>(), so.data_ptr<float>(), bits, G, K, N, w.data_ptr<float>());
+    with_scales(so, [&](const auto* s) {
+      dequantize_tiles(wp.data_ptr<uint8_t>(), s, bits, G, K, N, w.data_ptr<float>());
+    });
     return at::matmul(x, w.t());
   }
 #endif
@@ -276,28 +284,30 @@ torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const 
   });
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   const uint8_t* w = wp.data_ptr<uint8_t>();
-  const float* s = so.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  with_scales(so, [&](const auto* s) {
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
 #ifdef MCP_INT4_VNNI
-  if (G == 32) {
-    block_gemm_run<32>(xr, xr.sum.data(), w, s, M, K, op, N);
-  } else {
-    const GroupSums gs = group_sums(xr, M, K, 16);
-    block_gemm_run<16>(xr, gs.dxs.data(), w, s, M, K, op, N);
-  }
+    if (G == 32) {
+      block_gemm_run<32, S>(xr, xr.sum.data(), w, s, M, K, op, N);
+    } else {
+      const GroupSums gs = group_sums(xr, M, K, 16);
+      block_gemm_run<16, S>(xr, gs.dxs.data(), w, s, M, K, op, N);
+    }
 #else
-  const GroupSums gs = group_sums(xr, M, K, G);
+    const GroupSums gs = group_sums(xr, M, K, G);
 #if defined(__AVX2__) && defined(__FMA__)
-  if (bits == 4)
-    avx2_gemm<4, 32>(w, s, xr, gs, M, K, N, op);
-  else if (G == 32)
-    avx2_gemm<8, 32>(w, s, xr, gs, M, K, N, op);
-  else
-    avx2_gemm<8, 16>(w, s, xr, gs, M, K, N, op);
+    if (bits == 4)
+      avx2_gemm<4, 32, S>(w, s, xr, gs, M, K, N, op);
+    else if (G == 32)
+      avx2_gemm<8, 32, S>(w, s, xr, gs, M, K, N, op);
+    else
+      avx2_gemm<8, 16, S>(w, s, xr, gs, M, K, N, op);
 #else
-  scalar_gemm(w, s, bits, G, xr, gs, M, K, N, op);
+    scalar_gemm(w, s, bits, G, xr, gs, M, K, N, op);
 #endif
 #endif
+  });
   return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
 }
 
@@ -314,8 +324,10 @@ int64_t block_float_gemm_min_rows(int64_t n, int64_t k) {
 torch::Tensor block_dequant(const torch::Tensor& wp, const torch::Tensor& so, int64_t K) {
   const int64_t N = wp.size(0) * kColTile;
   const int bits = wp.size(1) * 8 == K ? 4 : 8;
-  auto out = torch::empty({N, K}, so.options());
-  dequantize_tiles(wp.data_ptr<uint8_t>(), so.data_ptr<float>(), bits, K / so.size(1), K, N, out.data_ptr<float>());
+  auto out = torch::empty({N, K}, so.options().dtype(torch::kFloat));
+  with_scales(so, [&](const auto* s) {
+    dequantize_tiles(wp.data_ptr<uint8_t>(), s, bits, K / so.size(1), K, N, out.data_ptr<float>());
+  });
   return out;
 }
 
@@ -327,7 +339,8 @@ torch::Tensor block_gemm_reference(const torch::Tensor& x, const torch::Tensor& 
   const auto xc = x.contiguous().to(torch::kFloat);
   const QuantizedRows xr = quantize_rows<float>(xc.data_ptr<float>(), M, K);
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
-  scalar_gemm(wp.data_ptr<uint8_t>(), so.data_ptr<float>(), bits, G, xr, group_sums(xr, M, K, G), M, K, N,
-              out.data_ptr<float>());
+  with_scales(so, [&](const auto* s) {
+    scalar_gemm(wp.data_ptr<uint8_t>(), s, bits, G, xr, group_sums(xr, M, K, G), M, K, N, out.data_ptr<float>());
+  });
   return out;
 }

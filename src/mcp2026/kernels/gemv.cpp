@@ -350,9 +350,6 @@ torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& w, const to
 
 namespace {
 #if defined(__AVX2__) && defined(__FMA__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) { return bf16x8_to_float(p); }
-
 // R rows of x by C weight rows: R * C dot products of length K (K % 8 == 0).
 template <int R, int C, typename W>
 inline void dense_tile(const float* x, const W* w, int64_t K, float* out, int64_t N) {

@@ -14,6 +14,7 @@
 #include <torch/extension.h>
 
 #include "cpu_kernels.h"
+#include "simd.h"
 #include "vnni_gemm.h"
 
 namespace {
@@ -22,8 +23,8 @@ namespace {
 // R rows x C column tiles of 16. wp: the first tile's packed weights (K/8 vectors of 64 bytes, the next tile
 // tile_bytes further); so: its 16 scales then 16 offsets per 32-block; xq: R rows of K int8; dx, dxs: their
 // (row, block) scales and dx * sum(xq). out: R rows of stride N at the tile's first column.
-template <int R, int C>
-void gemm_tile(const uint8_t* wp, const float* so, const int8_t* xq, const float* dx, const float* dxs,
+template <int R, int C, typename S>
+void gemm_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx, const float* dxs,
                int64_t K, float* out, int64_t N) {
   const int64_t nblk = K / 32, tile_bytes = (K / 8) * 64, tile_scales = nblk * 2 * kColTile;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -51,8 +52,8 @@ void gemm_tile(const uint8_t* wp, const float* so, const int8_t* xq, const float
       }
     }
     for (int c = 0; c < C; ++c) {
-      const __m512 s = _mm512_loadu_ps(so + c * tile_scales + b * 2 * kColTile);
-      const __m512 o = _mm512_loadu_ps(so + c * tile_scales + b * 2 * kColTile + kColTile);
+      const __m512 s = load16(so + c * tile_scales + b * 2 * kColTile);
+      const __m512 o = load16(so + c * tile_scales + b * 2 * kColTile + kColTile);
       for (int r = 0; r < R; ++r) {
         const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(dx[r * nblk + b]));
         acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), scale, acc[r][c]);
@@ -64,12 +65,12 @@ void gemm_tile(const uint8_t* wp, const float* so, const int8_t* xq, const float
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * N + c * kColTile, acc[r][c]);
 }
 
-template <int C>
-void gemm_rows(const uint8_t* wp, const float* so, const QuantizedRows& xr, int64_t M, int64_t K, float* out,
+template <int C, typename S>
+void gemm_rows(const uint8_t* wp, const S* so, const QuantizedRows& xr, int64_t M, int64_t K, float* out,
                int64_t N) {
   const int64_t nblk = K / 32;
   for_row_tiles(M, [&](int64_t r0, auto rows) {
-    gemm_tile<decltype(rows)::value, C>(wp, so, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
+    gemm_tile<decltype(rows)::value, C, S>(wp, so, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
                                         xr.sum.data() + r0 * nblk, K, out + r0 * N, N);
   });
 }
@@ -131,8 +132,9 @@ torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const t
   const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * kColTile;
   TORCH_CHECK(wp.scalar_type() == torch::kByte && wp.is_contiguous() && wp.size(1) * 8 == K && wp.size(2) == 64,
               "wp must be int4_gemm_pack's (N/16, K/8, 64) uint8 for this K");
-  TORCH_CHECK(so.scalar_type() == torch::kFloat && so.is_contiguous() && so.numel() == N * (K / 32) * 2,
-              "so must be int4_gemm_pack's (N/16, K/32, 2, 16) fp32");
+  TORCH_CHECK((so.scalar_type() == torch::kFloat || so.scalar_type() == torch::kHalf) && so.is_contiguous() &&
+                  so.numel() == N * (K / 32) * 2,
+              "so must be (N/16, K/32, 2, 16) fp32 (int4_gemm_pack's) or fp16");
 #ifdef MCP_INT4_VNNI
   const auto xc = x.contiguous();
   QuantizedRows xr;
@@ -141,16 +143,17 @@ torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const t
   });
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   const uint8_t* w = wp.data_ptr<uint8_t>();
-  const float* s = so.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t tiles = N / kColTile, tile_bytes = (K / 8) * 64, tile_scales = (K / 32) * 2 * kColTile;
-  for_column_tile_pairs(tiles, [&](int64_t t, bool pair) {
-    const auto* wt = w + t * tile_bytes;
-    const float* st = s + t * tile_scales;
-    if (pair)
-      gemm_rows<2>(wt, st, xr, M, K, op + t * kColTile, N);
-    else
-      gemm_rows<1>(wt, st, xr, M, K, op + t * kColTile, N);
+  with_scales(so, [&](const auto* s) {
+    for_column_tile_pairs(tiles, [&](int64_t t, bool pair) {
+      const auto* wt = w + t * tile_bytes;
+      const auto* st = s + t * tile_scales;
+      if (pair)
+        gemm_rows<2>(wt, st, xr, M, K, op + t * kColTile, N);
+      else
+        gemm_rows<1>(wt, st, xr, M, K, op + t * kColTile, N);
+    });
   });
   return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
 #else

@@ -30,9 +30,6 @@ struct TwoPlaneRows {
   std::vector<float> step, corr;
 };
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) { return bf16x16_to_float(p); }
-
 template <typename T>
 TwoPlaneRows quantize_two_planes(const T* x, int64_t M, int64_t K) {
   const int64_t nblk = K / 32;

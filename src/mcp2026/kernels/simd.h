@@ -51,6 +51,21 @@ inline __m512 bf16x16_to_float(const at::BFloat16* p) {
 }
 #endif
 
+// Eight (load8) or sixteen (load16) values as floats from fp32, bf16 or fp16 storage: the kernels templated on
+// a storage type read through these.
+#if defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) { return bf16x8_to_float(p); }
+#if defined(__F16C__)
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+#endif
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) { return bf16x16_to_float(p); }
+inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+#endif
+
 // One fp16, given as its bits, as a float.
 inline float half_bits_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 

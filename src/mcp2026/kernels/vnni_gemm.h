@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <torch/extension.h>
 
 #include <algorithm>
 #include <cstring>
@@ -23,6 +24,15 @@ inline __m512i broadcast_dword(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 #endif
+
+// Calls fn with the scales tensor's data as const float* or const at::Half* (the block GEMMs take either).
+template <typename F>
+void with_scales(const torch::Tensor& so, const F& fn) {
+  if (so.scalar_type() == torch::kHalf)
+    fn(static_cast<const at::Half*>(so.data_ptr<at::Half>()));
+  else
+    fn(static_cast<const float*>(so.data_ptr<float>()));
+}
 
 // Rows in micro-tiles of kGemmRows (a shorter last one): fn(first row, std::integral_constant<int, rows>), so a
 // GEMM's micro-tile gets its row count as a template argument.

@@ -103,12 +103,16 @@ def packable(shape: Sequence[int]) -> bool:
 
 
 def tile_scales(scale: Tensor, offset: Tensor) -> Tensor:
-    """(N, G) scales and offsets -> (N/16, G, 2, 16): per (tile, group) the 16 rows' scales, then offsets."""
+    """(N, G) scales and offsets -> (N/16, G, 2, 16): per (tile, group) the 16 rows' scales, then offsets; fp16
+    where fp16 holds every one of them exactly (GGUF's Q4_0 / Q4_1 / Q8_0 store fp16: half the bytes), else fp32
+    (a K-quant's super-block scale times its 6-bit sub-scale needs up to 17 significant bits)."""
     n, groups = scale.shape
     per_tile = [
         t.float().reshape(n // COLUMN_TILE, COLUMN_TILE, groups).transpose(1, 2) for t in (scale, offset)
     ]
-    return torch.stack(per_tile, dim=2).contiguous()
+    tiled = torch.stack(per_tile, dim=2).contiguous()
+    half = tiled.to(torch.float16)
+    return half if torch.equal(half.float(), tiled) else tiled
 
 
 # NOTE: the packing runs in numpy: its strided uint8 copies are several times faster than torch's here, and a
@@ -152,7 +156,7 @@ class BlockLinear(nn.Module):
     """y = x @ W.T (+ bias) with W held as a file stored it (``BlockWeights``), packed for our VNNI GEMMs.
 
     ``weight`` is the packed values ((N/16, K/8, 64) nibbles or (N/16, K/4, 64) bytes), ``scales_offsets``
-    (N/16, K/G, 2, 16) fp32. Runs on the compiled kernels only (the loader checks they are there)."""
+    (N/16, K/G, 2, 16), fp16 where that is exact (``tile_scales``), else fp32. Runs on the compiled kernels only (the loader checks they are there)."""
 
     def __init__(self, blocks: BlockWeights, bias: Tensor | None = None) -> None:
         super().__init__()
@@ -170,8 +174,8 @@ class BlockLinear(nn.Module):
 
     @property
     def bits_per_weight(self) -> float:
-        """Stored bits per weight: the values plus the fp32 scale and offset of each group."""
-        return self.bits + 64 / self.group_size
+        """Stored bits per weight: the values plus the scale and offset of each group (fp16 or fp32)."""
+        return self.bits + 2 * 8 * self.scales_offsets.element_size() / self.group_size
 
     @property
     def nbytes(self) -> int:
@@ -203,7 +207,7 @@ class BlockLinear(nn.Module):
             u = torch.stack([per_col & 0xF, per_col >> 4], dim=2).reshape(t, self.in_features)
         else:
             u = per_col.reshape(t, self.in_features)
-        so = torch.index_select(self.scales_offsets, 0, tile)[picked, :, :, col]  # (T, G, 2)
+        so = torch.index_select(self.scales_offsets, 0, tile)[picked, :, :, col].float()  # (T, G, 2)
         g = self.group_size
         w = u.float().view(t, -1, g) * so[..., 0:1] + so[..., 1:2]
         return w.view(t, self.in_features)

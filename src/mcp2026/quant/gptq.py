@@ -19,6 +19,7 @@ from mcp2026.quant.calibrate import _progress
 from mcp2026.quant.dqg_options import role_of
 from mcp2026.quant.int4_linear import Int4Linear
 from mcp2026.quant.linear import build_linear, quantize_
+from mcp2026.quant.method_errors import ratio_line
 from mcp2026.quant.plan import (
     DEFAULT_KEY,
     DENSE_FORMATS,
@@ -314,13 +315,12 @@ def uses_gptq(plan: QuantPlan, model: nn.Module) -> bool:
 
 def summary(errors: Mapping[str, LayerError]) -> str:
     """One line: how many linears GPTQ quantized and their output error against round-to-nearest's."""
-    ratios = sorted(e.ratio for e in errors.values())
-    if not ratios:
+    if not errors:
         return "GPTQ: no linear quantized"
     rounded = sum(not e.kept_gptq for e in errors.values())
     return (
-        f"GPTQ: {len(ratios)} linears; output error on calibration inputs vs round-to-nearest: median "
-        f"{ratios[len(ratios) // 2]:.3f}x (from {ratios[0]:.3f}x to {ratios[-1]:.3f}x)"
+        f"GPTQ: {len(errors)} linears; output error on calibration inputs vs round-to-nearest: "
+        + ratio_line((e.gptq, e.rtn) for e in errors.values())
         + (f"; {rounded} kept round-to-nearest's lower-error levels" if rounded else "")
     )
 

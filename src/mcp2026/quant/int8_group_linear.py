@@ -56,7 +56,7 @@ class Int8GroupLinear(QuantLinear):
         return self._output(kernels.block_gemm(x2, *self.gemm_weights()), x)
 
     def gemm_weights(self) -> tuple[Tensor, Tensor]:
-        """The block GEMM's (N/16, K/4, 64) byte tiles and (N/16, K/32, 2, 16) fp32 scales and offsets."""
+        """The block GEMM's (N/16, K/4, 64) byte tiles and (N/16, K/32, 2, 16) scales and offsets (fp16: exact)."""
         gemm = self.__dict__.get("_gemm")
         if gemm is None:
             u = (self.weight.to(torch.int16) + _OFFSET).to(torch.uint8).cpu()

@@ -26,6 +26,7 @@ from mcp2026.quant.calibrate import _progress
 from mcp2026.quant.gptq import first_layer_inputs, fresh_args
 from mcp2026.quant.int4_linear import Int4Linear
 from mcp2026.quant.linear import build_linear, quantize_
+from mcp2026.quant.method_errors import ratio_line
 from mcp2026.quant.plan import DENSE_FORMATS, OUTPUT_PROJECTION, LayerQuantSpec, QuantPlan, linear_modules
 from mcp2026.quant.quantizer import SCALE_DTYPE, dequantize_groupwise_int4, nearest_levels, quantize_int4
 
@@ -287,14 +288,13 @@ def uses_learned(plan: QuantPlan, model: nn.Module) -> bool:
 
 def summary(errors: Mapping[str, LayerError]) -> str:
     """One line: how many linears learned their scales and the held-out output error against round-to-nearest's."""
-    ratios = sorted(e.ratio for e in errors.values())
-    if not ratios:
+    if not errors:
         return "learned scales: no linear quantized"
     kept = sum(e.kept_learned for e in errors.values())
     return (
-        f"learned scales: {len(ratios)} linears; held-out output error vs round-to-nearest: median "
-        f"{ratios[len(ratios) // 2]:.3f}x (from {ratios[0]:.3f}x to {ratios[-1]:.3f}x); {kept} kept the learned "
-        f"grid, {len(ratios) - kept} round-to-nearest's"
+        f"learned scales: {len(errors)} linears; held-out output error vs round-to-nearest: "
+        + ratio_line((e.learned, e.rtn) for e in errors.values())
+        + f"; {kept} kept the learned grid, {len(errors) - kept} round-to-nearest's"
     )
 
 
