@@ -392,3 +392,21 @@ def test_split_layer_inside_a_decoder_layer_runs_unfused(tiny_llama_dir):
         model.layers[0].mlp.down_proj = dense
         expected = model(ids[:1], torch.tensor([0]))
     torch.testing.assert_close(steps[0], expected, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torchs_kernels_get_the_scales_in_the_activations_dtype(monkeypatch, cls, dtype):
+    # without our compiled kernels the int linears run torch's, which take the scales in the input's dtype; the
+    # stored scales stay as quantized (fp16 for int4, fp32 for int8 per channel)
+    monkeypatch.setattr(kernel_ops.cpu, "load", lambda: None)
+    torch.manual_seed(0)
+    module = cls.from_linear(nn.Linear(128, 64, bias=False), LayerQuantSpec(cls.formats[0]), dtype)
+    stored = module.scales_and_zeros if cls is Int4Linear else module.scales
+    assert stored.dtype == (torch.float16 if cls is Int4Linear else torch.float32)
+    x = torch.randn(3, 128)
+    with torch.inference_mode():
+        y = module(x)
+    expected = x.to(dtype).float() @ module.dequantize().T
+    torch.testing.assert_close(y.float(), expected, atol=0.05, rtol=0.02)
+    assert torch.equal(module.torch_scales(dtype), stored.to(dtype))

@@ -126,13 +126,8 @@ class Int4Linear(QuantLinear):
 
     def torch_scales(self, dtype: torch.dtype) -> Tensor:
         """The scales and zeros in ``dtype``, as torch's int4 kernels take them (the activations' dtype; bf16 on
-        CUDA, which rounds the fp16 values to bf16's 8-bit mantissa there), built on first use."""
-        if dtype == self.scales_and_zeros.dtype:
-            return self.scales_and_zeros
-        cached = self.__dict__.get("_torch_scales")
-        if cached is None or cached.dtype != dtype:
-            cached = self.__dict__["_torch_scales"] = self.scales_and_zeros.to(dtype)
-        return cached
+        CUDA, which rounds the fp16 values to bf16's 8-bit mantissa there)."""
+        return self._scales_in(self.scales_and_zeros, dtype)
 
     def cuda_weights(self) -> Tensor:
         """The weights in the layout of torch's CUDA int4 kernel (two values per byte, even k in the high

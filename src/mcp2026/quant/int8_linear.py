@@ -75,13 +75,8 @@ class Int8Linear(QuantLinear):
         return self._output(y, x)
 
     def torch_scales(self, dtype: torch.dtype) -> Tensor:
-        """The scales in ``dtype``, as torch's int8 kernel takes them (the activations' dtype), built on first use."""
-        if dtype == self.scales.dtype:
-            return self.scales
-        cached = self.__dict__.get("_torch_scales")
-        if cached is None or cached.dtype != dtype:
-            cached = self.__dict__["_torch_scales"] = self.scales.to(dtype)
-        return cached
+        """The scales in ``dtype``, as torch's int8 kernel takes them (the activations' dtype)."""
+        return self._scales_in(self.scales, dtype)
 
     def gemm_shape_ok(self) -> bool:
         """Whether the int8 GEMM takes this layer: 16-column tiles, 32-value activation blocks."""

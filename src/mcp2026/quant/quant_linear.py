@@ -119,6 +119,16 @@ class QuantLinear(nn.Module):
         for key in ("_gemv", "_gemm", "_gemv_scales", "_fused", "_cuda", "_torch_scales"):
             self.__dict__.pop(key, None)
 
+    def _scales_in(self, scales: Tensor, dtype: torch.dtype) -> Tensor:
+        """``scales`` in ``dtype`` (torch's kernels take them in the activations' dtype), converted on first use
+        and kept beside the stored ones until the weights change."""
+        if dtype == scales.dtype:
+            return scales
+        cached = self.__dict__.get("_torch_scales")
+        if cached is None or cached.dtype != dtype:
+            cached = self.__dict__["_torch_scales"] = scales.to(dtype)
+        return cached
+
     def _clip(self, w: Tensor) -> float | Tensor:
         return mse_clip_ratios(w, self.spec) if self.spec.clip_ratio == "mse" else self.spec.clip_ratio
 
