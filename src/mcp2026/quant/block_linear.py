@@ -5,8 +5,9 @@ integer and float scale and offset (Q4_1: u the nibble, scale d, offset m; Q8_0:
 Q4_K: scale d * sc, offset -dmin * m; ...). ``BlockWeights`` holds that form, exactly: fp32 holds every product
 of a float16 super-block scale and a 6- or 8-bit sub-scale. ``BlockLinear`` packs it for our block GEMM
 (kernels/block_gemm.cpp: AVX-512 VNNI, AVX2, or a scalar loop): 4-bit values into nibble tiles, wider ones into
-byte tiles, both with fp32 scales and offsets per group, so the only rounding added is the activations' int8 per
-32 values that every int8 dot product here (and llama.cpp's) makes.
+byte tiles, both with a scale and offset per group (fp16 where that holds them all exactly, as for Q4_0 / Q4_1 /
+Q8_0, else fp32), so the only rounding added is the activations' int8 per 32 values that every int8 dot product
+here (and llama.cpp's) makes.
 """
 
 from __future__ import annotations

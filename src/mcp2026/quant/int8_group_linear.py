@@ -16,7 +16,7 @@ _OFFSET = 128  # the block GEMM takes unsigned bytes: u = q + 128, w = scale * u
 
 class Int8GroupLinear(QuantLinear):
     """Symmetric int8 in groups of 32 input values, an fp16 scale each (8.5 bits per weight): q (N, K) int8 and
-    scales (N, K/32). The block GEMM's copy (byte tiles, fp32 scale and offset per group) is built on first use;
+    scales (N, K/32). The block GEMM's copy (byte tiles, fp16 scale and offset per group) is built on first use;
     its activations are rounded to int8 per 32 values, as llama.cpp's Q8_0 x Q8_0 dot products do."""
 
     formats = ()  # chosen by ``linear.linear_class`` for an int8 spec with a group size
