@@ -190,3 +190,13 @@ def gemm_calls(monkeypatch) -> list:
         ops, "vnni_gemm_kernels", lambda x: None if real(x) is None else _KernelSpy(real(x), calls)
     )
     return calls
+
+
+def auto_head_under_int4():
+    """The output projection's spec that lm_head_precision="auto" gives under an int4 body on this CPU: int8 in
+    groups of 32 (Q8_0's form) where the block GEMM runs, else per channel."""
+    from mcp2026.quant.int8_group_linear import Int8GroupLinear
+    from mcp2026.quant.plan import LayerQuantSpec
+
+    grouped = Int8GroupLinear.kernel_on(torch.device("cpu")) is not None
+    return LayerQuantSpec("int8", 32 if grouped else None)

@@ -18,7 +18,7 @@ from mcp2026.quant.int8_linear import Int8Linear
 from mcp2026.quant.plan import LayerQuantSpec, QuantPlan, linear_modules
 from mcp2026.quant.quantizer import dequantize_groupwise_int4, fake_quantize, quantize_int4
 
-from conftest import tiny_random_model
+from conftest import auto_head_under_int4, tiny_random_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -152,7 +152,7 @@ def test_quant_config_method_gptq_quantizes_int4_layers_with_gptq(monkeypatch):
     calibration = CalibrationSettings(source="random", num_samples=2, max_len=96)
     result = recipe.quantize_model(model, None, config, calibration=calibration, progress=False)
     specs = {n: m.spec for n, m in linear_modules(model)}
-    assert specs.pop("lm_head") == LayerQuantSpec("int8")
+    assert specs.pop("lm_head") == auto_head_under_int4()
     assert set(specs.values()) == {LayerQuantSpec("int4", 32, method="gptq")}
     assert any(note.startswith("GPTQ: 8 linears") for note in result.notes)
     assert "GPTQ" in result.plan.spec_for("layers.0.attn.o_proj").describe()

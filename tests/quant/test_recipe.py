@@ -51,3 +51,20 @@ def test_lm_head_precision_is_validated_and_read_from_yaml():
     assert spec.quant.lm_head_precision == "int4"
     with pytest.raises(ValueError, match=r"q.yaml: QuantConfig.lm_head_precision must be one of"):
         parse_spec({"lm_head_precision": "q8"}, "q.yaml")
+
+
+def test_int4_keeps_the_lm_head_in_q8_0s_form_where_the_device_runs_grouped_int8(model):
+    result = recipe.plan_for_config(
+        model, None, QuantConfig(target_precision="int4"), formats=FORMATS, progress=False, grouped_int8=True
+    )
+    assert result.plan.spec_for("lm_head") == LayerQuantSpec("int8", 32)
+    assert result.budget == "uniform int4, lm_head int8 g32"
+    pinned = recipe.plan_for_config(
+        model,
+        None,
+        QuantConfig(target_precision="int4", lm_head_precision="int8"),
+        formats=FORMATS,
+        progress=False,
+        grouped_int8=True,
+    )
+    assert pinned.plan.spec_for("lm_head") == LayerQuantSpec("int8")  # a pinned "int8" stays per channel

@@ -77,9 +77,13 @@ def _linear(module: str, m: Weight) -> tuple[dict[str, Tensor], dict[str, Any] |
         return {"weight": m.weight.contiguous()}, None, FLOAT, 0.0
     if isinstance(m, Int8Rows):
         n, k = m.q.shape
-        tensors = {"weight_packed": pack_int32(m.q, 8), "weight_scale": m.scale[:, None].to(SCALE_DTYPE),
+        scale = m.scale if m.grouped else m.scale[:, None]
+        tensors = {"weight_packed": pack_int32(m.q, 8), "weight_scale": scale.to(SCALE_DTYPE),
                    "weight_shape": torch.tensor([n, k], dtype=torch.int64)}  # fmt: skip
-        return tensors, {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}, PACKED, 0.0
+        scheme = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+        if m.grouped:
+            scheme = {**scheme, "strategy": "group", "group_size": k // scale.shape[1]}
+        return tensors, scheme, PACKED, 0.0
     if isinstance(m, Fp8Rows):
         tensors = {"weight": m.weight.contiguous(), "weight_scale": m.scale[:, None].float()}
         return (

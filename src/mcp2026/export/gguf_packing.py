@@ -44,10 +44,16 @@ def _nibbles(u: Tensor) -> np.ndarray:
 
 
 def q8_0(name: str, m: Int8Rows) -> np.ndarray:
-    """(N, K / 32 * 34) bytes: per block the row's scale as fp16, then its 32 int8 values."""
+    """(N, K / 32 * 34) bytes: per block its scale (the row's, or the group's when grouped by 32) as fp16, then its
+    32 int8 values."""
     n, k = m.q.shape
     _check_width(name, k)
-    d = _fp16_bytes(name, m.scale[:, None].expand(n, k // QK))  # (N, B, 2)
+    scale = m.scale if m.grouped else m.scale[:, None].expand(n, k // QK)
+    if scale.shape != (n, k // QK):
+        raise ExportError(
+            f"{name}: int8 groups of {k // scale.shape[1]} have no GGUF type (Q8_0 groups by {QK})"
+        )
+    d = _fp16_bytes(name, scale)  # (N, B, 2)
     qs = m.q.numpy().view(np.uint8).reshape(n, k // QK, QK)
     return np.concatenate([d, qs], axis=2).reshape(n, -1)
 

@@ -14,6 +14,7 @@ from mcp2026.quant.dense_linear import DenseLinear
 from mcp2026.quant.fp8_linear import Fp8Linear
 from mcp2026.quant.int4_linear import Int4Linear
 from mcp2026.quant.int4_packing import unpack_int4
+from mcp2026.quant.int8_group_linear import Int8GroupLinear
 from mcp2026.quant.int8_linear import Int8Linear
 from mcp2026.quant.quant_linear import QuantLinear
 
@@ -62,10 +63,11 @@ class StoredBlocks:
 
 @dataclass(frozen=True)
 class Int8Rows:
-    """Symmetric int8 per output row: w = q * scale[:, None]."""
+    """Symmetric int8 per output row, w = q * scale[:, None], or per group of 32 along K (Q8_0's form): w = q *
+    scale[:, k // 32]."""
 
     q: Tensor  # (N, K) int8
-    scale: Tensor  # (N,) fp32
+    scale: Tensor  # (N,) or (N, K / 32) fp32
 
     @property
     def shape(self) -> torch.Size:
@@ -77,8 +79,15 @@ class Int8Rows:
     def scaled(self, factor: float) -> Int8Rows:
         return Int8Rows(self.q, self.scale * factor)
 
+    @property
+    def grouped(self) -> bool:
+        return self.scale.dim() == 2
+
     def dequantize(self) -> Tensor:
-        return self.q.float() * self.scale[:, None]
+        if not self.grouped:
+            return self.q.float() * self.scale[:, None]
+        n, k = self.q.shape
+        return (self.q.float().view(n, self.scale.shape[1], -1) * self.scale.unsqueeze(-1)).view(n, k)
 
 
 @dataclass(frozen=True)
@@ -155,6 +164,8 @@ def matrix_of(name: str, module: nn.Module) -> Matrix:
         return Int4Groups(
             u.to(torch.uint8), scale.t().contiguous(), zero.t().contiguous(), module.spec.group_size
         )
+    if isinstance(module, Int8GroupLinear):
+        return Int8Rows(module.weight.detach(), module.scales.detach().float())
     if isinstance(module, Fp8Linear):
         return Fp8Rows(module.weight.detach(), module.weight_scale.detach().float().reshape(-1))
     if isinstance(module, QuantLinear):  # a split layer: int8 rows inside int4

@@ -19,6 +19,7 @@ from mcp2026.quant.calibrate import CalibrationSettings, _progress, calibrate, c
 from mcp2026.quant.dqg import BudgetError, DQGResult
 from mcp2026.quant.dqg_options import DQGSettings, LayerOptions
 from mcp2026.quant.gate import QuantGate
+from mcp2026.quant.int8_group_linear import Int8GroupLinear
 from mcp2026.quant.linear import quantize_
 from mcp2026.quant.perplexity import perplexity
 from mcp2026.quant.plan import (
@@ -135,11 +136,13 @@ def plan_for_config(
     settings: DQGSettings | None = None,
     calibration: CalibrationSettings | None = None,
     progress: bool = True,
+    grouped_int8: bool = False,
 ) -> DQGResult:
-    """The plan ``config`` asks for on a device whose candidate formats are ``formats``."""
+    """The plan ``config`` asks for on a device whose candidate formats are ``formats`` (``grouped_int8``: it
+    runs int8 in groups of 32, ``uniform_plan.with_output``)."""
     formats = _granularity_formats(config, formats)
     if not config.enable_dqg:
-        result = uniform_result(model, config, formats)
+        result = uniform_result(model, config, formats, grouped_int8)
     else:
         settings = settings or DQGSettings(symmetric_only=config.symmetric)
         calib, layers = _measure(model, tokenizer, config, formats, settings, calibration, progress)
@@ -388,6 +391,7 @@ def quantize_model(
         settings=settings,
         calibration=calibration,
         progress=progress,
+        grouped_int8=Int8GroupLinear.kernel_on(torch.device(device)) is not None,
     )
     samples = None
     if _calibrated_levels(result.plan, model):

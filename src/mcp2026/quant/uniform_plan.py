@@ -89,30 +89,47 @@ def output_format(config: QuantConfig, body_format: str | None) -> str | None:
 
 
 def with_output(
-    model: nn.Module, plan: QuantPlan, fmt: str | None, config: QuantConfig, formats: Sequence[str]
+    model: nn.Module,
+    plan: QuantPlan,
+    fmt: str | None,
+    config: QuantConfig,
+    formats: Sequence[str],
+    grouped_int8: bool = False,
 ) -> QuantPlan:
     """``plan`` with the output projection (``OUTPUT_PROJECTION``) stored as ``fmt`` (resolved against this
-    device's candidate ``formats``; int4 with the config's group and symmetry), as an exact-name rule first."""
+    device's candidate ``formats``; int4 with the config's group and symmetry), as an exact-name rule first.
+    ``grouped_int8`` (the caller's: the body is int4 and the device runs int8 in groups of 32, the block GEMM):
+    the int8 that "auto" gives the output is grouped, Q8_0's form, as llama.cpp keeps its output (it holds a
+    tied Q8_0 table exactly; per channel re-quantizes it)."""
     head = dict(linear_modules(model)).get(OUTPUT_PROJECTION)
     if fmt is None or not isinstance(head, nn.Linear):
         return plan
     if fmt not in DENSE_FORMATS:
         fmt = resolve_format(fmt, formats, config.strict)
     spec = format_spec(fmt, config)
+    if grouped_int8 and config.lm_head_precision == "auto" and spec == LayerQuantSpec("int8"):
+        spec = LayerQuantSpec("int8", INT8_GROUP_SIZES[0])
     rules = plan.to_dict()
     rules.pop(OUTPUT_PROJECTION, None)
     return QuantPlan({OUTPUT_PROJECTION: fitted_spec(head, spec), **rules})
 
 
-def uniform_result(model: nn.Module, config: QuantConfig, formats: Sequence[str]) -> DQGResult:
+def uniform_result(
+    model: nn.Module, config: QuantConfig, formats: Sequence[str], grouped_int8: bool = False
+) -> DQGResult:
     """Every linear in the target format (none when it is not a quantized one), the output projection as
-    ``output_format`` says."""
+    ``output_format`` says (``grouped_int8``: the device runs int8 in groups of 32, which an int4 body's int8
+    output then takes, ``with_output``)."""
     body = None
     plan = QuantPlan({})
     if config.target_precision in QUANT_FORMATS:
         body = resolve_format(config.target_precision, formats, config.strict)
         plan = uniform_plan(model, format_spec(body, config))
     head = output_format(config, body)
-    plan = with_output(model, plan, head, config, formats)
+    plan = with_output(model, plan, head, config, formats, grouped_int8 and body == "int4")
     target = f"uniform {config.target_precision}" if body else f"unquantized {config.target_precision}"
-    return DQGResult("uniform", plan, budget=target + (f", lm_head {head}" if head != body else ""))
+    head_spec = plan.spec_for(OUTPUT_PROJECTION)
+    head_name = (
+        head_spec.describe() if head == "int8" and head_spec is not None else head
+    )  # "int8 g32" when grouped
+    return DQGResult("uniform", plan, budget=target + (f", lm_head {head_name}" if head != body else ""))
