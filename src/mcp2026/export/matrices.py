@@ -17,6 +17,7 @@ from mcp2026.quant.int4_packing import unpack_int4
 from mcp2026.quant.int8_group_linear import Int8GroupLinear
 from mcp2026.quant.int8_linear import Int8Linear
 from mcp2026.quant.quant_linear import QuantLinear
+from mcp2026.quant.quantizer import dequantize_groupwise_int8
 
 
 @dataclass(frozen=True)
@@ -84,10 +85,9 @@ class Int8Rows:
         return self.scale.dim() == 2
 
     def dequantize(self) -> Tensor:
-        if not self.grouped:
-            return self.q.float() * self.scale[:, None]
-        n, k = self.q.shape
-        return (self.q.float().view(n, self.scale.shape[1], -1) * self.scale.unsqueeze(-1)).view(n, k)
+        if self.grouped:
+            return dequantize_groupwise_int8(self.q, self.scale)
+        return self.q.float() * self.scale[:, None]
 
 
 @dataclass(frozen=True)
