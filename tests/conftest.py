@@ -91,17 +91,24 @@ def hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
 
 
 def count_fused_calls(monkeypatch) -> list[int]:
-    """A one-element list counting LlamaDecoderLayer.forward_fused calls (the compiled decode layer path)."""
-    from mcp2026.models import llama
+    """A one-element list counting decoder layers run by the compiled decode path: LlamaDecoderLayer.forward_fused
+    calls, and the layers of each whole-stack step (models/decode_stack.py)."""
+    from mcp2026.models import decode_stack, llama
 
     calls = [0]
     original = llama.LlamaDecoderLayer.forward_fused
+    original_stack = decode_stack.run
 
     def counting(self, *args):
         calls[0] += 1
         return original(self, *args)
 
+    def counting_stack(stack, x, cos, sin, inputs):
+        calls[0] += inputs[0].shape[0]  # k_planes: one plane per layer
+        return original_stack(stack, x, cos, sin, inputs)
+
     monkeypatch.setattr(llama.LlamaDecoderLayer, "forward_fused", counting)
+    monkeypatch.setattr(decode_stack, "run", counting_stack)
     return calls
 
 

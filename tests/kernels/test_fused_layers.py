@@ -41,9 +41,12 @@ def _run(loaded, fused: bool, monkeypatch, speculative: str = "ngram") -> list[t
     ids=["fp32", "int8", "int4", "bf16-weights"],
 )
 def test_fused_decode_equals_the_per_op_path(tiny_qkv_bias, spec, monkeypatch):
+    from mcp2026.models import decode_stack
+
     loaded = copy.deepcopy(tiny_qkv_bias)
     if spec is not None:
         quantize_(loaded.model, QuantPlan({"layers.*": spec}))
+    monkeypatch.setattr(decode_stack, "ENABLED", False)  # the per-layer calls (the whole stack: below)
     calls = count_fused_calls(monkeypatch)
     fused = _run(loaded, True, monkeypatch)
     assert calls[0] > 0  # the fused path really ran
@@ -197,3 +200,77 @@ def test_fused_steps_are_under_every_formats_gemv_row_limit():
     from mcp2026.quant import cpu_routing as routing
 
     assert min(routing.GEMV_BATCH_MAX_ROWS, routing.INT4_GEMV_BATCH_MAX_ROWS) >= ops.FUSED_MAX_ROWS
+
+
+def _count_stack_runs(monkeypatch) -> list[int]:
+    from mcp2026.models import decode_stack
+
+    calls = [0]
+    original = decode_stack.run
+
+    def counting(*args):
+        calls[0] += 1
+        return original(*args)
+
+    monkeypatch.setattr(decode_stack, "run", counting)
+    return calls
+
+
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+@pytest.mark.parametrize(
+    "spec",
+    [None, LayerQuantSpec("int8"), LayerQuantSpec("int4", group_size=32), LayerQuantSpec("bf16")],
+    ids=["fp32", "int8", "int4", "bf16-weights"],
+)
+def test_whole_stack_decode_equals_the_per_layer_path(tiny_qkv_bias, spec, speculative, monkeypatch):
+    """Decode-only steps over a raw cache run every layer in one compiled call: same tokens and logprobs, bit
+    for bit, as the per-layer loop (drafted steps included: their rows are decodes too)."""
+    from mcp2026.models import decode_stack
+
+    loaded = copy.deepcopy(tiny_qkv_bias)
+    if spec is not None:
+        quantize_(loaded.model, QuantPlan({"layers.*": spec}))
+    runs = _count_stack_runs(monkeypatch)
+    stacked = _run(loaded, True, monkeypatch, speculative)
+    assert runs[0] > 0
+    runs[0] = 0
+    monkeypatch.setattr(decode_stack, "ENABLED", False)
+    per_layer = _run(loaded, True, monkeypatch, speculative)
+    assert runs[0] == 0
+    assert stacked == per_layer
+
+
+@pytest.mark.usefixtures("kernels")
+def test_the_stack_is_rebuilt_when_a_layer_changes(tiny_qkv_bias, monkeypatch):
+    loaded = copy.deepcopy(tiny_qkv_bias)
+    quantize_(loaded.model, QuantPlan({"layers.*": LayerQuantSpec("int4", group_size=32)}))
+    before = _run(loaded, True, monkeypatch)
+    stack = loaded.model.__dict__["_decode_stack"]._stack
+    norm = loaded.model.layers[1].post_attention_layernorm
+    norm.weight = torch.nn.Parameter(norm.weight.detach() * 1.5)  # a new norm weight tensor
+    after = _run(loaded, True, monkeypatch)
+    assert loaded.model.__dict__["_decode_stack"]._stack is not stack
+    assert after != before
+    from mcp2026.models import decode_stack
+
+    monkeypatch.setattr(decode_stack, "ENABLED", False)
+    assert _run(loaded, True, monkeypatch) == after
+
+
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.parametrize("kv_dtype", ["int8", "bf16"])
+def test_steps_the_stack_cannot_run_take_the_per_layer_path(tiny_qkv_bias, kv_dtype, monkeypatch):
+    """An encoded cache (int8) and eviction scores (heavy_hitter) need the per-layer attention: no stack runs.
+    A bf16 cache under fp32 activations is raw storage: the stack runs it, widening on read."""
+    from mcp2026.kv.compressor import KVCompressor
+
+    runs = _count_stack_runs(monkeypatch)
+    config = EngineConfig(KVConfig(num_blocks=64), kv_compressor=KVCompressor(dtype=kv_dtype, policy="none"))
+    LLMEngine(tiny_qkv_bias.model, tiny_qkv_bias.config, None, config).generate(PROMPTS, SAMPLING)
+    assert (runs[0] > 0) == (kv_dtype == "bf16")
+    runs[0] = 0
+    evicting = KVCompressor(dtype="fp32", policy="heavy_hitter", sparsity_ratio=0.5, block_size=8)
+    config = EngineConfig(KVConfig(num_blocks=64, block_size=8), kv_compressor=evicting)
+    LLMEngine(tiny_qkv_bias.model, tiny_qkv_bias.config, None, config).generate(PROMPTS, SAMPLING)
+    assert runs[0] == 0

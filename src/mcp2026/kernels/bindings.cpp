@@ -61,4 +61,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whole blocks encoded with the int4 KV codec (keys: group 0, values: channels per group) into one layer's planes");
   m.def("layer_attn_in", &layer_attn_in, "residual add + RMSNorm + qkv projection + RoPE; returns q, k, v");
   m.def("layer_attn_out_mlp", &layer_attn_out_mlp, "o projection + residual add + RMSNorm + gated MLP");
+  py::class_<DecodeLayer>(m, "DecodeLayer")
+      .def(py::init([](torch::Tensor norm1, double eps1, FusedLinear qkv, torch::Tensor norm2, double eps2,
+                       FusedLinear o, FusedLinear gate_up, FusedLinear down) {
+             return DecodeLayer{std::move(norm1), eps1, std::move(qkv), std::move(norm2), eps2,
+                                std::move(o),     std::move(gate_up), std::move(down)};
+           }),
+           py::arg("norm1"), py::arg("eps1"), py::arg("qkv"), py::arg("norm2"), py::arg("eps2"), py::arg("o"),
+           py::arg("gate_up"), py::arg("down"));
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init([](std::vector<DecodeLayer> layers, int64_t nh, int64_t nkv, int64_t hd) {
+             TORCH_CHECK(!layers.empty(), "a decode stack needs at least one layer");
+             TORCH_CHECK(nh > 0 && nkv > 0 && hd > 0 && nh % nkv == 0, "bad head counts");
+             return DecodeStack{std::move(layers), nh, nkv, hd};
+           }),
+           py::arg("layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"))
+      .def("run", &DecodeStack::run, "every layer of a decode-only step over a raw paged cache",
+           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_planes"), py::arg("v_planes"), py::arg("rows"),
+           py::arg("tables"), py::arg("lengths"));
 }

@@ -80,3 +80,26 @@ std::vector<torch::Tensor> layer_attn_in(torch::Tensor& residual, const c10::opt
 torch::Tensor layer_attn_out_mlp(const torch::Tensor& attn, torch::Tensor& residual, const FusedLinear& o,
                                  const torch::Tensor& norm_w, double eps, const FusedLinear& gate_up,
                                  const FusedLinear& down);
+
+// A decoder layer as decode_layers runs it: the half-layers above with the layer's K/V write and paged attention
+// between them.
+struct DecodeLayer {
+  torch::Tensor norm1;
+  double eps1;
+  FusedLinear qkv;
+  torch::Tensor norm2;
+  double eps2;
+  FusedLinear o, gate_up, down;
+};
+
+// Every layer of a decode-only step over a raw paged cache (fp32 / bf16 / fp16 K/V, one plane per layer) in one
+// call. Returns (hidden, residual) after the last layer.
+struct DecodeStack {
+  std::vector<DecodeLayer> layers;
+  int64_t nh, nkv, hd;
+
+  std::vector<torch::Tensor> run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                 const torch::Tensor& k_planes, const torch::Tensor& v_planes,
+                                 const torch::Tensor& rows, const torch::Tensor& tables,
+                                 const torch::Tensor& lengths) const;
+};

@@ -47,3 +47,29 @@ torch::Tensor layer_attn_out_mlp(const torch::Tensor& attn, torch::Tensor& resid
   const auto gu = gate_up(h);
   return down(silu_mul(gu, gu.scalar_type()));
 }
+
+// The Python loop of a decode step (models/decode_stack.py) without its ~30 interpreter crossings per layer:
+// the same entry points in the same order (half-layer, K/V rows write, paged attention, half-layer), so the
+// results are those of the per-layer path bit for bit.
+std::vector<torch::Tensor> DecodeStack::run(const torch::Tensor& x, const torch::Tensor& cos,
+                                            const torch::Tensor& sin, const torch::Tensor& k_planes,
+                                            const torch::Tensor& v_planes, const torch::Tensor& rows,
+                                            const torch::Tensor& tables, const torch::Tensor& lengths) const {
+  TORCH_CHECK(k_planes.dim() == 5 && v_planes.dim() == 5 && k_planes.size(0) == (int64_t)layers.size() &&
+                  v_planes.sizes() == k_planes.sizes(),
+              "k_planes and v_planes must be (layers, blocks, nkv, bs, hd) with one plane per layer");
+  TORCH_CHECK(k_planes.size(2) == nkv && k_planes.size(4) == hd, "the planes' head sizes do not match the model");
+  torch::Tensor residual = x.clone();  // the kernels update the residual stream in place
+  c10::optional<torch::Tensor> h;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const DecodeLayer& l = layers[i];
+    const auto qkv = layer_attn_in(residual, h, l.norm1, l.eps1, l.qkv, cos, sin, nh, nkv, hd);
+    const auto kb = k_planes.select(0, (int64_t)i), vb = v_planes.select(0, (int64_t)i);
+    auto k_rows = kb.view({-1, hd}), v_rows = vb.view({-1, hd});
+    write_kv_rows(k_rows, v_rows, rows, qkv[1], qkv[2]);
+    const auto attn = paged_decode_attention(qkv[0], kb, vb, tables, lengths, c10::nullopt);
+    h = layer_attn_out_mlp(attn, residual, l.o, l.norm2, l.eps2, l.gate_up, l.down);
+  }
+  TORCH_CHECK(h.has_value(), "a decode stack needs at least one layer");
+  return {*h, residual};
+}

@@ -369,6 +369,13 @@ class PagedKVCache:
         each, and its staging stores (entries, nkv, bs, hd), empty when nothing was ever staged."""
         return (*self._layer_planes[layer], *self.staging.layer(layer))
 
+    def raw_planes(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every layer's K and V blocks, (L, num_blocks, nkv, bs, hd) each, where each layer owns its plane and
+        stores K/V as they are (``reads_in_place``, not layered); else None."""
+        if not self._raw or self.layered:
+            return None
+        return self.k_planes["x"], self.v_planes["x"]
+
     def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V blocks, (num_blocks, nkv, bs, hd) each (``reads_in_place`` storage only)."""
         return self._at(self.k_planes["x"], layer), self._at(self.v_planes["x"], layer)

@@ -410,6 +410,28 @@ def _fresh_attention(
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
+def raw_decode_inputs(
+    ctx: ForwardContext, num_tokens: int, windows: frozenset[int | None]
+) -> tuple[torch.Tensor, ...] | None:
+    """What a whole decode step needs to run its layers in one compiled call (``kernels.DecodeStack``), where
+    ``attention`` would take, for every layer, the raw rows write and the in-place paged decode kernel:
+    (k_planes, v_planes, rows, tables, lengths); None for any other step. ``windows``: the layers' windows."""
+    cache, meta = ctx.cache, ctx.meta
+    if cache is None or meta is None or meta.num_decodes != num_tokens or meta.prefills or meta.layered:
+        return None
+    if meta.decode_mass is not None or meta.decode_tables is None or not cache.reads_in_place:
+        return None
+    if any(
+        w is not None and (v := meta.windows.get(w)) is not None and v.decode_read is not None
+        for w in windows
+    ):
+        return None
+    plan, planes = meta.write, cache.raw_planes()
+    if planes is None or plan.rows is None or plan.is_monitored:
+        return None
+    return (*planes, plan.rows, meta.decode_tables, meta.decode_lengths)
+
+
 def attention(
     layer: int,
     q: torch.Tensor,

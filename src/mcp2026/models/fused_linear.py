@@ -69,16 +69,27 @@ class _Cached:
 def fused_linear(kernels: Any, m: nn.Module, quant_rows: bool) -> Any | None:
     """The compiled stand-in for ``m``, or None when ``m`` cannot be fused for this step (``quant_rows``:
     the step's row count is one the quantized modules send to their GEMVs)."""
-    weight, bias = getattr(m, "weight", None), m.bias
+    cached = m.__dict__.get("_fused")
+    weight, bias = _tensor(m, "weight"), _tensor(m, "bias")
     if weight is None:  # a split layer (two kernels and a gather): never fused
         return None
-    cached = m.__dict__.get("_fused")
     if cached is None or cached.weight is not weight or cached.bias is not bias:
         cached = m.__dict__["_fused"] = _Cached(weight, bias, _build(kernels, m))
     built = cached.built
     if built is None or (built[0] != DENSE and not quant_rows):
         return None
     return built[1]
+
+
+def _tensor(m: nn.Module, name: str) -> Tensor | None:
+    """``getattr(m, name, None)`` for a parameter, buffer or plain attribute, without nn.Module's slow
+    ``__getattr__`` fallback (this runs for every linear of every decode step)."""
+    t = m._parameters.get(name)
+    if t is None:
+        t = m._buffers.get(name)
+    if t is None:
+        t = m.__dict__.get(name)
+    return t
 
 
 def hooked(*modules: nn.Module) -> bool:

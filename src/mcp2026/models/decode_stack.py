@@ -1,0 +1,86 @@
+"""A decode step's whole layer stack as one compiled call.
+
+On a decode-sized step each layer already runs as two compiled calls around its attention (``forward_fused``),
+but the loop over layers, the K/V write and the paged attention between the halves still cross from Python into
+C++ about five times per layer, with the interpreter work around each crossing. For a small model that overhead
+is a large share of a batch-1 step. ``kernels.DecodeStack`` holds every layer's norms and compiled linears and runs
+the same entry points in the same order, so a step through it gives the per-layer path's results bit for bit.
+
+It applies where every layer fuses and the step is decode-only over a raw paged cache (``raw_decode_inputs``);
+any other step takes the per-layer path. The stack is built once and rebuilt when any layer's compiled linears or
+norm weights change (new weights, swapped modules).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+# Off: every decode step takes the per-layer loop (tests compare the two; benchmarks can A/B them).
+ENABLED = True
+
+
+class DecodeStackCache:
+    """The compiled stack of one model and what it was built from."""
+
+    def __init__(self) -> None:
+        self._parts: list[Any] = []
+        self._stack: Any = None
+
+    def get(self, kernels: Any, layers: Sequence[nn.Module], linears: Sequence[tuple[Any, ...]]) -> Any:
+        """The stack for these layers and their current compiled linears (built or rebuilt as needed)."""
+        parts = _parts(layers, linears)
+        old = self._parts
+        if self._stack is None or len(old) != len(parts) or any(a is not b for a, b in zip(old, parts)):
+            attn = layers[0].attn
+            built = [
+                kernels.DecodeLayer(
+                    layer.input_layernorm.weight, layer.input_layernorm.eps, lin[0],
+                    layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, *lin[1:],
+                )
+                for layer, lin in zip(layers, linears)
+            ]  # fmt: skip
+            self._stack = kernels.DecodeStack(built, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+            self._parts = parts
+        return self._stack
+
+    def __deepcopy__(self, memo: dict) -> DecodeStackCache:
+        return DecodeStackCache()  # the compiled stack holds the original's tensors: a copy builds its own
+
+    def __reduce__(self) -> tuple:
+        return DecodeStackCache, ()
+
+
+def _parts(layers: Sequence[nn.Module], linears: Sequence[tuple[Any, ...]]) -> list[Any]:
+    parts = []
+    for layer, lin in zip(layers, linears):
+        own = layer._modules  # straight from _modules: this runs on every decode step
+        parts += (
+            own["input_layernorm"]._parameters["weight"],
+            own["post_attention_layernorm"]._parameters["weight"],
+        )
+        parts += lin
+    return parts
+
+
+def stackable(layers: Sequence[nn.Module]) -> bool:
+    """Whether one stack can run these layers: the first layer's head counts and sizes in every layer (the stack
+    takes them once) and layer ``i`` reading and writing cache layer ``i``."""
+    first = layers[0].attn
+    shape = (first.num_heads, first.num_kv_heads, first.head_dim)
+    return all(
+        (layer.attn.num_heads, layer.attn.num_kv_heads, layer.attn.head_dim) == shape
+        and layer.attn.layer_idx == i
+        for i, layer in enumerate(layers)
+    )
+
+
+def run(
+    stack: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inputs: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden, residual) after the last layer; ``inputs`` from ``attention.raw_decode_inputs``."""
+    hidden, residual = stack.run(x, cos, sin, *inputs)
+    return hidden, residual
