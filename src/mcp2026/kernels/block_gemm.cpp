@@ -27,12 +27,14 @@ constexpr int64_t kDequantMaxElements = int64_t{1} << 22;
 namespace {
 
 #ifdef MCP_INT4_VNNI
+// As int4_gemm.cpp's gemm_tile: a decode-sized call streams its weights with non-temporal prefetches.
+constexpr int64_t kStreamAhead = 512;
 // R rows x C column tiles of 16, groups of G. wp: the first tile's packed weights (K/4 vectors of 64 bytes, the
 // next tile tile_bytes further); so: per group the tile's 16 scales, then its 16 offsets; xq: R rows of K int8;
 // dx: (row, 32-block) steps; dxs: (row, group) dx * sum(xq). out: R rows of stride N at the tile's first column.
 template <int R, int C, int G, typename S>
 void block_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx, const float* dxs,
-                int64_t K, float* out, int64_t N) {
+                int64_t K, float* out, int64_t N, bool stream) {
   constexpr int kVectors = G / 4;  // 64-byte vectors per group
   const int64_t ngrp = K / G, nblk = K / 32, tile_bytes = (K / 4) * 64, tile_scales = ngrp * 2 * kColTile;
   __m512 acc[R][C];
@@ -44,7 +46,11 @@ void block_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* d
       for (int c = 0; c < C; ++c) dot[r][c] = _mm512_setzero_si512();
     for (int j = 0; j < kVectors; ++j) {
       __m512i w[C];
-      for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_si512(wp + c * tile_bytes + (g * kVectors + j) * 64);
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* src = wp + c * tile_bytes + (g * kVectors + j) * 64;
+        if (stream) _mm_prefetch(reinterpret_cast<const char*>(src + kStreamAhead), _MM_HINT_NTA);
+        w[c] = _mm512_loadu_si512(src);
+      }
       for (int r = 0; r < R; ++r) {
         const __m512i x = broadcast_dword(xq + r * K + g * G + j * 4);
         for (int c = 0; c < C; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], w[c], x);
@@ -71,7 +77,7 @@ void block_rows(const uint8_t* wp, const S* so, const QuantizedRows& xr, const f
   const int64_t nblk = K / 32, ngrp = K / G;
   for_row_tiles(M, [&](int64_t r0, auto rows) {
     block_tile<decltype(rows)::value, C, G, S>(wp, so, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
-                                            dxs + r0 * ngrp, K, out + r0 * N, N);
+                                            dxs + r0 * ngrp, K, out + r0 * N, N, M <= kGemmRows);
   });
 }
 

@@ -20,12 +20,17 @@
 namespace {
 
 #ifdef MCP_INT4_VNNI
+// A decode-sized call (one row tile) reads each weight once: it prefetches the weights this far ahead as
+// non-temporal, so streaming the model does not evict from the caches what the rest of the step works on (the
+// activations, the KV blocks, the interpreter's objects between calls). A prefill reuses each tile for every row
+// tile, and keeps the hardware's normal caching.
+constexpr int64_t kStreamAhead = 1024;
 // R rows x C column tiles of 16. wp: the first tile's packed weights (K/8 vectors of 64 bytes, the next tile
 // tile_bytes further); so: its 16 scales then 16 offsets per 32-block; xq: R rows of K int8; dx, dxs: their
 // (row, block) scales and dx * sum(xq). out: R rows of stride N at the tile's first column.
 template <int R, int C, typename S>
 void gemm_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx, const float* dxs,
-               int64_t K, float* out, int64_t N) {
+               int64_t K, float* out, int64_t N, bool stream) {
   const int64_t nblk = K / 32, tile_bytes = (K / 8) * 64, tile_scales = nblk * 2 * kColTile;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R][C];
@@ -38,7 +43,9 @@ void gemm_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx
     for (int j = 0; j < 4; ++j) {  // a block's 32 k: 4 vectors, each 8 k (low nibbles k..k+3, high k+4..k+7)
       __m512i lo[C], hi[C];
       for (int c = 0; c < C; ++c) {
-        const __m512i v = _mm512_loadu_si512(wp + c * tile_bytes + (b * 4 + j) * 64);
+        const uint8_t* src = wp + c * tile_bytes + (b * 4 + j) * 64;
+        if (stream) _mm_prefetch(reinterpret_cast<const char*>(src + kStreamAhead), _MM_HINT_NTA);
+        const __m512i v = _mm512_loadu_si512(src);
         lo[c] = _mm512_and_si512(v, nibble);
         hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       }
@@ -71,7 +78,7 @@ void gemm_rows(const uint8_t* wp, const S* so, const QuantizedRows& xr, int64_t 
   const int64_t nblk = K / 32;
   for_row_tiles(M, [&](int64_t r0, auto rows) {
     gemm_tile<decltype(rows)::value, C, S>(wp, so, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
-                                        xr.sum.data() + r0 * nblk, K, out + r0 * N, N);
+                                        xr.sum.data() + r0 * nblk, K, out + r0 * N, N, M <= kGemmRows);
   });
 }
 #endif
