@@ -259,18 +259,21 @@ def test_the_stack_is_rebuilt_when_a_layer_changes(tiny_qkv_bias, monkeypatch):
 
 
 @pytest.mark.usefixtures("kernels")
-@pytest.mark.parametrize("kv_dtype", ["int8", "bf16"])
-def test_steps_the_stack_cannot_run_take_the_per_layer_path(tiny_qkv_bias, kv_dtype, monkeypatch):
+@pytest.mark.parametrize(
+    ("kv_dtype", "policy", "stacked"),
+    [("int8", "none", False), ("bf16", "none", True), ("fp32", "heavy_hitter", False)],
+)
+def test_steps_the_stack_cannot_run_take_the_per_layer_path(
+    tiny_qkv_bias, kv_dtype, policy, stacked, monkeypatch
+):
     """An encoded cache (int8) and eviction scores (heavy_hitter) need the per-layer attention: no stack runs.
     A bf16 cache under fp32 activations is raw storage: the stack runs it, widening on read."""
     from mcp2026.kv.compressor import KVCompressor
 
     runs = _count_stack_runs(monkeypatch)
-    config = EngineConfig(KVConfig(num_blocks=64), kv_compressor=KVCompressor(dtype=kv_dtype, policy="none"))
+    compressor = KVCompressor(
+        dtype=kv_dtype, policy=policy, sparsity_ratio=0.5 if policy != "none" else None, block_size=8
+    )
+    config = EngineConfig(KVConfig(num_blocks=64, block_size=8), kv_compressor=compressor)
     LLMEngine(tiny_qkv_bias.model, tiny_qkv_bias.config, None, config).generate(PROMPTS, SAMPLING)
-    assert (runs[0] > 0) == (kv_dtype == "bf16")
-    runs[0] = 0
-    evicting = KVCompressor(dtype="fp32", policy="heavy_hitter", sparsity_ratio=0.5, block_size=8)
-    config = EngineConfig(KVConfig(num_blocks=64, block_size=8), kv_compressor=evicting)
-    LLMEngine(tiny_qkv_bias.model, tiny_qkv_bias.config, None, config).generate(PROMPTS, SAMPLING)
-    assert runs[0] == 0
+    assert (runs[0] > 0) == stacked

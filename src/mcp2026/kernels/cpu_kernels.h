@@ -81,7 +81,7 @@ torch::Tensor layer_attn_out_mlp(const torch::Tensor& attn, torch::Tensor& resid
                                  const torch::Tensor& norm_w, double eps, const FusedLinear& gate_up,
                                  const FusedLinear& down);
 
-// A decoder layer as decode_layers runs it: the half-layers above with the layer's K/V write and paged attention
+// A decoder layer as DecodeStack runs it: the half-layers above with the layer's K/V write and paged attention
 // between them.
 struct DecodeLayer {
   torch::Tensor norm1;

@@ -19,16 +19,31 @@ from typing import Any
 import torch
 from torch import nn
 
+from mcp2026.models.attention import ForwardContext, raw_decode_inputs
+
 # Off: every decode step takes the per-layer loop (tests compare the two; benchmarks can A/B them).
 ENABLED = True
 
 
 class DecodeStackCache:
-    """The compiled stack of one model and what it was built from."""
+    """The compiled stack of one model, what it was built from, and whether the model's layers can run as one
+    stack at all (their structure is fixed: checked once, when the cache is made)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stackable: bool, windows: frozenset[int | None]) -> None:
+        self.stackable, self.windows = stackable, windows
         self._parts: list[Any] = []
         self._stack: Any = None
+
+    @classmethod
+    def for_layers(cls, layers: Sequence[nn.Module]) -> DecodeStackCache:
+        return cls(stackable(layers), frozenset(layer.attn.window for layer in layers))
+
+    def inputs(self, ctx: ForwardContext, num_tokens: int, linears: Sequence[Any]) -> tuple | None:
+        """``raw_decode_inputs`` where this step may run every layer in one compiled call (every layer fused),
+        else None."""
+        if not ENABLED or not self.stackable or any(lin is None for lin in linears):
+            return None
+        return raw_decode_inputs(ctx, num_tokens, self.windows)
 
     def get(self, kernels: Any, layers: Sequence[nn.Module], linears: Sequence[tuple[Any, ...]]) -> Any:
         """The stack for these layers and their current compiled linears (built or rebuilt as needed)."""
@@ -48,10 +63,11 @@ class DecodeStackCache:
         return self._stack
 
     def __deepcopy__(self, memo: dict) -> DecodeStackCache:
-        return DecodeStackCache()  # the compiled stack holds the original's tensors: a copy builds its own
+        # the compiled stack holds the original's tensors: a copy builds its own
+        return DecodeStackCache(self.stackable, self.windows)
 
     def __reduce__(self) -> tuple:
-        return DecodeStackCache, ()
+        return DecodeStackCache, (self.stackable, self.windows)
 
 
 def _parts(layers: Sequence[nn.Module], linears: Sequence[tuple[Any, ...]]) -> list[Any]:
@@ -81,6 +97,5 @@ def stackable(layers: Sequence[nn.Module]) -> bool:
 def run(
     stack: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inputs: tuple[torch.Tensor, ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden, residual) after the last layer; ``inputs`` from ``attention.raw_decode_inputs``."""
-    hidden, residual = stack.run(x, cos, sin, *inputs)
-    return hidden, residual
+    """(hidden, residual) after the last layer; ``inputs`` from ``DecodeStackCache.inputs``."""
+    return tuple(stack.run(x, cos, sin, *inputs))

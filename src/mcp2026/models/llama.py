@@ -16,7 +16,7 @@ from torch import nn
 from mcp2026.config import ModelConfig
 from mcp2026.kernels import ops
 from mcp2026.models import decode_stack, fused_linear
-from mcp2026.models.attention import ForwardContext, attention, raw_decode_inputs
+from mcp2026.models.attention import ForwardContext, attention
 from mcp2026.models.family import ModelFamily
 from mcp2026.models.layers import Linear, RMSNorm
 from mcp2026.models.rotary import RotaryEmbedding
@@ -188,28 +188,22 @@ class LlamaForCausalLM(nn.Module):
         # steps (<= ops.FUSED_MAX_ROWS rows) are under each format's GEMV row limit (a test holds that).
         quant_rows = kernels is not None and gemv_rows(x)
         fused = [None if kernels is None else layer.fused(kernels, quant_rows) for layer in self.layers]
-        inputs = None if kernels is None else self._decode_stack_inputs(ctx, x.shape[0], fused)
-        if inputs is not None:
-            stack = self.__dict__["_decode_stack"].get(kernels, self.layers, fused)
-            x, residual = decode_stack.run(stack, x, cos, sin, inputs)
-            return self.norm.add(residual, x)[0]
+        if kernels is not None:
+            stacks = self.__dict__.get("_decode_stack")
+            if stacks is None:
+                stacks = self.__dict__["_decode_stack"] = decode_stack.DecodeStackCache.for_layers(
+                    self.layers
+                )
+            inputs = stacks.inputs(ctx, x.shape[0], fused)
+            if inputs is not None:
+                x, residual = decode_stack.run(stacks.get(kernels, self.layers, fused), x, cos, sin, inputs)
+                return self.norm.add(residual, x)[0]
         for layer, linears in zip(self.layers, fused):
             if linears is not None:
                 x, residual = layer.forward_fused(kernels, linears, x, residual, cos, sin, ctx)
             else:
                 x, residual = layer(x, residual, self.rope, cos, sin, ctx)
         return self.norm.add(residual, x)[0]
-
-    def _decode_stack_inputs(self, ctx: ForwardContext, num_tokens: int, fused: list) -> tuple | None:
-        """``raw_decode_inputs`` where this step may run every layer in one compiled call, else None."""
-        if not decode_stack.ENABLED or any(f is None for f in fused):
-            return None
-        shape = self.__dict__.get("_stack_shape")
-        if shape is None:  # the layers' structure is fixed: checked once
-            windows = frozenset(layer.attn.window for layer in self.layers)
-            shape = self.__dict__["_stack_shape"] = (decode_stack.stackable(self.layers), windows)
-            self.__dict__["_decode_stack"] = decode_stack.DecodeStackCache()
-        return raw_decode_inputs(ctx, num_tokens, shape[1]) if shape[0] else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
