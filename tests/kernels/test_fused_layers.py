@@ -259,6 +259,40 @@ def test_the_stack_is_rebuilt_when_a_layer_changes(tiny_qkv_bias, monkeypatch):
 
 
 @pytest.mark.usefixtures("kernels")
+@pytest.mark.parametrize("change", ["hook", "swap", "drop"])
+def test_a_change_after_the_stack_is_built_ends_the_guard(tiny_qkv_bias, change, monkeypatch):
+    """While the recorded lookups hold, steps skip every layer's ``fused`` walk. A forward hook, a swapped
+    module and a dropped compiled copy must each be seen on the next step: the hook sees its calls (the
+    per-layer path runs), a swapped module computes, a dropped copy is rebuilt."""
+    from mcp2026.models import decode_stack
+
+    loaded = copy.deepcopy(tiny_qkv_bias)
+    quantize_(loaded.model, QuantPlan({"layers.*": LayerQuantSpec("int4", group_size=32)}))
+    runs = _count_stack_runs(monkeypatch)
+    before = _run(loaded, True, monkeypatch)
+    cache = loaded.model.__dict__["_decode_stack"]
+    assert runs[0] > 0 and cache._guard is not None and cache._guard.holds()
+    stack, mlp = cache._stack, loaded.model.layers[1].mlp
+    seen: list[torch.Size] = []
+    if change == "hook":
+        mlp.down_proj.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    elif change == "swap":
+        mlp.down_proj = copy.deepcopy(tiny_qkv_bias.model.layers[1].mlp.down_proj)  # fp32 in place of int4
+    else:
+        del mlp.down_proj.__dict__["_fused"]
+    assert not cache._guard.holds()
+    runs[0] = 0
+    after = _run(loaded, True, monkeypatch)
+    if change == "hook":
+        assert seen and runs[0] == 0 and after == before
+        return
+    assert runs[0] > 0 and cache._stack is not stack and cache._guard.holds()
+    assert (after == before) == (change == "drop")
+    monkeypatch.setattr(decode_stack, "ENABLED", False)
+    assert _run(loaded, True, monkeypatch) == after
+
+
+@pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize(
     ("kv_dtype", "policy", "stacked"),
     [("int8", "none", False), ("bf16", "none", True), ("fp32", "heavy_hitter", False)],

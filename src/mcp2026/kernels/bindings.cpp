@@ -79,4 +79,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &DecodeStack::run, "every layer of a decode-only step over a raw paged cache",
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_planes"), py::arg("v_planes"), py::arg("rows"),
            py::arg("tables"), py::arg("lengths"));
+  py::class_<LookupGuard>(m, "LookupGuard")
+      .def(py::init([](const std::vector<py::tuple>& reads, const std::vector<py::object>& empty, py::object missing) {
+             LookupGuard g;
+             for (const auto& r : reads) {
+               TORCH_CHECK(r.size() == 3 && PyDict_Check(r[0].ptr()), "reads must be (dict, key, value) tuples");
+               g.dicts.push_back(r[0]);
+               g.keys.push_back(r[1]);
+               g.values.push_back(r[2]);
+             }
+             for (const auto& d : empty) TORCH_CHECK(PyDict_Check(d.ptr()), "empty must hold dicts");
+             g.empty = empty;
+             g.missing = std::move(missing);
+             return g;
+           }),
+           py::arg("reads"), py::arg("empty"), py::arg("missing"))
+      .def("holds", &LookupGuard::holds, "whether every read still gives the recorded object");
 }

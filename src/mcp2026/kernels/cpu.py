@@ -44,6 +44,7 @@ SOURCES = tuple(
         "block_gemm.cpp",
         "kv_write.cpp",
         "staged_merge.cpp",
+        "lookup_guard.cpp",
     )
 )
 HEADERS = tuple(

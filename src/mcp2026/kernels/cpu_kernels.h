@@ -103,3 +103,15 @@ struct DecodeStack {
                                  const torch::Tensor& rows, const torch::Tensor& tables,
                                  const torch::Tensor& lengths) const;
 };
+
+// Dictionary reads repeated in one call: the Python objects a decode step's compiled stack was decided from
+// (models/decode_stack.py records them), checked on every step instead of walking the modules in the
+// interpreter. holds(): every (dict, key) still maps to the same object (or is still missing), and every dict
+// that was empty (the hook tables) still is.
+struct LookupGuard {
+  std::vector<pybind11::object> dicts, keys, values;  // values[i] is `missing` where the key was absent
+  std::vector<pybind11::object> empty;
+  pybind11::object missing;
+
+  bool holds() const;
+};

@@ -66,11 +66,33 @@ class _Cached:
         return type(None), ()
 
 
-def fused_linear(kernels: Any, m: nn.Module, quant_rows: bool) -> Any | None:
+# A recorded read's value where the key was absent
+MISSING = object()
+
+
+class Reads:
+    """The dictionary reads a step's fused handles were decided from, recorded as (dict, key, value) with
+    ``MISSING`` for an absent key, and the dicts that had to be empty (hook tables). A ``kernels.LookupGuard``
+    repeats them on later steps in one compiled call (models/decode_stack.py)."""
+
+    __slots__ = ("reads", "empty")
+
+    def __init__(self) -> None:
+        self.reads: list[tuple[dict, str, Any]] = []
+        self.empty: list[dict] = []
+
+    def get(self, d: dict, key: str, default: Any = None) -> Any:
+        """``d.get(key, default)``, recorded."""
+        value = d.get(key, MISSING)
+        self.reads.append((d, key, value))
+        return default if value is MISSING else value
+
+
+def fused_linear(kernels: Any, m: nn.Module, quant_rows: bool, reads: Reads | None = None) -> Any | None:
     """The compiled stand-in for ``m``, or None when ``m`` cannot be fused for this step (``quant_rows``:
-    the step's row count is one the quantized modules send to their GEMVs)."""
-    cached = m.__dict__.get("_fused")
-    weight, bias = _tensor(m, "weight"), _tensor(m, "bias")
+    the step's row count is one the quantized modules send to their GEMVs). ``reads``: record the lookups."""
+    cached = (dict.get if reads is None else reads.get)(m.__dict__, "_fused")
+    weight, bias = _tensor(m, "weight", reads), _tensor(m, "bias", reads)
     if weight is None:  # a split layer (two kernels and a gather): never fused
         return None
     if cached is None or cached.weight is not weight or cached.bias is not bias:
@@ -81,20 +103,39 @@ def fused_linear(kernels: Any, m: nn.Module, quant_rows: bool) -> Any | None:
     return built[1]
 
 
-def _tensor(m: nn.Module, name: str) -> Tensor | None:
+def _tensor(m: nn.Module, name: str, reads: Reads | None = None) -> Tensor | None:
     """``getattr(m, name, None)`` for a parameter, buffer or plain attribute, without nn.Module's slow
     ``__getattr__`` fallback (this runs for every linear of every decode step)."""
-    t = m._parameters.get(name)
+    get = dict.get if reads is None else reads.get
+    t = get(m._parameters, name)
     if t is None:
-        t = m._buffers.get(name)
+        t = get(m._buffers, name)
     if t is None:
-        t = m.__dict__.get(name)
+        t = get(m.__dict__, name)
     return t
 
 
-def hooked(*modules: nn.Module) -> bool:
+def submodule(m: nn.Module, name: str, reads: Reads | None = None) -> Any:
+    """``getattr(m, name)`` for a submodule, or for an attribute set to None in its place (``q_norm = None``):
+    the instance dict, then ``_modules``, as Python and nn.Module look them up."""
+    get = dict.get if reads is None else reads.get
+    value = get(m.__dict__, name, MISSING)
+    if value is MISSING:
+        value = get(m._modules, name, MISSING)
+    if value is MISSING:
+        raise AttributeError(f"{type(m).__name__} has no attribute {name!r}")
+    return value
+
+
+def hooked(*modules: nn.Module, reads: Reads | None = None) -> bool:
     """Whether a forward hook would see any of ``modules`` (calibration and tests capture activations this
     way): the fused calls skip the modules' ``__call__``, so such layers take the per-op path."""
+    if reads is not None:
+        tables = [torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks]
+        for m in modules:
+            tables += (reads.get(m.__dict__, "_forward_hooks"), reads.get(m.__dict__, "_forward_pre_hooks"))
+        reads.empty += tables
+        return any(tables)
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)

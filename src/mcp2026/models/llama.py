@@ -98,22 +98,27 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add(residual, h)
         return self.mlp(h), residual
 
-    def fused(self, kernels: Any, quant_rows: bool) -> tuple[Any, Any, Any, Any] | None:
-        """The four linears as compiled handles when all of them can run inside ``forward_fused``."""
-        # Called for every layer of every decode step: submodules straight from _modules (nn.Module.__getattr__
-        # is a slow fallback, and a step makes hundreds of these lookups)
+    def fused(
+        self, kernels: Any, quant_rows: bool, reads: fused_linear.Reads | None = None
+    ) -> tuple[Any, Any, Any, Any] | None:
+        """The four linears as compiled handles when all of them can run inside ``forward_fused``. ``reads``:
+        record the lookups the answer rests on (models/decode_stack.py repeats them on later steps)."""
+        # Called for every layer of every decode step that does not run the whole stack: submodules straight
+        # from _modules (nn.Module.__getattr__ is a slow fallback, and a step makes hundreds of these lookups)
+        get = dict.get if reads is None else reads.get
         own = self._modules
-        attn, mlp = own["attn"], own["mlp"]
-        if attn.q_norm is not None:  # the compiled layer has no per-head norm between projection and rotary
+        attn, mlp = get(own, "attn"), get(own, "mlp")
+        # the compiled layer has no per-head norm between projection and rotary
+        if fused_linear.submodule(attn, "q_norm", reads) is not None:
             return None
         a, m = attn._modules, mlp._modules
-        modules = (a["qkv_proj"], a["o_proj"], m["gate_up_proj"], m["down_proj"])
-        norms = (own["input_layernorm"], own["post_attention_layernorm"])
-        if fused_linear.hooked(self, attn, mlp, *norms, *modules):
+        modules = (get(a, "qkv_proj"), get(a, "o_proj"), get(m, "gate_up_proj"), get(m, "down_proj"))
+        norms = (get(own, "input_layernorm"), get(own, "post_attention_layernorm"))
+        if fused_linear.hooked(self, attn, mlp, *norms, *modules, reads=reads):
             return None
         linears = []
         for m in modules:
-            handle = fused_linear.fused_linear(kernels, m, quant_rows)
+            handle = fused_linear.fused_linear(kernels, m, quant_rows, reads)
             if handle is None:
                 return None
             linears.append(handle)
@@ -187,17 +192,18 @@ class LlamaForCausalLM(nn.Module):
         # Whether quantized linears take their GEMVs at this row count: one answer for every format because fused
         # steps (<= ops.FUSED_MAX_ROWS rows) are under each format's GEMV row limit (a test holds that).
         quant_rows = kernels is not None and gemv_rows(x)
-        fused = [None if kernels is None else layer.fused(kernels, quant_rows) for layer in self.layers]
         if kernels is not None:
             stacks = self.__dict__.get("_decode_stack")
             if stacks is None:
                 stacks = self.__dict__["_decode_stack"] = decode_stack.DecodeStackCache.for_layers(
                     self.layers
                 )
-            inputs = stacks.inputs(ctx, x.shape[0], fused)
-            if inputs is not None:
-                x, residual = decode_stack.run(stacks.get(kernels, self.layers, fused), x, cos, sin, inputs)
+            inputs = stacks.inputs(ctx, x.shape[0])
+            stack = None if inputs is None else stacks.get(kernels, self.layers, quant_rows)
+            if stack is not None:
+                x, residual = decode_stack.run(stack, x, cos, sin, inputs)
                 return self.norm.add(residual, x)[0]
+        fused = [None if kernels is None else layer.fused(kernels, quant_rows) for layer in self.layers]
         for layer, linears in zip(self.layers, fused):
             if linears is not None:
                 x, residual = layer.forward_fused(kernels, linears, x, residual, cos, sin, ctx)

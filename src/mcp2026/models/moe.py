@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcp2026.config import ModelConfig
+from mcp2026.models import fused_linear
 from mcp2026.models.family import ModelFamily
 from mcp2026.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
@@ -81,12 +82,15 @@ class MoeDecoderLayer(LlamaDecoderLayer):
         if config.has_experts(layer_idx):
             self.mlp = SparseMoeBlock(config)
 
-    def fused(self, kernels: Any, quant_rows: bool) -> tuple[Any, Any, Any, Any] | None:
+    def fused(
+        self, kernels: Any, quant_rows: bool, reads: fused_linear.Reads | None = None
+    ) -> tuple[Any, Any, Any, Any] | None:
         """None for an experts layer: the compiled layer's second call runs one dense MLP, so these layers take
         the per-op path (its linears, attention and norms still run our kernels)."""
-        if isinstance(self.mlp, SparseMoeBlock):
+        mlp = self._modules["mlp"] if reads is None else reads.get(self._modules, "mlp")
+        if isinstance(mlp, SparseMoeBlock):
             return None
-        return super().fused(kernels, quant_rows)
+        return super().fused(kernels, quant_rows, reads)
 
 
 class MoeForCausalLM(LlamaForCausalLM):
