@@ -204,7 +204,9 @@ class PagedKVCache:
         """Plan a step's writes. ``chunks``: (request id, start slot, number of tokens, block table; a layered
         cache takes each request's ``LayerTable``), the step's tokens in this order. Pure: nothing changes until
         ``commit(plan)``."""
-        is_monitored = self.monitor.is_due() and not self.codec.is_lossless
+        # A float cache (fp32, bf16, fp16) is a cast whose rounding is bounded by its format: only encoding
+        # codecs are measured (a measured step takes the per-layer path, a cost the default cache need not pay)
+        is_monitored = not self._raw and self.monitor.is_due()
         if self.layered and not all(isinstance(c[3], LayerTable) for c in chunks):
             raise ValueError("a layered cache writes through LayerTables (kv.layer_pages), one per request")
         return self._planner.plan(chunks, is_monitored)
