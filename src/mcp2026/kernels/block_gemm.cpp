@@ -27,8 +27,6 @@ constexpr int64_t kDequantMaxElements = int64_t{1} << 22;
 namespace {
 
 #ifdef MCP_INT4_VNNI
-// As int4_gemm.cpp's gemm_tile: a decode-sized call streams its weights with non-temporal prefetches.
-constexpr int64_t kStreamAhead = 512;
 // R rows x C column tiles of 16, groups of G. wp: the first tile's packed weights (K/4 vectors of 64 bytes, the
 // next tile tile_bytes further); so: per group the tile's 16 scales, then its 16 offsets; xq: R rows of K int8;
 // dx: (row, 32-block) steps; dxs: (row, group) dx * sum(xq). out: R rows of stride N at the tile's first column.
@@ -85,7 +83,7 @@ template <int G, typename S>
 void block_gemm_run(const QuantizedRows& xr, const float* dxs, const uint8_t* w, const S* s, int64_t M,
                     int64_t K, float* out, int64_t N) {
   const int64_t tiles = N / kColTile, tile_bytes = (K / 4) * 64, tile_scales = (K / G) * 2 * kColTile;
-  for_column_tile_pairs(tiles, [&](int64_t t, bool pair) {
+  for_column_tiles(tiles, M, [&](int64_t t, bool pair) {
     const auto* wt = w + t * tile_bytes;
     const S* st = s + t * tile_scales;
     if (pair)

@@ -20,11 +20,6 @@
 namespace {
 
 #ifdef MCP_INT4_VNNI
-// A decode-sized call (one row tile) reads each weight once: it prefetches the weights this far ahead as
-// non-temporal, so streaming the model does not evict from the caches what the rest of the step works on (the
-// activations, the KV blocks, the interpreter's objects between calls). A prefill reuses each tile for every row
-// tile, and keeps the hardware's normal caching.
-constexpr int64_t kStreamAhead = 1024;
 // R rows x C column tiles of 16. wp: the first tile's packed weights (K/8 vectors of 64 bytes, the next tile
 // tile_bytes further); so: its 16 scales then 16 offsets per 32-block; xq: R rows of K int8; dx, dxs: their
 // (row, block) scales and dx * sum(xq). out: R rows of stride N at the tile's first column.
@@ -153,7 +148,7 @@ torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const t
   float* op = out.data_ptr<float>();
   const int64_t tiles = N / kColTile, tile_bytes = (K / 8) * 64, tile_scales = (K / 32) * 2 * kColTile;
   with_scales(so, [&](const auto* s) {
-    for_column_tile_pairs(tiles, [&](int64_t t, bool pair) {
+    for_column_tiles(tiles, M, [&](int64_t t, bool pair) {
       const auto* wt = w + t * tile_bytes;
       const auto* st = s + t * tile_scales;
       if (pair)

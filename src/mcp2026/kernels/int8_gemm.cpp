@@ -160,7 +160,7 @@ torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& wp, const t
   const float* s = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t tiles = N / kColTile, tile_bytes = K * kColTile;
-  for_column_tile_pairs(tiles, [&](int64_t t, bool pair) {
+  for_column_tiles(tiles, M, [&](int64_t t, bool pair) {
     if (pair)
       gemm_rows<2>(w + t * tile_bytes, s + t * kColTile, xr, M, K, op + t * kColTile, N);
     else
