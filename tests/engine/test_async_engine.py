@@ -170,10 +170,19 @@ def test_shutdown_drain_finishes_in_flight_and_refuses_new(tiny):
 
 
 def test_shutdown_abort_ends_streams_with_abort(tiny):
+    async def streaming(engine: AsyncEngine, prompt, first: asyncio.Event):
+        outs = []
+        async for o in engine.generate(prompt, LONG):
+            outs.append(o)
+            first.set()
+        return outs
+
     async def main():
         engine = await started(tiny)
-        tasks = [asyncio.create_task(collect(engine, p, LONG)) for p in PROMPTS]
-        await asyncio.sleep(0.1)
+        firsts = [asyncio.Event() for _ in PROMPTS]
+        tasks = [asyncio.create_task(streaming(engine, p, e)) for p, e in zip(PROMPTS, firsts)]
+        for first in firsts:  # every stream has begun (a clock would race a fast machine)
+            await first.wait()
         await engine.shutdown(drain=False)
         results = await asyncio.gather(*tasks)
         assert [r[-1].finish_reason for r in results] == ["abort"] * 3

@@ -242,6 +242,45 @@ def test_whole_stack_decode_equals_the_per_layer_path(tiny_qkv_bias, spec, specu
 
 
 @pytest.mark.usefixtures("kernels")
+def test_the_stack_with_three_threads_equals_the_per_layer_path(tiny_qkv_bias, monkeypatch):
+    """The stack runs its layers with one thread team (kernels/thread_team.h): with three threads each loop is
+    divided three ways through it, and the results stay those of the per-layer path's at::parallel_for."""
+    from mcp2026.models import decode_stack
+
+    loaded = copy.deepcopy(tiny_qkv_bias)
+    quantize_(loaded.model, QuantPlan({"layers.*": LayerQuantSpec("int4", group_size=32)}))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        runs = _count_stack_runs(monkeypatch)
+        stacked = _run(loaded, True, monkeypatch, "off")
+        assert runs[0] > 0
+        monkeypatch.setattr(decode_stack, "ENABLED", False)
+        assert _run(loaded, True, monkeypatch, "off") == stacked
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("kernels")
+def test_an_error_inside_the_stack_reaches_python_and_the_team_ends(tiny_qkv_bias, monkeypatch):
+    """A kernel's check failing inside the team (a length beyond the block table) is a RuntimeError naming it,
+    not a hang or a crash, and the next call runs normally."""
+    loaded = copy.deepcopy(tiny_qkv_bias)
+    _run(loaded, True, monkeypatch, "off")
+    model, cfg = loaded.model, loaded.config
+    stack = model.__dict__["_decode_stack"]._stack
+    x = model.embed_tokens(torch.tensor([5]))
+    cos, sin = model.rope.table(torch.tensor([3]), x.dtype)
+    planes = torch.zeros(cfg.num_layers, 4, cfg.num_kv_heads, 16, cfg.head_dim)
+    rows = torch.tensor([h * 16 + 3 for h in range(cfg.num_kv_heads)])  # block 0, slot 3 of each head
+    tables = torch.tensor([[0]])
+    with pytest.raises(RuntimeError, match="length out of range"):
+        stack.run(x, cos, sin, planes, planes.clone(), rows, tables, torch.tensor([17]))
+    hidden, residual = stack.run(x, cos, sin, planes, planes.clone(), rows, tables, torch.tensor([4]))
+    assert torch.isfinite(hidden).all() and torch.isfinite(residual).all()
+
+
+@pytest.mark.usefixtures("kernels")
 def test_the_stack_is_rebuilt_when_a_layer_changes(tiny_qkv_bias, monkeypatch):
     loaded = copy.deepcopy(tiny_qkv_bias)
     quantize_(loaded.model, QuantPlan({"layers.*": LayerQuantSpec("int4", group_size=32)}))

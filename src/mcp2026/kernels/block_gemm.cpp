@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 
 #include "cpu_kernels.h"
+#include "thread_team.h"
 #include "simd.h"
 #include "vnni_gemm.h"
 
@@ -128,7 +129,7 @@ template <typename S>
 void scalar_gemm(const uint8_t* w, const S* so, int bits, int64_t G, const QuantizedRows& xr,
                  const GroupSums& gs, int64_t M, int64_t K, int64_t N, float* out) {
   const int64_t ngrp = K / G, nblk = K / 32;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  team::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const S* st = so + (n / kColTile) * ngrp * 2 * kColTile + n % kColTile;
       for (int64_t r = 0; r < M; ++r) {
@@ -150,7 +151,7 @@ void scalar_gemm(const uint8_t* w, const S* so, int bits, int64_t G, const Quant
 template <typename S>
 void dequantize_tiles(const uint8_t* w, const S* so, int bits, int64_t G, int64_t K, int64_t N, float* out) {
   const int64_t ngrp = K / G, per_vector = bits == 4 ? 8 : 4, vectors = K / per_vector;
-  at::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
+  team::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* wt = w + t * vectors * 64;
       const S* st = so + t * ngrp * 2 * kColTile;
@@ -235,7 +236,7 @@ template <int BITS, int G, typename S>
 void avx2_gemm(const uint8_t* w, const S* so, const QuantizedRows& xr, const GroupSums& gs, int64_t M,
                int64_t K, int64_t N, float* out) {
   const int64_t tile_bytes = (BITS == 4 ? K / 8 : K / 4) * 64, tile_scales = (K / G) * 2 * kColTile;
-  at::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
+  team::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int h = 0; h < 2; ++h)
         for_row_tiles(M, [&](int64_t r0, auto rows) {

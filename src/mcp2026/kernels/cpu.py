@@ -48,7 +48,8 @@ SOURCES = tuple(
     )
 )
 HEADERS = tuple(
-    KERNEL_DIR / name for name in ("cpu_kernels.h", "simd.h", "kv_blocks.h", "quantize_rows.h", "vnni_gemm.h")
+    KERNEL_DIR / name
+    for name in ("cpu_kernels.h", "simd.h", "kv_blocks.h", "quantize_rows.h", "vnni_gemm.h", "thread_team.h")
 )
 _lock = threading.Lock()
 _module: Any = None

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "thread_team.h"
 #include "kv_blocks.h"
 #include "simd.h"
 
@@ -512,7 +513,7 @@ void decode_attention_run(const T* q, const int64_t* tables, const int64_t* leng
   // Small problems run inline: waking the thread pool costs more than the work.
   const int64_t work = std::max<int64_t>(1, max_len * hd * g);
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / work);
-  at::parallel_for(0, B * nkv, grain, [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, B * nkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(g * max_len), qf(g * hd), acc(g * hd), buf(bs * hd);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / nkv, h = item % nkv;

@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "cpu_kernels.h"
+#include "thread_team.h"
 #include "simd.h"
 
 namespace {
@@ -27,7 +28,7 @@ constexpr int64_t kParallelRows = 64;
 // residual += x (in place, when x is given), then out = residual / rms(residual) * weight, in out_dtype.
 template <typename T, typename R, typename O>
 void add_rms_norm_impl(const T* x, R* res, const float* w, O* out, int64_t rows, int64_t hidden, float eps) {
-  at::parallel_for(0, rows, kParallelRows, [&](int64_t r0, int64_t r1) {
+  team::parallel_for(0, rows, kParallelRows, [&](int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     R* rr = res + r * hidden;
     float ss = 0.f;
@@ -95,7 +96,7 @@ template <typename T, typename C>
 void rope_impl(T* x, int64_t row_stride, const C* cos, const C* sin, int64_t rows, int64_t heads, int64_t hd,
                int64_t rot) {
   const int64_t half = rot / 2;
-  at::parallel_for(0, rows, kParallelRows, [&](int64_t r0, int64_t r1) {
+  team::parallel_for(0, rows, kParallelRows, [&](int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const C* c = cos + r * rot;
     const C* s = sin + r * rot;
@@ -146,7 +147,7 @@ inline float silu_scalar(float a) {
 
 template <typename T, typename O>
 void silu_mul_impl(const T* gu, O* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, kParallelRows, [&](int64_t r0, int64_t r1) {
+  team::parallel_for(0, rows, kParallelRows, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* g = gu + r * 2 * inter;
       const T* u = g + inter;

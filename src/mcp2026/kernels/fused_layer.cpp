@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "thread_team.h"
 
 torch::Tensor FusedLinear::operator()(const torch::Tensor& x) const {
   if (kind == 0) return dense_linear(x, a, bias);
@@ -61,14 +62,16 @@ std::vector<torch::Tensor> DecodeStack::run(const torch::Tensor& x, const torch:
   TORCH_CHECK(k_planes.size(2) == nkv && k_planes.size(4) == hd, "the planes' head sizes do not match the model");
   torch::Tensor residual = x.clone();  // the kernels update the residual stream in place
   c10::optional<torch::Tensor> h;
-  for (size_t i = 0; i < layers.size(); ++i) {
-    const DecodeLayer& l = layers[i];
-    const auto qkv = layer_attn_in(residual, h, l.norm1, l.eps1, l.qkv, cos, sin, nh, nkv, hd);
-    const auto kb = k_planes.select(0, (int64_t)i), vb = v_planes.select(0, (int64_t)i);
-    auto k_rows = kb.view({-1, hd}), v_rows = vb.view({-1, hd});
-    write_kv_rows(k_rows, v_rows, rows, qkv[1], qkv[2]);
-    const auto attn = paged_decode_attention(qkv[0], kb, vb, tables, lengths, c10::nullopt);
-    h = layer_attn_out_mlp(attn, residual, l.o, l.norm2, l.eps2, l.gate_up, l.down);
-  }
+  team::run([&] {  // one two-thread team for every layer's parallel loops (thread_team.h)
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const DecodeLayer& l = layers[i];
+      const auto qkv = layer_attn_in(residual, h, l.norm1, l.eps1, l.qkv, cos, sin, nh, nkv, hd);
+      const auto kb = k_planes.select(0, (int64_t)i), vb = v_planes.select(0, (int64_t)i);
+      auto k_rows = kb.view({-1, hd}), v_rows = vb.view({-1, hd});
+      write_kv_rows(k_rows, v_rows, rows, qkv[1], qkv[2]);
+      const auto attn = paged_decode_attention(qkv[0], kb, vb, tables, lengths, c10::nullopt);
+      h = layer_attn_out_mlp(attn, residual, l.o, l.norm2, l.eps2, l.gate_up, l.down);
+    }
+  });
   return {*h, residual};  // layers is never empty (the binding refuses an empty stack)
 }

@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "cpu_kernels.h"
+#include "thread_team.h"
 #include "quantize_rows.h"
 #include "simd.h"
 
@@ -265,7 +266,7 @@ torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& qs, const t
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::Half>());
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+  team::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < M; r0 += kRowTile)
       gemv_rows(qp, sp, rows_from(xr, r0, K), std::min(kRowTile, M - r0), K, n0, n1, op + r0 * N, N);
   });
@@ -333,7 +334,7 @@ torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& w, const to
   const float* sp = scales.data_ptr<float>();
   const float* xp = xf.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+  team::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < M; r0 += kRowTile)
       gemv_int8(wp, sp, xp + r0 * K, std::min(kRowTile, M - r0), K, n0, n1, op + r0 * N, N);
   });
@@ -382,7 +383,7 @@ inline void dense_weight_rows(const float* x, const W* w, int64_t M, int64_t K, 
 
 template <typename W>
 void dense_gemv_impl(const float* x, const W* w, int64_t M, int64_t K, int64_t N, float* out) {
-  at::parallel_for(0, (N + 2) / 3, 8, [&](int64_t t0, int64_t t1) {
+  team::parallel_for(0, (N + 2) / 3, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = 3 * t;
       if (n + 3 <= N) dense_weight_rows<3>(x, w + n * K, M, K, out + n, N);
@@ -474,7 +475,7 @@ torch::Tensor int4_dequant(const torch::Tensor& qs, const torch::Tensor& sz, boo
   const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::Half>());
   float* out_f32 = out_bf16 ? nullptr : out.data_ptr<float>();
   at::BFloat16* out_b16 = out_bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  team::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     alignas(64) float buf[32];
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t b = 0; b < nblk; ++b) {

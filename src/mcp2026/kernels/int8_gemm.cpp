@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 
 #include "cpu_kernels.h"
+#include "thread_team.h"
 #include "simd.h"
 #include "vnni_gemm.h"
 
@@ -36,7 +37,7 @@ TwoPlaneRows quantize_two_planes(const T* x, int64_t M, int64_t K) {
   TwoPlaneRows r{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K), std::vector<float>(M * nblk),
                  std::vector<float>(M)};
   const __m512 lim = _mm512_set1_ps(127.f), neg = _mm512_set1_ps(-127.f), fine = _mm512_set1_ps(256.f);
-  at::parallel_for(0, M, 16, [&](int64_t i0, int64_t i1) {
+  team::parallel_for(0, M, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       float corr = 0.f;
       for (int64_t b = 0; b < nblk; ++b) {
@@ -128,7 +129,7 @@ torch::Tensor int8_gemm_pack(const torch::Tensor& w) {
   auto wp = torch::empty({N / kColTile, K / 4, 64}, w.options().dtype(torch::kByte));
   const int8_t* src = w.data_ptr<int8_t>();
   uint8_t* dst = wp.data_ptr<uint8_t>();
-  at::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
+  team::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t c = 0; c < kColTile; ++c) {
         const int8_t* row = src + (t * kColTile + c) * K;

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "thread_team.h"
 
 namespace {
 
@@ -188,7 +189,7 @@ RowPlanes row_planes(int64_t kind, const std::vector<torch::Tensor>& planes, int
 // Rows i of src[0] (K) and src[1] (V) into row rp[i] of dst[0] / dst[1].
 template <typename S>
 void encode_rows(int64_t kind, const S* const src[2], const RowPlanes dst[2], const int64_t* rp, int64_t n, int64_t hd) {
-  at::parallel_for(0, n, std::max<int64_t>(1, 4096 / hd), [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, n, std::max<int64_t>(1, 4096 / hd), [&](int64_t begin, int64_t end) {
     std::vector<float> x(hd);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = rp[i];
@@ -397,7 +398,7 @@ bool seal_int4_blocks(const std::vector<torch::Tensor>& planes, const torch::Ten
   if (!(lo.item<float>() > -65504.f && hi.item<float>() < 65504.f)) return false;
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, xc.scalar_type(), "seal_int4_blocks", [&] {
     const scalar_t* base = xc.data_ptr<scalar_t>();
-    at::parallel_for(0, ns * nkv, 1, [&](int64_t begin, int64_t end) {
+    team::parallel_for(0, ns * nkv, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;
       std::vector<uint8_t> codes;
       for (int64_t i = begin; i < end; ++i) {

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "quantize_rows.h"
+#include "thread_team.h"
 
 namespace {
 
@@ -61,12 +62,12 @@ void for_row_tiles(int64_t M, const F& fn) {
 template <typename F>
 void for_column_tiles(int64_t tiles, int64_t M, const F& fn) {
   if (M == 1) {
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    team::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) fn(t, false);
     });
     return;
   }
-  at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+  team::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) fn(2 * p, 2 * p + 1 < tiles);
   });
 }
