@@ -110,13 +110,17 @@ def test_scaled_and_rows():
     torch.testing.assert_close(a.scaled(0.125).dequantize(), a.dequantize() * 0.125)
 
 
-def test_embedding_reads_the_table_rows():
-    table = BlockLinear(random_blocks(48, 64, 8, 32))
+@pytest.mark.parametrize(("bits", "group"), [(8, 32), (8, 16), (4, 32)])
+def test_embedding_reads_the_table_rows(bits, group):
+    """The compiled lookup gives dequantize_rows's values bit for bit (the product rounded before the add)."""
+    table = BlockLinear(random_blocks(48, 64, bits, group))
     embedding = BlockEmbedding(table, torch.float32)
     ids = torch.tensor([[3, 0], [47, 3]])
     assert torch.equal(embedding(ids), table.dequantize()[ids])
-    with pytest.raises(IndexError, match="out of range"):
-        embedding(torch.tensor([48]))
+    assert torch.equal(embedding(ids.int()), embedding(ids))
+    for bad in (48, -1):
+        with pytest.raises(IndexError, match="out of range for a 48-token vocabulary"):
+            embedding(torch.tensor([bad]))
 
 
 def test_kernels_unavailable_says_why(monkeypatch):

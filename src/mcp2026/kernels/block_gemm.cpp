@@ -349,3 +349,37 @@ torch::Tensor block_gemm_reference(const torch::Tensor& x, const torch::Tensor& 
   });
   return out;
 }
+
+// Rows ids of a block weight as fp32 (T, K): scale * u + offset, the product rounded before the add, as
+// BlockLinear.dequantize_rows computes it (a token embedding reads its table this way: one row a decode step).
+torch::Tensor block_rows(const torch::Tensor& wp, const torch::Tensor& so, int64_t K, const torch::Tensor& ids) {
+  TORCH_CHECK(wp.scalar_type() == torch::kByte && wp.is_contiguous() && wp.dim() == 3 && wp.size(2) == 64,
+              "wp must be block_gemm's (N/16, K/8 or K/4, 64) uint8 values");
+  TORCH_CHECK((so.scalar_type() == torch::kFloat || so.scalar_type() == torch::kHalf) && so.is_contiguous() &&
+                  so.dim() == 4 && so.size(0) == wp.size(0) && so.size(2) == 2 && so.size(3) == kColTile,
+              "so must be (N/16, K/G, 2, 16) fp32 or fp16");
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1, "ids must be a 1-D int64 tensor");
+  const int64_t N = wp.size(0) * kColTile, ngrp = so.size(1);
+  TORCH_CHECK((wp.size(1) * 8 == K || wp.size(1) * 4 == K) && K % ngrp == 0, "K does not match wp and so");
+  const int bits = wp.size(1) * 8 == K ? 4 : 8;
+  const int64_t G = K / ngrp;
+  const auto ic = ids.contiguous();
+  const int64_t T = ic.size(0);
+  const int64_t* id = ic.data_ptr<int64_t>();
+  for (int64_t r = 0; r < T; ++r)
+    TORCH_CHECK_INDEX(id[r] >= 0 && id[r] < N, "token id out of range for a ", N, "-token vocabulary");
+  auto out = torch::empty({T, K}, so.options().dtype(torch::kFloat));
+  const uint8_t* w = wp.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  with_scales(so, [&](const auto* s) {
+    for (int64_t r = 0; r < T; ++r) {
+      const int64_t n = id[r], t = n / kColTile, c = n % kColTile;
+      for (int64_t k = 0; k < K; ++k) {
+        const auto* sg = s + ((t * ngrp + k / G) * 2) * kColTile + c;
+        const float u = static_cast<float>(stored_value(w, bits, n, k, K));
+        op[r * K + k] = mul_rounded(u, static_cast<float>(sg[0])) + static_cast<float>(sg[kColTile]);
+      }
+    }
+  });
+  return out;
+}

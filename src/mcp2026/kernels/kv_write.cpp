@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "simd.h"
 #include "thread_team.h"
 
 namespace {
@@ -248,21 +249,6 @@ void write_kv_rows_quantized(int64_t kind, const std::vector<torch::Tensor>& kp,
 // four planes. Same bytes as kv/codecs.py (coded_affine_params, _quantize, _pack4); tests compare bit for bit.
 
 namespace {
-
-// a * b rounded to float, never fused into a following add (the build uses -ffp-contract=fast; torch computes
-// zmin + code * dz as two ops, two roundings)
-inline float mul_rounded(float a, float b) {
-  float p = a * b;
-#if defined(__x86_64__) || defined(__i386__)
-  asm volatile("" : "+x"(p));
-#elif defined(__aarch64__)
-  asm volatile("" : "+w"(p));
-#else
-  volatile float barrier = p;
-  p = barrier;
-#endif
-  return p;
-}
 
 // coded_affine_params(lo, hi, 15) over one chunk's n groups: float scale / zero to quantize with, the uint8
 // codes and the chunk's fp16 meta (zmin, dz, ds). Inputs are finite and within fp16's range (the caller checks).

@@ -1,5 +1,5 @@
-// The vector helpers more than one kernel file uses, one definition each: horizontal sums, the softmax / SiLU
-// exponential (8 and 16 lanes from one scheme), and bf16 / fp16 widening.
+// The helpers more than one kernel file uses, one definition each: an unfused float product, horizontal sums,
+// the softmax / SiLU exponential (8 and 16 lanes from one scheme), and bf16 / fp16 widening.
 #pragma once
 
 #include <torch/extension.h>
@@ -12,6 +12,21 @@
 #include <cstring>
 
 namespace {
+
+// a * b rounded to float, never fused into a following add (the build uses -ffp-contract=fast; torch computes
+// a * b + c as two ops, two roundings, and the kernels that reproduce a torch formula bit for bit must too)
+inline float mul_rounded(float a, float b) {
+  float p = a * b;
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("" : "+x"(p));
+#elif defined(__aarch64__)
+  asm volatile("" : "+w"(p));
+#else
+  volatile float barrier = p;
+  p = barrier;
+#endif
+  return p;
+}
 
 // A bf16 is the high half of its float.
 inline float bf16_bits_to_float(uint16_t h) {

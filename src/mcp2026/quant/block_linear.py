@@ -233,10 +233,16 @@ class BlockEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
 
     def forward(self, ids: Tensor) -> Tensor:
+        kernels, t = kernel_ops.cpu.load(), self.table
+        if kernels is None:
+            raise RuntimeError("BlockEmbedding runs on the compiled CPU kernels only, as its table does")
+        # the compiled lookup computes dequantize_rows's values (one call: a decode step reads one row); an id
+        # outside the vocabulary is an IndexError saying so
         flat = ids.reshape(-1)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(f"token id out of range for a {self.num_embeddings}-token vocabulary")
-        rows = self.table.dequantize_rows(flat).to(self.dtype)
+        rows = kernels.block_rows(
+            t.weight, t.scales_offsets, t.in_features, flat if flat.dtype == torch.long else flat.long()
+        )
+        rows = rows if rows.dtype == self.dtype else rows.to(self.dtype)
         return rows.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
