@@ -258,9 +258,12 @@ torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& qs, const t
   TORCH_CHECK(sz.scalar_type() == torch::kHalf && sz.is_contiguous() && sz.numel() == N * K / 16,
               "sz must be contiguous float16 (N, K/32, 2)");
   const auto xc = x.contiguous();
-  QuantizedRows xr;
+  // This thread's buffers, kept between calls (no allocations in a decode step). Named through a reference: a
+  // lambda run on another thread that named the thread_local itself would read that thread's copy.
+  thread_local QuantizedRows buffers;
+  QuantizedRows& xr = buffers;
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, xc.scalar_type(), "int4_gemv_q", [&] {
-    xr = quantize_rows<scalar_t>(xc.data_ptr<scalar_t>(), M, K);
+    quantize_rows_into<scalar_t>(xr, xc.data_ptr<scalar_t>(), M, K);
   });
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   const uint8_t* qp = qs.data_ptr<uint8_t>();

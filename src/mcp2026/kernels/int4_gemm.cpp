@@ -139,9 +139,12 @@ torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const t
               "so must be (N/16, K/32, 2, 16) fp32 (int4_gemm_pack's) or fp16");
 #ifdef MCP_INT4_VNNI
   const auto xc = x.contiguous();
-  QuantizedRows xr;
+  // This thread's buffers, kept between calls (no allocations in a decode step). Named through a reference: a
+  // lambda run on another thread that named the thread_local itself would read that thread's copy.
+  thread_local QuantizedRows buffers;
+  QuantizedRows& xr = buffers;
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, xc.scalar_type(), "int4_gemm_q", [&] {
-    xr = quantize_rows<scalar_t>(xc.data_ptr<scalar_t>(), M, K);
+    quantize_rows_into<scalar_t>(xr, xc.data_ptr<scalar_t>(), M, K);
   });
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   const uint8_t* w = wp.data_ptr<uint8_t>();

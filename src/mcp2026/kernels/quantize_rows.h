@@ -69,10 +69,14 @@ inline void quantize_block_avx512(const float* xb, int8_t* qb, float* dx_out, in
 }
 #endif
 
+// x's M rows quantized into r, whose vectors keep their capacity from call to call (a GEMV's caller keeps one per
+// thread: a decode step makes about 120 of these calls, each a few microseconds).
 template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
+void quantize_rows_into(QuantizedRows& r, const T* x, int64_t M, int64_t K) {
   const int64_t nblk = K / 32;
-  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nblk), std::vector<float>(M * nblk), {}};
+  r.q.resize(M * K);
+  r.scale.resize(M * nblk);
+  r.sum.resize(M * nblk);
 #ifdef MCP_INT4_VNNI
   r.scale8.resize(M * nblk * 8);
 #endif
@@ -107,6 +111,12 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
       std::fill(s8, s8 + 8, dx);
 #endif
     }
+}
+
+template <typename T>
+QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
+  QuantizedRows r;
+  quantize_rows_into(r, x, M, K);
   return r;
 }
 
