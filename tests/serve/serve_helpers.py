@@ -84,11 +84,14 @@ def live_server(
     engine: LLMEngine | None = None,
     verify: object = True,
     speculative: str = "ngram",
+    step_delay_s: float = 0.0,
     **scheduler,
 ) -> Iterator[Live]:
     """``engine``: serve this engine (and its tokenizer) instead of the tiny model. ``verify``: how the
     readiness probe checks a TLS server's certificate (an ``ssl.SSLContext``). ``speculative="off"``: one token
-    per step, for tests that cut requests short by the clock (drafts could finish them first)."""
+    per step, for tests that cut requests short by the clock (drafts could finish them first).
+    ``step_delay_s``: each engine step takes at least this long, so that a request of N tokens outlasts a
+    client's timeout however fast the machine is."""
     if engine is None:
         engine_config = EngineConfig(
             KVConfig(block_size=16, num_blocks=num_blocks),
@@ -97,6 +100,14 @@ def live_server(
         )
         model = tiny_vocab_model()
         engine = LLMEngine(model.model, model.config, smol_tokenizer(), engine_config)
+    if step_delay_s > 0:
+        step = engine.step
+
+        def slow_step():
+            time.sleep(step_delay_s)
+            return step()
+
+        engine.step = slow_step
     tokenizer = engine.tokenizer
     async_engine = AsyncEngine(engine)
     config = config or ServeConfig(model_name=MODEL)

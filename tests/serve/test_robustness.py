@@ -131,7 +131,9 @@ def test_dead_engine_loop_fails_health_and_readiness():
 
 
 def test_client_timeout_non_stream_aborts():
-    with live_server(speculative="off") as live:
+    # 400 steps of at least 20 ms outlast both the client's 0.3 s and the 5 s wait: the blocks come back only
+    # if the server aborts the request when its client goes away
+    with live_server(speculative="off", step_delay_s=0.02) as live:
         with pytest.raises(httpx.TimeoutException), httpx.Client(base_url=live.url, timeout=0.3) as client:
             client.post("/v1/completions", json=LONG)
         live.wait_blocks_back(timeout_s=5)
