@@ -33,7 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_gemm", &block_gemm, "stored block quantization (scale * u + offset per group) x int8 activations");
   m.def("block_gemm_reference", &block_gemm_reference, "block_gemm as a portable scalar loop (for tests)");
   m.def("block_dequant", &block_dequant, "a block GEMM weight as fp32 (N, K)");
-  m.def("block_rows", &block_rows, "rows of a block GEMM weight as fp32 (an embedding lookup)", py::arg("wp"),
+  m.def("block_weight_rows", &block_weight_rows, "rows of a block GEMM weight as fp32 (an embedding lookup)", py::arg("wp"),
         py::arg("so"), py::arg("k"), py::arg("ids"));
   m.def("block_float_gemm_min_rows", &block_float_gemm_min_rows,
         "rows from which block_gemm runs a float GEMM on the dequantized weight (0: never)");

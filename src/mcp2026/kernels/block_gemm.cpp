@@ -15,7 +15,6 @@
 #include <torch/extension.h>
 
 #include "cpu_kernels.h"
-#include "thread_team.h"
 #include "simd.h"
 #include "vnni_gemm.h"
 
@@ -283,10 +282,7 @@ torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const 
   }
 #endif
   const auto xc = x.contiguous();
-  // This thread's buffers, kept between calls (no allocations in a decode step). Named through a reference: a
-  // lambda run on another thread that named the thread_local itself would read that thread's copy.
-  thread_local QuantizedRows buffers;
-  QuantizedRows& xr = buffers;
+  QuantizedRows& xr = thread_rows();
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, xc.scalar_type(), "block_gemm_q", [&] {
     quantize_rows_into<scalar_t>(xr, xc.data_ptr<scalar_t>(), M, K);
   });
@@ -355,7 +351,7 @@ torch::Tensor block_gemm_reference(const torch::Tensor& x, const torch::Tensor& 
 
 // Rows ids of a block weight as fp32 (T, K): scale * u + offset, the product rounded before the add, as
 // BlockLinear.dequantize_rows computes it (a token embedding reads its table this way: one row a decode step).
-torch::Tensor block_rows(const torch::Tensor& wp, const torch::Tensor& so, int64_t K, const torch::Tensor& ids) {
+torch::Tensor block_weight_rows(const torch::Tensor& wp, const torch::Tensor& so, int64_t K, const torch::Tensor& ids) {
   TORCH_CHECK(wp.scalar_type() == torch::kByte && wp.is_contiguous() && wp.dim() == 3 && wp.size(2) == 64,
               "wp must be block_gemm's (N/16, K/8 or K/4, 64) uint8 values");
   TORCH_CHECK((so.scalar_type() == torch::kFloat || so.scalar_type() == torch::kHalf) && so.is_contiguous() &&

@@ -48,7 +48,7 @@ torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& wp, const t
 torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so);
 torch::Tensor block_gemm_reference(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so);
 torch::Tensor block_dequant(const torch::Tensor& wp, const torch::Tensor& so, int64_t K);
-torch::Tensor block_rows(const torch::Tensor& wp, const torch::Tensor& so, int64_t K, const torch::Tensor& ids);
+torch::Tensor block_weight_rows(const torch::Tensor& wp, const torch::Tensor& so, int64_t K, const torch::Tensor& ids);
 int64_t block_float_gemm_min_rows(int64_t n, int64_t k);
 // kv_write.cpp
 void write_kv_rows(torch::Tensor& k_dst, torch::Tensor& v_dst, const torch::Tensor& rows, const torch::Tensor& k,

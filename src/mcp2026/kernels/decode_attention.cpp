@@ -22,9 +22,9 @@
 #include <vector>
 
 #include "cpu_kernels.h"
-#include "thread_team.h"
 #include "kv_blocks.h"
 #include "simd.h"
+#include "thread_team.h"
 
 namespace {
 

@@ -15,8 +15,8 @@
 #include <type_traits>
 
 #include "cpu_kernels.h"
-#include "thread_team.h"
 #include "simd.h"
+#include "thread_team.h"
 
 namespace {
 

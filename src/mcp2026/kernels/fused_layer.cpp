@@ -62,7 +62,7 @@ std::vector<torch::Tensor> DecodeStack::run(const torch::Tensor& x, const torch:
   TORCH_CHECK(k_planes.size(2) == nkv && k_planes.size(4) == hd, "the planes' head sizes do not match the model");
   torch::Tensor residual = x.clone();  // the kernels update the residual stream in place
   c10::optional<torch::Tensor> h;
-  team::run([&] {  // one two-thread team for every layer's parallel loops (thread_team.h)
+  team::run([&] {  // one thread team for every layer's parallel loops (thread_team.h)
     for (size_t i = 0; i < layers.size(); ++i) {
       const DecodeLayer& l = layers[i];
       const auto qkv = layer_attn_in(residual, h, l.norm1, l.eps1, l.qkv, cos, sin, nh, nkv, hd);

@@ -15,9 +15,9 @@
 #include <type_traits>
 
 #include "cpu_kernels.h"
-#include "thread_team.h"
 #include "quantize_rows.h"
 #include "simd.h"
+#include "thread_team.h"
 
 // ---- int4 x int8 GEMV (decode-sized batches) ---------------------------------------------------------------
 // Weights in 32-wide blocks: qs (N, K/32, 16) bytes, byte i holding w[32b + i] (low nibble) and w[32b + 16 + i]
@@ -258,10 +258,7 @@ torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& qs, const t
   TORCH_CHECK(sz.scalar_type() == torch::kHalf && sz.is_contiguous() && sz.numel() == N * K / 16,
               "sz must be contiguous float16 (N, K/32, 2)");
   const auto xc = x.contiguous();
-  // This thread's buffers, kept between calls (no allocations in a decode step). Named through a reference: a
-  // lambda run on another thread that named the thread_local itself would read that thread's copy.
-  thread_local QuantizedRows buffers;
-  QuantizedRows& xr = buffers;
+  QuantizedRows& xr = thread_rows();
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, xc.scalar_type(), "int4_gemv_q", [&] {
     quantize_rows_into<scalar_t>(xr, xc.data_ptr<scalar_t>(), M, K);
   });

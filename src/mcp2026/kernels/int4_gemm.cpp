@@ -139,10 +139,7 @@ torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const t
               "so must be (N/16, K/32, 2, 16) fp32 (int4_gemm_pack's) or fp16");
 #ifdef MCP_INT4_VNNI
   const auto xc = x.contiguous();
-  // This thread's buffers, kept between calls (no allocations in a decode step). Named through a reference: a
-  // lambda run on another thread that named the thread_local itself would read that thread's copy.
-  thread_local QuantizedRows buffers;
-  QuantizedRows& xr = buffers;
+  QuantizedRows& xr = thread_rows();
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, xc.scalar_type(), "int4_gemm_q", [&] {
     quantize_rows_into<scalar_t>(xr, xc.data_ptr<scalar_t>(), M, K);
   });

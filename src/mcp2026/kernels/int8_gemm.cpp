@@ -17,7 +17,6 @@
 #include <torch/extension.h>
 
 #include "cpu_kernels.h"
-#include "thread_team.h"
 #include "simd.h"
 #include "vnni_gemm.h"
 

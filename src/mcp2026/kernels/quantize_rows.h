@@ -69,8 +69,7 @@ inline void quantize_block_avx512(const float* xb, int8_t* qb, float* dx_out, in
 }
 #endif
 
-// x's M rows quantized into r, whose vectors keep their capacity from call to call (a GEMV's caller keeps one per
-// thread: a decode step makes about 120 of these calls, each a few microseconds).
+// x's M rows quantized into r, whose vectors keep their capacity from call to call (thread_rows below).
 template <typename T>
 void quantize_rows_into(QuantizedRows& r, const T* x, int64_t M, int64_t K) {
   const int64_t nblk = K / 32;
@@ -118,6 +117,14 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
   QuantizedRows r;
   quantize_rows_into(r, x, M, K);
   return r;
+}
+
+// The calling thread's rows for quantize_rows_into, kept between calls (no allocations in a decode step). A GEMM
+// takes this reference on its calling thread and its parallel loop uses the reference: a lambda that named a
+// thread_local itself would read each worker thread's own copy.
+inline QuantizedRows& thread_rows() {
+  thread_local QuantizedRows rows;
+  return rows;
 }
 
 }  // namespace

@@ -19,8 +19,8 @@ constexpr int64_t kGemmRows = 4;   // rows per micro-tile
 // A decode-sized call (one row tile) reads each weight once: the int4 and block GEMMs prefetch its weights this
 // far ahead as non-temporal, so streaming the model does not evict from the caches what the rest of the step
 // works on (the activations, the KV blocks, the interpreter's objects between calls). A prefill reuses each tile
-// for every row tile and keeps the hardware's normal caching. The distance was chosen by paired A/Bs of whole
-// batch-1 decode steps on a 2-core Zen 4 (from 512 bytes up: faster up to 8 KiB, flat beyond).
+// for every row tile and keeps the hardware's normal caching. 8 KiB: far enough ahead of one sequential stream
+// per thread to cover the memory latency (shorter distances left whole decode steps slower, longer gained nothing).
 constexpr int64_t kStreamAhead = 8192;
 
 #ifdef MCP_INT4_VNNI

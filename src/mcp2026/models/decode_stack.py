@@ -10,11 +10,11 @@ It applies where every layer fuses and the step is decode-only over a raw paged 
 any other step takes the per-layer path. The stack is built once and rebuilt when any layer's compiled linears or
 norm weights change (new weights, swapped modules).
 
-Deciding that takes hundreds of dictionary lookups over the layers' modules, and in a real step the weight
-stream has just evicted those objects from the caches, so the interpreter's walk costs a tenth of a small
-model's step. After a step has decided, a second pass records each lookup (``fused_linear.Reads``) into a
-``kernels.LookupGuard``; later steps repeat the reads in one compiled call and walk the layers again only when
-one of them gives another object (a hook registered, a module swapped, a compiled copy dropped).
+Deciding which layers fuse takes hundreds of dictionary lookups over the layers' modules, and in a real step
+the weight stream has just evicted those objects from the caches, so the interpreter's walk is a noticeable share
+of a small model's step. The walk records each lookup (``fused_linear.Reads``) into a ``kernels.LookupGuard``;
+later steps repeat the reads in one compiled call and reuse the decision, walking the layers again only when a
+read gives another object (a hook registered, a module swapped, a compiled copy dropped).
 """
 
 from __future__ import annotations
@@ -33,15 +33,17 @@ ENABLED = True
 
 
 class DecodeStackCache:
-    """The compiled stack of one model, what it was built from, and whether the model's layers can run as one
-    stack at all (their structure is fixed: checked once, when the cache is made)."""
+    """The compiled stack of one model, what it was built from, the last step's decision and the reads it rested
+    on, and whether the model's layers can run as one stack at all (their structure is fixed: checked once, when
+    the cache is made)."""
 
     def __init__(self, stackable: bool, windows: frozenset[int | None]) -> None:
         self.stackable, self.windows = stackable, windows
         self._parts: list[Any] = []
         self._stack: Any = None
-        # The reads the stack was last decided from (a kernels.LookupGuard), with the kernels and the
-        # quant_rows answer of that step: while the guard holds, a step skips every layer's ``fused`` walk.
+        # (stack or None, every layer's handles) as last decided, valid while the guard holds for the same
+        # kernels and quant_rows answer
+        self._decision: tuple[Any, list] | None = None
         self._guard: Any = None
         self._guarded: tuple[Any, bool] | None = None
 
@@ -55,32 +57,34 @@ class DecodeStackCache:
             return None
         return raw_decode_inputs(ctx, num_tokens, self.windows)
 
-    def get(self, kernels: Any, layers: Sequence[nn.Module], quant_rows: bool) -> Any | None:
-        """The stack for these layers and their current compiled linears (built or rebuilt as needed), or None
-        when any layer cannot fuse this step (it takes the per-layer path)."""
+    def get(self, kernels: Any, layers: Sequence[nn.Module], quant_rows: bool) -> tuple[Any, list]:
+        """(stack, linears): every layer's compiled handles (``fused``; None for a layer that cannot fuse this
+        step) and the stack over them when all fuse, else None (the step takes the per-layer path)."""
         guard = self._guard
         if guard is not None and self._guarded == (kernels, quant_rows) and guard.holds():
-            return self._stack
-        self._guard = None
-        linears = [layer.fused(kernels, quant_rows) for layer in layers]
-        if any(lin is None for lin in linears):
-            return None
-        parts = _parts(layers, linears)
-        old = self._parts
-        if self._stack is None or len(old) != len(parts) or any(a is not b for a, b in zip(old, parts)):
-            attn = layers[0].attn
-            built = [
-                kernels.DecodeLayer(
-                    layer.input_layernorm.weight, layer.input_layernorm.eps, lin[0],
-                    layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, *lin[1:],
-                )
-                for layer, lin in zip(layers, linears)
-            ]  # fmt: skip
-            self._stack = kernels.DecodeStack(built, attn.num_heads, attn.num_kv_heads, attn.head_dim)
-            self._parts = parts
-        self._guard = _guard(kernels, layers, quant_rows, parts)
+            return self._decision
+        reads = fused_linear.Reads()
+        linears = [layer.fused(kernels, quant_rows, reads) for layer in layers]
+        stack = None
+        if all(lin is not None for lin in linears):
+            parts = _parts(layers, linears, reads)
+            old = self._parts
+            if self._stack is None or len(old) != len(parts) or any(a is not b for a, b in zip(old, parts)):
+                attn = layers[0].attn
+                built = [
+                    kernels.DecodeLayer(
+                        layer.input_layernorm.weight, layer.input_layernorm.eps, lin[0],
+                        layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, *lin[1:],
+                    )
+                    for layer, lin in zip(layers, linears)
+                ]  # fmt: skip
+                self._stack = kernels.DecodeStack(built, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+                self._parts = parts
+            stack = self._stack
+        self._decision = (stack, linears)
+        self._guard = kernels.LookupGuard(reads.reads, reads.empty, fused_linear.MISSING)
         self._guarded = (kernels, quant_rows)
-        return self._stack
+        return self._decision
 
     def __deepcopy__(self, memo: dict) -> DecodeStackCache:
         # the compiled stack holds the original's tensors: a copy builds its own
@@ -90,30 +94,19 @@ class DecodeStackCache:
         return DecodeStackCache, (self.stackable, self.windows)
 
 
-def _parts(layers: Sequence[nn.Module], linears: Sequence[tuple[Any, ...]], reads: Any = None) -> list[Any]:
-    get = dict.get if reads is None else reads.get
+def _parts(
+    layers: Sequence[nn.Module], linears: Sequence[tuple[Any, ...]], reads: fused_linear.Reads
+) -> list[Any]:
+    """What the stack is built from: each layer's norm weights and compiled handles (the reads recorded)."""
     parts = []
     for layer, lin in zip(layers, linears):
-        own = layer._modules  # straight from _modules: this runs whenever the stack is checked the long way
+        own = layer._modules
         parts += (
-            get(get(own, "input_layernorm")._parameters, "weight"),
-            get(get(own, "post_attention_layernorm")._parameters, "weight"),
+            reads.get(reads.get(own, "input_layernorm")._parameters, "weight"),
+            reads.get(reads.get(own, "post_attention_layernorm")._parameters, "weight"),
         )
         parts += lin
     return parts
-
-
-def _guard(kernels: Any, layers: Sequence[nn.Module], quant_rows: bool, parts: list[Any]) -> Any | None:
-    """A LookupGuard over the reads that decided ``parts``: a second pass over the layers, now that every
-    compiled handle is built and cached, records each lookup (None if that pass decides anything else)."""
-    reads = fused_linear.Reads()
-    linears = [layer.fused(kernels, quant_rows, reads) for layer in layers]
-    if any(lin is None for lin in linears):
-        return None
-    again = _parts(layers, linears, reads)
-    if len(again) != len(parts) or any(a is not b for a, b in zip(again, parts)):
-        return None
-    return kernels.LookupGuard(reads.reads, reads.empty, fused_linear.MISSING)
 
 
 def stackable(layers: Sequence[nn.Module]) -> bool:

@@ -91,12 +91,14 @@ class Reads:
 def fused_linear(kernels: Any, m: nn.Module, quant_rows: bool, reads: Reads | None = None) -> Any | None:
     """The compiled stand-in for ``m``, or None when ``m`` cannot be fused for this step (``quant_rows``:
     the step's row count is one the quantized modules send to their GEMVs). ``reads``: record the lookups."""
-    cached = (dict.get if reads is None else reads.get)(m.__dict__, "_fused")
     weight, bias = _tensor(m, "weight", reads), _tensor(m, "bias", reads)
     if weight is None:  # a split layer (two kernels and a gather): never fused
         return None
+    cached = m.__dict__.get("_fused")
     if cached is None or cached.weight is not weight or cached.bias is not bias:
         cached = m.__dict__["_fused"] = _Cached(weight, bias, _build(kernels, m))
+    if reads is not None:  # the handle as it stands now, rebuilt or not
+        reads.get(m.__dict__, "_fused")
     built = cached.built
     if built is None or (built[0] != DENSE and not quant_rows):
         return None

@@ -103,8 +103,8 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[Any, Any, Any, Any] | None:
         """The four linears as compiled handles when all of them can run inside ``forward_fused``. ``reads``:
         record the lookups the answer rests on (models/decode_stack.py repeats them on later steps)."""
-        # Called for every layer of every decode step that does not run the whole stack: submodules straight
-        # from _modules (nn.Module.__getattr__ is a slow fallback, and a step makes hundreds of these lookups)
+        # Called for every layer of a step the decode stack's guard does not answer: submodules straight from
+        # _modules (nn.Module.__getattr__ is a slow fallback, and a step makes hundreds of these lookups)
         get = dict.get if reads is None else reads.get
         own = self._modules
         attn, mlp = get(own, "attn"), get(own, "mlp")
@@ -192,6 +192,7 @@ class LlamaForCausalLM(nn.Module):
         # Whether quantized linears take their GEMVs at this row count: one answer for every format because fused
         # steps (<= ops.FUSED_MAX_ROWS rows) are under each format's GEMV row limit (a test holds that).
         quant_rows = kernels is not None and gemv_rows(x)
+        fused = None
         if kernels is not None:
             stacks = self.__dict__.get("_decode_stack")
             if stacks is None:
@@ -199,11 +200,13 @@ class LlamaForCausalLM(nn.Module):
                     self.layers
                 )
             inputs = stacks.inputs(ctx, x.shape[0])
-            stack = None if inputs is None else stacks.get(kernels, self.layers, quant_rows)
-            if stack is not None:
-                x, residual = decode_stack.run(stack, x, cos, sin, inputs)
-                return self.norm.add(residual, x)[0]
-        fused = [None if kernels is None else layer.fused(kernels, quant_rows) for layer in self.layers]
+            if inputs is not None:
+                stack, fused = stacks.get(kernels, self.layers, quant_rows)
+                if stack is not None:
+                    x, residual = decode_stack.run(stack, x, cos, sin, inputs)
+                    return self.norm.add(residual, x)[0]
+        if fused is None:
+            fused = [None if kernels is None else layer.fused(kernels, quant_rows) for layer in self.layers]
         for layer, linears in zip(self.layers, fused):
             if linears is not None:
                 x, residual = layer.forward_fused(kernels, linears, x, residual, cos, sin, ctx)

@@ -239,7 +239,7 @@ class BlockEmbedding(nn.Module):
         # the compiled lookup computes dequantize_rows's values (one call: a decode step reads one row); an id
         # outside the vocabulary is an IndexError saying so
         flat = ids.reshape(-1)
-        rows = kernels.block_rows(
+        rows = kernels.block_weight_rows(
             t.weight, t.scales_offsets, t.in_features, flat if flat.dtype == torch.long else flat.long()
         )
         rows = rows if rows.dtype == self.dtype else rows.to(self.dtype)
