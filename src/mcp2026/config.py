@@ -186,6 +186,8 @@ class QuantConfig:
     ``method``: how int4 levels are chosen: "rtn" rounds to nearest; "gptq" minimises each layer's output
     error on calibration text (quant/gptq.py), layer after layer; "learned" learns each group's scale (and zero)
     from round-to-nearest's on calibration text (quant/learned_scales.py); the plan and its storage are the same.
+    ``int4_scale_bits``: a uniform int4 target's grids (with zero points): 16 stores each group's scale and zero in
+    fp16, 8 as 8-bit codes (0.5 bits per weight fewer at g32); the DQG measures both either way.
     ``enable_dtss`` and ``max_kv_cache_shards`` are forwarded to the KV cache (DTSS: kv/dtss.py).
     """
 
@@ -202,6 +204,7 @@ class QuantConfig:
     symmetric: bool = False
     lm_head_precision: str = "auto"
     method: str = "rtn"
+    int4_scale_bits: int = 16
     calibration_source: str = "sharegpt"
     calibration_samples: int = 32
     strict: bool = False
@@ -229,6 +232,15 @@ class QuantConfig:
             self.method == "rtn" or self.pressure_bits_budget is None,
             f"QuantConfig.method={self.method!r} builds one plan; a pressure plan (pressure_bits_budget) needs "
             "method='rtn'",
+        )
+        _require(
+            self.int4_scale_bits in (16, 8),
+            f"QuantConfig.int4_scale_bits must be 16 (fp16 grids) or 8 (8-bit codes), got {self.int4_scale_bits!r}",
+        )
+        _require(
+            self.int4_scale_bits == 16 or not (self.symmetric or self.method == "learned"),
+            "QuantConfig.int4_scale_bits=8 codes grids with zero points: it needs symmetric=False and method "
+            f"'rtn' or 'gptq' (learned scales are fp16), got symmetric={self.symmetric}, method={self.method!r}",
         )
         _require(
             self.group_size in (32, 64, 128),

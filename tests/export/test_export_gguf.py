@@ -26,6 +26,7 @@ PLANS = {
             "layers.0.attn.qkv_proj": LayerQuantSpec("int8"),
             "layers.0.mlp.gate_up_proj": LayerQuantSpec("int4", 64, symmetric=True),
             "layers.1.mlp.down_proj": LayerQuantSpec("int4", 128, clip_ratio="mse"),
+            "layers.1.attn.o_proj": LayerQuantSpec("int4", 32, scale_bits=8),  # decoded to fp16 grids
             "lm_head": LayerQuantSpec("fp32"),
             "_default": LayerQuantSpec("int4", 32),
         }

@@ -35,7 +35,8 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
 MIXED = QuantPlan({
     "layers.0.attn.qkv_proj": LayerQuantSpec("int8"),
     "layers.0.mlp.gate_up_proj": LayerQuantSpec("int4", 64, symmetric=True, act_scale="awq0"),
-    "layers.1.*": LayerQuantSpec("int4", 32, clip_ratio="mse"),
+    "layers.1.attn.*": LayerQuantSpec("int4", 32, clip_ratio="mse"),
+    "layers.1.mlp.*": LayerQuantSpec("int4", 32, scale_bits=8),
     "lm_head": LayerQuantSpec("fp32"),
     "_default": LayerQuantSpec("int4", 64),
 })  # fmt: skip
@@ -239,7 +240,9 @@ def test_split_bias_corrected_lm_head_round_trips(tmp_path):
 
     source = save_tiny_hf(tmp_path / "src", tie=True)
     loaded = load_model(source)
-    spec = LayerQuantSpec("int4", 32, high_rows=0.2, row_scores="scores", bias_correction="mean")
+    spec = LayerQuantSpec(
+        "int4", 32, high_rows=0.2, row_scores="scores", bias_correction="mean", scale_bits=8
+    )
     tensors = {"scores": torch.rand(320), "mean": torch.randn(64)}
     result = dqg.DQGResult(
         "uniform", QuantPlan({"lm_head": spec, "_default": LayerQuantSpec("int4", 64)}), tensors

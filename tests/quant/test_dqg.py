@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -16,7 +17,7 @@ from mcp2026.loading.loader import load_model
 from mcp2026.quant import dqg, dqg_options, recipe, uniform_plan
 from mcp2026.quant.calibrate import CalibrationSettings, calibrate, calibration_samples
 from mcp2026.quant.perplexity import windows_from_tokens
-from mcp2026.quant.plan import LayerQuantSpec
+from mcp2026.quant.plan import LayerQuantSpec, linear_modules
 from mcp2026.quant.quantizer import fake_quantize
 from mcp2026.quant.stats import weight_stats
 
@@ -208,6 +209,38 @@ def test_dqg_beats_uniform_int4_at_equal_bits(wide_dir):
     assert result.plan.spec_for("layers.0.mlp.gate_up_proj").group_size == 128  # from the free layer
 
 
+def test_8_bit_scales_are_candidates_and_win_where_weights_sit_on_a_g32_grid(measured, wide_dir):
+    """Each int4 candidate with zero points is measured again on 8-bit grids (its bits 16/g - 16/K lower, its
+    error close on random weights). On weights stored on fp16 grids of 32 (a Q4_1 file), a budget between g64 and
+    g32 goes to 8-bit g32 rather than coarser groups."""
+    layers = measured[1]
+    for lo in layers.values():
+        for o in (
+            o for o in lo.options if o.spec.format == "int4" and not o.spec.high_rows and not o.variant
+        ):
+            if o.spec.symmetric:
+                assert o.spec.scale_bits == 16
+                continue
+            other = next(
+                p for p in lo.options if not p.variant and p.spec == dataclasses.replace(o.spec, scale_bits=24 - o.spec.scale_bits)
+            )  # fmt: skip
+            coded, fp16 = (o, other) if o.spec.scale_bits == 8 else (other, o)
+            g = o.spec.group_size
+            assert coded.bits == pytest.approx(fp16.bits - 16 / g + 16 / lo.in_features)
+            assert coded.error <= 1.1 * fp16.error
+    model = load_model(wide_dir).model
+    with torch.no_grad():
+        for _, linear in linear_modules(model):
+            linear.weight.copy_(fake_quantize(linear.weight, LayerQuantSpec("int4", 32)))
+    calib = calibrate(model, calibration_samples(CALIB, None, 320), CALIB, progress=False)
+    grid = dqg.measure_options(model, calib, FORMATS, dqg_options.DQGSettings(precompensation="none"), False)
+    numel = sum(lo.numel for lo in grid.values())
+    chosen = dqg.allocate(grid, 4.75 * numel)  # 8-bit g32: 4.5 + 16 / K bits (K = 128 or 256 here)
+    body = {n: o.label for n, o in chosen.items() if n != "lm_head"}
+    assert all(label.startswith("int4 g32 asym") for label in body.values()), body  # no coarser groups
+    assert sum(label == "int4 g32 asym s8" for label in body.values()) >= len(body) // 2, body
+
+
 def test_max_ppl_increase_search(wide_dir):
     model = _heterogeneous(wide_dir)
     result = recipe.plan_for_config(
@@ -286,7 +319,7 @@ def test_lm_head_split_options_are_measured_and_applied(measured):
     int8 = next(o for o in head.options if o.spec == LayerQuantSpec("int8"))
     for o in splits:
         assert o.spec.row_scores in o.tensors and o.label.startswith("int4") and "rows int8" in o.label
-        base = LayerQuantSpec("int4", o.spec.group_size, o.spec.symmetric)
+        base = LayerQuantSpec("int4", o.spec.group_size, o.spec.symmetric, scale_bits=o.spec.scale_bits)
         plain = next(p for p in head.options if p.spec == base and not p.variant)
         assert plain.bits < o.bits < int8.bits
         if not o.variant:  # int8 rows only replace int4 rows where that lowers the (Fisher-weighted) error

@@ -15,8 +15,10 @@ from mcp2026.quant.compile_cli import parse_spec
 from mcp2026.quant.int4_linear import Int4Linear
 from mcp2026.quant.int4_packing import unpack_int4
 from mcp2026.quant.int8_linear import Int8Linear
+from mcp2026.quant.linear import build_linear
 from mcp2026.quant.plan import LayerQuantSpec, QuantPlan, linear_modules
-from mcp2026.quant.quantizer import dequantize_groupwise_int4, fake_quantize, quantize_int4
+from mcp2026.quant.quantizer import correction_bias, dequantize_groupwise_int4, fake_quantize, quantize_int4
+from mcp2026.quant.split_rows_linear import SplitRowsLinear
 
 from conftest import auto_head_under_int4, tiny_random_model
 
@@ -159,10 +161,12 @@ def test_quant_config_method_gptq_quantizes_int4_layers_with_gptq(monkeypatch):
 
 
 def test_gptq_is_refused_where_it_cannot_apply():
-    with pytest.raises(ValueError, match="method 'gptq' applies to plain int4 layers"):
+    with pytest.raises(ValueError, match="method 'gptq' applies to int4 layers without act_scale, not int8"):
         LayerQuantSpec("int8", method="gptq")
-    with pytest.raises(ValueError, match="method 'gptq' applies to plain int4 layers"):
-        LayerQuantSpec("int4", high_rows=0.1, method="gptq")
+    with pytest.raises(ValueError, match="method 'gptq' applies to int4 layers without act_scale"):
+        LayerQuantSpec("int4", act_scale="s", method="gptq")
+    with pytest.raises(ValueError, match="method 'learned' applies to plain int4 layers"):
+        LayerQuantSpec("int4", high_rows=0.1, method="learned")
     with pytest.raises(ValueError, match="method must be one of"):
         LayerQuantSpec("int4", method="awq")
     with pytest.raises(ValueError, match="quantize with quant.gptq"):
@@ -213,3 +217,40 @@ def test_weights_already_on_a_grid_keep_their_rounded_levels():
     for name in rounded:
         assert torch.equal(model.get_submodule(name).dequantize(), expected[name]), name
     assert f"{len(rounded)} kept round-to-nearest's" in gptq.summary(errors)
+
+
+def test_gptq_on_8_bit_grids_lowers_the_output_error_and_stores_codes(float_inputs):
+    model, inputs = float_inputs
+    spec = LayerQuantSpec("int4", 32, scale_bits=8, method="gptq")
+    rtn = LayerQuantSpec("int4", 32, scale_bits=8)
+    for name in ("layers.0.attn.qkv_proj", "layers.1.mlp.down_proj"):
+        linear, x = model.get_submodule(name), inputs[name]
+        hessian = 2 * x.T @ x / len(x)
+        levels = gptq.gptq_int4(linear.weight, hessian, spec)
+        module = Int4Linear.from_levels(linear, spec, *levels, torch.float32)  # the grids are on their codes
+        assert "scale_codes" in module.state_dict()
+        error = gptq.output_error(linear.weight, module.dequantize(), hessian)
+        assert error < 0.95 * gptq.output_error(linear.weight, fake_quantize(linear.weight, rtn), hessian)
+
+
+def test_gptq_on_a_split_output_projection_rounds_its_int4_rows_and_corrects_the_bias():
+    """Split rows: the int8 rows as round-to-nearest chooses and stores them, GPTQ levels on the int4 rows (a lower
+    output error), and the correction bias computed from the weights as stored."""
+    model = tiny_random_model()[0]
+    head = model.get_submodule("lm_head")
+    mean = torch.randn(head.in_features).abs()
+    split = LayerQuantSpec("int4", 32, high_rows=0.25, bias_correction="mean")
+    rtn_module = build_linear("lm_head", head, split, torch.float32, {"mean": mean})
+    quantized = copy.deepcopy(model)
+    plan = gptq.as_gptq(QuantPlan({"lm_head": split, "_default": "fp32"}))
+    assert plan.spec_for("lm_head").method == "gptq"
+    errors = gptq.quantize_sequential(quantized, plan, _samples(), {"mean": mean}, progress=False)
+    module = quantized.lm_head
+    assert isinstance(module, SplitRowsLinear) and errors["lm_head"].ratio < 0.95, errors
+    assert torch.equal(module.high_index, rtn_module.high_index)
+    assert torch.equal(module.high.dequantize(), rtn_module.high.dequantize())
+    assert not torch.equal(module.low.dequantize(), rtn_module.low.dequantize())
+    expected_bias = correction_bias(head.weight, module.dequantize(), mean)
+    assert torch.allclose(module.bias, expected_bias, atol=1e-6)
+    x = torch.randn(3, head.in_features)
+    assert torch.allclose(module(x), x @ module.dequantize().T + module.bias, atol=2e-2)

@@ -136,11 +136,14 @@ SPECS = [
     LayerQuantSpec("int4", group_size=32),
     LayerQuantSpec("int4", group_size=64, symmetric=True),
     LayerQuantSpec("int4", group_size=128, clip_ratio="mse"),
+    LayerQuantSpec("int4", group_size=32, scale_bits=8),
     LayerQuantSpec("bf16"),
 ]
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.format}-g{s.group_size}-{s.clip_ratio}")
+@pytest.mark.parametrize(
+    "spec", SPECS, ids=lambda s: f"{s.format}-g{s.group_size}-{s.clip_ratio}-s{s.scale_bits}"
+)
 @pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_module_matches_dequantized_reference(spec, compute_dtype):
     linear = _linear(256, 96)
@@ -182,6 +185,31 @@ def test_sizes_and_bits():
     assert int4.nbytes == 576 * 64 // 2 + (576 // 32) * 64 * 2 * 2  # packed nibbles + bf16 scale/zero
     int8 = Int8Linear.from_linear(linear, LayerQuantSpec("int8"), torch.float32)
     assert int8.bits_per_weight == pytest.approx(8 + 16 / 576)
+    coded = Int4Linear.from_linear(linear, LayerQuantSpec("int4", 32, scale_bits=8), torch.bfloat16)
+    assert coded.bits_per_weight == pytest.approx(4 + 16 / 32 + 16 / 576)
+    # packed nibbles, an 8-bit scale code and zero code per group, two int8 exponents per row
+    assert coded.nbytes == 576 * 64 // 2 + (576 // 32) * 64 * 2 + 64 * 2
+
+
+def test_int4_with_8_bit_scales_stores_codes_and_computes_with_their_fp16_grids():
+    linear = _bias_free(_linear(576, 64).weight.detach())
+    spec = LayerQuantSpec("int4", 32, scale_bits=8)
+    module = Int4Linear.from_linear(linear, spec, torch.float32)
+    assert {k: v.dtype for k, v in module.state_dict().items()} == {
+        "weight": torch.uint8, "scale_codes": torch.uint8, "zero_codes": torch.int8, "grid_exponents": torch.int8,
+    }  # fmt: skip
+    grids = module.grids()
+    assert grids.dtype == torch.float16 and grids.shape == (576 // 32, 64, 2)
+    assert torch.equal(module.dequantize(), fake_quantize(linear.weight, spec))
+    fp16 = Int4Linear.from_linear(linear, LayerQuantSpec("int4", 32), torch.float32)
+    w = linear.weight.detach()
+    assert (module.dequantize() - w).pow(2).mean() < 1.01 * (fp16.dequantize() - w).pow(2).mean()
+    empty = Int4Linear(576, 64, spec, False, torch.float32)
+    empty.load_state_dict(module.state_dict())
+    x = torch.randn(3, 576)
+    assert torch.equal(empty(x), module(x))
+    with pytest.raises(ValueError, match="not on 8-bit codes"):  # fp16 grids cannot be stored as codes
+        empty._store(*quantize_groupwise_int4(w, 32))
 
 
 def _heavy_tailed(n: int, k: int) -> torch.Tensor:

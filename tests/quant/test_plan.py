@@ -67,10 +67,35 @@ def test_spec_validation_and_normalization():
         LayerQuantSpec("bf16", act_scale="x")
 
 
+def test_8_bit_scales_apply_to_int4_with_zero_points_and_keep_old_plan_ids():
+    spec = LayerQuantSpec("int4", 64, scale_bits=8)
+    assert spec.describe() == "int4 g64 asym, 8-bit scales" and spec.to_dict()["scale_bits"] == 8
+    assert (
+        "scale_bits" not in LayerQuantSpec("int4").to_dict()
+    )  # plans from before 8-bit scales hash as before
+    plan = QuantPlan({"_default": spec})
+    assert (
+        QuantPlan.from_json(plan.to_json()) == plan
+        and plan.plan_id != QuantPlan({"_default": "int4"}).plan_id
+    )
+    for bad in (
+        {"format": "int4", "symmetric": True},
+        {"format": "int8"},
+        {"format": "int4", "method": "learned"},
+    ):
+        with pytest.raises(ValueError, match="scale_bits|learned scales are fp16"):
+            LayerQuantSpec(**bad, scale_bits=8)
+    with pytest.raises(ValueError, match="scale_bits must be one of"):
+        LayerQuantSpec("int4", scale_bits=4)
+
+
 def test_bits_per_weight_counts_scales_and_zeros():
     assert LayerQuantSpec("int4", group_size=32).bits_per_weight(576) == 5.0
     assert LayerQuantSpec("int4", group_size=64).bits_per_weight(576) == 4.5
     assert LayerQuantSpec("int4", group_size=128).bits_per_weight(1536) == 4.25
+    # 8-bit scale and zero codes per group, two 8-bit exponents per row
+    assert LayerQuantSpec("int4", 32, scale_bits=8).bits_per_weight(576) == pytest.approx(4.5 + 16 / 576)
+    assert LayerQuantSpec("int4", 64, scale_bits=8).bits_per_weight(1536) == pytest.approx(4.25 + 16 / 1536)
     assert LayerQuantSpec("int8").bits_per_weight(576) == pytest.approx(8.0278, abs=1e-4)
     assert LayerQuantSpec("bf16").bits_per_weight(576) == 16.0
 

@@ -10,8 +10,12 @@ from gguf import quants
 
 from mcp2026.quant.plan import LayerQuantSpec
 from mcp2026.quant.quantizer import (
+    code_grids,
+    decode_grids,
     dequantize_groupwise_int4,
     fake_quantize,
+    grid_codes,
+    grid_exponents,
     quantize_groupwise_int4,
     search_groupwise_int4,
 )
@@ -76,3 +80,49 @@ def test_mse_spec_uses_the_grid_search():
     expected = dequantize_groupwise_int4(*search_groupwise_int4(w, 32, False), 32)
     assert torch.equal(fake_quantize(w, spec), expected)
     assert not np.allclose(expected.numpy(), fake_quantize(w, LayerQuantSpec("int4", group_size=32)).numpy())
+
+
+# ---- int4 grids in 8 bits ------------------------------------------------------------------------------
+def _random_grids(n: int = 64, groups: int = 18, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.exp(torch.randn(n, groups, generator=g)) * 1e-3 * torch.rand(n, 1, generator=g)
+    return scales, torch.randn(n, groups, generator=g) * 0.02
+
+
+def test_8_bit_grids_decode_exactly_to_fp16_values_in_the_codes_ranges():
+    scales, zeros = _random_grids()
+    zeros[3] = 0.0  # a row of zero zeros
+    coded_scales, coded_zeros = code_grids(scales, zeros, grid_exponents(scales, zeros))
+    scale_codes, zero_codes, exponents = grid_codes(coded_scales, coded_zeros)
+    assert scale_codes.dtype == torch.uint8 and zero_codes.dtype == torch.int8 and exponents.shape == (64, 2)
+    assert int(scale_codes.min()) >= 1 and int(zero_codes.abs().max()) <= 127
+    assert (scale_codes.amax(-1) >= 128).all()  # each row's largest scale uses the top half of the codes
+    decoded = decode_grids(scale_codes, zero_codes, exponents)
+    for got, want in zip(decoded, (coded_scales, coded_zeros)):
+        assert torch.equal(got, want) and torch.equal(got.half().float(), got)  # exact, and fp16 numbers
+    relative = (coded_scales - scales).abs() / scales.amax(-1, keepdim=True)
+    # half a step of a peak in the top half of 255 codes; a scale under half a step keeps code 1 (a whole step)
+    assert relative[scale_codes > 1].max() <= 1 / 256 and relative.max() <= 1 / 128
+    with pytest.raises(ValueError, match="not on 8-bit codes"):
+        grid_codes(scales.half().float(), zeros.half().float())
+
+
+def test_weights_on_an_8_bit_grid_requantize_to_themselves():
+    scales, zeros = _random_grids(32, 4, seed=1)
+    scales, zeros = code_grids(scales, zeros, grid_exponents(scales, zeros))
+    q = torch.randint(0, 16, (32, 4, 32), generator=torch.Generator().manual_seed(2))
+    q[..., 0], q[..., 1] = 0, 15  # every group spans the whole range
+    w = dequantize_groupwise_int4(q.reshape(32, 128), scales, zeros, 32)
+    spec = LayerQuantSpec("int4", 32, scale_bits=8)
+    assert torch.equal(fake_quantize(w, spec), w)
+
+
+def test_a_q4_1_grid_on_8_bit_scales_loses_far_less_than_coarser_groups():
+    """The 0.5 bits per weight 8-bit scales save at g32, spent on groups of 64 instead, cost much more on weights
+    stored as Q4_1 (SmolLM2's file): the coded grids move each weight by a small part of its step."""
+    w = torch.randn(64, 576, generator=torch.Generator().manual_seed(0)) * 0.02
+    stored, _ = _q4_1_blocks(w)
+    error = lambda spec: (fake_quantize(stored, spec) - stored).pow(2).mean().item()  # noqa: E731
+    assert error(LayerQuantSpec("int4", 32)) == 0.0
+    coded, g64 = error(LayerQuantSpec("int4", 32, scale_bits=8)), error(LayerQuantSpec("int4", 64))
+    assert 0 < coded < 0.05 * g64, (coded, g64)

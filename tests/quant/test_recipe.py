@@ -68,3 +68,16 @@ def test_int4_keeps_the_lm_head_in_q8_0s_form_where_the_device_runs_grouped_int8
         grouped_int8=True,
     )
     assert pinned.plan.spec_for("lm_head") == LayerQuantSpec("int8")  # a pinned "int8" stays per channel
+
+
+def test_int4_scale_bits_8_gives_a_uniform_int4_target_8_bit_grids(model):
+    specs = _plan(
+        model, target_precision="int4", lm_head_precision="int4", int4_scale_bits=8
+    ).plan.layer_specs(model)
+    assert set(specs.values()) == {LayerQuantSpec("int4", 32, scale_bits=8)}
+    spec = parse_spec({"target_precision": "int4", "int4_scale_bits": 8, "group_size": 64}, "q.yaml")
+    assert spec.quant.int4_scale_bits == 8
+    with pytest.raises(ValueError, match="int4_scale_bits must be 16"):
+        QuantConfig(int4_scale_bits=4)
+    with pytest.raises(ValueError, match="needs symmetric=False"):
+        QuantConfig(target_precision="int4", int4_scale_bits=8, symmetric=True)

@@ -115,6 +115,8 @@ def _fixed_plans(model):
             plans[f"int4 {'sym' if sym else 'asym'} g{g}"] = uniform_plan(
                 model, LayerQuantSpec("int4", g, sym)
             )
+    for g in (32, 64):  # grids in 8 bits: 0.5 (g32) or 0.25 (g64) bits per weight fewer than fp16 grids
+        plans[f"int4 asym g{g}, 8-bit scales"] = uniform_plan(model, LayerQuantSpec("int4", g, scale_bits=8))
     for sym, peer in ((True, "Q4_0"), (False, "Q4_1")):
         for g in (32, 64):
             name = f"int4 {'sym' if sym else 'asym'} g{g}, lm_head int8" + (
@@ -146,8 +148,8 @@ def _gptq_plans(fixed: dict[str, QuantPlan]) -> dict[str, tuple[QuantPlan, str]]
         f"{family} {name.split(' (')[0]}": (gptq.as_gptq(plan, method[family]), family)
         for family in LEVEL_FAMILIES
         for name, plan in fixed.items()
-        if name.startswith("int4")
-    }
+        if name.startswith("int4") and not (family in LEARNED_FAMILIES and "8-bit scales" in name)
+    }  # learned scales are fp16 per group: on 8-bit grids they would be round-to-nearest's rows again
 
 
 def as_decode_steps(model: nn.Module) -> int:
@@ -240,14 +242,19 @@ def run_quality_bench(
             budgets += [(f, b) for f in families for b in settings.curve_budgets]
         for family, bits in dict.fromkeys(budgets):
             name = f"{family} {bits:.3g} bpw"
-            if not (wanted(name) or wanted("curve")):
+            with_gptq = family == "DQG" and bits in settings.dqg_budgets and wanted(f"GPTQ {name}")
+            if not (wanted(name) or wanted("curve") or with_gptq):
                 continue
             try:
                 choices = dqg.allocate(families[family], bits * numel, "bits")
             except dqg.BudgetError:
                 continue  # below the cheapest plan of this family
             plan, scales = dqg.plan_from_choices(choices)
-            plans[name] = (plan, scales, family)
+            if wanted(name) or wanted("curve"):
+                plans[name] = (plan, scales, family)
+            if with_gptq:
+                # the same plan, its int4 rows (split rows too) with GPTQ's levels
+                plans[f"GPTQ {name}"] = (gptq.as_gptq(plan), scales, "GPTQ")
     rows = [{"plan": "fp32 (reference)", "family": "reference", "bits": 32.0, "mib": None,
              **evaluate(model, windows).to_dict()}]  # fmt: skip
     notes: list[str] = []

@@ -160,7 +160,7 @@ def matrix_of(name: str, module: nn.Module) -> Matrix:
         return Int8Rows(module.weight.detach(), module.scales.detach().float())
     if isinstance(module, Int4Linear):
         u = unpack_int4(module.weight.detach(), module.out_features, module.in_features)
-        scale, zero = module.scales_and_zeros.detach().float().unbind(-1)  # (K/g, N) each
+        scale, zero = module.grids().detach().float().unbind(-1)  # (K/g, N) each
         return Int4Groups(
             u.to(torch.uint8), scale.t().contiguous(), zero.t().contiguous(), module.spec.group_size
         )

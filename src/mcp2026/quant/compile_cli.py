@@ -2,7 +2,8 @@
 ``CompileSpec`` (``mcp2026.compiler`` quantizes with it and writes the artifact).
 
 YAML keys: the ``QuantConfig`` fields (target_precision, enable_dqg, bits_budget | bytes_budget |
-max_ppl_increase, group_size, granularity, symmetric, lm_head_precision, strict, calibration_source, calibration_samples),
+max_ppl_increase, group_size, granularity, symmetric, int4_scale_bits, lm_head_precision, method, strict,
+calibration_source, calibration_samples),
 plus optional sections ``calibration:`` (CalibrationSettings: source, num_samples, max_len, min_len,
 max_rows, fisher_samples, seed, ema_decay), ``dqg:`` (DQGSettings) and ``gptq:`` (GPTQSettings: damp, block_size,
 act_order; with ``method: gptq``) and ``learned:`` (LearnedScaleSettings: steps, lr, train_rows,

@@ -2,7 +2,7 @@
 
 Analytic mode: ``b* = ceil(log2(1 + sigma/eps))`` per layer, clamped to the backend's
 candidate formats. Measured mode: for each layer and candidate spec (int8, int4 g32/64/128 symmetric or
-with zero points, plus pre-compensated variants: zero point, MSE clipping, AWQ scaling) the output error
+with zero points, fp16 or 8-bit grids, plus pre-compensated variants: zero point, MSE clipping, AWQ scaling) the output error
 on calibration rows (``dqg_options``), an estimate of the KL divergence it adds; then the plan minimising the
 summed error under a budget, by a greedy walk over each layer's lower convex hull of (cost, error) - the
 Lagrangian knapsack solution - plus a final fill. ``DQGResult`` holds the plan and how it was chosen.
@@ -32,7 +32,7 @@ from mcp2026.quant.dqg_options import (
     layer_options,
     tied_linears,
 )
-from mcp2026.quant.plan import DENSE_FORMATS, LayerQuantSpec, QuantPlan
+from mcp2026.quant.plan import DENSE_FORMATS, SCALE_BITS, LayerQuantSpec, QuantPlan
 
 
 class BudgetError(MCPError, ValueError):
@@ -165,7 +165,8 @@ def analytic_choice(
             fmt = clamp_bits(bits, usable)
         plain = [o for o in lo.options if o.spec.format == fmt and not o.variant and o.spec.act_scale is None
                  and not o.spec.high_rows
-                 and o.spec.clip_ratio == 1.0 and (fmt != "int4" or o.spec.symmetric == symmetric)]  # fmt: skip
+                 and o.spec.clip_ratio == 1.0 and o.spec.scale_bits == SCALE_BITS
+                 and (fmt != "int4" or o.spec.symmetric == symmetric)]  # fmt: skip
         groups = sorted({o.spec.group_size or 0 for o in plain})
         group = (
             group_size
@@ -296,11 +297,12 @@ def _cell(value: object) -> str:
 
 
 def _same(a: LayerQuantSpec, b: LayerQuantSpec) -> bool:
-    return (a.format, a.group_size, a.symmetric, a.high_rows) == (
+    return (a.format, a.group_size, a.symmetric, a.high_rows, a.scale_bits) == (
         b.format,
         b.group_size,
         b.symmetric,
         b.high_rows,
+        b.scale_bits,
     )
 
 
@@ -308,7 +310,7 @@ def _without(option: Option, technique: str, options: Sequence[Option]) -> Optio
     """The measured option equal to ``option`` except without ``technique`` (row-score names, which carry the
     int4 variant's name, are not compared)."""
     spec, rest = option.spec, [t for t in option.variant.split("+") if t and t != technique]
-    undo = {"zero_point": {"symmetric": True}, "mse_clip": {"clip_ratio": 1.0}, "awq": {"act_scale": None},
+    undo = {"zero_point": {"symmetric": True, "scale_bits": SCALE_BITS}, "mse_clip": {"clip_ratio": 1.0}, "awq": {"act_scale": None},
             "bias_corr": {"bias_correction": None}}  # fmt: skip
     want = _unnamed(dataclasses.replace(spec, **undo.get(technique, {})))
     return next((o for o in options if _unnamed(o.spec) == want and o.variant == "+".join(rest)), None)

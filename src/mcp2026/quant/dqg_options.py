@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from torch import Tensor, nn
 
 from mcp2026.quant.calibrate import Calibration
-from mcp2026.quant.plan import DENSE_FORMATS, INT4_GROUP_SIZES, LayerQuantSpec, high_row_count
+from mcp2026.quant.plan import (
+    CODED_SCALE_BITS,
+    DENSE_FORMATS,
+    INT4_GROUP_SIZES,
+    SCALE_BITS,
+    LayerQuantSpec,
+    high_row_count,
+)
 from mcp2026.quant.quantizer import correction_bias, fake_quantize, search_act_scale, split_rows
 from mcp2026.quant.stats import WeightStats, weight_stats
 
@@ -58,6 +65,7 @@ class Option:
     def label(self) -> str:
         s = self.spec
         text = s.format if s.format != "int4" else f"int4 g{s.group_size} {'sym' if s.symmetric else 'asym'}"
+        text += " s8" if s.scale_bits != SCALE_BITS else ""
         text += f" ({s.high_rows:.0%} rows int8)" if s.high_rows else ""
         return f"{text} +{self.variant}" if self.variant else text
 
@@ -122,16 +130,24 @@ def candidate_specs(
                 out.append((LayerQuantSpec(fmt, clip_ratio="mse"), "mse_clip"))
         elif fmt == "int4":
             for g in int4_groups(k, n):
-                for symmetric in (True, False):
+                for symmetric, scale_bits in _int4_grids(settings):
                     zero_point = "zero_point" if settings.symmetric_only and not symmetric else ""
                     if zero_point and not precompensate:
                         continue
-                    out.append((LayerQuantSpec("int4", g, symmetric), zero_point))
+                    base = LayerQuantSpec("int4", g, symmetric, scale_bits=scale_bits)
+                    out.append((base, zero_point))
                     if precompensate:
                         joined = "+".join(filter(None, (zero_point, "mse_clip")))
-                        out.append((LayerQuantSpec("int4", g, symmetric, clip_ratio="mse"), joined))
-                        out.append((LayerQuantSpec("int4", g, symmetric, act_scale="awq"), "+".join(filter(None, (zero_point, "awq")))))  # fmt: skip
+                        out.append((dataclasses.replace(base, clip_ratio="mse"), joined))
+                        out.append((dataclasses.replace(base, act_scale="awq"), "+".join(filter(None, (zero_point, "awq")))))  # fmt: skip
     return out
+
+
+def _int4_grids(settings: DQGSettings) -> list[tuple[bool, int]]:
+    """(symmetric, scale_bits) of the int4 candidates: symmetric, with zero points, and with zero points on 8-bit
+    grids (not in symmetric-only mode, where zero points are a pre-compensation)."""
+    grids = [(True, SCALE_BITS), (False, SCALE_BITS)]
+    return grids if settings.symmetric_only else [*grids, (False, CODED_SCALE_BITS)]
 
 
 def split_specs(
@@ -143,10 +159,12 @@ def split_specs(
         return []
     out = []
     for g in int4_groups(linear.in_features, linear.out_features):
-        for symmetric in (True, False) if not settings.symmetric_only else (True,):
+        for symmetric, scale_bits in (
+            _int4_grids(settings) if not settings.symmetric_only else [(True, SCALE_BITS)]
+        ):
             counts = {high_row_count(linear.out_features, s): s for s in reversed(HIGH_ROW_SHARES)}
             for share in sorted(s for k, s in counts.items() if k):  # distinct, non-empty splits only
-                spec = LayerQuantSpec("int4", g, symmetric, high_rows=share)
+                spec = LayerQuantSpec("int4", g, symmetric, high_rows=share, scale_bits=scale_bits)
                 out += [(spec, ""), (dataclasses.replace(spec, bias_correction="mean"), "bias_corr")]
     return out
 
@@ -190,14 +208,15 @@ def layer_options(
             spec = dataclasses.replace(spec, bias_correction=f"{name}:input_mean")
             tensors[spec.bias_correction] = mean
         if spec.high_rows:
-            key = (spec.group_size, spec.symmetric)
+            key = (spec.group_size, spec.symmetric, spec.scale_bits)
             if key not in splits:
                 if "int8" not in splits:
                     splits["int8"] = _SplitParts.of(w, x, mean, LayerQuantSpec("int8"))
                 splits[key] = _SplitParts.of(w, x, mean, spec, splits["int8"], fisher if use_fisher else None)
-            spec = dataclasses.replace(
-                spec, row_scores=f"{name}:row_scores:int4-g{key[0]}-{'sym' if key[1] else 'asym'}"
+            grid = f"int4-g{key[0]}-{'sym' if key[1] else 'asym'}" + (
+                "" if key[2] == SCALE_BITS else f"-s{key[2]}"
             )
+            spec = dataclasses.replace(spec, row_scores=f"{name}:row_scores:{grid}")
             tensors[spec.row_scores] = splits[key].scores
             dy = splits[key].with_high_rows(splits["int8"], split_rows(w, spec, splits[key].scores), spec)
         else:

@@ -24,11 +24,19 @@ from mcp2026.quant.plan import (
     DEFAULT_KEY,
     DENSE_FORMATS,
     OUTPUT_PROJECTION,
+    SCALE_BITS,
     LayerQuantSpec,
     QuantPlan,
     linear_modules,
 )
-from mcp2026.quant.quantizer import dequantize_groupwise_int4, nearest_levels, quantize_int4
+from mcp2026.quant.quant_linear import QuantLinear
+from mcp2026.quant.quantizer import (
+    correction_bias,
+    dequantize_groupwise_int4,
+    grid_exponents,
+    nearest_levels,
+    quantize_int4,
+)
 
 _DAMP_RETRIES = 4  # each retry multiplies the damping by 10 when H + damping is still not positive definite
 
@@ -106,6 +114,12 @@ def gptq_int4(
     weights = w.detach().float().clone()
     order = torch.argsort(hessian.diagonal(), descending=True, stable=True) if settings.act_order else None
     static = quantize_int4(weights, spec)[1:] if order is not None else None  # (N, K/g) each
+    # 8-bit grids: each row's code steps fixed beforehand from its round-to-nearest grids, as groups come one by one
+    exponents = None
+    if spec.scale_bits != SCALE_BITS:
+        exponents = grid_exponents(
+            *quantize_int4(weights, dataclasses.replace(spec, scale_bits=SCALE_BITS))[1:]
+        )
     if order is not None:
         weights, hessian = weights[:, order], hessian[order][:, order]
     inverse = _inverse_cholesky(hessian.float(), settings.damp)
@@ -122,7 +136,7 @@ def gptq_int4(
                 group = int(order[column]) // g
                 scale, zero = static[0][:, group : group + 1], static[1][:, group : group + 1]
             elif column % g == 0:  # a new group: its grid from its weights as they are now
-                _, scale, zero = quantize_int4(block[:, i : i + g], spec)  # (N, 1) each
+                _, scale, zero = quantize_int4(block[:, i : i + g], spec, exponents)  # (N, 1) each
                 scales[:, column // g], zeros[:, column // g] = scale[:, 0], zero[:, 0]
             level = nearest_levels(block[:, i : i + 1], scale, zero)  # (N, 1)
             q[:, column] = level[:, 0]
@@ -161,11 +175,19 @@ class LayerError:
 
 
 def _gptq_module(
-    name: str, linear: nn.Linear, spec: LayerQuantSpec, hessian: Tensor, dtype, settings: GPTQSettings
-) -> tuple[Int4Linear, LayerError]:
+    name: str,
+    linear: nn.Linear,
+    spec: LayerQuantSpec,
+    hessian: Tensor,
+    dtype,
+    settings: GPTQSettings,
+    tensors: Mapping[str, Tensor] | None = None,
+) -> tuple[QuantLinear, LayerError]:
     """The layer with GPTQ's levels, or round-to-nearest's where those have the lower output error on the
     calibration inputs (weights already on a grid of this layout: rounding gives them back, GPTQ's error feedback
     moves them off it)."""
+    if spec.high_rows:
+        return _gptq_split_module(name, linear, spec, hessian, dtype, settings, tensors)
     w = linear.weight.detach()
     levels = gptq_int4(w, hessian, spec, settings)
     rounded = quantize_int4(w, dataclasses.replace(spec, method="rtn"))
@@ -179,6 +201,39 @@ def _gptq_module(
         return Int4Linear.from_levels(linear, spec, *(levels if error.kept_gptq else rounded), dtype), error
     except ValueError as problem:
         raise ValueError(f"{name}: {problem}") from problem
+
+
+def _gptq_split_module(
+    name, linear, spec, hessian, dtype, settings, tensors
+) -> tuple[QuantLinear, LayerError]:
+    """A split layer (``high_rows``): its rows as round-to-nearest splits them, the int4 rows' levels by GPTQ (rows
+    are independent under GPTQ: each is rounded against the same H), kept where the layer's output error is lower;
+    a correction bias is computed from the weights as finally stored."""
+    w = linear.weight.detach()
+    rtn = dataclasses.replace(spec, method="rtn")
+    module = build_linear(name, linear, dataclasses.replace(rtn, bias_correction=None), dtype, tensors)
+    rounded = module.dequantize()
+    low_rows = module._low_rows(module.high_index.long())
+    low_spec = dataclasses.replace(module.low.spec, method="rtn")
+    rounded_low = quantize_int4(w[low_rows].float(), low_spec)
+    module.low._store(*gptq_int4(w[low_rows], hessian, low_spec, settings))
+    error = LayerError(
+        output_error(w, module.dequantize(), hessian),
+        output_error(w, rounded, hessian),
+        output_error(w, torch.zeros_like(w, dtype=torch.float32), hessian),
+    )
+    if not error.kept_gptq:
+        module.low._store(*rounded_low)
+    if spec.bias_correction is not None:
+        if tensors is None or spec.bias_correction not in tensors:
+            raise KeyError(
+                f"{name}: the plan names tensor {spec.bias_correction!r} (bias_correction), not passed"
+            )
+        correction = correction_bias(w, module.dequantize(), tensors[spec.bias_correction])
+        own = linear.bias.detach().float() if linear.bias is not None else 0.0
+        module.bias = (correction + own).to(module.compute_dtype)
+    module.spec = spec
+    return module.to(w.device), error
 
 
 class _FirstLayerInputs(Exception):
@@ -299,12 +354,16 @@ def as_gptq(plan: QuantPlan, method: str = "gptq") -> QuantPlan:
 
 
 def _method_spec(spec: LayerQuantSpec, method: str) -> LayerQuantSpec:
-    plain = (
-        spec.format == "int4"
-        and not spec.high_rows
-        and spec.act_scale is None
-        and spec.bias_correction is None
-    )
+    if method == "gptq":  # split rows too (their int4 rows), and a correction bias from GPTQ's weights
+        plain = spec.format == "int4" and spec.act_scale is None
+    else:  # learned scales: plain int4 on fp16 grids
+        plain = (
+            spec.format == "int4"
+            and not spec.high_rows
+            and spec.act_scale is None
+            and spec.bias_correction is None
+            and spec.scale_bits == SCALE_BITS
+        )
     return dataclasses.replace(spec, method=method) if plain else spec
 
 
@@ -338,7 +397,7 @@ def _replace(model, name, linear, spec, hessian, tensors, compute_dtypes, settin
     dtype = compute_dtypes.get(spec.format) if compute_dtypes else None
     errors = {}
     if _is_gptq(spec):
-        module, errors[name] = _gptq_module(name, linear, spec, hessian, dtype, settings)
+        module, errors[name] = _gptq_module(name, linear, spec, hessian, dtype, settings, tensors)
     else:
         module = build_linear(name, linear, spec, dtype, tensors)
     parent, _, child = name.rpartition(".")

@@ -9,8 +9,15 @@ from torch import Tensor, nn
 from mcp2026.kernels import ops as kernel_ops
 from mcp2026.quant import cpu_routing as routing
 from mcp2026.quant.int4_packing import gemv_layout, pack_int4, unpack_int4
+from mcp2026.quant.plan import SCALE_BITS
 from mcp2026.quant.quant_linear import QuantLinear
-from mcp2026.quant.quantizer import SCALE_DTYPE, dequantize_groupwise_int4, quantize_int4
+from mcp2026.quant.quantizer import (
+    SCALE_DTYPE,
+    decode_grids,
+    dequantize_groupwise_int4,
+    grid_codes,
+    quantize_int4,
+)
 
 
 def check_int4_shape(out_features: int, in_features: int, group_size: int) -> None:
@@ -26,7 +33,8 @@ def check_int4_shape(out_features: int, in_features: int, group_size: int) -> No
 
 
 class Int4Linear(QuantLinear):
-    """Group-wise int4 (g32/64/128, symmetric or with zero points), packed for the CPU kernel."""
+    """Group-wise int4 (g32/64/128, symmetric or with zero points; grids in fp16 or 8-bit codes), packed for the
+    CPU kernel."""
 
     formats = ("int4",)
 
@@ -35,9 +43,16 @@ class Int4Linear(QuantLinear):
         super().__init__(in_features, out_features, spec, bias, compute_dtype)
         num_groups = in_features // spec.group_size
         self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
-        # (K/g, N, 2): [..., 0] scale, [..., 1] zero, torch's int4 layout; fp16 whatever the compute dtype (the
-        # quantizer rounds them to fp16: quantizer.SCALE_DTYPE), widened to fp32 by our kernels
-        self.register_buffer("scales_and_zeros", torch.empty(num_groups, out_features, 2, dtype=SCALE_DTYPE))
+        if spec.scale_bits == SCALE_BITS:
+            # (K/g, N, 2): [..., 0] scale, [..., 1] zero, torch's int4 layout; fp16 whatever the compute dtype
+            # (the quantizer rounds them to fp16: quantizer.SCALE_DTYPE), widened to fp32 by our kernels
+            self.register_buffer(
+                "scales_and_zeros", torch.empty(num_groups, out_features, 2, dtype=SCALE_DTYPE)
+            )
+        else:  # 8-bit grids (quantizer.grid_codes): (K/g, N) codes and each row's two step exponents
+            self.register_buffer("scale_codes", torch.empty(num_groups, out_features, dtype=torch.uint8))
+            self.register_buffer("zero_codes", torch.empty(num_groups, out_features, dtype=torch.int8))
+            self.register_buffer("grid_exponents", torch.empty(out_features, 2, dtype=torch.int8))
 
     @classmethod
     def kernel_on(cls, device):
@@ -73,13 +88,36 @@ class Int4Linear(QuantLinear):
         self._store(*quantize_int4(w, self.spec))
 
     def _store(self, q: Tensor, scales: Tensor, zeros: Tensor) -> None:
+        """Levels (N, K) and grids (N, K/g); with 8-bit scales the grids must be coded ones (``quantize_int4``)."""
         self._drop_kernel_copies()
         self.weight = pack_int4(q.to(torch.uint8).cpu()).to(q.device)
-        self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(SCALE_DTYPE).contiguous()
+        if self.spec.scale_bits == SCALE_BITS:
+            self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(SCALE_DTYPE).contiguous()
+            return
+        scale_codes, zero_codes, exponents = grid_codes(scales.cpu(), zeros.cpu())
+        self.scale_codes = scale_codes.t().contiguous().to(q.device)
+        self.zero_codes = zero_codes.t().contiguous().to(q.device)
+        self.grid_exponents = exponents.to(q.device)
+
+    def grids(self) -> Tensor:
+        """Scales and zeros (K/g, N, 2) in fp16, torch's int4 layout: stored so, or decoded from 8-bit codes on
+        first use (exact: every code decodes to an fp16 value) and kept until the weights change."""
+        if self.spec.scale_bits == SCALE_BITS:
+            return self.scales_and_zeros
+        decoded = self.__dict__.get("_grids")
+        if decoded is None:
+            scales, zeros = decode_grids(self.scale_codes.t(), self.zero_codes.t(), self.grid_exponents)
+            decoded = torch.stack([scales.t(), zeros.t()], dim=-1).to(SCALE_DTYPE).contiguous()
+            self.__dict__["_grids"] = decoded
+        return decoded
+
+    def _drop_kernel_copies(self) -> None:
+        super()._drop_kernel_copies()
+        self.__dict__.pop("_grids", None)
 
     def _quantized(self):
         q = unpack_int4(self.weight, self.out_features, self.in_features)
-        scales, zeros = self.scales_and_zeros.float().unbind(-1)  # (K/g, N) each
+        scales, zeros = self.grids().float().unbind(-1)  # (K/g, N) each
         return dequantize_groupwise_int4(q, scales.t(), zeros.t(), self.spec.group_size)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -127,7 +165,7 @@ class Int4Linear(QuantLinear):
     def torch_scales(self, dtype: torch.dtype) -> Tensor:
         """The scales and zeros in ``dtype``, as torch's int4 kernels take them (the activations' dtype; bf16 on
         CUDA, which rounds the fp16 values to bf16's 8-bit mantissa there)."""
-        return self._scales_in(self.scales_and_zeros, dtype)
+        return self._scales_in(self.grids(), dtype)
 
     def cuda_weights(self) -> Tensor:
         """The weights in the layout of torch's CUDA int4 kernel (two values per byte, even k in the high
@@ -148,7 +186,7 @@ class Int4Linear(QuantLinear):
         gemv = self.__dict__.get("_gemv")
         if gemv is None:
             q = unpack_int4(self.weight, self.out_features, self.in_features)
-            gemv = self.__dict__["_gemv"] = gemv_layout(q, self.scales_and_zeros, self.spec.group_size)
+            gemv = self.__dict__["_gemv"] = gemv_layout(q, self.grids(), self.spec.group_size)
         return gemv
 
     def gemm_weights(self) -> tuple[Tensor, Tensor]:

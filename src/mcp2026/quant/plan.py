@@ -22,7 +22,12 @@ FORMATS: tuple[str, ...] = tuple(WEIGHT_BITS)
 DENSE_FORMATS = ("fp32", "bf16", "fp16")
 INT4_GROUP_SIZES = (32, 64, 128)
 INT8_GROUP_SIZES = (32,)  # GGUF's Q8_0 blocks (a scale per 32 values), on the block GEMM
-SCALE_BITS = 16  # scales and zero points are stored as bf16 (see linear.SCALE_DTYPE)
+SCALE_BITS = 16  # scales and zero points are stored as fp16 (see quantizer.SCALE_DTYPE)
+# int4 grids in 8 bits (``LayerQuantSpec.scale_bits`` 8): an 8-bit code per group's scale and zero, and per row two
+# power-of-two steps stored as int8 exponents (quantizer.code_grids)
+CODED_SCALE_BITS = 8
+EXPONENT_BITS = 8
+SCALE_BIT_CHOICES = (SCALE_BITS, CODED_SCALE_BITS)
 INDEX_BITS = 32  # a split layer stores its int8 rows' indices as int32
 BIAS_BITS = 32  # a correction bias is counted as fp32 (it is stored in the compute dtype)
 SPLIT_ROW_MULTIPLE = 16  # the int4 kernel packs 16 output rows at a time, so the int8 rows come in 16s
@@ -49,8 +54,12 @@ class LayerQuantSpec:
     ``-mean @ (Wq - W).T``, cancelling the quantization error's average effect on each output.
     ``method`` (int4 only): how the levels are chosen. "rtn" rounds each weight to its group's grid; "gptq"
     rounds column by column and spreads each column's error over the columns not yet rounded, weighted by the
-    layer's input Hessian from calibration (``quant.gptq``); "learned" learns each group's scale and zero from
+    layer's input Hessian from calibration (``quant.gptq``; with ``high_rows``, the int4 rows, and a correction bias
+    from the final weights); "learned" learns each group's scale and zero from
     round-to-nearest's on calibration inputs (``quant.learned_scales``). Same storage either way.
+    ``scale_bits`` (int4 with zero points only): 16 stores each group's scale and zero in fp16; 8 stores each as an
+    8-bit code on a power-of-two step per row (llama.cpp's k-quants quantize their scales likewise), 0.5 bits
+    per weight less at g32. A weight on an fp16 grid of 32 loses nearly nothing to it (``quantizer.code_grids``).
     """
 
     format: str = "fp32"
@@ -62,6 +71,7 @@ class LayerQuantSpec:
     row_scores: str | None = None
     bias_correction: str | None = None
     method: str = "rtn"
+    scale_bits: int = SCALE_BITS
 
     def __post_init__(self) -> None:
         if self.format not in WEIGHT_BITS:
@@ -96,13 +106,30 @@ class LayerQuantSpec:
             raise ValueError("row_scores ranks the rows of high_rows; set high_rows > 0 or drop row_scores")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        if self.method != "rtn" and (
+        if self.method == "gptq" and (not is_int4 or self.act_scale is not None):
+            raise ValueError(
+                f"method 'gptq' applies to int4 layers without act_scale, not {self.format}"
+                + (" with an act_scale" if is_int4 else "")
+            )
+        if self.method == "learned" and (
             not is_int4 or self.high_rows or self.act_scale is not None or self.bias_correction is not None
         ):
             raise ValueError(
-                f"method {self.method!r} applies to plain int4 layers (no high_rows, act_scale or bias_correction), "
+                "method 'learned' applies to plain int4 layers (no high_rows, act_scale or bias_correction), "
                 f"not {self.format}" + (" with those" if is_int4 else "")
             )
+        if self.scale_bits not in SCALE_BIT_CHOICES:
+            raise ValueError(f"scale_bits must be one of {SCALE_BIT_CHOICES}, got {self.scale_bits!r}")
+        if self.scale_bits != SCALE_BITS:
+            if not is_int4 or self.symmetric:
+                raise ValueError(
+                    f"scale_bits={self.scale_bits} applies to int4 with zero points (symmetric: false) only, "
+                    f"not {self.format}" + (" symmetric" if is_int4 else "")
+                )
+            if self.method == "learned":
+                raise ValueError(
+                    "learned scales are fp16 per group; use scale_bits 16 with method learned, or rtn / gptq"
+                )
         object.__setattr__(self, "high_rows", float(self.high_rows))
         object.__setattr__(self, "group_size", group)
         object.__setattr__(
@@ -119,13 +146,16 @@ class LayerQuantSpec:
         """Stored bits per weight, scales and zero points included (bf16 each).
 
         int4 keeps a scale and a zero per group even when symmetric (the kernel's layout), so
-        g32 = 4 + 32/32 = 5.0, g64 = 4.5, g128 = 4.25; int8/fp8 keep one scale per output channel (grouped int8: one per group, 8.5 at g32).
+        g32 = 4 + 32/32 = 5.0, g64 = 4.5, g128 = 4.25; with 8-bit scales 4 + 16/g + 16/K (g32, K = 576: 4.53);
+        int8/fp8 keep one scale per output channel (grouped int8: one per group, 8.5 at g32).
         A split int4 layer's int8 rows cost 8 + (16-bit scale + 32-bit row index) / K each (their exact
         number needs ``out_features``; without it the share is ``high_rows``); a correction bias 32 / K.
         """
         bias = BIAS_BITS / in_features if self.bias_correction is not None else 0.0
         if self.format == "int4":
-            low = 4 + 2 * SCALE_BITS / self.group_size
+            low = 4 + 2 * self.scale_bits / self.group_size
+            if self.scale_bits != SCALE_BITS:  # the row's two exponents
+                low += 2 * EXPONENT_BITS / in_features
             share = self.high_rows
             if out_features is not None and share:
                 share = high_row_count(out_features, share) / out_features
@@ -142,6 +172,7 @@ class LayerQuantSpec:
         elif self.group_size:
             text += f" g{self.group_size}"
         extras = [
+            "8-bit scales" if self.scale_bits != SCALE_BITS else "",
             f"{self.high_rows:.0%} of rows int8" if self.high_rows else "",
             f"clip {self.clip_ratio}" if self.clip_ratio != 1.0 else "",
             "AWQ-scaled" if self.act_scale else "",
@@ -151,11 +182,13 @@ class LayerQuantSpec:
         return ", ".join([text, *filter(None, extras)])
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields; ``method`` only when it is not the default, so plans (and their ids) from before it
-        existed read and hash as they did."""
+        """The fields; ``method`` and ``scale_bits`` only when not the default, so plans (and their ids) from
+        before they existed read and hash as they did."""
         out = asdict(self)
         if out["method"] == "rtn":
             del out["method"]
+        if out["scale_bits"] == SCALE_BITS:
+            del out["scale_bits"]
         return out
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from mcp2026.quant.plan import DENSE_FORMATS, LayerQuantSpec, high_row_count
+from mcp2026.quant.plan import DENSE_FORMATS, SCALE_BITS, LayerQuantSpec, high_row_count
 
 DENSE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -158,6 +158,80 @@ def search_groupwise_int4(
     return best[0].reshape(n, k), best[1].squeeze(-1), best[2].squeeze(-1)
 
 
+# ---- int4 grids in 8 bits (LayerQuantSpec.scale_bits 8) ------------------------------------------------
+# Each row's group scales are codes 1..255 times the row's power-of-two scale step, its zeros codes -127..127 times
+# its zero step. The steps are chosen so that the row's largest scale (zero) lands on the top half of the codes,
+# and a code times a power of two of at least 2**-24 is exactly an fp16 value: the decoded grid is an ordinary
+# fp16 grid, which every kernel runs as it runs any other.
+_SCALE_CODE_MAX, _ZERO_CODE_MAX = 255, 127
+_MIN_EXPONENT = -24  # fp16's smallest subnormal
+
+
+def _step_exponent(peak: Tensor, code_max: int) -> Tensor:
+    """(N,) int: the smallest exponent e whose steps 2**e code ``peak`` (N,) at most at ``code_max``: the peak
+    lands in the top half of the codes."""
+    _, e = torch.frexp(peak.clamp_min(2.0**_MIN_EXPONENT))  # peak = m 2**e, m in [0.5, 1)
+    e = e - code_max.bit_length()
+    e = e + (torch.round(torch.ldexp(peak, -e)) > code_max).to(e.dtype)  # a peak just under a power of two
+    return e.clamp_min(_MIN_EXPONENT)
+
+
+def grid_exponents(scales: Tensor, zeros: Tensor) -> Tensor:
+    """(N, 2) int8: each row's scale and zero step exponents for its (N, G) ``scales`` and ``zeros``."""
+    return torch.stack(
+        [
+            _step_exponent(scales.abs().amax(-1), _SCALE_CODE_MAX),
+            _step_exponent(zeros.abs().amax(-1), _ZERO_CODE_MAX),
+        ],
+        dim=-1,
+    ).to(torch.int8)
+
+
+def _steps(exponents: Tensor) -> tuple[Tensor, Tensor]:
+    e = exponents.to(torch.int32)
+    one = torch.ones(e.shape[0], 1)
+    return torch.ldexp(one, e[:, :1]), torch.ldexp(one, e[:, 1:])
+
+
+def code_grids(scales: Tensor, zeros: Tensor, exponents: Tensor) -> tuple[Tensor, Tensor]:
+    """(N, G) scales and zeros moved to the nearest codes on the rows' steps (``exponents`` (N, 2)): what an
+    8-bit-scale layer stores. Scales keep code 1 at least, so no group's scale becomes 0."""
+    scale_step, zero_step = _steps(exponents)
+    coded_scales = torch.round(scales.float() / scale_step).clamp(1, _SCALE_CODE_MAX) * scale_step
+    coded_zeros = torch.round(zeros.float() / zero_step).clamp(-_ZERO_CODE_MAX, _ZERO_CODE_MAX) * zero_step
+    return _round_scale(coded_scales), _round_scale(coded_zeros)
+
+
+def grid_codes(scales: Tensor, zeros: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Coded (N, G) scales and zeros -> (scale codes uint8, zero codes int8, exponents int8 (N, 2)), exact: the
+    rows' steps are read off the values (never coarser than the steps they were coded on). Raises ValueError when
+    a value is not on its row's code grid (a grid that was not coded, e.g. fp16 grids of another method)."""
+    exponents = grid_exponents(scales, zeros)
+    scale_step, zero_step = _steps(exponents)
+    scale_codes, zero_codes = scales.float() / scale_step, zeros.float() / zero_step
+    exact = (
+        (scale_codes == scale_codes.round()).all()
+        and (zero_codes == zero_codes.round()).all()
+        and bool(((scale_codes >= 0) & (scale_codes <= _SCALE_CODE_MAX)).all())
+        and bool((zero_codes.abs() <= _ZERO_CODE_MAX).all())
+    )
+    if not exact:
+        raise ValueError(
+            "int4 grids are not on 8-bit codes (scale_bits 8): quantize with this spec (quantize_int4) or store "
+            "fp16 grids (scale_bits 16)"
+        )
+    return scale_codes.to(torch.uint8), zero_codes.to(torch.int8), exponents
+
+
+def decode_grids(scale_codes: Tensor, zero_codes: Tensor, exponents: Tensor) -> tuple[Tensor, Tensor]:
+    """Inverse of ``grid_codes``: (N, G) fp32 scales and zeros, each exactly an fp16 value."""
+    scale_step, zero_step = _steps(exponents.cpu())
+    return (
+        scale_codes.float() * scale_step.to(scale_codes.device),
+        zero_codes.float() * zero_step.to(zero_codes.device),
+    )
+
+
 def dequantize_groupwise_int4(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int) -> Tensor:
     n, k = q.shape
     qg = q.float().reshape(n, k // group_size, group_size) - 8  # (N, G, g)
@@ -172,12 +246,26 @@ def quantize_per_channel_fp8(w: Tensor, clip_ratio: float | Tensor = 1.0) -> tup
 
 
 # ---- fake quantization, clipping and activation-aware scaling -------------------------------------
-def quantize_int4(w: Tensor, spec: LayerQuantSpec) -> tuple[Tensor, Tensor, Tensor]:
+def quantize_int4(
+    w: Tensor, spec: LayerQuantSpec, exponents: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """(q, scales, zeros) of ``w`` as an int4 ``spec`` stores it: clip_ratio "mse" searches each group's grid
-    (``search_groupwise_int4``), a float clips every group by that ratio."""
+    (``search_groupwise_int4``), a float clips every group by that ratio. With 8-bit scales the grids move to
+    their codes (on the rows' steps: ``exponents`` (N, 2), or the rows' own) and the weights are rounded again
+    to the coded grids."""
     if spec.clip_ratio == "mse":
-        return search_groupwise_int4(w, spec.group_size, spec.symmetric)
-    return quantize_groupwise_int4(w, spec.group_size, spec.symmetric, spec.clip_ratio)
+        q, scales, zeros = search_groupwise_int4(w, spec.group_size, spec.symmetric)
+    else:
+        q, scales, zeros = quantize_groupwise_int4(w, spec.group_size, spec.symmetric, spec.clip_ratio)
+    if spec.scale_bits == SCALE_BITS:
+        return q, scales, zeros
+    if exponents is None:
+        exponents = grid_exponents(scales, zeros)
+    scales, zeros = code_grids(scales, zeros, exponents)
+    n, k = w.shape
+    wg = w.float().reshape(n, k // spec.group_size, spec.group_size)
+    q = nearest_levels(wg, scales.unsqueeze(-1), zeros.unsqueeze(-1)).reshape(n, k)
+    return q, scales, zeros
 
 
 def _qdq(w: Tensor, spec: LayerQuantSpec, clip: float | Tensor) -> Tensor:

@@ -71,10 +71,10 @@ def uniform_plan(model: nn.Module, spec: LayerQuantSpec) -> QuantPlan:
 
 
 def format_spec(fmt: str, config: QuantConfig) -> LayerQuantSpec:
-    """The spec ``config`` gives format ``fmt``: int4 with its group and symmetry; int8 in groups of 32 with
+    """The spec ``config`` gives format ``fmt``: int4 with its group, symmetry and scale bits; int8 in groups of 32 with
     ``granularity: per_group`` (GGUF's Q8_0 form), else per output channel."""
     if fmt == "int4":
-        return LayerQuantSpec(fmt, config.group_size, config.symmetric)
+        return LayerQuantSpec(fmt, config.group_size, config.symmetric, scale_bits=config.int4_scale_bits)
     if fmt == "int8" and config.granularity == "per_group":
         return LayerQuantSpec(fmt, INT8_GROUP_SIZES[0])
     return LayerQuantSpec(fmt)
