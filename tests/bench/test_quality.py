@@ -129,8 +129,8 @@ def test_gptq_rows_pair_each_int4_layout_with_its_round_to_nearest_row(tiny_llam
     twins = _gptq_plans(fixed)
     assert "GPTQ int4 sym g32, lm_head int8" in twins and "GPTQ act-order int4 asym g64" in twins
     assert "learned int4 sym g32" in twins and "learned int4 asym g64, lm_head int8" in twins
-    assert "GPTQ int4 asym g32, 8-bit scales" in twins  # learned scales are fp16 grids: no learned twin
-    assert "learned int4 asym g32, 8-bit scales" not in twins and "int4 asym g32, 8-bit scales" in fixed
+    assert "GPTQ int4 asym g32 8-bit scales" in twins  # learned scales are fp16 grids: no learned twin
+    assert "learned int4 asym g32 8-bit scales" not in twins and "int4 asym g32 8-bit scales" in fixed
     for name, (plan, family) in twins.items():
         method = "learned" if family == "learned" else "gptq"
         rtn = next(p for n, p in fixed.items() if n.split(" (")[0] == name.removeprefix(family + " "))

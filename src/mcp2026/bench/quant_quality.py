@@ -116,7 +116,7 @@ def _fixed_plans(model):
                 model, LayerQuantSpec("int4", g, sym)
             )
     for g in (32, 64):  # grids in 8 bits: 0.5 (g32) or 0.25 (g64) bits per weight fewer than fp16 grids
-        plans[f"int4 asym g{g}, 8-bit scales"] = uniform_plan(model, LayerQuantSpec("int4", g, scale_bits=8))
+        plans[f"int4 asym g{g} 8-bit scales"] = uniform_plan(model, LayerQuantSpec("int4", g, scale_bits=8))
     for sym, peer in ((True, "Q4_0"), (False, "Q4_1")):
         for g in (32, 64):
             name = f"int4 {'sym' if sym else 'asym'} g{g}, lm_head int8" + (
