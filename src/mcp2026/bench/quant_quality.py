@@ -359,6 +359,7 @@ def _write(bench: QualityBench, out_dir: str) -> str:
             ax.annotate(label, (bits, delta), fontsize=7, color="tab:red")
     ax.set_xlabel("bits per weight (scales and zeros included)")
     ax.set_ylabel("ΔPPL vs fp32 (%)")
+    ax.set_yscale("symlog", linthresh=1.0)  # linear below 1%, where the good plans crowd; log above
     if ax.get_legend_handles_labels()[0]:  # a run of fixed plans only has no curve to label
         ax.legend()
     ax.grid(alpha=0.3)

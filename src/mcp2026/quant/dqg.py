@@ -1,9 +1,9 @@
 """Dynamic Quantization Gate: choose a weight format per linear layer from measurements.
 
-Analytic mode: ``b* = ceil(log2(1 + sigma/eps))`` per layer, clamped to the backend's
-candidate formats. Measured mode: for each layer and candidate spec (int8, int4 g32/64/128 symmetric or
-with zero points, fp16 or 8-bit grids, plus pre-compensated variants: zero point, MSE clipping, AWQ scaling) the output error
-on calibration rows (``dqg_options``), an estimate of the KL divergence it adds; then the plan minimising the
+Analytic mode: ``b* = ceil(log2(1 + sigma/eps))`` per layer, clamped to the backend's candidate formats.
+Measured mode: for each layer and candidate spec (int8, int4 g32/64/128 symmetric or with zero points on fp16 or
+8-bit grids, plus pre-compensated variants: zero point, MSE clipping, AWQ scaling) the output error on
+calibration rows (``dqg_options``), an estimate of the KL divergence it adds; then the plan minimising the
 summed error under a budget, by a greedy walk over each layer's lower convex hull of (cost, error) - the
 Lagrangian knapsack solution - plus a final fill. ``DQGResult`` holds the plan and how it was chosen.
 """

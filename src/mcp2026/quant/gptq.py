@@ -347,8 +347,8 @@ def _output_hessian(model: nn.Module, in_features: int, samples: Sequence[Tensor
 
 
 def as_gptq(plan: QuantPlan, method: str = "gptq") -> QuantPlan:
-    """``plan`` with every plain int4 spec (no split rows, AWQ scale or bias correction) chosen by GPTQ (or by
-    another ``method`` that applies to plain int4 layers: "learned")."""
+    """``plan`` with its int4 specs' levels chosen by GPTQ (every one without an AWQ scale: split rows and bias
+    correction included), or by "learned" scales (plain int4 on fp16 grids only)."""
     rules = [*plan.rules, *([(DEFAULT_KEY, plan.default)] if plan.default is not None else [])]
     return QuantPlan({pattern: _method_spec(spec, method) for pattern, spec in rules})
 
