@@ -37,8 +37,9 @@ test: lint
 	$(BIN)/python -m pytest -q
 
 # Headline numbers into docs/benchmarks.md (run on a quiet machine; about 20 minutes on 2 cores).
-# The quality table (`make bench-quality`, ~16 minutes) and the serving rows (examples/bench_peers/run_serving.sh,
-# ~25 minutes, peers set up by hand) are separate; the headline keeps their rows until they are rerun.
+# The quality table (`make bench-quality`, ~25 minutes; without its --only every plan's GPTQ and learned-scale
+# twins run too, for hours) and the serving rows (examples/bench_peers/run_serving.sh, ~25 minutes, peers set up
+# by hand) are separate; the headline keeps their rows until they are rerun.
 bench: setup
 	$(BIN)/mcp2026 bench latency --dtype fp32 --weights int8,int4 --new-tokens 64 --prefill-tokens 512 --repeats 3 --write-docs --no-progress
 	$(BIN)/mcp2026 bench offline --batched-decode 32 --input-len 128 --output-len 64 --dtype fp32 --weights int8,int4,bf16 --write-docs --no-progress
@@ -47,7 +48,7 @@ bench: setup
 	$(BIN)/mcp2026 bench headline --write-docs
 
 bench-quality: setup
-	$(BIN)/mcp2026 bench quality --num-windows 20 --write-docs
+	$(BIN)/mcp2026 bench quality --num-windows 20 --only '=int8,=int8 g32,=int4 sym g32,=int4 asym g32,=int4 asym g64,8-bit scales,lm_head int8 (,GPTQ int4 sym g32,GPTQ int4 asym g32,=llama.cpp-style mixture (asym g64 + int8),curve,DQG 4.5 bpw,DQG 5 bpw' --write-docs
 	$(BIN)/mcp2026 bench headline --write-docs
 
 clean:
