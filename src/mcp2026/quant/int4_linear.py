@@ -105,7 +105,7 @@ class Int4Linear(QuantLinear):
         if self.spec.scale_bits == SCALE_BITS:
             return self.scales_and_zeros
         decoded = self.__dict__.get("_grids")
-        if decoded is None:
+        if decoded is None or decoded.device != self.scale_codes.device:  # new codes, or moved by .to()
             scales, zeros = decode_grids(self.scale_codes.t(), self.zero_codes.t(), self.grid_exponents)
             decoded = torch.stack([scales.t(), zeros.t()], dim=-1).to(SCALE_DTYPE).contiguous()
             self.__dict__["_grids"] = decoded
