@@ -187,16 +187,17 @@ def grid_exponents(scales: Tensor, zeros: Tensor) -> Tensor:
     ).to(torch.int8)
 
 
-def _steps(exponents: Tensor) -> tuple[Tensor, Tensor]:
-    e = exponents.to(torch.int32)
-    one = torch.ones(e.shape[0], 1)
+def _steps(exponents: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The rows' (N, 1) scale and zero steps 2**e on ``device``."""
+    e = exponents.to(device=device, dtype=torch.int32)
+    one = torch.ones(e.shape[0], 1, device=device)
     return torch.ldexp(one, e[:, :1]), torch.ldexp(one, e[:, 1:])
 
 
 def code_grids(scales: Tensor, zeros: Tensor, exponents: Tensor) -> tuple[Tensor, Tensor]:
     """(N, G) scales and zeros moved to the nearest codes on the rows' steps (``exponents`` (N, 2)): what an
     8-bit-scale layer stores. Scales keep code 1 at least, so no group's scale becomes 0."""
-    scale_step, zero_step = _steps(exponents)
+    scale_step, zero_step = _steps(exponents, scales.device)
     coded_scales = torch.round(scales.float() / scale_step).clamp(1, _SCALE_CODE_MAX) * scale_step
     coded_zeros = torch.round(zeros.float() / zero_step).clamp(-_ZERO_CODE_MAX, _ZERO_CODE_MAX) * zero_step
     return _round_scale(coded_scales), _round_scale(coded_zeros)
@@ -207,7 +208,7 @@ def grid_codes(scales: Tensor, zeros: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     rows' steps are read off the values (never coarser than the steps they were coded on). Raises ValueError when
     a value is not on its row's code grid (a grid that was not coded, e.g. fp16 grids of another method)."""
     exponents = grid_exponents(scales, zeros)
-    scale_step, zero_step = _steps(exponents)
+    scale_step, zero_step = _steps(exponents, scales.device)
     scale_codes, zero_codes = scales.float() / scale_step, zeros.float() / zero_step
     exact = (
         (scale_codes == scale_codes.round()).all()
@@ -225,11 +226,8 @@ def grid_codes(scales: Tensor, zeros: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def decode_grids(scale_codes: Tensor, zero_codes: Tensor, exponents: Tensor) -> tuple[Tensor, Tensor]:
     """Inverse of ``grid_codes``: (N, G) fp32 scales and zeros, each exactly an fp16 value."""
-    scale_step, zero_step = _steps(exponents.cpu())
-    return (
-        scale_codes.float() * scale_step.to(scale_codes.device),
-        zero_codes.float() * zero_step.to(zero_codes.device),
-    )
+    scale_step, zero_step = _steps(exponents, scale_codes.device)
+    return scale_codes.float() * scale_step, zero_codes.float() * zero_step
 
 
 def dequantize_groupwise_int4(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int) -> Tensor:
