@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from mcp2026.loading.loader import load_model
+from mcp2026.quant.linear import quantize_
+from mcp2026.quant.plan import QuantPlan
 
-from conftest import hf_logits, save_tiny_hf
+from conftest import hf_logits, save_tiny_hf, tiny_random_model
 
 
 @pytest.mark.parametrize(
@@ -54,3 +56,15 @@ def test_logits_match_hf(tmp_path, arch, kwargs):
         logits = ours.model.compute_logits(ours.model(ids, torch.arange(len(ids))))
     ref = hf_logits(path, ids)
     assert (logits - ref).abs().max().item() < 1e-4
+
+
+def test_a_quantized_output_projection_gives_fp32_logits_under_bf16_activations():
+    """The quantized lm_head computes in fp32: bf16 hidden states get its fp32 logits as they are, not rounded to
+    bf16 first (a dense bf16 head still computes in bf16)."""
+    model = tiny_random_model()[0]
+    quantize_(model, QuantPlan({"lm_head": "int8"}))
+    hidden = torch.randn(3, model.config.hidden_size).bfloat16()
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, model.lm_head(hidden.float()))
+    assert not torch.equal(logits, logits.bfloat16().float())  # not bf16 numbers widened

@@ -215,7 +215,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add(residual, x)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+        # A quantized output projection (stored blocks, int8, int4) computes in fp32 whatever the activations'
+        # dtype: fed fp32, it hands back its fp32 logits instead of logits rounded to bf16 and widened again.
+        head = self.lm_head
+        logits = (head(hidden) if isinstance(head, nn.Linear) else head(hidden.float())).float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
