@@ -169,7 +169,7 @@ class ModelConfig:
 
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4", "fp8", "auto")
-QUANT_METHODS = ("rtn", "gptq", "learned")
+QUANT_METHODS = ("auto", "rtn", "gptq", "learned")
 LM_HEAD_PRECISIONS = ("auto", "fp32", "bf16", "fp16", "int8", "int4", "fp8")
 GRANULARITIES = ("auto", "per_channel", "per_group", "per_tensor")
 
@@ -186,8 +186,8 @@ class QuantConfig:
     ``method``: how int4 levels are chosen: "rtn" rounds to nearest; "gptq" minimises each layer's output
     error on calibration text (quant/gptq.py), layer after layer; "learned" learns each group's scale (and zero)
     from round-to-nearest's on calibration text (quant/learned_scales.py); the plan and its storage are the same.
-    ``int4_scale_bits``: a uniform int4 target's grids (with zero points): 16 stores each group's scale and zero in
-    fp16, 8 as 8-bit codes (0.5 bits per weight fewer at g32); the DQG measures both either way.
+    "auto" (default): "gptq" for a DQG plan (its calibration text is at hand), else "rtn" (``levels_method``).
+    ``int4_scale_bits``: a uniform int4 target's grids: 16 (fp16) or 8 (8-bit codes; the DQG measures both).
     ``enable_dtss`` and ``max_kv_cache_shards`` are forwarded to the KV cache (DTSS: kv/dtss.py).
     """
 
@@ -203,7 +203,7 @@ class QuantConfig:
     granularity: str = "auto"
     symmetric: bool = False
     lm_head_precision: str = "auto"
-    method: str = "rtn"
+    method: str = "auto"
     int4_scale_bits: int = 16
     calibration_source: str = "sharegpt"
     calibration_samples: int = 32
@@ -229,18 +229,15 @@ class QuantConfig:
             f"QuantConfig.method must be one of {QUANT_METHODS}, got {self.method!r}",
         )
         _require(
-            self.method == "rtn" or self.pressure_bits_budget is None,
+            self.method in ("auto", "rtn") or self.pressure_bits_budget is None,
             f"QuantConfig.method={self.method!r} builds one plan; a pressure plan (pressure_bits_budget) needs "
             "method='rtn'",
         )
         _require(
-            self.int4_scale_bits in (16, 8),
-            f"QuantConfig.int4_scale_bits must be 16 (fp16 grids) or 8 (8-bit codes), got {self.int4_scale_bits!r}",
-        )
-        _require(
-            self.int4_scale_bits == 16 or not (self.symmetric or self.method == "learned"),
-            "QuantConfig.int4_scale_bits=8 codes grids with zero points: it needs symmetric=False and method "
-            f"'rtn' or 'gptq' (learned scales are fp16), got symmetric={self.symmetric}, method={self.method!r}",
+            self.int4_scale_bits == 16
+            or (self.int4_scale_bits == 8 and not self.symmetric and self.method != "learned"),
+            "QuantConfig.int4_scale_bits must be 16 (fp16 grids) or 8 (8-bit codes, which need symmetric=False and a "
+            f"method other than 'learned'), got {self.int4_scale_bits!r} (symmetric={self.symmetric}, method={self.method!r})",
         )
         _require(
             self.group_size in (32, 64, 128),
@@ -284,6 +281,12 @@ class QuantConfig:
             1 <= self.max_kv_cache_shards <= 64,
             f"QuantConfig.max_kv_cache_shards must be in [1, 64], got {self.max_kv_cache_shards}",
         )
+
+    @property
+    def levels_method(self) -> str:
+        """``method`` with "auto" resolved: GPTQ for one DQG plan (a pressure plan is round-to-nearest)."""
+        auto = "gptq" if self.enable_dqg and self.pressure_bits_budget is None else "rtn"
+        return auto if self.method == "auto" else self.method
 
     @property
     def quantizes_weights(self) -> bool:

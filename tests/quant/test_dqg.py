@@ -40,6 +40,9 @@ def measured(tiny_llama_dir):
 
 
 def _config(**kwargs) -> QuantConfig:
+    """A DQG config whose plans these tests apply themselves: round-to-nearest levels (the default "auto" gives a
+    single DQG plan GPTQ's, which ``recipe.apply`` quantizes only with calibration samples)."""
+    kwargs.setdefault("method", "rtn")
     return QuantConfig(enable_dqg=True, calibration_source="random", calibration_samples=4, **kwargs)
 
 

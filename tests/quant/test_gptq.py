@@ -254,3 +254,17 @@ def test_gptq_on_a_split_output_projection_rounds_its_int4_rows_and_corrects_the
     assert torch.allclose(module.bias, expected_bias, atol=1e-6)
     x = torch.randn(3, head.in_features)
     assert torch.allclose(module(x), x @ module.dequantize().T + module.bias, atol=2e-2)
+
+
+def test_auto_method_gives_a_dqg_plan_gptq_levels_and_uniform_targets_rounding(monkeypatch):
+    assert QuantConfig().method == "auto"
+    assert QuantConfig(enable_dqg=True, bits_budget=5.0).levels_method == "gptq"
+    assert QuantConfig(target_precision="int4").levels_method == "rtn"  # no calibration needed
+    assert QuantConfig(enable_dqg=True, bits_budget=6.0, pressure_bits_budget=4.5).levels_method == "rtn"
+    assert QuantConfig(enable_dqg=True, bits_budget=5.0, method="rtn").levels_method == "rtn"
+    monkeypatch.setattr(recipe, "hardware_candidates", lambda device="cpu": (FORMATS, {}))
+    model = tiny_random_model()[0]
+    config = QuantConfig(enable_dqg=True, bits_budget=5.0, calibration_source="random", calibration_samples=2)
+    calibration = CalibrationSettings(source="random", num_samples=2, max_len=96)
+    result = recipe.quantize_model(model, None, config, calibration=calibration, progress=False)
+    assert gptq.uses_gptq(result.plan, model) and any(note.startswith("GPTQ: ") for note in result.notes)

@@ -79,5 +79,5 @@ def test_int4_scale_bits_8_gives_a_uniform_int4_target_8_bit_grids(model):
     assert spec.quant.int4_scale_bits == 8
     with pytest.raises(ValueError, match="int4_scale_bits must be 16"):
         QuantConfig(int4_scale_bits=4)
-    with pytest.raises(ValueError, match="needs symmetric=False"):
+    with pytest.raises(ValueError, match="need symmetric=False"):
         QuantConfig(target_precision="int4", int4_scale_bits=8, symmetric=True)

@@ -36,7 +36,9 @@ def _moe_model_that_never_picks_expert_3():
 
 def test_experts_no_calibration_token_reached_get_the_cheapest_format():
     model = _moe_model_that_never_picks_expert_3()
-    config = QuantConfig(enable_dqg=True, bits_budget=6.0, calibration_source="random", calibration_samples=4)
+    config = QuantConfig(
+        enable_dqg=True, bits_budget=6.0, method="rtn", calibration_source="random", calibration_samples=4
+    )
     result = recipe.plan_for_config(model, None, config, formats=FORMATS, calibration=CALIB, progress=False)
     linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     unreached = {f"layers.{i}.mlp.experts.3.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")}

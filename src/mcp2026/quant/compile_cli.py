@@ -6,7 +6,7 @@ max_ppl_increase, group_size, granularity, symmetric, int4_scale_bits, lm_head_p
 calibration_source, calibration_samples),
 plus optional sections ``calibration:`` (CalibrationSettings: source, num_samples, max_len, min_len,
 max_rows, fisher_samples, seed, ema_decay), ``dqg:`` (DQGSettings) and ``gptq:`` (GPTQSettings: damp, block_size,
-act_order; with ``method: gptq``) and ``learned:`` (LearnedScaleSettings: steps, lr, train_rows,
+act_order; with ``method: gptq``, or the default ``auto`` under the DQG) and ``learned:`` (LearnedScaleSettings: steps, lr, train_rows,
 heldout_rows, heldout_share, seed; with ``method: learned``). Examples: examples/quant/*.yaml.
 """
 

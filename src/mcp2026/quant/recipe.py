@@ -148,9 +148,10 @@ def plan_for_config(
         calib, layers = _measure(model, tokenizer, config, formats, settings, calibration, progress)
         result = _allocate(model, calib, layers, config, formats, settings, progress)
         result.calibration = dataclasses.asdict(calibration_settings(config, calibration))
-    if config.method != "rtn":
-        result.plan = gptq.as_gptq(result.plan, config.method)
-        if not _calibrated_levels(result.plan, model):
+    method = config.levels_method
+    if method != "rtn":
+        result.plan = gptq.as_gptq(result.plan, method)
+        if not _calibrated_levels(result.plan, model) and config.method != "auto":
             warnings.warn(
                 f"method={config.method!r} chooses int4 levels; this plan has no plain int4 layer",
                 stacklevel=2,
