@@ -160,9 +160,8 @@ def split_specs(
         return []
     out = []
     for g in int4_groups(linear.in_features, linear.out_features):
-        for symmetric, scale_bits in (
-            _int4_grids(settings) if not settings.symmetric_only else [(True, SCALE_BITS)]
-        ):
+        grids = [(True, SCALE_BITS)] if settings.symmetric_only else _int4_grids(settings)
+        for symmetric, scale_bits in grids:
             counts = {high_row_count(linear.out_features, s): s for s in reversed(HIGH_ROW_SHARES)}
             for share in sorted(s for k, s in counts.items() if k):  # distinct, non-empty splits only
                 spec = LayerQuantSpec("int4", g, symmetric, high_rows=share, scale_bits=scale_bits)

@@ -210,25 +210,19 @@ def _gptq_split_module(
     are independent under GPTQ: each is rounded against the same H), kept where the layer's output error is lower;
     a correction bias is computed from the weights as finally stored."""
     w = linear.weight.detach()
-    rtn = dataclasses.replace(spec, method="rtn")
-    module = build_linear(name, linear, dataclasses.replace(rtn, bias_correction=None), dtype, tensors)
+    module = build_linear(name, linear, dataclasses.replace(spec, method="rtn"), dtype, tensors)
     rounded = module.dequantize()
     low_rows = module._low_rows(module.high_index.long())
-    low_spec = dataclasses.replace(module.low.spec, method="rtn")
-    rounded_low = quantize_int4(w[low_rows].float(), low_spec)
-    module.low._store(*gptq_int4(w[low_rows], hessian, low_spec, settings))
+    rounded_low = {key: t.clone() for key, t in module.low.state_dict().items()}
+    module.low._store(*gptq_int4(w[low_rows], hessian, module.low.spec, settings))
     error = LayerError(
         output_error(w, module.dequantize(), hessian),
         output_error(w, rounded, hessian),
         output_error(w, torch.zeros_like(w, dtype=torch.float32), hessian),
     )
     if not error.kept_gptq:
-        module.low._store(*rounded_low)
-    if spec.bias_correction is not None:
-        if tensors is None or spec.bias_correction not in tensors:
-            raise KeyError(
-                f"{name}: the plan names tensor {spec.bias_correction!r} (bias_correction), not passed"
-            )
+        module.low.load_state_dict(rounded_low)  # build_linear's correction bias fits these weights
+    elif spec.bias_correction is not None:  # build_linear checked that the mean input is among the tensors
         correction = correction_bias(w, module.dequantize(), tensors[spec.bias_correction])
         own = linear.bias.detach().float() if linear.bias is not None else 0.0
         module.bias = (correction + own).to(module.compute_dtype)

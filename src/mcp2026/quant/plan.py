@@ -182,8 +182,8 @@ class LayerQuantSpec:
         return ", ".join([text, *filter(None, extras)])
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields; ``method`` and ``scale_bits`` only when not the default, so plans (and their ids) from
-        before they existed read and hash as they did."""
+        """The fields; ``method`` and ``scale_bits`` only when not the default, so a plan that uses neither has the
+        JSON and the id of a plan without those fields."""
         out = asdict(self)
         if out["method"] == "rtn":
             del out["method"]
