@@ -270,3 +270,45 @@ def test_warm_up_prefills_a_real_prompt_that_the_pool_holds(tiny, num_blocks, pr
     engine.generate = lambda prompts, params: seen.append(len(prompts[0])) or generate(prompts, params)
     AsyncEngine(engine)._warm_up()
     assert async_engine.WARMUP_PROMPT_TOKENS == 256 and seen == [prompt_len]
+
+
+def test_heap_is_trimmed_under_load_not_only_when_idle(tiny, monkeypatch):
+    """A server that never goes idle still hands freed step temporaries back to the OS: the loop trims the
+    heap every HEAP_TRIM_INTERVAL_S seconds of steps."""
+    from mcp2026.engine import async_engine
+
+    busy_trims: list[bool] = []
+
+    async def go():
+        engine = await started(tiny)
+        monkeypatch.setattr(async_engine, "HEAP_TRIM_INTERVAL_S", 0.0)
+        monkeypatch.setattr(
+            async_engine.hardware,
+            "release_free_heap",
+            lambda: busy_trims.append(engine.engine.has_unfinished()),
+        )
+        await collect(engine, PROMPTS[1])
+        await engine.shutdown(drain=True)
+
+    run(go())
+    assert any(busy_trims), "no trim while requests were running"
+
+
+def test_heap_trim_waits_for_its_interval(tiny, monkeypatch):
+    from mcp2026.engine import async_engine
+
+    busy_trims: list[bool] = []
+
+    async def go():
+        engine = await started(tiny)
+        monkeypatch.setattr(async_engine, "HEAP_TRIM_INTERVAL_S", 3600.0)
+        monkeypatch.setattr(
+            async_engine.hardware,
+            "release_free_heap",
+            lambda: busy_trims.append(engine.engine.has_unfinished()),
+        )
+        await collect(engine, PROMPTS[1])
+        await engine.shutdown(drain=True)
+
+    run(go())
+    assert not any(busy_trims)
