@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,22 @@ def test_slope_is_megabytes_per_minute_and_needs_three_points():
 def test_rss_of_this_process_and_of_none():
     assert rss_bytes(os.getpid()) > 10e6
     assert rss_bytes(2**22 + 12345) is None  # no such pid
+    assert rss_bytes(os.getpid(), "VmHWM") >= rss_bytes(os.getpid())
+
+
+def test_high_water_mark_sees_a_peak_between_samples():
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts again from the RSS now
+    except OSError as e:
+        pytest.skip(f"cannot reset this process's high-water mark here: {e}")
+    with RssSampler(os.getpid(), 3600) as sampler:
+        before = rss_bytes(os.getpid())
+        spike = b"\x01" * (64 * 2**20)  # written, so resident, and freed between two samples
+        del spike
+        sampler.phase = "load"
+        sampler.sample()
+    assert max(r for _, r, _ in sampler.samples) < before + 32 * 2**20
+    assert sampler.high_water["load"] >= before + 60 * 2**20
 
 
 def test_sampler_tags_phases():
@@ -49,6 +66,10 @@ def test_a_short_soak_against_a_real_server(tmp_path):
     a = run.aggregates
     assert 0 < a["ready_s"] < config.ready_timeout_s
     assert a["rss_peak_mb"] >= a["rss_idle_mb"] > 50
+    assert (
+        a["rss_high_water_mb"] >= a["rss_peak_mb"]
+        and a["rss_high_water_mb"] >= a["rss_high_water_start_mb"] > 50
+    )
     assert a["num_5xx"] == 0 and a["num_completed"] > 0 and a["num_429"] == 0
     assert a["server_after"]["idle"]  # nothing running, no KV held once the load stopped
     assert {"idle", "load", "after"} <= {r["phase"] for r in run.records}

@@ -70,11 +70,12 @@ class SoakConfig:
         return " ".join(parts)
 
 
-def rss_bytes(pid: int) -> int | None:
-    """Resident set size of a live process (Linux /proc), None once it is gone."""
+def rss_bytes(pid: int, field: str = "VmRSS") -> int | None:
+    """Resident set size of a live process (Linux /proc), None once it is gone. ``field`` "VmHWM": its
+    high-water mark, the largest RSS the kernel saw, between samples too."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
@@ -88,6 +89,7 @@ class RssSampler:
         self.pid, self.every_s = pid, every_s
         self.phase = "idle"
         self.samples: list[tuple[float, int, str]] = []
+        self.high_water: dict[str, int] = {}  # phase -> the process's high-water mark at its last sample
         self._stop = threading.Event()
         self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
@@ -105,9 +107,11 @@ class RssSampler:
         return time.monotonic() - self._started
 
     def sample(self) -> None:
-        rss = rss_bytes(self.pid)
+        rss, hwm = rss_bytes(self.pid), rss_bytes(self.pid, "VmHWM")
         if rss is not None:
             self.samples.append((self.elapsed(), rss, self.phase))
+        if hwm is not None:
+            self.high_water[self.phase] = hwm
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -167,10 +171,11 @@ def run_soak(
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / "soak-server.log"
     with log_path.open("w") as log:
-        samples, load_started, ready_s, served = _serve_and_load(
+        sampler, load_started, ready_s, served = _serve_and_load(
             config, requests, port, log, log_path, progress
         )
-    aggregates = _aggregate(samples, load_started, config, ready_s, served.aggregates)
+    samples = sampler.samples
+    aggregates = _aggregate(samples, load_started, config, ready_s, served.aggregates, sampler.high_water)
     records = [{"seconds": t, "rss_bytes": r, "phase": p} for t, r, p in samples]
     return BenchRun(
         kind="soak",
@@ -186,7 +191,7 @@ def run_soak(
 
 def _serve_and_load(
     config: SoakConfig, requests: list[BenchRequest], port: int, log: Any, log_path: Path, progress: Any
-) -> tuple[list[tuple[float, int, str]], float, float, BenchRun]:
+) -> tuple[RssSampler, float, float, BenchRun]:
     """Launch, wait for ready, sample RSS idle / under load / after it; the server is stopped at the end."""
     base_url = f"http://127.0.0.1:{port}"
     server = launch_server(config, port, log)
@@ -211,7 +216,7 @@ def _serve_and_load(
             sampler.phase = "after"
             time.sleep(min(10.0, config.sample_every_s * 2))  # idle again: what the load left behind
             sampler.sample()
-        return sampler.samples, load_started, ready_s, served
+        return sampler, load_started, ready_s, served
     finally:
         server.terminate()
         try:
@@ -226,6 +231,7 @@ def _aggregate(
     config: SoakConfig,
     ready_s: float,
     served: dict[str, Any],
+    high_water: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     def mb(value: int | None) -> float | None:
         return None if value is None else value / 1e6
@@ -239,6 +245,9 @@ def _aggregate(
         "ready_s": ready_s,
         "rss_idle_mb": mb(idle[-1] if idle else None),
         "rss_peak_mb": mb(max(r for _, r, _ in samples) if samples else None),
+        # the kernel's high-water marks: at start (loading and warm-up) and over the whole run
+        "rss_high_water_start_mb": mb((high_water or {}).get("idle")),
+        "rss_high_water_mb": mb(max((high_water or {}).values(), default=None)),
         "rss_after_warmup_mb": mb(warm),
         "rss_end_of_load_mb": mb(load[-1][1] if load else None),
         "rss_after_mb": mb(after[-1] if after else None),
@@ -263,6 +272,10 @@ def _table(a: dict[str, Any], config: SoakConfig) -> Table:
         [f"RSS after {config.warmup_s:g} s of load (MB)", fmt(a["rss_after_warmup_mb"])],
         ["RSS at the end of the load (MB)", fmt(a["rss_end_of_load_mb"])],
         ["RSS peak (MB)", fmt(a["rss_peak_mb"])],
+        [
+            "high-water mark: by ready / whole run (MB, the kernel's VmHWM)",
+            f"{fmt(a.get('rss_high_water_start_mb'))} / {fmt(a.get('rss_high_water_mb'))}",
+        ],
         ["RSS idle after the load (MB)", fmt(a["rss_after_mb"])],
         ["RSS slope after warm-up (MB/min)", fmt(a["rss_slope_mb_per_min"], 2)],
         ["server errors (5xx)", str(a["num_5xx"])],
