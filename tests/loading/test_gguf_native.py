@@ -82,3 +82,34 @@ def test_a_type_without_an_exact_kernel_names_the_tensor_and_the_float_path(tmp_
     with pytest.raises(ModelLoadError, match=r"token_embd.weight is stored as Q3_K.*dtype='fp32'"):
         load_model(path, torch.float32, native=True)
     assert load_model(path, torch.float32).weights == "float"
+
+
+@needs_kernels
+def test_stored_blocks_are_read_and_packed_one_layer_at_a_time(tmp_path, monkeypatch):
+    """The unpacked values (a byte per weight) of one layer at a time, not the whole model's: each layer's
+    blocks are read when fusing reaches it and packed before the next layer's are read."""
+    from mcp2026.loading import gguf as gguf_loading
+    from mcp2026.loading import loader
+
+    events: list[tuple[str, int]] = []
+    read, pack = gguf_loading._blocks, loader._pack_layer_blocks
+
+    def reading(reader, t, heads):
+        if t.name.startswith("blk."):
+            events.append(("read", int(t.name.split(".")[1])))
+        return read(reader, t, heads)
+
+    def packing(name, weight):
+        events.append(("pack", int(name.split(".")[1])))
+        return pack(name, weight)
+
+    monkeypatch.setattr(gguf_loading, "_blocks", reading)
+    monkeypatch.setattr(loader, "_pack_layer_blocks", packing)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_1")
+    load_model(path, torch.float32, native=True)
+    layers = sorted({layer for _, layer in events})
+    assert layers == [0, 1]
+    for layer in layers[:-1]:
+        last_pack = max(i for i, e in enumerate(events) if e == ("pack", layer))
+        first_next_read = min(i for i, e in enumerate(events) if e == ("read", layer + 1))
+        assert last_pack < first_next_read, events

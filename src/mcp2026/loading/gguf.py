@@ -7,6 +7,7 @@ HF "rotate half" convention. Every tensor type the gguf package can dequantize i
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from mcp2026.loading.names import (
     GGUF_GLOBAL_NAMES,
     GGUF_LAYER,
     GGUF_LAYER_NAMES,
+    PendingBlocks,
     Weight,
     expert_name,
     is_expert_stack,
@@ -263,15 +265,21 @@ def load_gguf_tensors(
                 )
                 continue
             heads = _heads_of(ours, config)
-            if native and keeps_blocks(t, ours, source):
-                blocks: BlockWeights = read_blocks(reader.raw(t), t.tensor_type.name)
-                tensors[ours] = blocks if heads is None else blocks.rows(_unpermute_rows(t.shape[0], heads))
+            if native and keeps_blocks(t, ours, source):  # read when fuse_weights reaches its layer
+                tensors[ours] = PendingBlocks(
+                    torch.Size(t.shape), functools.partial(_blocks, reader, t, heads)
+                )
                 continue
             data = _read_float(reader, t, source)
             if heads is not None:
                 data = _unpermute(data.reshape(data.shape[0], -1), heads).reshape(data.shape)
             tensors[ours] = torch.from_numpy(np.array(data, dtype=np.float32, copy=True)).to(dtype)
     return tensors
+
+
+def _blocks(reader: GGUFFile, t: GGUFTensorInfo, heads: int | None) -> BlockWeights:
+    blocks = read_blocks(reader.raw(t), t.tensor_type.name)
+    return blocks if heads is None else blocks.rows(_unpermute_rows(t.shape[0], heads))
 
 
 def _experts(

@@ -75,24 +75,38 @@ def parameter_count(model: nn.Module) -> int:
     return floats + sum(m.in_features * m.out_features for m in blocks.values())
 
 
-def _attach_blocks(model: nn.Module, blocks: dict[str, BlockWeights], config: ModelConfig) -> None:
+def _pack_layer_blocks(name: str, weight: object) -> object:
+    """``fuse_weights``' finish: a layer's stored blocks packed for the kernels as soon as its layer is fused
+    (the unpacked values, a byte per weight, are freed layer by layer instead of after the whole model)."""
+    return BlockLinear(weight) if isinstance(weight, BlockWeights) else weight
+
+
+def _attach_blocks(
+    model: nn.Module, blocks: dict[str, BlockWeights | BlockLinear], config: ModelConfig
+) -> None:
     """Swap the modules whose weights stayed in their stored blocks for BlockLinear / BlockEmbedding."""
     dtype = model.norm.weight.dtype
-    for name, weights in blocks.items():
+    for name in list(blocks):
+        weights = blocks.pop(name)  # each unpacked form freed once packed
         module_name = name.removesuffix(".weight")
         if module_name == "embed_tokens":
-            table = BlockLinear(weights)
+            table = weights if isinstance(weights, BlockLinear) else BlockLinear(weights)
             model.embed_tokens = BlockEmbedding(table, dtype)
             if config.tie_word_embeddings:
                 model.lm_head = table
             continue
         linear = model.get_submodule(module_name)
         parent, _, child = module_name.rpartition(".")
-        setattr(model.get_submodule(parent), child, BlockLinear(weights, linear.bias))
+        if isinstance(weights, BlockLinear):  # packed while fusing: the bias is the float linear's
+            weights.bias = None if linear.bias is None else linear.bias.float().contiguous()
+        else:
+            weights = BlockLinear(weights, linear.bias)
+        setattr(model.get_submodule(parent), child, weights)
 
 
 def _instantiate(config: ModelConfig, state: dict[str, Weight], dtype: torch.dtype, source: str) -> nn.Module:
-    blocks = {k: state.pop(k) for k in [k for k, v in state.items() if isinstance(v, BlockWeights)]}
+    stored = (BlockWeights, BlockLinear)
+    blocks = {k: state.pop(k) for k in [k for k, v in state.items() if isinstance(v, stored)]}
     if config.tie_word_embeddings and "embed_tokens.weight" not in blocks:
         lm_head = blocks.pop("lm_head.weight", None)  # tied to a float table: one float weight for both
         if lm_head is not None:
@@ -158,7 +172,7 @@ def load_model(
 
         tokenizer = Tokenizer.from_gguf(reader)
         file_format, size = "gguf", source.stat().st_size
-    state = fuse_weights(tensors, config, str(source))
+    state = fuse_weights(tensors, config, str(source), finish=_pack_layer_blocks if native else None)
     model = _instantiate(config, state, dtype, str(source))
     del tensors, state
     hardware.release_free_heap()  # the load's temporaries, freed, back to the OS

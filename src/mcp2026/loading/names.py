@@ -4,6 +4,8 @@ pre-scaled."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -11,7 +13,25 @@ from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
 from mcp2026.quant.block_linear import BlockWeights
 
-Weight = torch.Tensor | BlockWeights  # a float tensor, or a file's stored blocks kept as they are
+
+@dataclass(frozen=True)
+class PendingBlocks:
+    """Stored blocks not read yet: ``fuse_weights`` reads each layer's as it reaches them, so a model's worth of
+    unpacked values (a byte per weight) never sits in memory at once."""
+
+    shape: torch.Size
+    read: Callable[[], BlockWeights]
+
+
+Weight = (
+    torch.Tensor | BlockWeights | PendingBlocks
+)  # a float tensor, or a file's stored blocks kept as they are
+Finish = Callable[[str, Weight], object]  # what fuse_weights makes of each fused layer weight as it is done
+
+
+def _loaded(w: Weight) -> torch.Tensor | BlockWeights:
+    return w.read() if isinstance(w, PendingBlocks) else w
+
 
 HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 HF_LAYER_NAMES = {
@@ -133,6 +153,7 @@ def _unfuse(tensors: dict[str, Weight], prefix: str, config: ModelConfig, source
         w = tensors.pop(f"{prefix}{fused}.weight", None)
         if w is None:
             continue
+        w = _loaded(w)
         if w.shape[0] != sum(sizes):
             raise ModelLoadError(
                 f"{source}: tensor {prefix}{fused}.weight has shape {tuple(w.shape)} but the config implies "
@@ -147,10 +168,14 @@ def _unfuse(tensors: dict[str, Weight], prefix: str, config: ModelConfig, source
             tensors[f"{prefix}{part}.weight"] = piece
 
 
-def fuse_weights(tensors: dict[str, Weight], config: ModelConfig, source: str) -> dict[str, Weight]:
+def fuse_weights(
+    tensors: dict[str, Weight], config: ModelConfig, source: str, finish: Finish | None = None
+) -> dict[str, object]:
     """Concatenate q/k/v and gate/up per layer and fold the query scale into the q rows (into the q norm's
-    weight where heads are normalized first: the norm would undo a scale on the rows)."""
-    out: dict[str, Weight] = {}
+    weight where heads are normalized first: the norm would undo a scale on the rows). Pending blocks are read
+    as their layer is reached; ``finish`` (e.g. packing stored blocks for the kernels) gets each layer's weights
+    as soon as that layer is fused, so one layer's intermediate forms are alive at a time."""
+    out: dict[str, object] = {}
     scale = config.query_scale()
     for i in range(config.num_layers):
         p = f"layers.{i}."
@@ -158,7 +183,7 @@ def fuse_weights(tensors: dict[str, Weight], config: ModelConfig, source: str) -
 
         def take(key: str, prefix: str = p) -> Weight:
             try:
-                return tensors.pop(prefix + key)
+                return _loaded(tensors.pop(prefix + key))
             except KeyError:
                 raise ModelLoadError(f"{source}: missing tensor {prefix}{key}") from None
 
@@ -180,13 +205,16 @@ def fuse_weights(tensors: dict[str, Weight], config: ModelConfig, source: str) -
             out[p + "mlp.gate_up_proj.weight"] = _cat_rows([take("gate.weight"), take("up.weight")])
         rest = [key for key in tensors if key.startswith(p)]  # norms, o, down, routers: as they are
         for key in rest:
-            out[key] = tensors.pop(key)
+            out[key] = _loaded(tensors.pop(key))
+        if finish is not None:
+            for key in [key for key in out if key.startswith(p)]:
+                out[key] = finish(key, out[key])
     for key in ("embed_tokens.weight", "norm.weight"):
         if key not in tensors:
             raise ModelLoadError(f"{source}: missing tensor {key}")
-        out[key] = tensors.pop(key)
+        out[key] = _loaded(tensors.pop(key))
     if "lm_head.weight" in tensors:
-        out["lm_head.weight"] = tensors.pop("lm_head.weight")
+        out["lm_head.weight"] = _loaded(tensors.pop("lm_head.weight"))
     if tensors:
         raise ModelLoadError(
             f"{source}: tensors not used by a {config.num_layers}-layer model: {sorted(tensors)[:3]}; "

@@ -174,6 +174,11 @@ class BlockLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
 
     @property
+    def shape(self) -> torch.Size:
+        """(N, K): the weight's shape, as BlockWeights gives it (the loader checks shapes of either)."""
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
     def bits_per_weight(self) -> float:
         """Stored bits per weight: the values plus the scale and offset of each group (fp16 or fp32)."""
         return self.bits + 2 * 8 * self.scales_offsets.element_size() / self.group_size
