@@ -96,6 +96,31 @@ def test_bf16_input_gives_bf16_output_of_the_same_sums():
     torch.testing.assert_close(module(x).float(), module(x.float()).bfloat16().float())
 
 
+@needs_kernels
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 32), (8, 16)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_bf16_output_is_the_fp32_output_rounded_to_nearest_even(bits, group, rows):
+    """The kernels round bf16 results themselves: bit for bit what converting their fp32 results gives (rows
+    from 1e-3 to 1e3 in size)."""
+    kernels = kernel_ops.cpu.load()
+    module = BlockLinear(random_blocks(48, 128, bits, group, seed=bits + group, fp16=True))
+    x = (torch.randn(rows, 128) * torch.logspace(-3, 3, rows).unsqueeze(1)).bfloat16()
+    got = kernels.block_gemm(x, module.weight, module.scales_offsets)
+    expected = kernels.block_gemm(x.float(), module.weight, module.scales_offsets).bfloat16()
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
+@needs_kernels
+def test_a_bias_is_added_before_the_bf16_rounding():
+    blocks = random_blocks(32, 64, 4, 32)
+    bias = torch.randn(32) * 0.01
+    module = BlockLinear(blocks, bias)
+    x = torch.randn(3, 64).bfloat16()
+    expected = (BlockLinear(blocks)(x.float()) + bias).bfloat16()
+    assert torch.equal(module(x), expected)
+
+
 def test_concat_of_mixed_formats_is_exact():
     a, b = random_blocks(32, 64, 4, 32, seed=1), random_blocks(16, 64, 8, 16, seed=2)
     both = BlockWeights.concat([a, b])

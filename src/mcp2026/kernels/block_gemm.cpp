@@ -30,9 +30,9 @@ namespace {
 // R rows x C column tiles of 16, groups of G. wp: the first tile's packed weights (K/4 vectors of 64 bytes, the
 // next tile tile_bytes further); so: per group the tile's 16 scales, then its 16 offsets; xq: R rows of K int8;
 // dx: (row, 32-block) steps; dxs: (row, group) dx * sum(xq). out: R rows of stride N at the tile's first column.
-template <int R, int C, int G, typename S>
+template <int R, int C, int G, typename S, typename O>
 void block_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx, const float* dxs,
-                int64_t K, float* out, int64_t N, bool stream) {
+                int64_t K, O* out, int64_t N, bool stream) {
   constexpr int kVectors = G / 4;  // 64-byte vectors per group
   const int64_t ngrp = K / G, nblk = K / 32, tile_bytes = (K / 4) * 64, tile_scales = ngrp * 2 * kColTile;
   __m512 acc[R][C];
@@ -66,30 +66,30 @@ void block_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* d
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * N + c * kColTile, acc[r][c]);
+    for (int c = 0; c < C; ++c) store16(out + r * N + c * kColTile, acc[r][c]);
 }
 
-template <int C, int G, typename S>
+template <int C, int G, typename S, typename O>
 void block_rows(const uint8_t* wp, const S* so, const QuantizedRows& xr, const float* dxs, int64_t M,
-                int64_t K, float* out, int64_t N) {
+                int64_t K, O* out, int64_t N) {
   const int64_t nblk = K / 32, ngrp = K / G;
   for_row_tiles(M, [&](int64_t r0, auto rows) {
-    block_tile<decltype(rows)::value, C, G, S>(wp, so, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
-                                            dxs + r0 * ngrp, K, out + r0 * N, N, M <= kGemmRows);
+    block_tile<decltype(rows)::value, C, G, S, O>(wp, so, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
+                                               dxs + r0 * ngrp, K, out + r0 * N, N, M <= kGemmRows);
   });
 }
 
-template <int G, typename S>
+template <int G, typename S, typename O>
 void block_gemm_run(const QuantizedRows& xr, const float* dxs, const uint8_t* w, const S* s, int64_t M,
-                    int64_t K, float* out, int64_t N) {
+                    int64_t K, O* out, int64_t N) {
   const int64_t tiles = N / kColTile, tile_bytes = (K / 4) * 64, tile_scales = (K / G) * 2 * kColTile;
   for_column_tiles(tiles, M, [&](int64_t t, bool pair) {
     const auto* wt = w + t * tile_bytes;
     const S* st = s + t * tile_scales;
     if (pair)
-      block_rows<2, G, S>(wt, st, xr, dxs, M, K, out + t * kColTile, N);
+      block_rows<2, G, S, O>(wt, st, xr, dxs, M, K, out + t * kColTile, N);
     else
-      block_rows<1, G, S>(wt, st, xr, dxs, M, K, out + t * kColTile, N);
+      block_rows<1, G, S, O>(wt, st, xr, dxs, M, K, out + t * kColTile, N);
   });
 }
 #endif
@@ -286,19 +286,27 @@ torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const 
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, xc.scalar_type(), "block_gemm_q", [&] {
     quantize_rows_into<scalar_t>(xr, xc.data_ptr<scalar_t>(), M, K);
   });
-  auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   const uint8_t* w = wp.data_ptr<uint8_t>();
+#ifdef MCP_INT4_VNNI
+  auto out = gemm_output(x, M, N);
+  with_output(out, [&](auto* op) {
+    with_scales(so, [&](const auto* s) {
+      using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
+      using O = std::remove_pointer_t<decltype(op)>;
+      if (G == 32) {
+        block_gemm_run<32, S, O>(xr, xr.sum.data(), w, s, M, K, op, N);
+      } else {
+        const GroupSums gs = group_sums(xr, M, K, 16);
+        block_gemm_run<16, S, O>(xr, gs.dxs.data(), w, s, M, K, op, N);
+      }
+    });
+  });
+  return out;
+#else
+  auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   float* op = out.data_ptr<float>();
   with_scales(so, [&](const auto* s) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
-#ifdef MCP_INT4_VNNI
-    if (G == 32) {
-      block_gemm_run<32, S>(xr, xr.sum.data(), w, s, M, K, op, N);
-    } else {
-      const GroupSums gs = group_sums(xr, M, K, 16);
-      block_gemm_run<16, S>(xr, gs.dxs.data(), w, s, M, K, op, N);
-    }
-#else
     const GroupSums gs = group_sums(xr, M, K, G);
 #if defined(__AVX2__) && defined(__FMA__)
     if (bits == 4)
@@ -310,9 +318,9 @@ torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const 
 #else
     scalar_gemm(w, s, bits, G, xr, gs, M, K, N, op);
 #endif
-#endif
   });
   return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
+#endif
 }
 
 // The row count from which block_gemm runs the float GEMM (0: never, on VNNI builds) for a weight of n x k.

@@ -13,7 +13,9 @@
 
 torch::Tensor FusedLinear::operator()(const torch::Tensor& x) const {
   if (kind == 0) return dense_linear(x, a, bias);
-  const auto xs = inv_scale.has_value() ? x * *inv_scale : x;
+  auto xs = inv_scale.has_value() ? x * *inv_scale : x;
+  // the VNNI GEMMs write bf16 for bf16 input: a bias is added to their fp32 results before the one rounding
+  if (bias.has_value() && (kind == 3 || kind == 5)) xs = xs.to(torch::kFloat);
   auto y = kind == 1   ? int8_gemv(xs, a, b)
            : kind == 2 ? int4_gemv(xs, a, b)
            : kind == 3 ? int4_gemm(xs, a, b)

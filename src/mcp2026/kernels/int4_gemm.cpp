@@ -23,9 +23,9 @@ namespace {
 // R rows x C column tiles of 16. wp: the first tile's packed weights (K/8 vectors of 64 bytes, the next tile
 // tile_bytes further); so: its 16 scales then 16 offsets per 32-block; xq: R rows of K int8; dx, dxs: their
 // (row, block) scales and dx * sum(xq). out: R rows of stride N at the tile's first column.
-template <int R, int C, typename S>
+template <int R, int C, typename S, typename O>
 void gemm_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx, const float* dxs,
-               int64_t K, float* out, int64_t N, bool stream) {
+               int64_t K, O* out, int64_t N, bool stream) {
   const int64_t nblk = K / 32, tile_bytes = (K / 8) * 64, tile_scales = nblk * 2 * kColTile;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R][C];
@@ -64,15 +64,15 @@ void gemm_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * N + c * kColTile, acc[r][c]);
+    for (int c = 0; c < C; ++c) store16(out + r * N + c * kColTile, acc[r][c]);
 }
 
-template <int C, typename S>
-void gemm_rows(const uint8_t* wp, const S* so, const QuantizedRows& xr, int64_t M, int64_t K, float* out,
+template <int C, typename S, typename O>
+void gemm_rows(const uint8_t* wp, const S* so, const QuantizedRows& xr, int64_t M, int64_t K, O* out,
                int64_t N) {
   const int64_t nblk = K / 32;
   for_row_tiles(M, [&](int64_t r0, auto rows) {
-    gemm_tile<decltype(rows)::value, C, S>(wp, so, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
+    gemm_tile<decltype(rows)::value, C, S, O>(wp, so, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
                                         xr.sum.data() + r0 * nblk, K, out + r0 * N, N, M <= kGemmRows);
   });
 }
@@ -143,21 +143,22 @@ torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const t
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, xc.scalar_type(), "int4_gemm_q", [&] {
     quantize_rows_into<scalar_t>(xr, xc.data_ptr<scalar_t>(), M, K);
   });
-  auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  auto out = gemm_output(x, M, N);
   const uint8_t* w = wp.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
   const int64_t tiles = N / kColTile, tile_bytes = (K / 8) * 64, tile_scales = (K / 32) * 2 * kColTile;
-  with_scales(so, [&](const auto* s) {
-    for_column_tiles(tiles, M, [&](int64_t t, bool pair) {
-      const auto* wt = w + t * tile_bytes;
-      const auto* st = s + t * tile_scales;
-      if (pair)
-        gemm_rows<2>(wt, st, xr, M, K, op + t * kColTile, N);
-      else
-        gemm_rows<1>(wt, st, xr, M, K, op + t * kColTile, N);
+  with_output(out, [&](auto* op) {
+    with_scales(so, [&](const auto* s) {
+      for_column_tiles(tiles, M, [&](int64_t t, bool pair) {
+        const auto* wt = w + t * tile_bytes;
+        const auto* st = s + t * tile_scales;
+        if (pair)
+          gemm_rows<2>(wt, st, xr, M, K, op + t * kColTile, N);
+        else
+          gemm_rows<1>(wt, st, xr, M, K, op + t * kColTile, N);
+      });
     });
   });
-  return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
+  return out;
 #else
   TORCH_CHECK(false, "int4_gemm needs AVX-512 VNNI (see vnni_gemm_available)");
   return x;

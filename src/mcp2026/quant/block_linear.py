@@ -195,7 +195,8 @@ class BlockLinear(nn.Module):
                 "BlockLinear runs on the compiled CPU kernels only (CPU fp32/bf16 input, no autograd); load "
                 "the model with dtype='fp32' or 'bf16' to run it as floats"
             )
-        y = kernels.block_gemm(x2, self.weight, self.scales_offsets)
+        # bf16 in, bf16 out (rounded in the kernel); with a bias, fp32 out so the bias is added before rounding
+        y = kernels.block_gemm(x2 if self.bias is None else x2.float(), self.weight, self.scales_offsets)
         if self.bias is not None:
             y = y + self.bias
         if y.dtype != x.dtype:
