@@ -123,6 +123,28 @@ def test_paged_decode_attention_matches_a_gather_and_softmax(kernels, dtype, kv_
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("length", [5, 100, 700])
+def test_decode_attention_split_by_query_head_gives_the_kv_head_split_bits(kernels, batch, length):
+    """A batch-1 step has fewer (sequence, KV head) pairs than threads want (3 KV heads on 2 threads): the
+    kernel then splits by query head. Recording attention mass keeps the split by KV head; both give the
+    same bits, and the reference's values."""
+    torch.manual_seed(2)
+    num_blocks, nkv, bs, nh, hd = 128, 3, 16, 9, 64
+    k_cache = torch.randn(num_blocks, nkv, bs, hd).bfloat16()
+    v_cache = torch.randn(num_blocks, nkv, bs, hd).bfloat16()
+    q = (torch.randn(batch, nh, hd) / hd**0.5).bfloat16()
+    nb = -(-length // bs)
+    tables = torch.randperm(num_blocks)[: batch * nb].view(batch, nb)
+    lengths = torch.full((batch,), length)
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths)
+    mass = torch.zeros(batch, nkv, nb)
+    by_kv_head = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths, mass)
+    assert torch.equal(out, by_kv_head)
+    expected = _reference_attention(q, k_cache, v_cache, tables, lengths)
+    torch.testing.assert_close(out.float(), expected, atol=_tol(torch.bfloat16), rtol=_tol(torch.bfloat16))
+
+
 def _quantized_pool(codec_name: str, num_blocks: int, nkv: int, bs: int, hd: int):
     """A pool of random blocks through a KV codec: (K planes, V planes, decoded K, decoded V) in the
     (num_blocks, nkv, ...) layout of kv.paged_cache."""

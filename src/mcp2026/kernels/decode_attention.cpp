@@ -504,35 +504,61 @@ void attend_scalar(const float* qf, const KS& ks, const VS& vs, const int64_t* t
   }
 }
 
+// One (sequence, KV head)'s query heads j0 .. j0 + g - 1 (of the head's nh / nkv): their queries in, their
+// outputs out. A query head's result does not depend on which other heads of its KV head are computed beside it.
+template <typename T, typename KS, typename VS>
+void attend_heads(const T* q, const KS& ks, const VS& vs, const int64_t* table, int64_t len, int64_t first_head,
+                  int64_t g, int64_t hd, int64_t bs, float* scores, float* qf, float* acc, float* buf,
+                  float* mass_row, T* out) {
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t d = 0; d < hd; ++d) qf[j * hd + d] = load(q, (first_head + j) * hd + d);
+#ifdef MCP_ATTN_AVX2
+  if (hd % 8 == 0)
+    attend_avx2(qf, ks, vs, table, len, g, hd, bs, scores, acc, buf, mass_row);
+  else
+#endif
+    attend_scalar(qf, ks, vs, table, len, g, hd, bs, scores, acc, buf, mass_row);
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t d = 0; d < hd; ++d) out[(first_head + j) * hd + d] = static_cast<T>(acc[j * hd + d]);
+}
+
 // Every (sequence, KV head) of a decode batch; sources(h) gives that KV head's (key, value) sources.
 template <typename T, typename Sources>
 void decode_attention_run(const T* q, const int64_t* tables, const int64_t* lengths, T* out, float* mass,
                           int64_t B, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, int64_t nb, int64_t max_len,
                           const Sources& sources) {
   const int64_t g = nh / nkv;
-  // Small problems run inline: waking the thread pool costs more than the work.
-  const int64_t work = std::max<int64_t>(1, max_len * hd * g);
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / work);
+  // Small problems run inline: handing out work costs more than it saves. Inside a decode stack's thread team a
+  // hand-off is a spinning handshake, not an OpenMP fork and join, so far smaller problems are worth splitting.
+  const int64_t min_task = team::current != nullptr ? (1 << 12) : (1 << 16);
+  const int64_t threads = team::current != nullptr ? team::current->size : at::get_num_threads();
+  if (mass == nullptr && g > 1 && B * nkv < 2 * threads) {
+    // Few (sequence, KV head) pairs for the threads (a batch-1 step: 3 KV heads on 2 threads is 2 : 1): split
+    // by query head instead; a KV head whose heads land on two threads is read by both. With attention mass
+    // recorded (eviction scores) each KV head's row stays on one thread.
+    const int64_t grain = std::max<int64_t>(1, min_task / std::max<int64_t>(1, max_len * hd));
+    team::parallel_for(0, B * nh, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(g * max_len), qf(g * hd), acc(g * hd), buf(bs * hd);
+      for (int64_t item = begin; item < end;) {
+        const int64_t b = item / nh, h = (item % nh) / g, j0 = item % g;
+        const int64_t heads = std::min(g - j0, end - item);
+        const auto src = sources(h);
+        attend_heads(q + b * nh * hd, src.first, src.second, tables + b * nb, lengths[b], h * g + j0, heads, hd,
+                     bs, scores.data(), qf.data(), acc.data(), buf.data(), nullptr, out + b * nh * hd);
+        item += heads;
+      }
+    });
+    return;
+  }
+  const int64_t grain = std::max<int64_t>(1, min_task / std::max<int64_t>(1, max_len * hd * g));
   team::parallel_for(0, B * nkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(g * max_len), qf(g * hd), acc(g * hd), buf(bs * hd);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / nkv, h = item % nkv;
-      const int64_t len = lengths[b];
-      for (int64_t j = 0; j < g; ++j)
-        for (int64_t d = 0; d < hd; ++d) qf[j * hd + d] = load(q, (b * nh + h * g + j) * hd + d);
       float* mass_row = mass == nullptr ? nullptr : mass + (b * nkv + h) * nb;
       const auto src = sources(h);
-#ifdef MCP_ATTN_AVX2
-      if (hd % 8 == 0)
-        attend_avx2(qf.data(), src.first, src.second, tables + b * nb, len, g, hd, bs, scores.data(), acc.data(),
-                    buf.data(), mass_row);
-      else
-#endif
-        attend_scalar(qf.data(), src.first, src.second, tables + b * nb, len, g, hd, bs, scores.data(),
-                      acc.data(), buf.data(), mass_row);
-      for (int64_t j = 0; j < g; ++j)
-        for (int64_t d = 0; d < hd; ++d)
-          out[(b * nh + h * g + j) * hd + d] = static_cast<T>(acc[j * hd + d]);
+      attend_heads(q + b * nh * hd, src.first, src.second, tables + b * nb, lengths[b], h * g, g, hd, bs,
+                   scores.data(), qf.data(), acc.data(), buf.data(), mass_row, out + b * nh * hd);
     }
   });
 }
