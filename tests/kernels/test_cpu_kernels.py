@@ -51,6 +51,16 @@ def test_silu_mul_matches_torch(kernels, dtype):
     )
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_of_bf16_is_its_fp32_arithmetic(kernels, out_dtype):
+    """bf16 rows run the fp32 rows' vector arithmetic (8 lanes, then a scalar tail: 83 = 10 x 8 + 3) on the
+    widened values, and a bf16 output is that result rounded: the same bits as converting around the fp32 call."""
+    gate_up = (torch.randn(2, 2 * 83) * 4).bfloat16()
+    got = kernels.silu_mul(gate_up, out_dtype)
+    expected = kernels.silu_mul(gate_up.float(), torch.float32).to(out_dtype)
+    assert got.dtype == out_dtype and torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_in_place_on_a_strided_view_matches_rotate_half(kernels, dtype):
     from mcp2026.models.rotary import RotaryEmbedding

@@ -137,7 +137,7 @@ void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin)
 // ---- SiLU(gate) * up ---------------------------------------------------------------------------------------
 // gate_up: (T, 2I) as [gate | up] -> (T, I) in out_dtype.
 // SiLU(a) = a * sigmoid(a), sigmoid through e = exp(-|a|) (never overflows): 1 / (1 + e) for a >= 0, else
-// e / (1 + e). fp32 rows take 8 lanes at a time with exp_nonpositive (simd.h); other dtypes and the tail, std::exp.
+// e / (1 + e). fp32 and bf16 rows take 8 lanes at a time with exp_nonpositive (simd.h); fp16 and the tail, std::exp.
 namespace {
 
 inline float silu_scalar(float a) {
@@ -154,14 +154,16 @@ void silu_mul_impl(const T* gu, O* out, int64_t rows, int64_t inter) {
       O* o = out + r * inter;
       int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-      if constexpr (std::is_same_v<T, float> && std::is_same_v<O, float>) {
+      constexpr bool vector_in = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
+      constexpr bool vector_out = std::is_same_v<O, float> || std::is_same_v<O, at::BFloat16>;
+      if constexpr (vector_in && vector_out) {
         const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
         for (; i + 8 <= inter; i += 8) {
-          const __m256 a = _mm256_loadu_ps(g + i);
+          const __m256 a = load8(g + i);
           const __m256 e = exp_nonpositive(_mm256_or_ps(a, sign));  // exp(-|a|)
           const __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_GE_OQ));
           const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
-          _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(a, sig), _mm256_loadu_ps(u + i)));
+          store8(o + i, _mm256_mul_ps(_mm256_mul_ps(a, sig), load8(u + i)));
         }
       }
 #endif

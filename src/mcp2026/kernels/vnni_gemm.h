@@ -30,19 +30,6 @@ inline __m512i broadcast_dword(const int8_t* p) {
   std::memcpy(&v, p, sizeof v);
   return _mm512_set1_epi32(v);
 }
-
-// A micro-tile's 16 results into the output: fp32 as they are, or bf16 rounded to nearest even as c10's
-// float -> BFloat16 conversion rounds (NaN as 0x7FC0). Writing bf16 here spares a bf16 step a conversion op and
-// an fp32 buffer per linear, the same values as converting the fp32 output afterwards.
-inline void store16(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
-
-inline void store16(at::BFloat16* dst, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
-}
 #endif
 
 // The output of a VNNI GEMM on x: bf16 for bf16 activations (the kernels write it directly), else fp32.
