@@ -38,8 +38,8 @@ def test_high_water_mark_sees_a_peak_between_samples():
         del spike
         sampler.phase = "load"
         sampler.sample()
-    assert max(r for _, r, _ in sampler.samples) < before + 32 * 2**20
-    assert sampler.high_water["load"] >= before + 60 * 2**20
+    assert sampler.high_water["load"] >= before + 60 * 2**20  # the spike, though no sample saw it
+    assert sampler.high_water["load"] >= max(r for _, r, p in sampler.samples if p == "load")
 
 
 def test_sampler_tags_phases():
