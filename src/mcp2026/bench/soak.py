@@ -70,16 +70,19 @@ class SoakConfig:
         return " ".join(parts)
 
 
-def rss_bytes(pid: int, field: str = "VmRSS") -> int | None:
-    """Resident set size of a live process (Linux /proc), None once it is gone. ``field`` "VmHWM": its
-    high-water mark, the largest RSS the kernel saw, between samples too."""
+def status_bytes(pid: int, *fields: str) -> dict[str, int]:
+    """Byte fields of a live process's /proc status ("VmRSS": resident set size; "VmHWM": its high-water mark,
+    the largest RSS the kernel saw, between samples too); empty once the process is gone."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        return {f: int(line.split()[1]) * 1024 for line in lines for f in fields if line.startswith(f"{f}:")}
     except (OSError, ValueError, IndexError):
-        return None
-    return None
+        return {}
+
+
+def rss_bytes(pid: int, field: str = "VmRSS") -> int | None:
+    """One ``status_bytes`` field (resident set size by default), None once the process is gone."""
+    return status_bytes(pid, field).get(field)
 
 
 class RssSampler:
@@ -107,11 +110,11 @@ class RssSampler:
         return time.monotonic() - self._started
 
     def sample(self) -> None:
-        rss, hwm = rss_bytes(self.pid), rss_bytes(self.pid, "VmHWM")
-        if rss is not None:
-            self.samples.append((self.elapsed(), rss, self.phase))
-        if hwm is not None:
-            self.high_water[self.phase] = hwm
+        status = status_bytes(self.pid, "VmRSS", "VmHWM")
+        if "VmRSS" in status:
+            self.samples.append((self.elapsed(), status["VmRSS"], self.phase))
+        if "VmHWM" in status:
+            self.high_water[self.phase] = status["VmHWM"]
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -233,6 +236,8 @@ def _aggregate(
     served: dict[str, Any],
     high_water: dict[str, int] | None = None,
 ) -> dict[str, Any]:
+    high_water = high_water or {}
+
     def mb(value: int | None) -> float | None:
         return None if value is None else value / 1e6
 
@@ -246,8 +251,8 @@ def _aggregate(
         "rss_idle_mb": mb(idle[-1] if idle else None),
         "rss_peak_mb": mb(max(r for _, r, _ in samples) if samples else None),
         # the kernel's high-water marks: at start (loading and warm-up) and over the whole run
-        "rss_high_water_start_mb": mb((high_water or {}).get("idle")),
-        "rss_high_water_mb": mb(max((high_water or {}).values(), default=None)),
+        "rss_high_water_start_mb": mb(high_water.get("idle")),
+        "rss_high_water_mb": mb(max(high_water.values(), default=None)),
         "rss_after_warmup_mb": mb(warm),
         "rss_end_of_load_mb": mb(load[-1][1] if load else None),
         "rss_after_mb": mb(after[-1] if after else None),

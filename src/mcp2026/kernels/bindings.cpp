@@ -25,12 +25,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) * weight");
   m.def("rope_", &rope_, "rotate-half RoPE in place");
   m.def("int4_gemv", &int4_gemv, "int4 weights x int8-quantized activations, decode-sized batches");
-  m.def("int4_gemm", &int4_gemm, "int4 weights x int8-quantized activations, prefill-sized inputs (VNNI)");
+  m.def("int4_gemm", &int4_gemm, "int4 weights x int8-quantized activations (+ bias), any row count (VNNI)",
+        py::arg("x"), py::arg("wp"), py::arg("so"), py::arg("bias") = py::none());
   m.def("int4_gemm_pack", &int4_gemm_pack, "the int4 GEMV layout -> the GEMM's (weights, scales, offsets)");
   m.def("vnni_gemm_available", &vnni_gemm_available, "whether this build has the int4 and int8 GEMMs (VNNI)");
   m.def("int8_gemv", &int8_gemv, "int8 weights x float activations, decode-sized batches");
   m.def("int8_gemm", &int8_gemm, "int8 weights x int8-quantized activations, prefill-sized inputs (VNNI)");
-  m.def("block_gemm", &block_gemm, "stored block quantization (scale * u + offset per group) x int8 activations");
+  m.def("block_gemm", &block_gemm, "stored block quantization (scale * u + offset per group) x int8 activations",
+        py::arg("x"), py::arg("wp"), py::arg("so"), py::arg("bias") = py::none());
   m.def("block_gemm_reference", &block_gemm_reference, "block_gemm as a portable scalar loop (for tests)");
   m.def("block_dequant", &block_dequant, "a block GEMM weight as fp32 (N, K)");
   m.def("block_weight_rows", &block_weight_rows, "rows of a block GEMM weight as fp32 (an embedding lookup)", py::arg("wp"),

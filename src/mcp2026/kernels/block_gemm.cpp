@@ -32,7 +32,7 @@ namespace {
 // dx: (row, 32-block) steps; dxs: (row, group) dx * sum(xq). out: R rows of stride N at the tile's first column.
 template <int R, int C, int G, typename S, typename O>
 void block_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx, const float* dxs,
-                int64_t K, O* out, int64_t N, bool stream) {
+                int64_t K, const float* bias, O* out, int64_t N, bool stream) {
   constexpr int kVectors = G / 4;  // 64-byte vectors per group
   const int64_t ngrp = K / G, nblk = K / 32, tile_bytes = (K / 4) * 64, tile_scales = ngrp * 2 * kColTile;
   __m512 acc[R][C];
@@ -65,31 +65,31 @@ void block_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* d
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) store16(out + r * N + c * kColTile, acc[r][c]);
+  store_tile<R, C>(acc, bias, out, N);
 }
 
 template <int C, int G, typename S, typename O>
 void block_rows(const uint8_t* wp, const S* so, const QuantizedRows& xr, const float* dxs, int64_t M,
-                int64_t K, O* out, int64_t N) {
+                int64_t K, const float* bias, O* out, int64_t N) {
   const int64_t nblk = K / 32, ngrp = K / G;
   for_row_tiles(M, [&](int64_t r0, auto rows) {
     block_tile<decltype(rows)::value, C, G, S, O>(wp, so, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
-                                               dxs + r0 * ngrp, K, out + r0 * N, N, M <= kGemmRows);
+                                               dxs + r0 * ngrp, K, bias, out + r0 * N, N, M <= kGemmRows);
   });
 }
 
 template <int G, typename S, typename O>
 void block_gemm_run(const QuantizedRows& xr, const float* dxs, const uint8_t* w, const S* s, int64_t M,
-                    int64_t K, O* out, int64_t N) {
+                    int64_t K, const float* bias, O* out, int64_t N) {
   const int64_t tiles = N / kColTile, tile_bytes = (K / 4) * 64, tile_scales = (K / G) * 2 * kColTile;
   for_column_tiles(tiles, M, [&](int64_t t, bool pair) {
     const auto* wt = w + t * tile_bytes;
     const S* st = s + t * tile_scales;
+    const float* bt = bias ? bias + t * kColTile : nullptr;
     if (pair)
-      block_rows<2, G, S, O>(wt, st, xr, dxs, M, K, out + t * kColTile, N);
+      block_rows<2, G, S, O>(wt, st, xr, dxs, M, K, bt, out + t * kColTile, N);
     else
-      block_rows<1, G, S, O>(wt, st, xr, dxs, M, K, out + t * kColTile, N);
+      block_rows<1, G, S, O>(wt, st, xr, dxs, M, K, bt, out + t * kColTile, N);
   });
 }
 #endif
@@ -250,7 +250,8 @@ void avx2_gemm(const uint8_t* w, const S* so, const QuantizedRows& xr, const Gro
 
 // x (M, K) fp32/bf16; wp: u in the nibble (N/16, K/8, 64) or byte (N/16, K/4, 64) layout; so (N/16, K/G, 2, 16)
 // fp32 or fp16. -> (M, N) in x's dtype. On AVX-512 VNNI, nibbles go through int4_gemm (the same arithmetic).
-torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so) {
+torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so,
+                         const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x must be a CPU (M, K) tensor");
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
   const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * kColTile;
@@ -266,7 +267,7 @@ torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const 
   TORCH_CHECK(so.size(1) * G == K && (G == 32 || (G == 16 && bits == 8)),
               "groups must be 32 weights (or 16 with byte values)");
 #ifdef MCP_INT4_VNNI
-  if (bits == 4) return int4_gemm(x, wp, so);
+  if (bits == 4) return int4_gemm(x, wp, so, bias);
 #else
   // Without VNNI the int8 dot products cost several instructions per 32 values, and from a few dozen rows a
   // float GEMM over the weight dequantized once per call is faster (a prefill chunk, a large batch): both the
@@ -278,7 +279,8 @@ torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const 
     with_scales(so, [&](const auto* s) {
       dequantize_tiles(wp.data_ptr<uint8_t>(), s, bits, G, K, N, w.data_ptr<float>());
     });
-    return at::matmul(x, w.t());
+    auto out = at::matmul(x, w.t());
+    return bias.has_value() ? out.add_(*bias) : out;
   }
 #endif
   const auto xc = x.contiguous();
@@ -289,15 +291,17 @@ torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const 
   const uint8_t* w = wp.data_ptr<uint8_t>();
 #ifdef MCP_INT4_VNNI
   auto out = gemm_output(x, M, N);
+  const auto b = gemm_bias(bias, N);
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   with_output(out, [&](auto* op) {
     with_scales(so, [&](const auto* s) {
       using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
       using O = std::remove_pointer_t<decltype(op)>;
       if (G == 32) {
-        block_gemm_run<32, S, O>(xr, xr.sum.data(), w, s, M, K, op, N);
+        block_gemm_run<32, S, O>(xr, xr.sum.data(), w, s, M, K, bp, op, N);
       } else {
         const GroupSums gs = group_sums(xr, M, K, 16);
-        block_gemm_run<16, S, O>(xr, gs.dxs.data(), w, s, M, K, op, N);
+        block_gemm_run<16, S, O>(xr, gs.dxs.data(), w, s, M, K, bp, op, N);
       }
     });
   });
@@ -319,6 +323,7 @@ torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const 
     scalar_gemm(w, s, bits, G, xr, gs, M, K, N, op);
 #endif
   });
+  if (bias.has_value()) out.add_(*bias);
   return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
 #endif
 }

@@ -40,12 +40,14 @@ torch::Tensor int4_dequant(const torch::Tensor& qs, const torch::Tensor& sz, boo
 // int4_gemm.cpp
 bool vnni_gemm_available();
 std::vector<torch::Tensor> int4_gemm_pack(const torch::Tensor& qs, const torch::Tensor& sz);
-torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so);
+torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so,
+                        const c10::optional<torch::Tensor>& bias = c10::nullopt);
 // int8_gemm.cpp
 torch::Tensor int8_gemm_pack(const torch::Tensor& w);
 torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& scales);
 // block_gemm.cpp
-torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so);
+torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so,
+                         const c10::optional<torch::Tensor>& bias = c10::nullopt);
 torch::Tensor block_gemm_reference(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so);
 torch::Tensor block_dequant(const torch::Tensor& wp, const torch::Tensor& so, int64_t K);
 torch::Tensor block_weight_rows(const torch::Tensor& wp, const torch::Tensor& so, int64_t K, const torch::Tensor& ids);

@@ -528,37 +528,26 @@ void decode_attention_run(const T* q, const int64_t* tables, const int64_t* leng
                           int64_t B, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, int64_t nb, int64_t max_len,
                           const Sources& sources) {
   const int64_t g = nh / nkv;
+  // Threads take (sequence, KV head) pairs: a unit of g query heads. With fewer pairs than two per thread (a
+  // batch-1 step: 3 KV heads on 2 threads is 2 : 1) they take single query heads instead, a KV head whose heads
+  // land on two threads being read by both; with attention mass recorded (eviction scores) each KV head's row
+  // stays on one thread.
+  const int64_t threads = team::current != nullptr ? team::current->size : at::get_num_threads();
+  const int64_t unit = (mass == nullptr && B * nkv < 2 * threads) ? 1 : g;
   // Small problems run inline: handing out work costs more than it saves. Inside a decode stack's thread team a
   // hand-off is a spinning handshake, not an OpenMP fork and join, so far smaller problems are worth splitting.
   const int64_t min_task = team::current != nullptr ? (1 << 12) : (1 << 16);
-  const int64_t threads = team::current != nullptr ? team::current->size : at::get_num_threads();
-  if (mass == nullptr && g > 1 && B * nkv < 2 * threads) {
-    // Few (sequence, KV head) pairs for the threads (a batch-1 step: 3 KV heads on 2 threads is 2 : 1): split
-    // by query head instead; a KV head whose heads land on two threads is read by both. With attention mass
-    // recorded (eviction scores) each KV head's row stays on one thread.
-    const int64_t grain = std::max<int64_t>(1, min_task / std::max<int64_t>(1, max_len * hd));
-    team::parallel_for(0, B * nh, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(g * max_len), qf(g * hd), acc(g * hd), buf(bs * hd);
-      for (int64_t item = begin; item < end;) {
-        const int64_t b = item / nh, h = (item % nh) / g, j0 = item % g;
-        const int64_t heads = std::min(g - j0, end - item);
-        const auto src = sources(h);
-        attend_heads(q + b * nh * hd, src.first, src.second, tables + b * nb, lengths[b], h * g + j0, heads, hd,
-                     bs, scores.data(), qf.data(), acc.data(), buf.data(), nullptr, out + b * nh * hd);
-        item += heads;
-      }
-    });
-    return;
-  }
-  const int64_t grain = std::max<int64_t>(1, min_task / std::max<int64_t>(1, max_len * hd * g));
-  team::parallel_for(0, B * nkv, grain, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, min_task / std::max<int64_t>(1, max_len * hd * unit));
+  team::parallel_for(0, B * nh / unit, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(g * max_len), qf(g * hd), acc(g * hd), buf(bs * hd);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / nkv, h = item % nkv;
+    for (int64_t head = begin * unit; head < end * unit;) {  // query heads, a KV head's run at a time
+      const int64_t b = head / nh, h = (head % nh) / g, j0 = head % g;
+      const int64_t heads = std::min(g - j0, end * unit - head);
       float* mass_row = mass == nullptr ? nullptr : mass + (b * nkv + h) * nb;
       const auto src = sources(h);
-      attend_heads(q + b * nh * hd, src.first, src.second, tables + b * nb, lengths[b], h * g, g, hd, bs,
-                   scores.data(), qf.data(), acc.data(), buf.data(), mass_row, out + b * nh * hd);
+      attend_heads(q + b * nh * hd, src.first, src.second, tables + b * nb, lengths[b], h * g + j0, heads, hd,
+                   bs, scores.data(), qf.data(), acc.data(), buf.data(), mass_row, out + b * nh * hd);
+      head += heads;
     }
   });
 }

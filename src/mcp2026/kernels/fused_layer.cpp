@@ -13,14 +13,12 @@
 
 torch::Tensor FusedLinear::operator()(const torch::Tensor& x) const {
   if (kind == 0) return dense_linear(x, a, bias);
-  auto xs = inv_scale.has_value() ? x * *inv_scale : x;
-  // the VNNI GEMMs write bf16 for bf16 input: a bias is added to their fp32 results before the one rounding
-  if (bias.has_value() && (kind == 3 || kind == 5)) xs = xs.to(torch::kFloat);
-  auto y = kind == 1   ? int8_gemv(xs, a, b)
-           : kind == 2 ? int4_gemv(xs, a, b)
-           : kind == 3 ? int4_gemm(xs, a, b)
-           : kind == 4 ? int8_gemm(xs, a, b)
-                       : block_gemm(xs, a, b);
+  const auto xs = inv_scale.has_value() ? x * *inv_scale : x;
+  if (kind == 3 || kind == 5) {  // the VNNI GEMMs add the bias themselves (before rounding a bf16 output)
+    const auto y = kind == 3 ? int4_gemm(xs, a, b, bias) : block_gemm(xs, a, b, bias);
+    return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+  }
+  auto y = kind == 1 ? int8_gemv(xs, a, b) : kind == 2 ? int4_gemv(xs, a, b) : int8_gemm(xs, a, b);
   if (bias.has_value()) y = y + *bias;
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }

@@ -25,7 +25,7 @@ namespace {
 // (row, block) scales and dx * sum(xq). out: R rows of stride N at the tile's first column.
 template <int R, int C, typename S, typename O>
 void gemm_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx, const float* dxs,
-               int64_t K, O* out, int64_t N, bool stream) {
+               int64_t K, const float* bias, O* out, int64_t N, bool stream) {
   const int64_t nblk = K / 32, tile_bytes = (K / 8) * 64, tile_scales = nblk * 2 * kColTile;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R][C];
@@ -63,17 +63,16 @@ void gemm_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) store16(out + r * N + c * kColTile, acc[r][c]);
+  store_tile<R, C>(acc, bias, out, N);
 }
 
 template <int C, typename S, typename O>
-void gemm_rows(const uint8_t* wp, const S* so, const QuantizedRows& xr, int64_t M, int64_t K, O* out,
-               int64_t N) {
+void gemm_rows(const uint8_t* wp, const S* so, const QuantizedRows& xr, int64_t M, int64_t K, const float* bias,
+               O* out, int64_t N) {
   const int64_t nblk = K / 32;
   for_row_tiles(M, [&](int64_t r0, auto rows) {
     gemm_tile<decltype(rows)::value, C, S, O>(wp, so, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
-                                        xr.sum.data() + r0 * nblk, K, out + r0 * N, N, M <= kGemmRows);
+                                        xr.sum.data() + r0 * nblk, K, bias, out + r0 * N, N, M <= kGemmRows);
   });
 }
 #endif
@@ -128,7 +127,8 @@ std::vector<torch::Tensor> int4_gemm_pack(const torch::Tensor& qs, const torch::
   return {wp, so};
 }
 
-torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so) {
+torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so,
+                        const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x must be a CPU (M, K) tensor");
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
   const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * kColTile;
@@ -144,6 +144,8 @@ torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const t
     quantize_rows_into<scalar_t>(xr, xc.data_ptr<scalar_t>(), M, K);
   });
   auto out = gemm_output(x, M, N);
+  const auto b = gemm_bias(bias, N);
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const uint8_t* w = wp.data_ptr<uint8_t>();
   const int64_t tiles = N / kColTile, tile_bytes = (K / 8) * 64, tile_scales = (K / 32) * 2 * kColTile;
   with_output(out, [&](auto* op) {
@@ -151,10 +153,11 @@ torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const t
       for_column_tiles(tiles, M, [&](int64_t t, bool pair) {
         const auto* wt = w + t * tile_bytes;
         const auto* st = s + t * tile_scales;
+        const float* bt = bp ? bp + t * kColTile : nullptr;
         if (pair)
-          gemm_rows<2>(wt, st, xr, M, K, op + t * kColTile, N);
+          gemm_rows<2>(wt, st, xr, M, K, bt, op + t * kColTile, N);
         else
-          gemm_rows<1>(wt, st, xr, M, K, op + t * kColTile, N);
+          gemm_rows<1>(wt, st, xr, M, K, bt, op + t * kColTile, N);
       });
     });
   });

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "quantize_rows.h"
+#include "simd.h"
 #include "thread_team.h"
 
 namespace {
@@ -37,6 +38,25 @@ inline torch::Tensor gemm_output(const torch::Tensor& x, int64_t M, int64_t N) {
   return torch::empty({M, N}, x.options().dtype(x.scalar_type() == torch::kBFloat16 ? torch::kBFloat16
                                                                                     : torch::kFloat));
 }
+
+// A GEMM's bias as contiguous fp32 (undefined without one): added to the fp32 results before they are stored, so
+// a bf16 output is rounded once, as (fp32 result + bias) converted afterwards would be.
+inline torch::Tensor gemm_bias(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value()) return {};
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be (N,) for the weight's N outputs");
+  return bias->to(torch::kFloat).contiguous();
+}
+
+#ifdef MCP_INT4_VNNI
+// A micro-tile's R x C accumulators (plus the tile's bias, if any) into R output rows of stride N.
+template <int R, int C, typename O>
+inline void store_tile(__m512 (&acc)[R][C], const float* bias, O* out, int64_t N) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      store16(out + r * N + c * kColTile,
+              bias ? _mm512_add_ps(acc[r][c], _mm512_loadu_ps(bias + c * kColTile)) : acc[r][c]);
+}
+#endif
 
 // Calls fn with the output's data as float* or at::BFloat16*.
 template <typename F>

@@ -90,7 +90,7 @@ def _attach_blocks(
         weights = blocks.pop(name)  # each unpacked form freed once packed
         module_name = name.removesuffix(".weight")
         if module_name == "embed_tokens":
-            table = weights if isinstance(weights, BlockLinear) else BlockLinear(weights)
+            table = BlockLinear(weights)  # the token table is never packed early: only layers' weights are
             model.embed_tokens = BlockEmbedding(table, dtype)
             if config.tie_word_embeddings:
                 model.lm_head = table

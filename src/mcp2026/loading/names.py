@@ -23,9 +23,8 @@ class PendingBlocks:
     read: Callable[[], BlockWeights]
 
 
-Weight = (
-    torch.Tensor | BlockWeights | PendingBlocks
-)  # a float tensor, or a file's stored blocks kept as they are
+# a float tensor, or a file's stored blocks kept as they are (read, or still to be read)
+Weight = torch.Tensor | BlockWeights | PendingBlocks
 Finish = Callable[[str, Weight], object]  # what fuse_weights makes of each fused layer weight as it is done
 
 

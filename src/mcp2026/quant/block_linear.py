@@ -195,10 +195,7 @@ class BlockLinear(nn.Module):
                 "BlockLinear runs on the compiled CPU kernels only (CPU fp32/bf16 input, no autograd); load "
                 "the model with dtype='fp32' or 'bf16' to run it as floats"
             )
-        # bf16 in, bf16 out (rounded in the kernel); with a bias, fp32 out so the bias is added before rounding
-        y = kernels.block_gemm(x2 if self.bias is None else x2.float(), self.weight, self.scales_offsets)
-        if self.bias is not None:
-            y = y + self.bias
+        y = kernels.block_gemm(x2, self.weight, self.scales_offsets, self.bias)  # bias added before rounding
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)

@@ -134,9 +134,8 @@ class Int4Linear(QuantLinear):
         if (
             kernels is not None
         ):  # AVX-512 VNNI: our int4 x int8 GEMM at every row count (docs/quantization.md)
-            xs = self._scaled(x2)  # bf16 in, bf16 out; with a bias, fp32 out (added before the rounding)
-            xs = xs if self.bias is None else xs.float()
-            return self._output(kernels.int4_gemm(xs, *self.gemm_weights()), x)
+            y = kernels.int4_gemm(self._scaled(x2), *self.gemm_weights(), self.bias)
+            return self._output(y, x, bias_added=True)
         if routing.gemv_rows(x2, routing.INT4_GEMV_BATCH_MAX_ROWS):
             kernels = kernel_ops.kernels_for(x2)
             if kernels is not None:  # decode: our int4 x int8 GEMV, no casts

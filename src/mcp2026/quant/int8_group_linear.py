@@ -53,8 +53,7 @@ class Int8GroupLinear(QuantLinear):
                 f"grouped int8 runs on the compiled CPU kernels only (CPU fp32/bf16 input, no autograd), got "
                 f"{x2.dtype} on {x2.device}: {kernels_unavailable() or 'use int8 per channel there'}"
             )
-        x2 = x2 if self.bias is None else x2.float()  # fp32 out, so the bias is added before the rounding
-        return self._output(kernels.block_gemm(x2, *self.gemm_weights()), x)
+        return self._output(kernels.block_gemm(x2, *self.gemm_weights(), self.bias), x, bias_added=True)
 
     def gemm_weights(self) -> tuple[Tensor, Tensor]:
         """The block GEMM's (N/16, K/4, 64) byte tiles and (N/16, K/32, 2, 16) scales and offsets (fp16: exact)."""

@@ -107,8 +107,9 @@ class QuantLinear(nn.Module):
         """x divided by the activation-aware scale, where the layer has one (fp32 paths of our kernels)."""
         return x if self.inv_act_scale is None else x * self.inv_act_scale
 
-    def _output(self, y: Tensor, x: Tensor) -> Tensor:
-        if self.bias is not None:
+    def _output(self, y: Tensor, x: Tensor, bias_added: bool = False) -> Tensor:
+        """y in x's dtype and leading shape, the bias added (``bias_added``: the kernel already did)."""
+        if self.bias is not None and not bias_added:
             y = y + self.bias
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
