@@ -116,6 +116,15 @@ def test_offline_serve_and_kv_rows():
     sharegpt = row(md, "sharegpt offline, 32 requests")
     assert sharegpt[1:3] == ["40.0", "10.0 (static batches of 16)"] and sharegpt[5] == "4.00x HF"
     assert row(md, "batched decode at 32 concurrent")[1:3] == ["60.0", "40.0 (static batch 32)"]
+    batched = offline_run("offline-batched-decode", 30.0, 20.0)
+    batched.aggregates["llama.cpp"] = {"decode_tok_per_s": 15.0}
+    batched.aggregates["vllm"] = {"decode_tok_per_s": 40.0}
+    with_peers = row(headline_markdown([batched]), "batched decode at 32 concurrent")
+    assert with_peers[3:6] == [
+        "15.0 (gguf, batch API)",
+        "40.0 (bf16)",
+        "1.50x HF, 4.00x llama.cpp, 1.50x vLLM",
+    ]
     tok = row(md, "serving, 16 concurrent clients, output tok/s")
     assert tok[1:5] == ["34.0", "—", "40.0 (llama)", "17.0 (vllm-cpu)"]
     assert tok[5] == "0.85x llama.cpp, 2.00x vLLM"

