@@ -42,6 +42,16 @@ def test_add_rms_norm_adds_a_bf16_branch_to_an_fp32_stream(kernels):
     torch.testing.assert_close(kernels.add_rms_norm(residual, x, weight, 1e-6, torch.float32), expected)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16])
+def test_add_rms_norm_reads_a_narrow_weight_as_its_fp32_widening(kernels, weight_dtype):
+    torch.manual_seed(1)
+    residual, weight = torch.randn(3, 64, dtype=torch.bfloat16), (torch.rand(64) + 0.5).to(weight_dtype)
+    out = kernels.add_rms_norm(residual.clone(), None, weight, 1e-6, torch.bfloat16)
+    assert torch.equal(
+        out, kernels.add_rms_norm(residual.clone(), None, weight.float(), 1e-6, torch.bfloat16)
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_matches_torch(kernels, dtype):
     gate_up = torch.randn(3, 2 * 80, dtype=dtype)

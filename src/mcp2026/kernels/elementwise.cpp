@@ -26,8 +26,8 @@ constexpr int64_t kParallelRows = 64;
 
 // ---- residual add + RMSNorm ------------------------------------------------------------------------------
 // residual += x (in place, when x is given), then out = residual / rms(residual) * weight, in out_dtype.
-template <typename T, typename R, typename O>
-void add_rms_norm_impl(const T* x, R* res, const float* w, O* out, int64_t rows, int64_t hidden, float eps) {
+template <typename T, typename R, typename O, typename W>
+void add_rms_norm_impl(const T* x, R* res, const W* w, O* out, int64_t rows, int64_t hidden, float eps) {
   team::parallel_for(0, rows, kParallelRows, [&](int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     R* rr = res + r * hidden;
@@ -46,7 +46,8 @@ void add_rms_norm_impl(const T* x, R* res, const float* w, O* out, int64_t rows,
     }
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
     O* orow = out + r * hidden;
-    for (int64_t i = 0; i < hidden; ++i) orow[i] = static_cast<O>(static_cast<float>(rr[i]) * inv * w[i]);
+    for (int64_t i = 0; i < hidden; ++i)
+      orow[i] = static_cast<O>(static_cast<float>(rr[i]) * inv * static_cast<float>(w[i]));
   }
   });
 }
@@ -64,24 +65,31 @@ torch::Tensor add_rms_norm(const torch::Tensor& residual, const c10::optional<to
     TORCH_CHECK(x->sizes() == residual.sizes(), "x and residual must have one shape");
     xc = x->contiguous();
   }
-  const auto wf = weight.to(torch::kFloat).contiguous();
-  TORCH_CHECK(wf.numel() == hidden, "weight must have H elements");
+  // A bf16 weight is read as it is (widening is exact): converting it to fp32 on every call allocated a copy
+  // per norm per step.
+  const auto wc = weight.scalar_type() == torch::kBFloat16 ? weight.contiguous() : weight.to(torch::kFloat).contiguous();
+  TORCH_CHECK(wc.numel() == hidden, "weight must have H elements");
   auto out = torch::empty({rows, hidden}, residual.options().dtype(out_dtype));
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, residual.scalar_type(), "add_rms_norm_res", [&] {
     using R = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, out_dtype, "add_rms_norm_out", [&] {
       using O = scalar_t;
-      if (!x.has_value()) {
-        add_rms_norm_impl<float, R, O>(nullptr, residual.data_ptr<R>(), wf.data_ptr<float>(),
-                                       out.data_ptr<O>(), rows, hidden, static_cast<float>(eps));
-      } else if (xc.scalar_type() == torch::kFloat) {
-        add_rms_norm_impl<float, R, O>(xc.data_ptr<float>(), residual.data_ptr<R>(), wf.data_ptr<float>(),
-                                       out.data_ptr<O>(), rows, hidden, static_cast<float>(eps));
-      } else {
-        add_rms_norm_impl<at::BFloat16, R, O>(xc.data_ptr<at::BFloat16>(), residual.data_ptr<R>(),
-                                              wf.data_ptr<float>(), out.data_ptr<O>(), rows, hidden,
-                                              static_cast<float>(eps));
-      }
+      auto run = [&](const auto* w) {
+        if (!x.has_value()) {
+          add_rms_norm_impl<float, R, O>(nullptr, residual.data_ptr<R>(), w, out.data_ptr<O>(), rows, hidden,
+                                         static_cast<float>(eps));
+        } else if (xc.scalar_type() == torch::kFloat) {
+          add_rms_norm_impl<float, R, O>(xc.data_ptr<float>(), residual.data_ptr<R>(), w, out.data_ptr<O>(), rows,
+                                         hidden, static_cast<float>(eps));
+        } else {
+          add_rms_norm_impl<at::BFloat16, R, O>(xc.data_ptr<at::BFloat16>(), residual.data_ptr<R>(), w,
+                                                out.data_ptr<O>(), rows, hidden, static_cast<float>(eps));
+        }
+      };
+      if (wc.scalar_type() == torch::kBFloat16)
+        run(wc.data_ptr<at::BFloat16>());
+      else
+        run(wc.data_ptr<float>());
     });
   });
   return out;
