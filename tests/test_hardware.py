@@ -27,3 +27,12 @@ def test_usable_cpu_count_is_capped_by_the_quota(monkeypatch):
     assert hardware.usable_cpu_count() == 1  # a fractional quota still runs one thread
     monkeypatch.setattr(hardware, "cgroup_cpu_quota", lambda: None)
     assert hardware.usable_cpu_count() >= 1
+
+
+def test_cpu_family_model_tells_generations_apart(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n")
+    assert hardware.cpu_family_model(info) == "family 26, model 2"
+    info.write_text("processor\t: 0\nmodel name\t: some CPU\n")
+    assert hardware.cpu_family_model(info) is None
+    assert hardware.cpu_family_model(tmp_path / "missing") is None

@@ -46,6 +46,22 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_family_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """'family F, model M' from /proc/cpuinfo: what tells CPU generations apart where the model name does not
+    (a cloud "AMD EPYC" is a Zen 3, 4 or 5); None where the file says nothing."""
+    try:
+        fields = dict(
+            (key.strip(), value.strip())
+            for key, _, value in (line.partition(":") for line in cpuinfo.read_text().splitlines())
+            if key.strip() in ("cpu family", "model")
+        )
+    except OSError:
+        return None
+    if "cpu family" not in fields or "model" not in fields:
+        return None
+    return f"family {fields['cpu family']}, model {fields['model']}"
+
+
 def has_fast_bf16() -> bool:
     """bf16 matmuls are only fast with AVX512-BF16 or AMX on CPU (elsewhere several times slower than fp32)."""
     if torch.cuda.is_available():

@@ -52,6 +52,9 @@ def test_markdown_has_table_command_and_machine():
     assert "Command: `mcp2026 bench offline --num-prompts 4`" in md
     assert "Test CPU, 2 cores" in md and "avx2" in md and "avx512f" not in md
     assert "- HF peer skipped" in md
+    run = make_run()
+    run.machine["cpu_family_model"] = "family 26, model 2"  # what tells an "AMD EPYC"'s generation
+    assert "Test CPU (family 26, model 2), 2 cores" in render_markdown(run)
 
 
 def test_update_benchmarks_md_replaces_only_its_section(tmp_path):

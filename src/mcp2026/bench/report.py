@@ -70,6 +70,7 @@ def machine_info() -> dict[str, Any]:
     flags = hardware.cpu_flags()
     return {
         "cpu_model": hardware.cpu_model(),
+        "cpu_family_model": hardware.cpu_family_model(),
         "cpu_flags": {f: f in flags for f in CPU_FLAGS},
         "fast_bf16": hardware.has_fast_bf16(),
         "usable_cores": hardware.usable_cpu_count(),
@@ -151,8 +152,9 @@ def machine_line(machine: dict[str, Any]) -> str:
     flags = ", ".join(f for f, on in machine.get("cpu_flags", {}).items() if on) or "none of the tracked"
     git = machine.get("git") or {}
     commit = (git.get("commit") or "unknown")[:10] + (" (dirty)" if git.get("dirty") else "")
+    family = f" ({machine['cpu_family_model']})" if machine.get("cpu_family_model") else ""
     return (
-        f"{machine.get('cpu_model')}, {machine.get('usable_cores')} cores ({machine.get('torch_threads')} torch "
+        f"{machine.get('cpu_model')}{family}, {machine.get('usable_cores')} cores ({machine.get('torch_threads')} torch "
         f"threads), flags: {flags}; torch {machine.get('torch')}, transformers {machine.get('transformers')}; "
         f"commit {commit}"
     )
