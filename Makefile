@@ -41,8 +41,8 @@ test: lint
 # twins run too, for hours) and the serving rows (examples/bench_peers/run_serving.sh, ~25 minutes, peers set up
 # by hand) are separate; the headline keeps their rows until they are rerun.
 bench: setup
-	$(BIN)/mcp2026 bench latency --dtype fp32 --weights int8,int4 --new-tokens 64 --prefill-tokens 512 --repeats 3 --write-docs --no-progress
-	$(BIN)/mcp2026 bench offline --batched-decode 32 --input-len 128 --output-len 64 --dtype fp32 --weights int8,int4,bf16 --write-docs --no-progress
+	$(BIN)/mcp2026 bench latency --dtype auto --new-tokens 128 --prefill-tokens 512 --repeats 7 --warmup 1 --seed 0 --write-docs --no-progress
+	$(BIN)/mcp2026 bench offline --batched-decode 32 --input-len 128 --output-len 64 --seed 0 --dtype auto $(if $(VLLM_VENV),--vllm-venv $(VLLM_VENV)) --write-docs --no-progress
 	$(BIN)/mcp2026 bench offline --workload sharegpt --num-prompts 200 --max-requests 16 --batch-size 16 --dtype fp32 --weights int8,int4 --write-docs --no-progress
 	$(BIN)/mcp2026 bench kv --combined int8+heavy_hitter@0.7,int4+heavy_hitter@0.7 --retrieval-configs heavy_hitter@0.7,snap@0.7,sink_window@0.7,int4+heavy_hitter@0.7 --decode-weights int4 --decode-configs bf16,int8,fp8,int4,int4+heavy_hitter@0.7 --write-docs --no-progress
 	$(BIN)/mcp2026 bench headline --write-docs

@@ -646,6 +646,18 @@ def test_prefill_attention_matches_sdpa(kernels, t, s, offset, nh, nkv, hd, kv_d
         kernels.prefill_attention(q, k, v, s - t + 1)  # the chunk's own keys must be in k
 
 
+def test_prefill_attention_of_bf16_queries_is_the_fp32_result_rounded_once(kernels):
+    if not kernels.prefill_attention_available():
+        pytest.skip("this CPU build has no AVX-512 prefill attention")
+    torch.manual_seed(0)
+    q = (torch.randn(40, 9, 64) * 0.4).bfloat16()
+    k, v = torch.randn(3, 60, 64).bfloat16(), torch.randn(3, 60, 64).bfloat16()
+    out = ops.prefill_attention(q, k, v, 20)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, kernels.prefill_attention(q.float(), k, v, 20).bfloat16())
+    torch.testing.assert_close(out.float(), _sdpa_at_offset(q.float(), k, v, 20), atol=1e-2, rtol=1e-2)
+
+
 def test_prefill_attention_dispatch_falls_back_to_sdpa_where_it_does_not_apply():
     q, k = torch.randn(80, 9, 64, dtype=torch.float64), torch.randn(3, 80, 64, dtype=torch.float64)
     assert ops.prefill_attention(q, k, k, 0) is None  # a dtype the kernel does not take

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from mcp2026 import hardware
-from mcp2026.bench.peers import PeerUnavailable, load_llama_cpp
+from mcp2026.bench.peers import PeerUnavailable, load_hf_model, load_llama_cpp
 from mcp2026.bench.workloads import BenchRequest
 from mcp2026.loading.loader import default_model_path
 
@@ -92,7 +92,7 @@ def llama_cpp_batched(
     """All ``requests`` at once on llama.cpp (its own kernels on the same GGUF). ``kv_unified``: one KV pool
     for all sequences (llama.cpp's ``-kvu``) instead of a fixed share of the context per sequence."""
     llm = load_llama_cpp(gguf_path, n_ctx=256, n_threads=n_threads)  # the model; our context below
-    import llama_cpp as lc
+    import llama_cpp as lc  # optional (llama-cpp-python): load_llama_cpp above said it imports
 
     threads = n_threads or hardware.usable_cpu_count()
     n_seqs = len(requests)
@@ -183,9 +183,7 @@ def export_hf_folder(model: str | Path | None, out_dir: Path) -> Path:
     saves it with its tokenizer. Kept in ``out_dir`` and reused."""
     if (out_dir / "config.json").is_file():
         return out_dir
-    from transformers import AutoTokenizer
-
-    from mcp2026.bench.peers import load_hf_model
+    from transformers import AutoTokenizer  # heavy (seconds): only a vLLM run without its folder needs it
 
     source = default_model_path() if model is None else Path(model).expanduser()
     try:

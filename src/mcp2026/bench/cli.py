@@ -30,7 +30,8 @@ COMMANDS = lazy_group(
     LazyCommand(
         "offline",
         "mcp2026.bench.offline_cli:offline",
-        "Offline throughput: all requests at once on our engine vs HF static batches, same prompts.",
+        "Offline throughput: all requests at once on our engine vs HF static batches (and, for batched decode, "
+        "llama.cpp and vLLM CPU), same prompts.",
     ),
     LazyCommand(
         "report",
