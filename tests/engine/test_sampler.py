@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mcp2026.engine.sampler import Sampler, SamplingState
+from mcp2026.engine.sampler import Sampler, SamplingState, greedy_ids
 from mcp2026.types import SamplingParams
 
 VOCAB = 512
@@ -41,6 +41,15 @@ def test_greedy_is_argmax_fast_and_slow_path() -> None:
     out = Sampler().sample(logits, states)
     assert out.token_ids == expected
     assert out.logprobs[3] is not None and all(lp is None for i, lp in enumerate(out.logprobs) if i != 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_ids_take_the_first_maximum_and_a_nan_as_argmax_does(dtype) -> None:
+    nan, inf = float("nan"), float("inf")
+    rows = [[1.0, nan, 5.0], [-inf, -inf, -inf], [2.0, 7.0, 7.0], [0.0, inf, inf], [3.0, 1.0, 2.0]]
+    logits = torch.tensor(rows, dtype=dtype)
+    assert greedy_ids(logits) == logits.argmax(-1).tolist() == [1, 0, 1, 1, 0]
+    assert greedy_ids(logits[1::2]) == [0, 1]  # a strided view of the rows
 
 
 def test_sample_does_not_modify_logits_and_checks_rows() -> None:

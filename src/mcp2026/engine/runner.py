@@ -495,4 +495,6 @@ class ModelRunner:
                 sample_ids.append(c.request_id)
         if not rows:
             return [], torch.empty(0)
+        if len(rows) == hidden.shape[0]:  # rows ascend: every row samples (a decode-only step), no gather
+            return sample_ids, self.model.compute_logits(hidden)
         return sample_ids, self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
