@@ -63,8 +63,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a staged codec's prefill chunk: each query's own staged block merged into the sealed context's attention");
   m.def("seal_int4_blocks", &seal_int4_blocks,
         "whole blocks encoded with the int4 KV codec (keys: group 0, values: channels per group) into one layer's planes");
-  m.def("layer_attn_in", &layer_attn_in, "residual add + RMSNorm + qkv projection + RoPE; returns q, k, v");
-  m.def("layer_attn_out_mlp", &layer_attn_out_mlp, "o projection + residual add + RMSNorm + gated MLP");
+  m.def(
+      "layer_attn_in",
+      [](torch::Tensor& residual, const c10::optional<torch::Tensor>& x, const torch::Tensor& norm_w, double eps,
+         const FusedLinear& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t nh, int64_t nkv,
+         int64_t hd) { return layer_attn_in(residual, x, norm_w, eps, qkv, cos, sin, nh, nkv, hd); },
+      "residual add + RMSNorm + qkv projection + RoPE; returns q, k, v");
+  m.def(
+      "layer_attn_out_mlp",
+      [](const torch::Tensor& attn, torch::Tensor& residual, const FusedLinear& o, const torch::Tensor& norm_w,
+         double eps, const FusedLinear& gate_up, const FusedLinear& down) {
+        return layer_attn_out_mlp(attn, residual, o, norm_w, eps, gate_up, down);
+      },
+      "o projection + residual add + RMSNorm + gated MLP");
   py::class_<DecodeLayer>(m, "DecodeLayer")
       .def(py::init([](torch::Tensor norm1, double eps1, FusedLinear qkv, torch::Tensor norm2, double eps2,
                        FusedLinear o, FusedLinear gate_up, FusedLinear down) {

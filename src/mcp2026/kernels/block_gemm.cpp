@@ -252,6 +252,11 @@ void avx2_gemm(const uint8_t* w, const S* so, const QuantizedRows& xr, const Gro
 // fp32 or fp16. -> (M, N) in x's dtype. On AVX-512 VNNI, nibbles go through int4_gemm (the same arithmetic).
 torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so,
                          const c10::optional<torch::Tensor>& bias) {
+  return block_gemm_into(x, wp, so, bias, nullptr);
+}
+
+torch::Tensor block_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so,
+                              const c10::optional<torch::Tensor>& bias, torch::Tensor* slot) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x must be a CPU (M, K) tensor");
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
   const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * kColTile;
@@ -267,7 +272,7 @@ torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const 
   TORCH_CHECK(so.size(1) * G == K && (G == 32 || (G == 16 && bits == 8)),
               "groups must be 32 weights (or 16 with byte values)");
 #ifdef MCP_INT4_VNNI
-  if (bits == 4) return int4_gemm(x, wp, so, bias);
+  if (bits == 4) return int4_gemm_into(x, wp, so, bias, slot);
 #else
   // Without VNNI the int8 dot products cost several instructions per 32 values, and from a few dozen rows a
   // float GEMM over the weight dequantized once per call is faster (a prefill chunk, a large batch): both the
@@ -290,7 +295,7 @@ torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const 
   });
   const uint8_t* w = wp.data_ptr<uint8_t>();
 #ifdef MCP_INT4_VNNI
-  auto out = gemm_output(x, M, N);
+  auto out = gemm_output(x, M, N, slot);
   const auto b = gemm_bias(bias, N);
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   with_output(out, [&](auto* op) {

@@ -13,7 +13,23 @@ inline void check_cpu_float(const torch::Tensor& t, const char* name) {
               " must be float32 or bfloat16, got ", t.scalar_type());
 }
 
+// A decode stack's step allocates each intermediate once and its layers reuse it: the kernels below that take a
+// slot write their output into *slot when it has the shape and dtype wanted, else into a new tensor left in *slot
+// (no slot: a new tensor, as always). Only the stack passes slots; every Python entry point allocates.
+inline torch::Tensor slot_or_empty(torch::Tensor* slot, at::IntArrayRef sizes, const at::TensorOptions& options) {
+  if (slot != nullptr && slot->defined() && slot->sizes() == sizes &&
+      slot->scalar_type() == c10::typeMetaToScalarType(options.dtype()))
+    return *slot;
+  auto t = torch::empty(sizes, options);
+  if (slot != nullptr) *slot = t;
+  return t;
+}
+
 // decode_attention.cpp
+torch::Tensor paged_decode_attention_into(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                          const torch::Tensor& v_cache, const torch::Tensor& tables,
+                                          const torch::Tensor& lengths, const c10::optional<torch::Tensor>& mass,
+                                          torch::Tensor* slot);
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& tables,
                                      const torch::Tensor& lengths, const c10::optional<torch::Tensor>& mass);
@@ -28,8 +44,12 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
 // elementwise.cpp
 torch::Tensor add_rms_norm(const torch::Tensor& residual, const c10::optional<torch::Tensor>& x,
                            const torch::Tensor& weight, double eps, c10::ScalarType out_dtype);
+torch::Tensor add_rms_norm_into(const torch::Tensor& residual, const c10::optional<torch::Tensor>& x,
+                                const torch::Tensor& weight, double eps, c10::ScalarType out_dtype,
+                                torch::Tensor* slot);
 void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor silu_mul(const torch::Tensor& gate_up, c10::ScalarType out_dtype);
+torch::Tensor silu_mul_into(const torch::Tensor& gate_up, c10::ScalarType out_dtype, torch::Tensor* slot);
 // gemv.cpp
 constexpr int64_t kDenseGemvMaxRows = 32;  // the most rows dense_linear gives its own GEMV (gemv.cpp)
 torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sz);
@@ -42,12 +62,16 @@ bool vnni_gemm_available();
 std::vector<torch::Tensor> int4_gemm_pack(const torch::Tensor& qs, const torch::Tensor& sz);
 torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so,
                         const c10::optional<torch::Tensor>& bias = c10::nullopt);
+torch::Tensor int4_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so,
+                             const c10::optional<torch::Tensor>& bias, torch::Tensor* slot);
 // int8_gemm.cpp
 torch::Tensor int8_gemm_pack(const torch::Tensor& w);
 torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& scales);
 // block_gemm.cpp
 torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so,
                          const c10::optional<torch::Tensor>& bias = c10::nullopt);
+torch::Tensor block_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so,
+                              const c10::optional<torch::Tensor>& bias, torch::Tensor* slot);
 torch::Tensor block_gemm_reference(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so);
 torch::Tensor block_dequant(const torch::Tensor& wp, const torch::Tensor& so, int64_t K);
 torch::Tensor block_weight_rows(const torch::Tensor& wp, const torch::Tensor& so, int64_t K, const torch::Tensor& ids);
@@ -73,16 +97,22 @@ struct FusedLinear {
                        // int8 GEMM: (wp, scales); block GEMM: (wp, so)
   c10::optional<torch::Tensor> bias, inv_scale;
 
-  torch::Tensor operator()(const torch::Tensor& x) const;
+  torch::Tensor operator()(const torch::Tensor& x) const { return run(x, nullptr); }
+  torch::Tensor run(const torch::Tensor& x, torch::Tensor* slot) const;  // slot: see slot_or_empty
+};
+
+// The intermediates of a decode stack's step, each allocated by its first layer and reused by the others.
+struct StepSlots {
+  torch::Tensor norm1, qkv, attn, o, norm2, gate_up, act, down;
 };
 
 std::vector<torch::Tensor> layer_attn_in(torch::Tensor& residual, const c10::optional<torch::Tensor>& x,
                                          const torch::Tensor& norm_w, double eps, const FusedLinear& qkv,
                                          const torch::Tensor& cos, const torch::Tensor& sin, int64_t nh,
-                                         int64_t nkv, int64_t hd);
+                                         int64_t nkv, int64_t hd, StepSlots* slots = nullptr);
 torch::Tensor layer_attn_out_mlp(const torch::Tensor& attn, torch::Tensor& residual, const FusedLinear& o,
                                  const torch::Tensor& norm_w, double eps, const FusedLinear& gate_up,
-                                 const FusedLinear& down);
+                                 const FusedLinear& down, StepSlots* slots = nullptr);
 
 // A decoder layer as DecodeStack runs it: the half-layers above with the layer's K/V write and paged attention
 // between them.

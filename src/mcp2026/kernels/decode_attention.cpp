@@ -582,6 +582,13 @@ float* check_mass(const c10::optional<torch::Tensor>& mass, int64_t B, int64_t n
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& tables,
                                      const torch::Tensor& lengths, const c10::optional<torch::Tensor>& mass) {
+  return paged_decode_attention_into(q, k_cache, v_cache, tables, lengths, mass, nullptr);
+}
+
+torch::Tensor paged_decode_attention_into(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                          const torch::Tensor& v_cache, const torch::Tensor& tables,
+                                          const torch::Tensor& lengths, const c10::optional<torch::Tensor>& mass,
+                                          torch::Tensor* slot) {
   check_cpu_float(q, "q");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q must be (B, nh, hd), caches 4-D");
   // The caches may be narrower than q (bf16 / fp16 K/V with fp32 activations: half the bytes to read, the
@@ -601,7 +608,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(k_cache.size(3) == hd && nh % nkv == 0, "head sizes do not match");
   const int64_t max_len = check_decode_batch(tc, lc, B, bs, k_cache.size(0));
   float* mp = check_mass(mass, B, nkv, nb);
-  auto out = torch::empty_like(qc);
+  auto out = slot_or_empty(slot, qc.sizes(), qc.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, qc.scalar_type(), "paged_decode_attention", [&] {
     using T = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k_cache.scalar_type(),

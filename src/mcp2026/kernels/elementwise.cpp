@@ -56,6 +56,12 @@ void add_rms_norm_impl(const T* x, R* res, const W* w, O* out, int64_t rows, int
 
 torch::Tensor add_rms_norm(const torch::Tensor& residual, const c10::optional<torch::Tensor>& x,
                            const torch::Tensor& weight, double eps, c10::ScalarType out_dtype) {
+  return add_rms_norm_into(residual, x, weight, eps, out_dtype, nullptr);
+}
+
+torch::Tensor add_rms_norm_into(const torch::Tensor& residual, const c10::optional<torch::Tensor>& x,
+                                const torch::Tensor& weight, double eps, c10::ScalarType out_dtype,
+                                torch::Tensor* slot) {
   check_cpu_float(residual, "residual");
   TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "residual must be a contiguous (T, H) tensor");
   const int64_t rows = residual.size(0), hidden = residual.size(1);
@@ -69,7 +75,7 @@ torch::Tensor add_rms_norm(const torch::Tensor& residual, const c10::optional<to
   // per norm per step.
   const auto wc = weight.scalar_type() == torch::kBFloat16 ? weight.contiguous() : weight.to(torch::kFloat).contiguous();
   TORCH_CHECK(wc.numel() == hidden, "weight must have H elements");
-  auto out = torch::empty({rows, hidden}, residual.options().dtype(out_dtype));
+  auto out = slot_or_empty(slot, {rows, hidden}, residual.options().dtype(out_dtype));
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, residual.scalar_type(), "add_rms_norm_res", [&] {
     using R = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, out_dtype, "add_rms_norm_out", [&] {
@@ -186,11 +192,15 @@ void silu_mul_impl(const T* gu, O* out, int64_t rows, int64_t inter) {
 }  // namespace
 
 torch::Tensor silu_mul(const torch::Tensor& gate_up, c10::ScalarType out_dtype) {
+  return silu_mul_into(gate_up, out_dtype, nullptr);
+}
+
+torch::Tensor silu_mul_into(const torch::Tensor& gate_up, c10::ScalarType out_dtype, torch::Tensor* slot) {
   check_cpu_float(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be (T, 2I)");
   const auto gc = gate_up.contiguous();
   const int64_t rows = gc.size(0), inter = gc.size(1) / 2;
-  auto out = torch::empty({rows, inter}, gc.options().dtype(out_dtype));
+  auto out = slot_or_empty(slot, {rows, inter}, gc.options().dtype(out_dtype));
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, gc.scalar_type(), "silu_mul_in", [&] {
     using T = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, out_dtype, "silu_mul_out", [&] {

@@ -11,11 +11,11 @@
 #include "cpu_kernels.h"
 #include "thread_team.h"
 
-torch::Tensor FusedLinear::operator()(const torch::Tensor& x) const {
+torch::Tensor FusedLinear::run(const torch::Tensor& x, torch::Tensor* slot) const {
   if (kind == 0) return dense_linear(x, a, bias);
   const auto xs = inv_scale.has_value() ? x * *inv_scale : x;
   if (kind == 3 || kind == 5) {  // the VNNI GEMMs add the bias themselves (before rounding a bf16 output)
-    const auto y = kind == 3 ? int4_gemm(xs, a, b, bias) : block_gemm(xs, a, b, bias);
+    const auto y = kind == 3 ? int4_gemm_into(xs, a, b, bias, slot) : block_gemm_into(xs, a, b, bias, slot);
     return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
   }
   auto y = kind == 1 ? int8_gemv(xs, a, b) : kind == 2 ? int4_gemv(xs, a, b) : int8_gemm(xs, a, b);
@@ -29,9 +29,9 @@ torch::Tensor FusedLinear::operator()(const torch::Tensor& x) const {
 std::vector<torch::Tensor> layer_attn_in(torch::Tensor& residual, const c10::optional<torch::Tensor>& x,
                                          const torch::Tensor& norm_w, double eps, const FusedLinear& qkv,
                                          const torch::Tensor& cos, const torch::Tensor& sin, int64_t nh,
-                                         int64_t nkv, int64_t hd) {
-  const auto h = add_rms_norm(residual, x, norm_w, eps, residual.scalar_type());
-  const auto y = qkv(h);
+                                         int64_t nkv, int64_t hd, StepSlots* slots) {
+  const auto h = add_rms_norm_into(residual, x, norm_w, eps, residual.scalar_type(), slots ? &slots->norm1 : nullptr);
+  const auto y = qkv.run(h, slots ? &slots->qkv : nullptr);
   const int64_t T = y.size(0);
   TORCH_CHECK(y.dim() == 2 && y.size(1) == (nh + 2 * nkv) * hd && y.is_contiguous(), "qkv has the wrong shape");
   auto qk = y.narrow(1, 0, (nh + nkv) * hd).view({T, nh + nkv, hd});
@@ -42,11 +42,11 @@ std::vector<torch::Tensor> layer_attn_in(torch::Tensor& residual, const c10::opt
 // attn (T, nh, hd) -> o projection; residual += it; h = RMSNorm(residual) * norm_w; down(SiLU(gate) * up).
 torch::Tensor layer_attn_out_mlp(const torch::Tensor& attn, torch::Tensor& residual, const FusedLinear& o,
                                  const torch::Tensor& norm_w, double eps, const FusedLinear& gate_up,
-                                 const FusedLinear& down) {
-  const auto a = o(attn.reshape({attn.size(0), -1}));
-  const auto h = add_rms_norm(residual, a, norm_w, eps, residual.scalar_type());
-  const auto gu = gate_up(h);
-  return down(silu_mul(gu, gu.scalar_type()));
+                                 const FusedLinear& down, StepSlots* slots) {
+  const auto a = o.run(attn.reshape({attn.size(0), -1}), slots ? &slots->o : nullptr);
+  const auto h = add_rms_norm_into(residual, a, norm_w, eps, residual.scalar_type(), slots ? &slots->norm2 : nullptr);
+  const auto gu = gate_up.run(h, slots ? &slots->gate_up : nullptr);
+  return down.run(silu_mul_into(gu, gu.scalar_type(), slots ? &slots->act : nullptr), slots ? &slots->down : nullptr);
 }
 
 // The Python loop of a decode step (models/decode_stack.py) without its ~5 interpreter crossings per layer:
@@ -62,15 +62,19 @@ std::vector<torch::Tensor> DecodeStack::run(const torch::Tensor& x, const torch:
   TORCH_CHECK(k_planes.size(2) == nkv && k_planes.size(4) == hd, "the planes' head sizes do not match the model");
   torch::Tensor residual = x.clone();  // the kernels update the residual stream in place
   c10::optional<torch::Tensor> h;
+  // Each intermediate is allocated by the first layer and rewritten by the others (every layer has the same
+  // shapes): a layer's down output is read by the next layer's first norm before that layer's down rewrites it.
+  // Fresh per call: the last layer's output is returned to the caller.
+  StepSlots slots;
   team::run([&] {  // one thread team for every layer's parallel loops (thread_team.h)
     for (size_t i = 0; i < layers.size(); ++i) {
       const DecodeLayer& l = layers[i];
-      const auto qkv = layer_attn_in(residual, h, l.norm1, l.eps1, l.qkv, cos, sin, nh, nkv, hd);
+      const auto qkv = layer_attn_in(residual, h, l.norm1, l.eps1, l.qkv, cos, sin, nh, nkv, hd, &slots);
       const auto kb = k_planes.select(0, (int64_t)i), vb = v_planes.select(0, (int64_t)i);
       auto k_rows = kb.view({-1, hd}), v_rows = vb.view({-1, hd});
       write_kv_rows(k_rows, v_rows, rows, qkv[1], qkv[2]);
-      const auto attn = paged_decode_attention(qkv[0], kb, vb, tables, lengths, c10::nullopt);
-      h = layer_attn_out_mlp(attn, residual, l.o, l.norm2, l.eps2, l.gate_up, l.down);
+      const auto attn = paged_decode_attention_into(qkv[0], kb, vb, tables, lengths, c10::nullopt, &slots.attn);
+      h = layer_attn_out_mlp(attn, residual, l.o, l.norm2, l.eps2, l.gate_up, l.down, &slots);
     }
   });
   return {*h, residual};  // layers is never empty (the binding refuses an empty stack)

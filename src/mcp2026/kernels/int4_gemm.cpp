@@ -129,6 +129,11 @@ std::vector<torch::Tensor> int4_gemm_pack(const torch::Tensor& qs, const torch::
 
 torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so,
                         const c10::optional<torch::Tensor>& bias) {
+  return int4_gemm_into(x, wp, so, bias, nullptr);
+}
+
+torch::Tensor int4_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so,
+                             const c10::optional<torch::Tensor>& bias, torch::Tensor* slot) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x must be a CPU (M, K) tensor");
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
   const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * kColTile;
@@ -143,7 +148,7 @@ torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& wp, const t
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, xc.scalar_type(), "int4_gemm_q", [&] {
     quantize_rows_into<scalar_t>(xr, xc.data_ptr<scalar_t>(), M, K);
   });
-  auto out = gemm_output(x, M, N);
+  auto out = gemm_output(x, M, N, slot);
   const auto b = gemm_bias(bias, N);
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const uint8_t* w = wp.data_ptr<uint8_t>();

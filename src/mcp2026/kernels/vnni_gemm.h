@@ -9,6 +9,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "cpu_kernels.h"
 #include "quantize_rows.h"
 #include "simd.h"
 #include "thread_team.h"
@@ -34,9 +35,9 @@ inline __m512i broadcast_dword(const int8_t* p) {
 #endif
 
 // The output of a VNNI GEMM on x: bf16 for bf16 activations (the kernels write it directly), else fp32.
-inline torch::Tensor gemm_output(const torch::Tensor& x, int64_t M, int64_t N) {
-  return torch::empty({M, N}, x.options().dtype(x.scalar_type() == torch::kBFloat16 ? torch::kBFloat16
-                                                                                    : torch::kFloat));
+inline torch::Tensor gemm_output(const torch::Tensor& x, int64_t M, int64_t N, torch::Tensor* slot = nullptr) {
+  return slot_or_empty(slot, {M, N},
+                       x.options().dtype(x.scalar_type() == torch::kBFloat16 ? torch::kBFloat16 : torch::kFloat));
 }
 
 // A GEMM's bias as contiguous fp32 (undefined without one): added to the fp32 results before they are stored, so
