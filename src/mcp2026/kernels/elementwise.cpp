@@ -20,15 +20,20 @@
 
 namespace {
 
-// The kernels here split rows across threads past this many (decode steps stay on the calling thread; a row's
-// arithmetic is the same either way).
-constexpr int64_t kParallelRows = 64;
+// The kernels here split rows across threads once a thread's share holds this many values (a batch-1 decode
+// step stays on the calling thread; a batched one, 32 rows of SiLU x up over 1536 values, no longer runs on one
+// thread while the others wait). A row's arithmetic is the same either way.
+constexpr int64_t kParallelValues = 4096;
+
+inline int64_t row_grain(int64_t values_per_row) {
+  return std::max<int64_t>(1, kParallelValues / std::max<int64_t>(values_per_row, 1));
+}
 
 // ---- residual add + RMSNorm ------------------------------------------------------------------------------
 // residual += x (in place, when x is given), then out = residual / rms(residual) * weight, in out_dtype.
 template <typename T, typename R, typename O, typename W>
 void add_rms_norm_impl(const T* x, R* res, const W* w, O* out, int64_t rows, int64_t hidden, float eps) {
-  team::parallel_for(0, rows, kParallelRows, [&](int64_t r0, int64_t r1) {
+  team::parallel_for(0, rows, row_grain(hidden), [&](int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     R* rr = res + r * hidden;
     float ss = 0.f;
@@ -110,7 +115,7 @@ template <typename T, typename C>
 void rope_impl(T* x, int64_t row_stride, const C* cos, const C* sin, int64_t rows, int64_t heads, int64_t hd,
                int64_t rot) {
   const int64_t half = rot / 2;
-  team::parallel_for(0, rows, kParallelRows, [&](int64_t r0, int64_t r1) {
+  team::parallel_for(0, rows, row_grain(heads * hd), [&](int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const C* c = cos + r * rot;
     const C* s = sin + r * rot;
@@ -161,7 +166,7 @@ inline float silu_scalar(float a) {
 
 template <typename T, typename O>
 void silu_mul_impl(const T* gu, O* out, int64_t rows, int64_t inter) {
-  team::parallel_for(0, rows, kParallelRows, [&](int64_t r0, int64_t r1) {
+  team::parallel_for(0, rows, row_grain(2 * inter), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* g = gu + r * 2 * inter;
       const T* u = g + inter;

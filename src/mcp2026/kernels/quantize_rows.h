@@ -15,6 +15,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "thread_team.h"
+
 namespace {
 
 // AVX-512 VNNI (dpbusd: 64 u8 x s8 products summed in fours into int32 lanes, one instruction) takes two
@@ -79,7 +81,10 @@ void quantize_rows_into(QuantizedRows& r, const T* x, int64_t M, int64_t K) {
 #ifdef MCP_INT4_VNNI
   r.scale8.resize(M * nblk * 8);
 #endif
-  for (int64_t i = 0; i < M; ++i)
+  // Rows split across threads from 8192 values a share (a batched decode step's 32 rows; one row stays on the
+  // calling thread): each row's blocks are quantized alike either way.
+  team::parallel_for(0, M, std::max<int64_t>(1, 8192 / std::max<int64_t>(K, 1)), [&](int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i)
     for (int64_t b = 0; b < nblk; ++b) {
       const T* xb = x + i * K + b * 32;
 #ifdef MCP_INT4_VNNI
@@ -110,6 +115,7 @@ void quantize_rows_into(QuantizedRows& r, const T* x, int64_t M, int64_t K) {
       std::fill(s8, s8 + 8, dx);
 #endif
     }
+  });
 }
 
 template <typename T>
