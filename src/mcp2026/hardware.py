@@ -24,39 +24,37 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def cpuinfo_fields(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, str]:
+    """The first processor's "key: value" lines of /proc/cpuinfo (empty where there is no such file)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor's block ends
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
 @lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    fields = cpuinfo_fields()
+    return frozenset((fields.get("flags") or fields.get("Features") or "").split())
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-
-    return platform.processor() or platform.machine()
+    return cpuinfo_fields().get("model name") or platform.processor() or platform.machine()
 
 
 def cpu_family_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
-    """'family F, model M' from /proc/cpuinfo: what tells CPU generations apart where the model name does not
-    (a cloud "AMD EPYC" is a Zen 3, 4 or 5); None where the file says nothing."""
-    try:
-        fields = dict(
-            (key.strip(), value.strip())
-            for key, _, value in (line.partition(":") for line in cpuinfo.read_text().splitlines())
-            if key.strip() in ("cpu family", "model")
-        )
-    except OSError:
-        return None
+    """'family F, model M': what tells CPU generations apart where the model name does not (a cloud "AMD EPYC"
+    is a Zen 3, 4 or 5); None where /proc/cpuinfo says nothing."""
+    fields = cpuinfo_fields(cpuinfo)
     if "cpu family" not in fields or "model" not in fields:
         return None
     return f"family {fields['cpu family']}, model {fields['model']}"

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from mcp2026.bench import batched_peers
+from mcp2026.bench import batched_peers, offline
 from mcp2026.bench.peers import PeerUnavailable
 from mcp2026.bench.workloads import BenchRequest
 
@@ -65,7 +65,9 @@ def test_vllm_runs_in_its_venv_and_decode_is_full_minus_first_token(tmp_path, mo
     assert result.details["version"] == f"{tmp_path / 'hf'}|0-1|3"
     assert result.seconds == 6.0 and result.details["first_token_seconds"] == 2.0  # medians over rounds
     assert result.decode_seconds == 4.0 and result.decode_tokens == 3 + 5
-    agg = result.aggregate(prompt_tokens=5)
+    agg = offline.throughputs(
+        result.seconds, result.num_output_tokens, 5, result.decode_tokens, result.decode_seconds
+    )
     assert agg["decode_tok_per_s"] == 2.0 and agg["output_tok_per_s"] == 10 / 6.0
     assert [x["num_output_tokens"] for x in result.records] == [4, 6]
 

@@ -41,18 +41,8 @@ class BatchedPeerResult:
     decode_seconds: float
     decode_tokens: int
     num_output_tokens: int
-    records: list[dict[str, Any]] = field(default_factory=list)
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def aggregate(self, prompt_tokens: int) -> dict[str, Any]:
-        return {
-            "seconds": self.seconds,
-            "output_tok_per_s": self.num_output_tokens / self.seconds,
-            "total_tok_per_s": (prompt_tokens + self.num_output_tokens) / self.seconds,
-            "decode_tok_per_s": self.decode_tokens / self.decode_seconds if self.decode_seconds else None,
-            "num_output_tokens": self.num_output_tokens,
-            **self.details,
-        }
+    records: list[dict[str, Any]] = field(default_factory=list)  # per request
+    details: dict[str, Any] = field(default_factory=dict)  # kept in the run's aggregates
 
 
 # ---- llama.cpp ------------------------------------------------------------------------------------

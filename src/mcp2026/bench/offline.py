@@ -253,15 +253,7 @@ def run_offline(
     ours = runs["mcp2026"]
     if dtype == "bf16" and not hardware.has_fast_bf16():
         notes.append("bf16 on a CPU without AVX512-BF16/AMX: emulated, several times slower than fp32")
-    aggregates = _aggregate(runs, hf_result)
-    prompt_tokens = sum(r.prompt_len for r in requests)
-    for name, peer in batched.items():
-        aggregates[name] = peer.aggregate(prompt_tokens)
-        aggregates[f"ratio_vs_{name}"] = {
-            k: aggregates["mcp2026"][k] / aggregates[name][k]
-            for k in ("output_tok_per_s", "decode_tok_per_s")
-            if aggregates["mcp2026"][k] and aggregates[name][k]
-        }
+    aggregates = _aggregate(runs, hf_result, batched, sum(r.prompt_len for r in requests))
     for name, p in passes.items():  # each pass's throughput: how far the machine drifted around the peer
         aggregates[name]["passes_output_tok_per_s"] = [
             sum(x["num_output_tokens"] for x in run_.records) / run_.seconds for run_ in p
@@ -316,42 +308,71 @@ def _run_batched_peers(
     return results
 
 
-def _aggregate(runs: dict[str, EngineRun], hf: Any) -> dict[str, Any]:
-    """Per engine run (``mcp2026``, ``mcp2026-int8``, ...) and HF: throughputs; ``ratio`` is ours (first run) /
-    HF, ``ratio_<fmt>`` each quantized run / HF. Tokens are counted from the records (every pass's)."""
+def throughputs(
+    seconds: float, num_output_tokens: int, prompt_tokens: int, decode_tokens: int, decode_seconds: float
+) -> dict[str, Any]:
+    """One engine's figures over ``seconds`` of wall time (every engine of a run is counted alike)."""
+    return {
+        "seconds": seconds,
+        "output_tok_per_s": num_output_tokens / seconds,
+        "total_tok_per_s": (prompt_tokens + num_output_tokens) / seconds,
+        "decode_tok_per_s": decode_tokens / decode_seconds if decode_seconds else None,
+        "num_output_tokens": num_output_tokens,
+    }
+
+
+def _ratios(ours: dict[str, Any], peer: dict[str, Any], keys: tuple[str, ...]) -> dict[str, float]:
+    return {k: ours[k] / peer[k] for k in keys if ours[k] and peer[k]}
+
+
+def _aggregate(
+    runs: dict[str, EngineRun],
+    hf: Any,
+    batched: dict[str, BatchedPeerResult] | None = None,
+    prompt_tokens: int = 0,
+) -> dict[str, Any]:
+    """Per engine run (``mcp2026``, ``mcp2026-int8``, ...), HF and the batched-decode peers: throughputs;
+    ``ratio`` is ours (first run) / HF, ``ratio_<fmt>`` each quantized run / HF, ``ratio_vs_<peer>`` ours /
+    that peer. Tokens are counted from the records (every pass's); ``prompt_tokens``: the requests' prompt
+    tokens, each batched peer's total."""
     result: dict[str, Any] = {}
     for name, run in runs.items():
         out = sum(x["num_output_tokens"] for x in run.records)
-        prompt_tokens = sum(x["prompt_len"] for x in run.records)
+        run_prompts = sum(x["prompt_len"] for x in run.records)
         result[name] = {
+            **throughputs(run.seconds, out, run_prompts, run.decode_tokens, run.decode_seconds),
             "seconds": run.seconds / run.num_passes,  # one pass's, as HF's
-            "output_tok_per_s": out / run.seconds,
-            "total_tok_per_s": (prompt_tokens + out) / run.seconds,
-            "decode_tok_per_s": run.decode_tokens / run.decode_seconds if run.decode_seconds else None,
-            "num_output_tokens": out,
             "num_steps": run.num_steps,
         }
     if hf is not None:
         hf_out = sum(x["num_output_tokens"] for x in hf.records)
-        prompt_tokens = sum(x["prompt_len"] for x in hf.records)
+        hf_prompts = sum(x["prompt_len"] for x in hf.records)
         decode_s = sum(b["decode_seconds"] for b in hf.batches)
         decode_tokens = sum(b["size"] * max(b["num_steps"] - 1, 0) for b in hf.batches)
         result["hf"] = {
-            "seconds": hf.seconds,
-            "output_tok_per_s": hf_out / hf.seconds,
-            "total_tok_per_s": (prompt_tokens + hf_out) / hf.seconds,
-            "decode_tok_per_s": decode_tokens / decode_s if decode_s else None,
-            "num_output_tokens": hf_out,
+            **throughputs(hf.seconds, hf_out, hf_prompts, decode_tokens, decode_s),
             "num_generated_tokens": hf.num_generated_tokens,
         }
         for name in runs:
             key = "ratio" if name == "mcp2026" else f"ratio_{name.removeprefix('mcp2026-')}"
-            result[key] = {
-                k: result[name][k] / result["hf"][k]
-                for k in ("output_tok_per_s", "total_tok_per_s", "decode_tok_per_s")
-                if result[name][k] and result["hf"][k]
-            }
+            result[key] = _ratios(
+                result[name], result["hf"], ("output_tok_per_s", "total_tok_per_s", "decode_tok_per_s")
+            )
+    for name, peer in (batched or {}).items():
+        result[name] = {
+            **throughputs(
+                peer.seconds, peer.num_output_tokens, prompt_tokens, peer.decode_tokens, peer.decode_seconds
+            ),
+            **peer.details,
+        }
+        result[f"ratio_vs_{name}"] = _ratios(
+            result["mcp2026"], result[name], ("output_tok_per_s", "decode_tok_per_s")
+        )
     return result
+
+
+def _ratio_row(label: str, ratio: dict[str, float], keys: tuple[str, ...]) -> list[Any]:
+    return [label, "", *(f"{ratio[k]:.2f}x" if k in ratio else "—" for k in keys), ""]
 
 
 def _table(aggregates: dict[str, Any], config: OfflineConfig, dtype: str) -> Table:
@@ -379,14 +400,11 @@ def _table(aggregates: dict[str, Any], config: OfflineConfig, dtype: str) -> Tab
         if ratio_key in aggregates:
             ratio = aggregates[ratio_key]
             name = "mcp2026" if key == "mcp2026" else f"mcp2026 {key.removeprefix('mcp2026-')}"
-            rows.append([f"{name} / HF", "", *(f"{ratio[k]:.2f}x" if k in ratio else "—" for k in keys), ""])
+            rows.append(_ratio_row(f"{name} / HF", ratio, keys))
     for key, label, _ in peer_rows:
         ratio = aggregates.get(f"ratio_vs_{key}")
         if ratio:
-            peer = label.split(" (")[0]
-            rows.append(
-                [f"mcp2026 / {peer}", "", *(f"{ratio[k]:.2f}x" if k in ratio else "—" for k in keys), ""]
-            )
+            rows.append(_ratio_row(f"mcp2026 / {label.split(' (')[0]}", ratio, keys))
     if config.batched_decode:
         title = (
             f"Batched decode: {config.batched_decode} concurrent sequences, "

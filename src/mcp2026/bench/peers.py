@@ -226,7 +226,7 @@ def load_llama_cpp(
         raise PeerUnavailable(f"llama.cpp peer skipped: {path} is not a GGUF file")
     threads = n_threads or hardware.usable_cpu_count()
     # llama.cpp's own tools run with flash attention where the backend has it (`-fa auto`: on for the CPU);
-    # llama-cpp-python's default is off, which decodes ~10% slower here.
+    # llama-cpp-python's default is off, which decodes measurably slower.
     options.setdefault("flash_attn", True)
     return Llama(
         str(path),

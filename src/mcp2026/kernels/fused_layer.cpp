@@ -14,12 +14,13 @@
 torch::Tensor FusedLinear::run(const torch::Tensor& x, torch::Tensor* slot) const {
   if (kind == 0) return dense_linear(x, a, bias);
   const auto xs = inv_scale.has_value() ? x * *inv_scale : x;
-  if (kind == 3 || kind == 5) {  // the VNNI GEMMs add the bias themselves (before rounding a bf16 output)
-    const auto y = kind == 3 ? int4_gemm_into(xs, a, b, bias, slot) : block_gemm_into(xs, a, b, bias, slot);
-    return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
-  }
-  auto y = kind == 1 ? int8_gemv(xs, a, b) : kind == 2 ? int4_gemv(xs, a, b) : int8_gemm(xs, a, b);
-  if (bias.has_value()) y = y + *bias;
+  const bool vnni = kind == 3 || kind == 5;  // the VNNI GEMMs add the bias themselves (before rounding bf16)
+  auto y = kind == 3   ? int4_gemm_into(xs, a, b, bias, slot)
+           : kind == 5 ? block_gemm_into(xs, a, b, bias, slot)
+           : kind == 1 ? int8_gemv(xs, a, b)
+           : kind == 2 ? int4_gemv(xs, a, b)
+                       : int8_gemm(xs, a, b);
+  if (!vnni && bias.has_value()) y = y + *bias;
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
 

@@ -433,27 +433,6 @@ torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& w, const
 // rounded to nearest even, as Tensor.to does). Measured with a throwaway script on a 2-core AVX512-BF16 EPYC,
 // 576 -> 3072 at 512 / 128 / 64 rows: dequantize + bf16 F.linear 5.7 / 1.8 / 1.0 ms, torch's int4 kernel
 // 14.3 / 3.7 / 1.5 (the dequantization alone 0.46).
-#ifdef MCP_INT4_VNNI
-// Sixteen floats to bf16, rounded as float8_to_bf16 below.
-inline __m256i float16_to_bf16(__m512 f) {
-  const __m512i bits = _mm512_castps_si512(f);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  return _mm512_cvtepi32_epi16(r);
-}
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__)
-// Eight floats to bf16 as c10::BFloat16 rounds finite values (to nearest, ties to even), in integer arithmetic:
-// a per-element conversion was most of a dequantization's time (0.55 ms of 576 -> 3072).
-inline __m128i float8_to_bf16(__m256 f) {
-  const __m256i bits = _mm256_castps_si256(f);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
-}
-#endif
-
 torch::Tensor int4_dequant(const torch::Tensor& qs, const torch::Tensor& sz, bool out_bf16,
                            const c10::optional<torch::Tensor>& out_buffer) {
   TORCH_CHECK(qs.scalar_type() == torch::kByte && qs.is_contiguous() && qs.dim() == 3 && qs.size(2) == 16,
@@ -494,8 +473,8 @@ torch::Tensor int4_dequant(const torch::Tensor& qs, const torch::Tensor& sz, boo
               _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask))), vs, voff);
           if (out_bf16) {
             at::BFloat16* ob = out_b16 + n * K + b * 32;
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob), float16_to_bf16(lo));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob + 16), float16_to_bf16(hi));
+            store16(ob, lo);
+            store16(ob + 16, hi);
           } else {
             _mm512_storeu_ps(o, lo);
             _mm512_storeu_ps(o + 16, hi);
@@ -512,7 +491,7 @@ torch::Tensor int4_dequant(const torch::Tensor& qs, const torch::Tensor& sz, boo
           const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + k));
           const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)), vs, voff);
           if (ob != nullptr)
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(ob + k), float8_to_bf16(w));
+            store8(ob + k, w);
           else
             _mm256_storeu_ps(o + k, w);
         }

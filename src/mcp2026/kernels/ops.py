@@ -238,6 +238,6 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset:
         return None
     if q.dtype == torch.bfloat16:
         # bf16 queries widened (exactly) and the output rounded once, as torch's bf16 flash kernel accumulates
-        # in fp32 and rounds its output; that kernel runs ~3.5x slower here (9 heads on 3, 128-512 tokens).
+        # in fp32 and rounds its output; that kernel is several times slower here.
         return kernels.prefill_attention(q.float(), k, v, offset).to(torch.bfloat16)
     return kernels.prefill_attention(q, k, v, offset)
