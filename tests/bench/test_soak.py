@@ -66,10 +66,10 @@ def test_a_short_soak_against_a_real_server(tmp_path):
     a = run.aggregates
     assert 0 < a["ready_s"] < config.ready_timeout_s
     assert a["rss_peak_mb"] >= a["rss_idle_mb"] > 50
-    assert (
-        a["rss_high_water_mb"] >= a["rss_peak_mb"]
-        and a["rss_high_water_mb"] >= a["rss_high_water_start_mb"] > 50
-    )
+    # The kernel keeps its RSS counters per CPU and folds them into the high-water mark lazily, so a
+    # sampled peak released before the next fold can top VmHWM by a few hundred kB; more is a real miss.
+    assert a["rss_high_water_mb"] >= a["rss_peak_mb"] - 2
+    assert a["rss_high_water_mb"] >= a["rss_high_water_start_mb"] > 50
     assert a["num_5xx"] == 0 and a["num_completed"] > 0 and a["num_429"] == 0
     assert a["server_after"]["idle"]  # nothing running, no KV held once the load stopped
     assert {"idle", "load", "after"} <= {r["phase"] for r in run.records}
