@@ -303,3 +303,14 @@ def test_cli_drop_missing_leaves_out_kinds_without_a_run(tmp_path, monkeypatch):
     dropped = CliRunner().invoke(bench_app, ["headline", str(latency), "--drop-missing"])
     assert dropped.exit_code == 0 and "serving, 16 concurrent clients" not in dropped.output
     assert "serve" in dropped.output.split("Not in this table (no run found):")[1]
+
+
+def test_a_decode_row_says_when_our_steps_kept_drafts():
+    run = latency_run()
+    run.aggregates["median_tok_per_s"]["mcp2026/fp32"]["tokens_per_step"] = 1.25
+    from mcp2026.bench.headline import latency_rows
+
+    decode = [row for row in latency_rows(run) if row[0].startswith("single-stream decode tok/s, fp32")]
+    assert "drafting as by default: 1.25 tokens per step" in decode[0][0]
+    plain = latency_run()
+    assert all("drafting" not in row[0] for row in latency_rows(plain))

@@ -27,7 +27,8 @@ def _check_latency_run(tmp_path):
     order = [(r["engine"], r["dtype"], r["round"]) for r in run.records if r["metric"] == "decode"]
     per_round = [("mcp2026", "fp32"), ("hf", "fp32"), ("mcp2026", "int8 weights")]
     assert order == [(*c, r) for r in (0, 1) for c in per_round]
-    assert all(r["tokens"] == 4 for r in run.records if r["metric"] == "decode")
+    # tokens after the first: a step that kept drafts counts each of its tokens
+    assert all(r["tokens"] == 4 and 1 <= r["steps"] <= 4 for r in run.records if r["metric"] == "decode")
     assert all(r["tokens"] == 12 for r in run.records if r["metric"] == "prefill")
     medians = run.aggregates["median_tok_per_s"]
     assert medians["mcp2026/fp32"]["decode"] > 0 and medians["hf/fp32"]["prefill"] > 0
@@ -52,3 +53,12 @@ def test_weights_accept_a_dqg_budget_and_reject_nonsense():
     for bad in ("dqg", "dqg:-1", "dqg:five", "int3", "dqg:1", "dqg:100"):  # QuantConfig allows 2..32 bits
         with pytest.raises(ValueError, match=r"dqg:BITS|bits_budget must be in \[2, 32\]"):
             LatencyConfig(weights=(bad,))
+
+
+def test_decode_tokens_count_every_token_a_step_kept():
+    from mcp2026.bench.peers import GenerationTiming
+
+    # 4 stamps: the prompt's step (1 token), then steps that kept 0, 2 and 1 drafts
+    drafted = GenerationTiming(0.0, 1.0, [0.1, 0.2, 0.5, 0.9], [list(range(1 + 1 + 3 + 2))])
+    assert drafted.decode_tokens == 6 and drafted.num_steps == 4
+    assert GenerationTiming(0.0, 1.0, [0.1, 0.2, 0.3]).decode_tokens == 2  # no ids: one token per stamp

@@ -78,6 +78,9 @@ def latency_rows(run: BenchRun) -> list[list[str]]:
                     peer_engine, _, peer_fmt = peer_key.partition("/")
                     peers.append((LATENCY_ENGINES[peer_engine], medians[peer_key].get(metric), peer_fmt))
             label = f"{what} tok/s, {fmt}" + (f" ({tokens} tokens)" if tokens else "")
+            per_step = ours.get("tokens_per_step") or 1.0
+            if metric == "decode" and per_step > 1.005:  # NaN compares False
+                label += f", prompt-lookup drafting as by default: {per_step:.2f} tokens per step"
             row = _row(label, ours.get(metric), peers, "", run.command)
             rows += [row] if row else []
     return rows

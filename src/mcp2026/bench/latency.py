@@ -213,11 +213,10 @@ def run_latency(config: LatencyConfig | None = None, progress: Any = None) -> Be
                 {
                     **base,
                     "metric": "decode",
-                    "tokens": d.num_steps - 1,
+                    "tokens": d.decode_tokens,
+                    "steps": d.num_steps - 1,
                     "seconds": d.decode_seconds,
-                    "tok_per_s": (d.num_steps - 1) / d.decode_seconds
-                    if d.decode_seconds > 0
-                    else float("nan"),
+                    "tok_per_s": d.decode_tokens / d.decode_seconds if d.decode_seconds > 0 else float("nan"),
                     "ttft_s": d.token_times[0] - d.start,
                     "token_ids": d.token_ids[0],
                 }
@@ -266,6 +265,12 @@ def _aggregate(records: list[dict[str, Any]], contenders: list[Contender]) -> di
                 and not x["warmup"]
             ]
             medians[key][metric] = statistics.median(values) if values else float("nan")
+        # drafted tokens kept (speculative decoding, on by default for ours) make a step yield several
+        decodes = [x for x in records if x["engine"] == c.engine and x["dtype"] == c.dtype]
+        decodes = [x for x in decodes if x["metric"] == "decode" and not x["warmup"] and x["steps"]]
+        medians[key]["tokens_per_step"] = (
+            sum(x["tokens"] for x in decodes) / sum(x["steps"] for x in decodes) if decodes else float("nan")
+        )
     ratios: dict[str, dict[str, float]] = {}
     for key, ours in medians.items():
         if not key.startswith("mcp2026/"):
@@ -309,6 +314,7 @@ def _table(aggregates: dict[str, Any], config: LatencyConfig, decode_prompt_len:
                 ENGINE_LABELS.get(engine, engine),
                 dtype,
                 m["decode"],
+                f"{m['tokens_per_step']:.2f}",
                 m["prefill"],
                 "—" if is_ref else f"{m['decode'] / ref['decode']:.2f}x",
                 "—" if is_ref else f"{m['prefill'] / ref['prefill']:.2f}x",
@@ -318,5 +324,13 @@ def _table(aggregates: dict[str, Any], config: LatencyConfig, decode_prompt_len:
         f"Single stream: decode {config.new_tokens} tokens after a {decode_prompt_len}-token chat prompt, "
         f"prefill {config.prefill_tokens} tokens (median of {config.repeats})"
     )
-    columns = ["engine", "dtype", "decode tok/s", "prefill tok/s", "decode vs HF fp32", "prefill vs HF fp32"]
+    columns = [
+        "engine",
+        "dtype",
+        "decode tok/s",
+        "tokens per decode step",
+        "prefill tok/s",
+        "decode vs HF fp32",
+        "prefill vs HF fp32",
+    ]
     return Table(title, columns, rows)

@@ -47,6 +47,14 @@ class GenerationTiming:
         return len(self.token_times)
 
     @property
+    def decode_tokens(self) -> int:
+        """Tokens of steps 2..N: every new token but the first step's one (a step that kept draft tokens
+        gives several; the first step, the prompt's, samples one)."""
+        if not self.token_ids:
+            return max(self.num_steps - 1, 0)
+        return max(len(self.token_ids[0]) - 1, 0)
+
+    @property
     def decode_seconds(self) -> float:
         """Time of steps 2..N: after the first token (prefill) to the last."""
         return self.token_times[-1] - self.token_times[0] if len(self.token_times) > 1 else 0.0
