@@ -103,9 +103,9 @@ def count_fused_calls(monkeypatch) -> list[int]:
         calls[0] += 1
         return original(self, *args)
 
-    def counting_stack(stack, x, cos, sin, inputs):
+    def counting_stack(stack, x, cos, sin, inputs, *local):
         calls[0] += inputs[0].shape[0]  # k_planes: one plane per layer
-        return original_stack(stack, x, cos, sin, inputs)
+        return original_stack(stack, x, cos, sin, inputs, *local)
 
     monkeypatch.setattr(llama.LlamaDecoderLayer, "forward_fused", counting)
     monkeypatch.setattr(decode_stack, "run", counting_stack)

@@ -350,3 +350,58 @@ def test_steps_the_stack_cannot_run_take_the_per_layer_path(
     config = EngineConfig(KVConfig(num_blocks=64, block_size=8), kv_compressor=compressor)
     LLMEngine(tiny_qkv_bias.model, tiny_qkv_bias.config, None, config).generate(PROMPTS, SAMPLING)
     assert (runs[0] > 0) == stacked
+
+
+GEMMA_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
+
+
+@pytest.fixture(scope="module", params=["gemma3", "gemma3-short-window", "qwen3"])
+def tiny_with_extras(request, tmp_path_factory):
+    """Layers the compiled path runs with ``kernels.LayerExtras``: Gemma 3 (q/k norms, sandwich norms, GeGLU,
+    local and global rotary tables) with a window longer than every sequence here (the stack runs) and one of
+    8 tokens (the windowed layers read fewer blocks: the per-layer path runs), and Qwen3 (q/k norms)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param == "qwen3":
+        return load_model(save_tiny_hf(folder, arch="qwen3"))
+    window = 8 if request.param == "gemma3-short-window" else 256
+    return load_model(
+        save_tiny_hf(
+            folder, arch="gemma3", num_hidden_layers=3, layer_types=GEMMA_LAYERS, sliding_window=window
+        )
+    )
+
+
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.parametrize(
+    "spec",
+    [None, LayerQuantSpec("int4", group_size=32), LayerQuantSpec("bf16")],
+    ids=["fp32", "int4", "bf16"],
+)
+def test_layers_with_extras_give_the_per_op_results_fused_and_stacked(tiny_with_extras, spec, monkeypatch):
+    from mcp2026.models import decode_stack
+
+    loaded = copy.deepcopy(tiny_with_extras)
+    if spec is not None:
+        quantize_(loaded.model, QuantPlan({"layers.*": spec}))
+    stack_runs = _count_stack_runs(monkeypatch)
+    calls = count_fused_calls(monkeypatch)
+    stacked = _run(loaded, True, monkeypatch, "off")
+    assert calls[0] > 0
+    short_window = loaded.config.sliding_window == 8
+    assert (stack_runs[0] == 0) == short_window  # the short window's layers read fewer blocks than the others
+    monkeypatch.setattr(decode_stack, "ENABLED", False)
+    per_layer = _run(loaded, True, monkeypatch, "off")
+    calls[0] = 0
+    per_op = _run(loaded, False, monkeypatch, "off")
+    assert calls[0] == 0
+    assert stacked == per_layer == per_op  # token ids and logprobs, bit for bit
+
+
+@pytest.mark.usefixtures("kernels")
+def test_changed_extra_norms_reach_the_compiled_layers(tiny_with_extras, monkeypatch):
+    loaded = copy.deepcopy(tiny_with_extras)
+    before = _run(loaded, True, monkeypatch, "off")
+    for layer in loaded.model.layers:
+        layer.attn.k_norm.weight = torch.nn.Parameter(layer.attn.k_norm.weight * 3.0)
+    after = _run(loaded, True, monkeypatch, "off")
+    assert after == _run(loaded, False, monkeypatch, "off") and after != before

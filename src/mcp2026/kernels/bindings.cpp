@@ -46,6 +46,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_dequant", &int4_dequant, "the int4 GEMV layout back to float or bf16 (N, K)", py::arg("qs"),
         py::arg("sz"), py::arg("out_bf16") = false, py::arg("out") = py::none());
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "tanh-approximated GELU(gate) * up");
+  m.def("rms_norm_heads_", &rms_norm_heads_, "per-head RMSNorm of (T, heads, hd) in place: q heads, then k heads",
+        py::arg("x"), py::arg("q_weight"), py::arg("k_weight"), py::arg("nq"), py::arg("eps"));
+  py::class_<LayerExtras>(m, "LayerExtras")
+      .def(py::init([](c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, double qk_eps,
+                       c10::optional<torch::Tensor> post_attn_norm, double post_attn_eps,
+                       c10::optional<torch::Tensor> post_mlp_norm, double post_mlp_eps, int64_t gate,
+                       bool local_rope) {
+             TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
+             TORCH_CHECK(gate == 0 || gate == 1, "gate must be 0 (SiLU) or 1 (tanh-GELU)");
+             return LayerExtras{std::move(q_norm), std::move(k_norm), std::move(post_attn_norm),
+                                std::move(post_mlp_norm), qk_eps, post_attn_eps, post_mlp_eps, gate, local_rope};
+           }),
+           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("qk_eps") = 1e-6,
+           py::arg("post_attn_norm") = py::none(), py::arg("post_attn_eps") = 1e-6,
+           py::arg("post_mlp_norm") = py::none(), py::arg("post_mlp_eps") = 1e-6, py::arg("gate") = 0,
+           py::arg("local_rope") = false);
   py::class_<FusedLinear>(m, "FusedLinear")
       .def(py::init([](int64_t kind, torch::Tensor a, torch::Tensor b, c10::optional<torch::Tensor> bias,
                        c10::optional<torch::Tensor> inv_scale) {
@@ -67,23 +84,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "layer_attn_in",
       [](torch::Tensor& residual, const c10::optional<torch::Tensor>& x, const torch::Tensor& norm_w, double eps,
          const FusedLinear& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t nh, int64_t nkv,
-         int64_t hd) { return layer_attn_in(residual, x, norm_w, eps, qkv, cos, sin, nh, nkv, hd); },
-      "residual add + RMSNorm + qkv projection + RoPE; returns q, k, v");
+         int64_t hd, const LayerExtras& extras) {
+        return layer_attn_in(residual, x, norm_w, eps, qkv, cos, sin, nh, nkv, hd, extras);
+      },
+      "residual add + RMSNorm + qkv projection (+ q/k norms) + RoPE; returns q, k, v", py::arg("residual"),
+      py::arg("x"), py::arg("norm_w"), py::arg("eps"), py::arg("qkv"), py::arg("cos"), py::arg("sin"),
+      py::arg("nh"), py::arg("nkv"), py::arg("hd"), py::arg("extras") = LayerExtras{});
   m.def(
       "layer_attn_out_mlp",
       [](const torch::Tensor& attn, torch::Tensor& residual, const FusedLinear& o, const torch::Tensor& norm_w,
-         double eps, const FusedLinear& gate_up, const FusedLinear& down) {
-        return layer_attn_out_mlp(attn, residual, o, norm_w, eps, gate_up, down);
+         double eps, const FusedLinear& gate_up, const FusedLinear& down, const LayerExtras& extras) {
+        return layer_attn_out_mlp(attn, residual, o, norm_w, eps, gate_up, down, extras);
       },
-      "o projection + residual add + RMSNorm + gated MLP");
+      "o projection (+ its norm) + residual add + RMSNorm + gated MLP (+ its norm)", py::arg("attn"),
+      py::arg("residual"), py::arg("o"), py::arg("norm_w"), py::arg("eps"), py::arg("gate_up"), py::arg("down"),
+      py::arg("extras") = LayerExtras{});
   py::class_<DecodeLayer>(m, "DecodeLayer")
       .def(py::init([](torch::Tensor norm1, double eps1, FusedLinear qkv, torch::Tensor norm2, double eps2,
-                       FusedLinear o, FusedLinear gate_up, FusedLinear down) {
+                       FusedLinear o, FusedLinear gate_up, FusedLinear down, LayerExtras extras) {
              return DecodeLayer{std::move(norm1), eps1, std::move(qkv), std::move(norm2), eps2,
-                                std::move(o),     std::move(gate_up), std::move(down)};
+                                std::move(o),     std::move(gate_up), std::move(down), std::move(extras)};
            }),
            py::arg("norm1"), py::arg("eps1"), py::arg("qkv"), py::arg("norm2"), py::arg("eps2"), py::arg("o"),
-           py::arg("gate_up"), py::arg("down"));
+           py::arg("gate_up"), py::arg("down"), py::arg("extras") = LayerExtras{});
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init([](std::vector<DecodeLayer> layers, int64_t nh, int64_t nkv, int64_t hd) {
              TORCH_CHECK(!layers.empty(), "a decode stack needs at least one layer");
@@ -93,7 +116,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"))
       .def("run", &DecodeStack::run, "every layer of a decode-only step over a raw paged cache",
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_planes"), py::arg("v_planes"), py::arg("rows"),
-           py::arg("tables"), py::arg("lengths"));
+           py::arg("tables"), py::arg("lengths"), py::arg("cos_local") = py::none(),
+           py::arg("sin_local") = py::none());
   py::class_<LookupGuard>(m, "LookupGuard")
       .def(py::init([](const std::vector<py::tuple>& reads, const std::vector<py::object>& empty, py::object missing) {
              LookupGuard g;

@@ -50,6 +50,10 @@ torch::Tensor add_rms_norm_into(const torch::Tensor& residual, const c10::option
 void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor silu_mul(const torch::Tensor& gate_up, c10::ScalarType out_dtype);
 torch::Tensor silu_mul_into(const torch::Tensor& gate_up, c10::ScalarType out_dtype, torch::Tensor* slot);
+torch::Tensor gelu_tanh_mul(const torch::Tensor& gate_up, c10::ScalarType out_dtype);
+torch::Tensor gelu_tanh_mul_into(const torch::Tensor& gate_up, c10::ScalarType out_dtype, torch::Tensor* slot);
+void rms_norm_heads_(torch::Tensor& x, const torch::Tensor& q_weight, const torch::Tensor& k_weight, int64_t nq,
+                     double eps);
 // gemv.cpp
 constexpr int64_t kDenseGemvMaxRows = 32;  // the most rows dense_linear gives its own GEMV (gemv.cpp)
 torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sz);
@@ -103,16 +107,28 @@ struct FusedLinear {
 
 // The intermediates of a decode stack's step, each allocated by its first layer and reused by the others.
 struct StepSlots {
-  torch::Tensor norm1, qkv, attn, o, norm2, gate_up, act, down;
+  torch::Tensor norm1, qkv, attn, o, post_attn, norm2, gate_up, act, down, post_mlp;
+};
+
+// What a layer adds to the Llama layer, each part optional: per-head RMSNorms of q and k before RoPE (Qwen3,
+// Gemma 3), RMSNorms of the attention's and the MLP's outputs before their residual adds (Gemma 3's "sandwich"),
+// the MLP's gate activation, and which of the step's two rotary tables the layer takes (Gemma 3's sliding-window
+// layers rotate with their own base).
+struct LayerExtras {
+  c10::optional<torch::Tensor> q_norm, k_norm, post_attn_norm, post_mlp_norm;
+  double qk_eps = 1e-6, post_attn_eps = 1e-6, post_mlp_eps = 1e-6;
+  int64_t gate = 0;  // 0: SiLU(gate) * up; 1: tanh-GELU(gate) * up
+  bool local_rope = false;
 };
 
 std::vector<torch::Tensor> layer_attn_in(torch::Tensor& residual, const c10::optional<torch::Tensor>& x,
                                          const torch::Tensor& norm_w, double eps, const FusedLinear& qkv,
                                          const torch::Tensor& cos, const torch::Tensor& sin, int64_t nh,
-                                         int64_t nkv, int64_t hd, StepSlots* slots = nullptr);
+                                         int64_t nkv, int64_t hd, const LayerExtras& extras,
+                                         StepSlots* slots = nullptr);
 torch::Tensor layer_attn_out_mlp(const torch::Tensor& attn, torch::Tensor& residual, const FusedLinear& o,
                                  const torch::Tensor& norm_w, double eps, const FusedLinear& gate_up,
-                                 const FusedLinear& down, StepSlots* slots = nullptr);
+                                 const FusedLinear& down, const LayerExtras& extras, StepSlots* slots = nullptr);
 
 // A decoder layer as DecodeStack runs it: the half-layers above with the layer's K/V write and paged attention
 // between them.
@@ -123,6 +139,7 @@ struct DecodeLayer {
   torch::Tensor norm2;
   double eps2;
   FusedLinear o, gate_up, down;
+  LayerExtras extras;
 };
 
 // Every layer of a decode-only step over a raw paged cache (fp32 / bf16 / fp16 K/V, one plane per layer) in one
@@ -131,10 +148,12 @@ struct DecodeStack {
   std::vector<DecodeLayer> layers;
   int64_t nh, nkv, hd;
 
+  // cos_local / sin_local: the rotary table of the layers with local_rope (required when any has it)
   std::vector<torch::Tensor> run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                  const torch::Tensor& k_planes, const torch::Tensor& v_planes,
-                                 const torch::Tensor& rows, const torch::Tensor& tables,
-                                 const torch::Tensor& lengths) const;
+                                 const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lengths,
+                                 const c10::optional<torch::Tensor>& cos_local,
+                                 const c10::optional<torch::Tensor>& sin_local) const;
 };
 
 // Dictionary reads repeated in one call: the Python objects a decode step's compiled stack was decided from

@@ -1,4 +1,5 @@
-// The elementwise chains of a decoder layer, one call each: residual add + RMSNorm, RoPE, SiLU(gate) * up.
+// The elementwise chains of a decoder layer, one call each: residual add + RMSNorm, RoPE, the gated
+// activations (SiLU or tanh-GELU of the gate times up), and the per-head q/k norms.
 // At decode sizes every torch op costs a few microseconds to dispatch, more than its arithmetic; these fold a
 // chain of them into one pass. All arithmetic is float32; bf16 tensors are widened on load and rounded once on
 // store.
@@ -153,19 +154,34 @@ void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin)
   });
 }
 
-// ---- SiLU(gate) * up ---------------------------------------------------------------------------------------
+// ---- gated activations: SiLU(gate) * up, tanh-GELU(gate) * up ----------------------------------------------
 // gate_up: (T, 2I) as [gate | up] -> (T, I) in out_dtype.
-// SiLU(a) = a * sigmoid(a), sigmoid through e = exp(-|a|) (never overflows): 1 / (1 + e) for a >= 0, else
-// e / (1 + e). fp32 and bf16 rows take 8 lanes at a time with exp_nonpositive (simd.h); fp16 and the tail, std::exp.
+// Both are gate * sigmoid(z) * up: SiLU with z = gate; the tanh-approximated GELU (Gemma's GeGLU) with
+// z = 2 sqrt(2/pi) (gate + 0.044715 gate^3), since (1 + tanh(z/2)) / 2 = sigmoid(z). sigmoid through
+// e = exp(-|z|) (never overflows): 1 / (1 + e) for z >= 0, else e / (1 + e). fp32 and bf16 rows take 8 lanes at
+// a time with exp_nonpositive (simd.h); fp16 and the tail, std::exp.
 namespace {
 
-inline float silu_scalar(float a) {
-  const float e = std::exp(-std::fabs(a));
-  return a * ((a >= 0.f ? 1.f : e) / (1.f + e));
+enum class Gate { kSilu, kGeluTanh };
+
+constexpr float kGeluZ1 = 1.5957691216057308f;          // 2 sqrt(2 / pi)
+constexpr float kGeluZ3 = 1.5957691216057308f * 0.044715f;
+
+template <Gate G>
+inline float gate_arg(float a) {
+  if constexpr (G == Gate::kSilu) return a;
+  else return a * (kGeluZ1 + kGeluZ3 * a * a);
 }
 
-template <typename T, typename O>
-void silu_mul_impl(const T* gu, O* out, int64_t rows, int64_t inter) {
+template <Gate G>
+inline float gated_scalar(float a) {
+  const float z = gate_arg<G>(a);
+  const float e = std::exp(-std::fabs(z));
+  return a * ((z >= 0.f ? 1.f : e) / (1.f + e));
+}
+
+template <Gate G, typename T, typename O>
+void gated_mul_impl(const T* gu, O* out, int64_t rows, int64_t inter) {
   team::parallel_for(0, rows, row_grain(2 * inter), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* g = gu + r * 2 * inter;
@@ -179,16 +195,78 @@ void silu_mul_impl(const T* gu, O* out, int64_t rows, int64_t inter) {
         const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
         for (; i + 8 <= inter; i += 8) {
           const __m256 a = load8(g + i);
-          const __m256 e = exp_nonpositive(_mm256_or_ps(a, sign));  // exp(-|a|)
-          const __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_GE_OQ));
+          __m256 z = a;
+          if constexpr (G == Gate::kGeluTanh)
+            z = _mm256_mul_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(kGeluZ3), _mm256_mul_ps(a, a),
+                                                 _mm256_set1_ps(kGeluZ1)));
+          const __m256 e = exp_nonpositive(_mm256_or_ps(z, sign));  // exp(-|z|)
+          const __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_GE_OQ));
           const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
           store8(o + i, _mm256_mul_ps(_mm256_mul_ps(a, sig), load8(u + i)));
         }
       }
 #endif
-      for (; i < inter; ++i) {
-        const float a = static_cast<float>(g[i]);
-        o[i] = static_cast<O>(silu_scalar(a) * static_cast<float>(u[i]));
+      for (; i < inter; ++i) o[i] = static_cast<O>(gated_scalar<G>(static_cast<float>(g[i])) * static_cast<float>(u[i]));
+    }
+  });
+}
+
+template <Gate G>
+torch::Tensor gated_mul_into(const torch::Tensor& gate_up, c10::ScalarType out_dtype, torch::Tensor* slot) {
+  check_cpu_float(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be (T, 2I)");
+  const auto gc = gate_up.contiguous();
+  const int64_t rows = gc.size(0), inter = gc.size(1) / 2;
+  auto out = slot_or_empty(slot, {rows, inter}, gc.options().dtype(out_dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, gc.scalar_type(), "gated_mul_in", [&] {
+    using T = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, out_dtype, "gated_mul_out", [&] {
+      gated_mul_impl<G, T, scalar_t>(gc.data_ptr<T>(), out.data_ptr<scalar_t>(), rows, inter);
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+torch::Tensor silu_mul(const torch::Tensor& gate_up, c10::ScalarType out_dtype) {
+  return gated_mul_into<Gate::kSilu>(gate_up, out_dtype, nullptr);
+}
+
+torch::Tensor silu_mul_into(const torch::Tensor& gate_up, c10::ScalarType out_dtype, torch::Tensor* slot) {
+  return gated_mul_into<Gate::kSilu>(gate_up, out_dtype, slot);
+}
+
+torch::Tensor gelu_tanh_mul(const torch::Tensor& gate_up, c10::ScalarType out_dtype) {
+  return gated_mul_into<Gate::kGeluTanh>(gate_up, out_dtype, nullptr);
+}
+
+torch::Tensor gelu_tanh_mul_into(const torch::Tensor& gate_up, c10::ScalarType out_dtype, torch::Tensor* slot) {
+  return gated_mul_into<Gate::kGeluTanh>(gate_up, out_dtype, slot);
+}
+
+// ---- per-head RMSNorm (q/k norms), in place ------------------------------------------------------------------
+// x: (T, heads, hd) with contiguous (heads, hd) rows (any row stride): heads < nq scale by q_w, the others by
+// k_w (both hd long), each head normalized over its own hd values.
+namespace {
+
+template <typename T, typename W>
+void rms_norm_heads_impl(T* x, int64_t row_stride, const W* qw, const W* kw, int64_t rows, int64_t heads,
+                         int64_t nq, int64_t hd, float eps) {
+  team::parallel_for(0, rows, row_grain(heads * hd), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t h = 0; h < heads; ++h) {
+        T* p = x + r * row_stride + h * hd;
+        const W* w = h < nq ? qw : kw;
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < hd; ++i) {
+          const float v = static_cast<float>(p[i]);
+          ss += v * v;
+        }
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(hd) + eps);
+        for (int64_t i = 0; i < hd; ++i)
+          p[i] = static_cast<T>(static_cast<float>(p[i]) * inv * static_cast<float>(w[i]));
       }
     }
   });
@@ -196,21 +274,24 @@ void silu_mul_impl(const T* gu, O* out, int64_t rows, int64_t inter) {
 
 }  // namespace
 
-torch::Tensor silu_mul(const torch::Tensor& gate_up, c10::ScalarType out_dtype) {
-  return silu_mul_into(gate_up, out_dtype, nullptr);
-}
-
-torch::Tensor silu_mul_into(const torch::Tensor& gate_up, c10::ScalarType out_dtype, torch::Tensor* slot) {
-  check_cpu_float(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be (T, 2I)");
-  const auto gc = gate_up.contiguous();
-  const int64_t rows = gc.size(0), inter = gc.size(1) / 2;
-  auto out = slot_or_empty(slot, {rows, inter}, gc.options().dtype(out_dtype));
-  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, gc.scalar_type(), "silu_mul_in", [&] {
-    using T = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, out_dtype, "silu_mul_out", [&] {
-      silu_mul_impl<T, scalar_t>(gc.data_ptr<T>(), out.data_ptr<scalar_t>(), rows, inter);
-    });
+void rms_norm_heads_(torch::Tensor& x, const torch::Tensor& q_weight, const torch::Tensor& k_weight, int64_t nq,
+                     double eps) {
+  check_cpu_float(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x must be (T, heads, hd) rows");
+  const int64_t rows = x.size(0), heads = x.size(1), hd = x.size(2);
+  TORCH_CHECK(nq >= 0 && nq <= heads, "nq must be within the heads");
+  TORCH_CHECK(q_weight.numel() == hd && k_weight.numel() == hd, "the q and k norm weights must have hd elements");
+  TORCH_CHECK(q_weight.scalar_type() == k_weight.scalar_type(), "the q and k norm weights must share a dtype");
+  const bool bf16 = q_weight.scalar_type() == torch::kBFloat16;
+  const auto qw = bf16 ? q_weight.contiguous() : q_weight.to(torch::kFloat).contiguous();
+  const auto kw = bf16 ? k_weight.contiguous() : k_weight.to(torch::kFloat).contiguous();
+  if (rows == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, x.scalar_type(), "rms_norm_heads", [&] {
+    if (bf16)
+      rms_norm_heads_impl(x.data_ptr<scalar_t>(), x.stride(0), qw.data_ptr<at::BFloat16>(),
+                          kw.data_ptr<at::BFloat16>(), rows, heads, nq, hd, static_cast<float>(eps));
+    else
+      rms_norm_heads_impl(x.data_ptr<scalar_t>(), x.stride(0), qw.data_ptr<float>(), kw.data_ptr<float>(), rows,
+                          heads, nq, hd, static_cast<float>(eps));
   });
-  return out;
 }

@@ -25,29 +25,41 @@ torch::Tensor FusedLinear::run(const torch::Tensor& x, torch::Tensor* slot) cons
 }
 
 // residual (T, H) += x (x absent: residual is the stream already); h = RMSNorm(residual) * norm_w; qkv = h W;
-// RoPE on the q and k heads in place (cos/sin (T, rot): partial rotary as in rope_). Returns views q (T, nh, hd),
-// k (T, nkv, hd), v (T, nkv, hd).
+// the per-head q/k norms where the layer has them; RoPE on the q and k heads in place (cos/sin (T, rot): partial
+// rotary as in rope_). Returns views q (T, nh, hd), k (T, nkv, hd), v (T, nkv, hd).
 std::vector<torch::Tensor> layer_attn_in(torch::Tensor& residual, const c10::optional<torch::Tensor>& x,
                                          const torch::Tensor& norm_w, double eps, const FusedLinear& qkv,
                                          const torch::Tensor& cos, const torch::Tensor& sin, int64_t nh,
-                                         int64_t nkv, int64_t hd, StepSlots* slots) {
+                                         int64_t nkv, int64_t hd, const LayerExtras& extras, StepSlots* slots) {
   const auto h = add_rms_norm_into(residual, x, norm_w, eps, residual.scalar_type(), slots ? &slots->norm1 : nullptr);
   const auto y = qkv.run(h, slots ? &slots->qkv : nullptr);
   const int64_t T = y.size(0);
   TORCH_CHECK(y.dim() == 2 && y.size(1) == (nh + 2 * nkv) * hd && y.is_contiguous(), "qkv has the wrong shape");
   auto qk = y.narrow(1, 0, (nh + nkv) * hd).view({T, nh + nkv, hd});
+  if (extras.q_norm.has_value()) rms_norm_heads_(qk, *extras.q_norm, *extras.k_norm, nh, extras.qk_eps);
   rope_(qk, cos, sin);
   return {qk.narrow(1, 0, nh), qk.narrow(1, nh, nkv), y.narrow(1, (nh + nkv) * hd, nkv * hd).view({T, nkv, hd})};
 }
 
-// attn (T, nh, hd) -> o projection; residual += it; h = RMSNorm(residual) * norm_w; down(SiLU(gate) * up).
+// attn (T, nh, hd) -> o projection (RMSNorm'd where the layer has a post-attention norm); residual += it;
+// h = RMSNorm(residual) * norm_w; down(act(gate) * up), RMSNorm'd where the layer has a post-MLP norm.
 torch::Tensor layer_attn_out_mlp(const torch::Tensor& attn, torch::Tensor& residual, const FusedLinear& o,
                                  const torch::Tensor& norm_w, double eps, const FusedLinear& gate_up,
-                                 const FusedLinear& down, StepSlots* slots) {
-  const auto a = o.run(attn.reshape({attn.size(0), -1}), slots ? &slots->o : nullptr);
+                                 const FusedLinear& down, const LayerExtras& extras, StepSlots* slots) {
+  auto a = o.run(attn.reshape({attn.size(0), -1}), slots ? &slots->o : nullptr);
+  if (extras.post_attn_norm.has_value())
+    a = add_rms_norm_into(a, c10::nullopt, *extras.post_attn_norm, extras.post_attn_eps, a.scalar_type(),
+                          slots ? &slots->post_attn : nullptr);
   const auto h = add_rms_norm_into(residual, a, norm_w, eps, residual.scalar_type(), slots ? &slots->norm2 : nullptr);
   const auto gu = gate_up.run(h, slots ? &slots->gate_up : nullptr);
-  return down.run(silu_mul_into(gu, gu.scalar_type(), slots ? &slots->act : nullptr), slots ? &slots->down : nullptr);
+  auto* act_slot = slots ? &slots->act : nullptr;
+  const auto act = extras.gate == 1 ? gelu_tanh_mul_into(gu, gu.scalar_type(), act_slot)
+                                    : silu_mul_into(gu, gu.scalar_type(), act_slot);
+  auto d = down.run(act, slots ? &slots->down : nullptr);
+  if (extras.post_mlp_norm.has_value())
+    d = add_rms_norm_into(d, c10::nullopt, *extras.post_mlp_norm, extras.post_mlp_eps, d.scalar_type(),
+                          slots ? &slots->post_mlp : nullptr);
+  return d;
 }
 
 // The Python loop of a decode step (models/decode_stack.py) without its ~5 interpreter crossings per layer:
@@ -56,11 +68,16 @@ torch::Tensor layer_attn_out_mlp(const torch::Tensor& attn, torch::Tensor& resid
 std::vector<torch::Tensor> DecodeStack::run(const torch::Tensor& x, const torch::Tensor& cos,
                                             const torch::Tensor& sin, const torch::Tensor& k_planes,
                                             const torch::Tensor& v_planes, const torch::Tensor& rows,
-                                            const torch::Tensor& tables, const torch::Tensor& lengths) const {
+                                            const torch::Tensor& tables, const torch::Tensor& lengths,
+                                            const c10::optional<torch::Tensor>& cos_local,
+                                            const c10::optional<torch::Tensor>& sin_local) const {
   TORCH_CHECK(k_planes.dim() == 5 && v_planes.dim() == 5 && k_planes.size(0) == (int64_t)layers.size() &&
                   v_planes.sizes() == k_planes.sizes(),
               "k_planes and v_planes must be (layers, blocks, nkv, bs, hd) with one plane per layer");
   TORCH_CHECK(k_planes.size(2) == nkv && k_planes.size(4) == hd, "the planes' head sizes do not match the model");
+  for (const auto& l : layers)
+    TORCH_CHECK(!l.extras.local_rope || (cos_local.has_value() && sin_local.has_value()),
+                "a layer rotates with the local table: pass cos_local and sin_local");
   torch::Tensor residual = x.clone();  // the kernels update the residual stream in place
   c10::optional<torch::Tensor> h;
   // Each intermediate is allocated by the first layer and rewritten by the others (every layer has the same
@@ -70,12 +87,14 @@ std::vector<torch::Tensor> DecodeStack::run(const torch::Tensor& x, const torch:
   team::run([&] {  // one thread team for every layer's parallel loops (thread_team.h)
     for (size_t i = 0; i < layers.size(); ++i) {
       const DecodeLayer& l = layers[i];
-      const auto qkv = layer_attn_in(residual, h, l.norm1, l.eps1, l.qkv, cos, sin, nh, nkv, hd, &slots);
+      const bool local = l.extras.local_rope;
+      const auto qkv = layer_attn_in(residual, h, l.norm1, l.eps1, l.qkv, local ? *cos_local : cos,
+                                     local ? *sin_local : sin, nh, nkv, hd, l.extras, &slots);
       const auto kb = k_planes.select(0, (int64_t)i), vb = v_planes.select(0, (int64_t)i);
       auto k_rows = kb.view({-1, hd}), v_rows = vb.view({-1, hd});
       write_kv_rows(k_rows, v_rows, rows, qkv[1], qkv[2]);
       const auto attn = paged_decode_attention_into(qkv[0], kb, vb, tables, lengths, c10::nullopt, &slots.attn);
-      h = layer_attn_out_mlp(attn, residual, l.o, l.norm2, l.eps2, l.gate_up, l.down, &slots);
+      h = layer_attn_out_mlp(attn, residual, l.o, l.norm2, l.eps2, l.gate_up, l.down, l.extras, &slots);
     }
   });
   return {*h, residual};  // layers is never empty (the binding refuses an empty stack)

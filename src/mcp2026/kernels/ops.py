@@ -158,6 +158,38 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) * weight over the last dim: the residual-add kernel without the add for (T, H) CPU rows (the
+    compiled layers call it for Gemma 3's output norms), F.rms_norm otherwise."""
+    k = kernels_for(x, weight) if x.dim() == 2 and x.is_contiguous() else None
+    if k is not None:
+        return k.add_rms_norm(x, None, weight, eps, x.dtype)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def rms_norm_heads_(
+    qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int, eps: float
+) -> torch.Tensor | None:
+    """Per-head RMSNorm of qk (T, q heads + k heads, hd) in place, the q heads by ``q_weight``, the k heads by
+    ``k_weight``; None when not fusable, so the caller runs its torch version."""
+    if qk.dim() != 3 or qk.stride(-1) != 1 or qk.stride(-2) != qk.shape[-1]:
+        return None
+    k = kernels_for(qk, q_weight, k_weight)
+    if k is None:
+        return None
+    k.rms_norm_heads_(qk, q_weight, k_weight, num_q_heads, eps)
+    return qk
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[gate | up] (T, 2I) -> GELU(gate) * up (T, I), GELU's tanh approximation (Gemma's GeGLU)."""
+    k = kernels_for(gate_up) if gate_up.dim() == 2 else None
+    if k is not None:
+        return k.gelu_tanh_mul(gate_up, gate_up.dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """Rotate x (T, heads, hd) in place (rotate-half convention) and return it; None when not fusable,
     so the caller runs its torch version."""

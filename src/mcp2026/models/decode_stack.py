@@ -71,13 +71,15 @@ class DecodeStackCache:
             old = self._parts
             if self._stack is None or len(old) != len(parts) or any(a is not b for a, b in zip(old, parts)):
                 attn = layers[0].attn
-                built = [
-                    kernels.DecodeLayer(
-                        layer.input_layernorm.weight, layer.input_layernorm.eps, lin[0],
-                        layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, *lin[1:],
+                built = []
+                for layer, lin in zip(layers, linears):
+                    norm1, norm2 = (layer._modules[name] for name in layer.stack_norms)
+                    extras = {} if lin[4] is None else {"extras": lin[4]}
+                    built.append(
+                        kernels.DecodeLayer(
+                            norm1.weight, norm1.eps, lin[0], norm2.weight, norm2.eps, *lin[1:4], **extras
+                        )
                     )
-                    for layer, lin in zip(layers, linears)
-                ]  # fmt: skip
                 self._stack = kernels.DecodeStack(built, attn.num_heads, attn.num_kv_heads, attn.head_dim)
                 self._parts = parts
             stack = self._stack
@@ -101,10 +103,7 @@ def _parts(
     parts = []
     for layer, lin in zip(layers, linears):
         own = layer._modules
-        parts += (
-            reads.get(reads.get(own, "input_layernorm")._parameters, "weight"),
-            reads.get(reads.get(own, "post_attention_layernorm")._parameters, "weight"),
-        )
+        parts += (reads.get(reads.get(own, name)._parameters, "weight") for name in layer.stack_norms)
         parts += lin
     return parts
 
@@ -122,7 +121,15 @@ def stackable(layers: Sequence[nn.Module]) -> bool:
 
 
 def run(
-    stack: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inputs: tuple[torch.Tensor, ...]
+    stack: Any,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    inputs: tuple[torch.Tensor, ...],
+    local: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden, residual) after the last layer; ``inputs`` from ``DecodeStackCache.inputs``."""
-    return tuple(stack.run(x, cos, sin, *inputs))
+    """(hidden, residual) after the last layer; ``inputs`` from ``DecodeStackCache.inputs``; ``local``: the
+    (cos, sin) of the layers that rotate with the local table (Gemma 3's sliding layers)."""
+    if local is None:
+        return tuple(stack.run(x, cos, sin, *inputs))
+    return tuple(stack.run(x, cos, sin, *inputs, *local))

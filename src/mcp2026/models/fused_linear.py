@@ -66,6 +66,33 @@ class _Cached:
         return type(None), ()
 
 
+class _Held:
+    """A compiled object and what it was built from, kept on its owner's ``__dict__``; copies and pickles of the
+    owner drop it as they drop ``_Cached``."""
+
+    __slots__ = ("sources", "value")
+
+    def __init__(self, sources: tuple, value: Any) -> None:
+        self.sources, self.value = sources, value
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __reduce__(self) -> tuple:
+        return type(None), ()
+
+
+def held(owner: nn.Module, name: str, sources: tuple, build: Any, reads: Reads | None = None) -> Any:
+    """``build()``'s object, built again when any of ``sources`` is not the object it was built from (compared
+    by identity) and kept on ``owner`` under ``name``. ``reads``: record the lookup."""
+    h = owner.__dict__.get(name)
+    if h is None or len(h.sources) != len(sources) or any(a is not b for a, b in zip(h.sources, sources)):
+        h = owner.__dict__[name] = _Held(sources, build())
+    if reads is not None:
+        reads.get(owner.__dict__, name)
+    return h.value
+
+
 # A recorded read's value where the key was absent
 MISSING = object()
 
@@ -91,7 +118,7 @@ class Reads:
 def fused_linear(kernels: Any, m: nn.Module, quant_rows: bool, reads: Reads | None = None) -> Any | None:
     """The compiled stand-in for ``m``, or None when ``m`` cannot be fused for this step (``quant_rows``:
     the step's row count is one the quantized modules send to their GEMVs). ``reads``: record the lookups."""
-    weight, bias = _tensor(m, "weight", reads), _tensor(m, "bias", reads)
+    weight, bias = tensor(m, "weight", reads), tensor(m, "bias", reads)
     if weight is None:  # a split layer (two kernels and a gather): never fused
         return None
     cached = m.__dict__.get("_fused")
@@ -105,7 +132,7 @@ def fused_linear(kernels: Any, m: nn.Module, quant_rows: bool, reads: Reads | No
     return built[1]
 
 
-def _tensor(m: nn.Module, name: str, reads: Reads | None = None) -> Tensor | None:
+def tensor(m: nn.Module, name: str, reads: Reads | None = None) -> Tensor | None:
     """``getattr(m, name, None)`` for a parameter, buffer or plain attribute, without nn.Module's slow
     ``__getattr__`` fallback (this runs for every linear of every decode step)."""
     get = dict.get if reads is None else reads.get

@@ -13,15 +13,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mcp2026.config import ModelConfig
+from mcp2026.kernels import ops
+from mcp2026.models import decode_stack, fused_linear
 from mcp2026.models.attention import ForwardContext
 from mcp2026.models.family import ModelFamily
 from mcp2026.models.layers import Linear, RMSNorm
-from mcp2026.models.llama import LlamaAttention, LlamaForCausalLM
+from mcp2026.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, fused_kernels
 from mcp2026.models.rotary import RotaryEmbedding
+from mcp2026.quant.cpu_routing import gemv_rows
 
 
 class GegluMLP(nn.Module):
@@ -32,17 +34,23 @@ class GegluMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(ops.gelu_tanh_mul(self.gate_up_proj(x)))
 
 
 RopeTable = tuple[RotaryEmbedding, torch.Tensor, torch.Tensor]
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(LlamaDecoderLayer):
+    """Compiled as the Llama layer is (``fused`` / ``forward_fused`` / the decode stack), with Gemma's norms
+    around its attention and MLP, its gate and its rotary table as ``kernels.LayerExtras``."""
+
+    stack_norms = ("input_layernorm", "pre_feedforward_layernorm")
+    gate = 1  # tanh-GELU
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.sliding = config.attention_window(layer_idx) is not None
+        self.local_rope = self.sliding
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.attn = LlamaAttention(config, layer_idx)
@@ -64,6 +72,15 @@ class Gemma3DecoderLayer(nn.Module):
         h = self.attn(h, *tables[self.sliding], ctx)
         h, residual = self.pre_feedforward_layernorm.add(residual, self.post_attention_layernorm(h))
         return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+    def extra_norms(self, attn: nn.Module, reads: fused_linear.Reads | None) -> dict[str, Any]:
+        get = dict.get if reads is None else reads.get
+        own = self._modules
+        return {
+            **super().extra_norms(attn, reads),
+            "post_attn_norm": get(own, "post_attention_layernorm"),
+            "post_mlp_norm": get(own, "post_feedforward_layernorm"),
+        }
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -90,8 +107,29 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             for sliding, rope in ((False, self.rope), (True, self.rope_local))
         }
         residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, tables, ctx)
+        kernels, fused = fused_kernels(x), None
+        if kernels is not None:
+            quant_rows = gemv_rows(x)
+            stacks = self.__dict__.get("_decode_stack")
+            if stacks is None:
+                stacks = self.__dict__["_decode_stack"] = decode_stack.DecodeStackCache.for_layers(
+                    self.layers
+                )
+            inputs = stacks.inputs(ctx, x.shape[0])
+            if inputs is not None:
+                stack, fused = stacks.get(kernels, self.layers, quant_rows)
+                if stack is not None:
+                    x, residual = decode_stack.run(stack, x, *tables[False][1:], inputs, tables[True][1:])
+                    return self.norm.add(residual, x)[0]
+            if fused is None:
+                fused = [layer.fused(kernels, quant_rows) for layer in self.layers]
+        for i, layer in enumerate(self.layers):
+            linears = None if fused is None else fused[i]
+            if linears is not None:
+                _, cos, sin = tables[layer.sliding]
+                x, residual = layer.forward_fused(kernels, linears, x, residual, cos, sin, ctx)
+            else:
+                x, residual = layer(x, residual, tables, ctx)
         return self.norm.add(residual, x)[0]
 
 

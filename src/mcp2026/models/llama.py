@@ -52,8 +52,10 @@ class LlamaAttention(nn.Module):
         # q and k heads rotated together: one rope pass instead of two (fewer ops per decode step)
         qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+            qn, kn = self.q_norm, self.k_norm
+            if ops.rms_norm_heads_(qk, qn.weight, kn.weight, self.num_heads, qn.eps) is None:
+                q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+                qk = torch.cat((qn(q), kn(k)), dim=1)
         if ops.rope_(qk, cos, sin) is None:
             qk = rope.apply(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -75,6 +77,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # The norms the compiled layer (kernels.DecodeLayer) applies before the attention and before the MLP, and
+    # its MLP gate (0: SiLU, 1: tanh-GELU): a family with its own layer (Gemma 3) names its own.
+    stack_norms = ("input_layernorm", "post_attention_layernorm")
+    gate = 0
+    local_rope = False  # whether the layer rotates with the model's local table (Gemma 3's sliding layers)
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -98,23 +106,31 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add(residual, h)
         return self.mlp(h), residual
 
+    def extra_norms(self, attn: nn.Module, reads: fused_linear.Reads | None) -> dict[str, Any]:
+        """The norms the compiled layer applies besides ``stack_norms``, by ``kernels.LayerExtras`` field (None:
+        the layer has none there)."""
+        return {
+            "q_norm": fused_linear.submodule(attn, "q_norm", reads),
+            "k_norm": fused_linear.submodule(attn, "k_norm", reads),
+        }
+
     def fused(
         self, kernels: Any, quant_rows: bool, reads: fused_linear.Reads | None = None
-    ) -> tuple[Any, Any, Any, Any] | None:
-        """The four linears as compiled handles when all of them can run inside ``forward_fused``. ``reads``:
-        record the lookups the answer rests on (models/decode_stack.py repeats them on later steps)."""
+    ) -> tuple[Any, ...] | None:
+        """The four linears as compiled handles, and the layer's ``kernels.LayerExtras`` (None for a plain
+        Llama layer), when all of them can run inside ``forward_fused``. ``reads``: record the lookups the
+        answer rests on (models/decode_stack.py repeats them on later steps)."""
         # Called for every layer of a step the decode stack's guard does not answer: submodules straight from
         # _modules (nn.Module.__getattr__ is a slow fallback, and a step makes hundreds of these lookups)
         get = dict.get if reads is None else reads.get
         own = self._modules
         attn, mlp = get(own, "attn"), get(own, "mlp")
-        # the compiled layer has no per-head norm between projection and rotary
-        if fused_linear.submodule(attn, "q_norm", reads) is not None:
-            return None
         a, m = attn._modules, mlp._modules
         modules = (get(a, "qkv_proj"), get(a, "o_proj"), get(m, "gate_up_proj"), get(m, "down_proj"))
-        norms = (get(own, "input_layernorm"), get(own, "post_attention_layernorm"))
-        if fused_linear.hooked(self, attn, mlp, *norms, *modules, reads=reads):
+        norms = tuple(get(own, name) for name in self.stack_norms)
+        extra = self.extra_norms(attn, reads)
+        present = [n for n in extra.values() if n is not None]
+        if fused_linear.hooked(self, attn, mlp, *norms, *modules, *present, reads=reads):
             return None
         linears = []
         for m in modules:
@@ -122,32 +138,60 @@ class LlamaDecoderLayer(nn.Module):
             if handle is None:
                 return None
             linears.append(handle)
-        return tuple(linears)
+        return (*linears, self._extras(kernels, extra, reads))
+
+    def _extras(self, kernels: Any, norms: dict[str, Any], reads: fused_linear.Reads | None) -> Any:
+        if not any(n is not None for n in norms.values()) and self.gate == 0 and not self.local_rope:
+            return None
+        weights = {
+            k: None if n is None else fused_linear.tensor(n, "weight", reads) for k, n in norms.items()
+        }
+
+        def build() -> Any:
+            eps = {k: n.eps for k, n in norms.items() if n is not None}
+            return kernels.LayerExtras(
+                q_norm=weights.get("q_norm"),
+                k_norm=weights.get("k_norm"),
+                qk_eps=eps.get("q_norm", 1e-6),
+                post_attn_norm=weights.get("post_attn_norm"),
+                post_attn_eps=eps.get("post_attn_norm", 1e-6),
+                post_mlp_norm=weights.get("post_mlp_norm"),
+                post_mlp_eps=eps.get("post_mlp_norm", 1e-6),
+                gate=self.gate,
+                local_rope=self.local_rope,
+            )
+
+        return fused_linear.held(self, "_compiled_extras", (kernels, *weights.values()), build, reads)
 
     def forward_fused(
         self,
         kernels: Any,
-        linears: tuple[Any, Any, Any, Any],
+        linears: tuple[Any, ...],
         x: torch.Tensor,
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` for decode-sized steps: two compiled calls around the attention (same results)."""
+        """``forward`` for decode-sized steps: two compiled calls around the attention (same results).
+        ``linears``: what ``fused`` returned."""
         if residual is None:  # x starts the residual stream (a copy: the kernels update it in place)
             residual, x = x.clone(), None
-        attn, norm1, norm2 = self.attn, self.input_layernorm, self.post_attention_layernorm
+        attn = self.attn
+        norm1, norm2 = (self._modules[name] for name in self.stack_norms)
+        extras = () if linears[4] is None else (linears[4],)
         q, k, v = kernels.layer_attn_in(
             residual, x, norm1.weight, norm1.eps, linears[0], cos, sin,
-            attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, *extras,
         )  # fmt: skip
         out = attention(attn.layer_idx, q, k, v, ctx, window=attn.window)
-        h = kernels.layer_attn_out_mlp(out, residual, linears[1], norm2.weight, norm2.eps, *linears[2:])
+        h = kernels.layer_attn_out_mlp(
+            out, residual, linears[1], norm2.weight, norm2.eps, *linears[2:4], *extras
+        )
         return h, residual
 
 
-def _fused_kernels(x: torch.Tensor) -> Any | None:
+def fused_kernels(x: torch.Tensor) -> Any | None:
     """The compiled kernels when this step's layers may run fused: decode-sized (the two calls per layer save
     op dispatches, which only matter when a step's arithmetic is small), CPU float input, no autograd."""
     if not fused_linear.ENABLED or x.dim() != 2 or x.shape[0] > ops.FUSED_MAX_ROWS:
@@ -188,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope.table(positions, x.dtype)
         residual = None
-        kernels = _fused_kernels(x)
+        kernels = fused_kernels(x)
         # Whether quantized linears take their GEMVs at this row count: one answer for every format because fused
         # steps (<= ops.FUSED_MAX_ROWS rows) are under each format's GEMV row limit (a test holds that).
         quant_rows = kernels is not None and gemv_rows(x)

@@ -84,7 +84,7 @@ class MoeDecoderLayer(LlamaDecoderLayer):
 
     def fused(
         self, kernels: Any, quant_rows: bool, reads: fused_linear.Reads | None = None
-    ) -> tuple[Any, Any, Any, Any] | None:
+    ) -> tuple[Any, ...] | None:
         """None for an experts layer: the compiled layer's second call runs one dense MLP, so these layers take
         the per-op path (its linears, attention and norms still run our kernels)."""
         mlp = self._modules["mlp"] if reads is None else reads.get(self._modules, "mlp")
