@@ -102,14 +102,15 @@ def test_partial_rope_rotates_the_leading_dims_and_passes_the_rest(kernels, dtyp
     assert not torch.allclose(qk[1:, :, :24], before[1:, :, :24])  # positions 5 and 17 did rotate
 
 
-def _reference_attention(q, k_cache, v_cache, tables, lengths):
+def _reference_attention(q, k_cache, v_cache, tables, lengths, starts=None):
     out = []
     bs = k_cache.shape[2]
     for b in range(q.shape[0]):
         n = int(lengths[b])
+        first = 0 if starts is None else int(starts[b])
         blocks = tables[b, : -(-n // bs)]
-        k = k_cache[blocks].transpose(0, 1).flatten(1, 2)[:, :n].float()  # (nkv, n, hd)
-        v = v_cache[blocks].transpose(0, 1).flatten(1, 2)[:, :n].float()
+        k = k_cache[blocks].transpose(0, 1).flatten(1, 2)[:, first:n].float()  # (nkv, n - first, hd)
+        v = v_cache[blocks].transpose(0, 1).flatten(1, 2)[:, first:n].float()
         qb = q[b].float()[None, :, None]  # (1, nh, 1, hd)
         o = F.scaled_dot_product_attention(qb, k[None], v[None], scale=1.0, enable_gqa=True)
         out.append(o[0, :, 0])
@@ -141,6 +142,30 @@ def test_paged_decode_attention_matches_a_gather_and_softmax(kernels, dtype, kv_
     expected = _reference_attention(q, k_cache, v_cache, tables, lengths)
     tol = _tol(dtype) * sharpness  # scores 30x larger: their fp32 rounding moves the softmax 30x more
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("dtype", "hd"), [(torch.float32, 32), (torch.bfloat16, 64), (torch.float32, 12)])
+def test_paged_decode_attention_from_a_window_start(kernels, dtype, hd):
+    """A sliding window's first position per sequence: on a block boundary, inside a block (the block's
+    positions before it masked), in the last block, and 0 (the whole context)."""
+    torch.manual_seed(3)
+    num_blocks, nkv, bs, nh = 40, 2, 16, 4
+    k_cache = torch.randn(num_blocks, nkv, bs, hd).to(dtype)
+    v_cache = torch.randn(num_blocks, nkv, bs, hd).to(dtype)
+    q = (torch.randn(5, nh, hd) / hd**0.5).to(dtype)
+    tables = torch.randperm(num_blocks)[:25].view(5, 5)
+    lengths = torch.tensor([77, 77, 77, 40, 33])
+    starts = torch.tensor([32, 37, 76, 0, 20])
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths, None, starts)
+    expected = _reference_attention(q, k_cache, v_cache, tables, lengths, starts)
+    torch.testing.assert_close(out.float(), expected, atol=_tol(dtype), rtol=_tol(dtype))
+    whole = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths)
+    assert torch.equal(out[3], whole[3]) and not torch.allclose(out[1].float(), whole[1].float())
+    with pytest.raises(RuntimeError, match="window start must lie before its length"):
+        kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths, None, lengths)
+    with pytest.raises(RuntimeError, match="do not combine"):
+        mass = torch.zeros(5, nkv, 5)
+        kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths, mass, starts)
 
 
 @pytest.mark.parametrize("batch", [1, 2])

@@ -172,12 +172,16 @@ class ModelRunner:
         return num_slots
 
     def _decode_window(
-        self, decodes: list[ScheduledChunk], stage_after: dict[str, int | None], window: int
-    ) -> tuple[BlockRead, torch.Tensor] | None:
-        """The read and bias (B, 1, 1, nb * bs) of the blocks holding each decode's last ``window`` positions
-        (the query at position p sees p - window + 1 .. p); None when every decode fits in the window."""
+        self, decodes: list[ScheduledChunk], stage_after: dict[str, int | None], window: int, in_place: bool
+    ) -> tuple[BlockRead | None, torch.Tensor | None, torch.Tensor] | None:
+        """Each decode's first position in the window (the query at position p sees p - window + 1 .. p) and,
+        unless the decodes read the cache in place (``in_place``), the read and bias (B, 1, 1, nb * bs) of the
+        blocks holding their last ``window`` positions; None when every decode fits in the window."""
         if all(c.kv_start < window for c in decodes):
             return None
+        starts = torch.tensor([max(0, c.kv_start - window + 1) for c in decodes], dtype=torch.int64)
+        if in_place:
+            return None, None, starts
         bs = self.block_size
         rows, firsts, lengths = [], [], []
         for c in decodes:
@@ -194,7 +198,7 @@ class ModelRunner:
         key = torch.arange(tables.shape[1] * bs).unsqueeze(0)
         hidden = (key < torch.tensor(firsts).unsqueeze(1)) | (key >= torch.tensor(lengths).unsqueeze(1))
         bias = torch.zeros(hidden.shape, dtype=self.cache.dtype).masked_fill_(hidden, float("-inf"))
-        return self.cache.block_read(tables), bias[:, None, None, :]
+        return self.cache.block_read(tables), bias[:, None, None, :], starts
 
     def _window_view(
         self,
@@ -202,9 +206,11 @@ class ModelRunner:
         prefills: list[ScheduledChunk],
         stage_after: dict[str, int | None],
         window: int,
+        in_place: bool,
     ) -> WindowView | None:
-        """What the layers sliding over ``window`` read this step; None when no sequence outgrew it."""
-        decode = self._decode_window(decodes, stage_after, window) if decodes else None
+        """What the layers sliding over ``window`` read this step; None when no sequence outgrew it. ``in_place``:
+        the step's decodes read the cache in place (the paged kernel takes the window's starts)."""
+        decode = self._decode_window(decodes, stage_after, window, in_place) if decodes else None
         q_start, slices = len(decodes), []
         for c in prefills:
             outgrown = c.kv_start + c.num_tokens > window
@@ -212,8 +218,8 @@ class ModelRunner:
             q_start += c.num_tokens
         if decode is None and all(p is None for p in slices):
             return None
-        read, bias = decode or (None, None)
-        return WindowView(read, bias, slices)
+        read, bias, starts = decode or (None, None, None)
+        return WindowView(read, bias, slices, starts)
 
     def _decodes_fused(self, staged: list[int | None]) -> bool:
         """Whether the step's decodes run in the fused kernel (the quantized one reads staged tails too)."""
@@ -437,8 +443,15 @@ class ModelRunner:
             if num_slots is not None:
                 observed.append(([c.request_id], [num_slots], len(meta.prefills) - 1))
             q_start += c.num_tokens
+        # the CPU kernel starts at a window; the GPU's gathers the window's blocks
+        in_place = (
+            self.device.type == "cpu"
+            and meta.decode_tables is not None
+            and self.cache.reads_in_place
+            and meta.decode_mass is None
+        )
         for window in self.windows:
-            view = self._window_view(decodes, prefills, write.stage_after, window)
+            view = self._window_view(decodes, prefills, write.stage_after, window, in_place)
             if view is not None:
                 meta.windows[window] = view
         return meta, observed

@@ -17,7 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_available", &prefill_attention_available, "whether this build has it");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged K/V blocks",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("lengths"),
-        py::arg("mass") = py::none());
+        py::arg("mass") = py::none(), py::arg("starts") = py::none());
   m.def("paged_decode_attention_quantized", &paged_decode_attention_quantized,
         "decode attention over int8 / int4 / fp8 paged K/V blocks (and int4's staged bf16 tails)", py::arg("q"),
         py::arg("kind"), py::arg("k_planes"), py::arg("v_planes"), py::arg("stage_k"), py::arg("stage_v"),
@@ -53,16 +53,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, double qk_eps,
                        c10::optional<torch::Tensor> post_attn_norm, double post_attn_eps,
                        c10::optional<torch::Tensor> post_mlp_norm, double post_mlp_eps, int64_t gate,
-                       bool local_rope) {
+                       bool local_rope, bool windowed) {
              TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
              TORCH_CHECK(gate == 0 || gate == 1, "gate must be 0 (SiLU) or 1 (tanh-GELU)");
              return LayerExtras{std::move(q_norm), std::move(k_norm), std::move(post_attn_norm),
-                                std::move(post_mlp_norm), qk_eps, post_attn_eps, post_mlp_eps, gate, local_rope};
+                                std::move(post_mlp_norm), qk_eps, post_attn_eps, post_mlp_eps, gate, local_rope,
+                                windowed};
            }),
            py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("qk_eps") = 1e-6,
            py::arg("post_attn_norm") = py::none(), py::arg("post_attn_eps") = 1e-6,
            py::arg("post_mlp_norm") = py::none(), py::arg("post_mlp_eps") = 1e-6, py::arg("gate") = 0,
-           py::arg("local_rope") = false);
+           py::arg("local_rope") = false, py::arg("windowed") = false);
   py::class_<FusedLinear>(m, "FusedLinear")
       .def(py::init([](int64_t kind, torch::Tensor a, torch::Tensor b, c10::optional<torch::Tensor> bias,
                        c10::optional<torch::Tensor> inv_scale) {
@@ -117,7 +118,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &DecodeStack::run, "every layer of a decode-only step over a raw paged cache",
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_planes"), py::arg("v_planes"), py::arg("rows"),
            py::arg("tables"), py::arg("lengths"), py::arg("cos_local") = py::none(),
-           py::arg("sin_local") = py::none());
+           py::arg("sin_local") = py::none(), py::arg("window_starts") = py::none());
   py::class_<LookupGuard>(m, "LookupGuard")
       .def(py::init([](const std::vector<py::tuple>& reads, const std::vector<py::object>& empty, py::object missing) {
              LookupGuard g;

@@ -29,10 +29,12 @@ inline torch::Tensor slot_or_empty(torch::Tensor* slot, at::IntArrayRef sizes, c
 torch::Tensor paged_decode_attention_into(const torch::Tensor& q, const torch::Tensor& k_cache,
                                           const torch::Tensor& v_cache, const torch::Tensor& tables,
                                           const torch::Tensor& lengths, const c10::optional<torch::Tensor>& mass,
-                                          torch::Tensor* slot);
+                                          torch::Tensor* slot,
+                                          const c10::optional<torch::Tensor>& starts = c10::nullopt);
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& tables,
-                                     const torch::Tensor& lengths, const c10::optional<torch::Tensor>& mass);
+                                     const torch::Tensor& lengths, const c10::optional<torch::Tensor>& mass,
+                                     const c10::optional<torch::Tensor>& starts);
 torch::Tensor paged_decode_attention_quantized(const torch::Tensor& q, int64_t kind, const std::vector<torch::Tensor>& kp,
                                                const std::vector<torch::Tensor>& vp, const torch::Tensor& stage_k,
                                                const torch::Tensor& stage_v, const torch::Tensor& tables,
@@ -112,13 +114,14 @@ struct StepSlots {
 
 // What a layer adds to the Llama layer, each part optional: per-head RMSNorms of q and k before RoPE (Qwen3,
 // Gemma 3), RMSNorms of the attention's and the MLP's outputs before their residual adds (Gemma 3's "sandwich"),
-// the MLP's gate activation, and which of the step's two rotary tables the layer takes (Gemma 3's sliding-window
-// layers rotate with their own base).
+// the MLP's gate activation, which of the step's two rotary tables the layer takes (Gemma 3's sliding-window
+// layers rotate with their own base), and whether the layer's attention slides.
 struct LayerExtras {
   c10::optional<torch::Tensor> q_norm, k_norm, post_attn_norm, post_mlp_norm;
   double qk_eps = 1e-6, post_attn_eps = 1e-6, post_mlp_eps = 1e-6;
   int64_t gate = 0;  // 0: SiLU(gate) * up; 1: tanh-GELU(gate) * up
   bool local_rope = false;
+  bool windowed = false;  // a sliding-window layer: attends from the step's window starts, when it has them
 };
 
 std::vector<torch::Tensor> layer_attn_in(torch::Tensor& residual, const c10::optional<torch::Tensor>& x,
@@ -148,12 +151,14 @@ struct DecodeStack {
   std::vector<DecodeLayer> layers;
   int64_t nh, nkv, hd;
 
-  // cos_local / sin_local: the rotary table of the layers with local_rope (required when any has it)
+  // cos_local / sin_local: the rotary table of the layers with local_rope (required when any has it);
+  // window_starts (B,): where the windowed layers' attention starts, when the window is shorter than a context
   std::vector<torch::Tensor> run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                  const torch::Tensor& k_planes, const torch::Tensor& v_planes,
                                  const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lengths,
                                  const c10::optional<torch::Tensor>& cos_local,
-                                 const c10::optional<torch::Tensor>& sin_local) const;
+                                 const c10::optional<torch::Tensor>& sin_local,
+                                 const c10::optional<torch::Tensor>& window_starts) const;
 };
 
 // Dictionary reads repeated in one call: the Python objects a decode step's compiled stack was decided from

@@ -33,6 +33,13 @@ inline float load(const T* p, int64_t i) {
   return static_cast<float>(p[i]);
 }
 
+// A sliding window's first block may start before the window: its first skip positions get no attention
+// (their scores -inf, which the softmax turns into 0).
+inline void mask_front(float* scores, int64_t g, int64_t len, int64_t skip) {
+  for (int64_t j = 0; j < g && skip > 0; ++j)
+    std::fill(scores + j * len, scores + j * len + skip, -std::numeric_limits<float>::infinity());
+}
+
 #ifdef MCP_ATTN_AVX2
 // scores[j * len + t] = q_j . k_t over one block's n rows of hd floats (kb); scores points at the block's first.
 inline void score_rows_avx2(const float* qf, const float* kb, int64_t n, int64_t g, int64_t hd, int64_t len,
@@ -120,7 +127,8 @@ inline void accumulate_rows_avx2(const float* probs, int64_t len, const float* v
 // One (sequence, KV head): its g query heads over len tokens. hd % 8 == 0.
 template <typename KS, typename VS>
 void attend_avx2(const float* qf, const KS& ks, const VS& vs, const int64_t* table, int64_t len, int64_t g,
-                 int64_t hd, int64_t bs, float* scores, float* acc, float* buf, float* mass_row) {
+                 int64_t hd, int64_t bs, float* scores, float* acc, float* buf, float* mass_row,
+                 int64_t skip) {
   // A block is widened or decoded once and read by all g heads. Blocks lie anywhere in the pool, beyond the
   // hardware prefetcher's reach: the next block's keys are fetched ahead, and this block's values into L2 for
   // the second pass.
@@ -130,6 +138,7 @@ void attend_avx2(const float* qf, const KS& ks, const VS& vs, const int64_t* tab
     vs.prefetch(table[t0 / bs], n, false);
     score_rows_avx2(qf, ks.rows(table[t0 / bs], n, buf), n, g, hd, len, scores + t0);
   }
+  mask_front(scores, g, len, skip);
   softmax_heads_avx2(scores, g, len, bs, mass_row);
   std::fill(acc, acc + g * hd, 0.f);
   for (int64_t t0 = 0; t0 < len; t0 += bs) {
@@ -344,9 +353,10 @@ inline void accumulate_int4_values(const float* probs, int64_t len, const Int4So
 // int4 K and V: coded blocks as above, staged (bf16) ones as any raw rows. Other shapes (head sizes not a
 // multiple of 64, value groups not a multiple of 16): the generic loop over decoded rows.
 void attend_avx2(const float* qf, const Int4Source& ks, const Int4Source& vs, const int64_t* table, int64_t len,
-                 int64_t g, int64_t hd, int64_t bs, float* scores, float* acc, float* buf, float* mass_row) {
+                 int64_t g, int64_t hd, int64_t bs, float* scores, float* acc, float* buf, float* mass_row,
+                 int64_t skip) {
   if (hd % 64 != 0 || ks.ng != 0 || vs.ng < 1 || (hd / vs.ng) % 16 != 0) {
-    attend_avx2<Int4Source, Int4Source>(qf, ks, vs, table, len, g, hd, bs, scores, acc, buf, mass_row);
+    attend_avx2<Int4Source, Int4Source>(qf, ks, vs, table, len, g, hd, bs, scores, acc, buf, mass_row, skip);
     return;
   }
   const int64_t ng = vs.ng;
@@ -369,6 +379,7 @@ void attend_avx2(const float* qf, const Int4Source& ks, const Int4Source& vs, co
     else
       score_int4_keys(qf, ks, block, n, g, hd, len, scores + t0, w);
   }
+  mask_front(scores, g, len, skip);
   softmax_heads_avx2(scores, g, len, bs, mass_row);
   std::fill(acc, acc + g * hd, 0.f);
   for (int64_t t0 = 0; t0 < len; t0 += bs) {
@@ -426,9 +437,10 @@ inline void score_int8_keys(const Int8Source& ks, int64_t block, int64_t n, int6
 
 // int8 K and V: keys as above (head sizes 64 and 128; others take the generic loop), values through the buffer.
 void attend_avx2(const float* qf, const Int8Source& ks, const Int8Source& vs, const int64_t* table, int64_t len,
-                 int64_t g, int64_t hd, int64_t bs, float* scores, float* acc, float* buf, float* mass_row) {
+                 int64_t g, int64_t hd, int64_t bs, float* scores, float* acc, float* buf, float* mass_row,
+                 int64_t skip) {
   if (hd % 64 != 0 || hd > 128) {
-    attend_avx2<Int8Source, Int8Source>(qf, ks, vs, table, len, g, hd, bs, scores, acc, buf, mass_row);
+    attend_avx2<Int8Source, Int8Source>(qf, ks, vs, table, len, g, hd, bs, scores, acc, buf, mass_row, skip);
     return;
   }
   float* f;
@@ -449,6 +461,7 @@ void attend_avx2(const float* qf, const Int8Source& ks, const Int8Source& vs, co
     vs.prefetch(table[t0 / bs], n, false);
     score_int8_keys(ks, table[t0 / bs], n, g, hd, len, scores + t0, w);
   }
+  mask_front(scores, g, len, skip);
   softmax_heads_avx2(scores, g, len, bs, mass_row);
   std::fill(acc, acc + g * hd, 0.f);
   for (int64_t t0 = 0; t0 < len; t0 += bs) {
@@ -461,7 +474,8 @@ void attend_avx2(const float* qf, const Int8Source& ks, const Int8Source& vs, co
 // Portable version of the same: one (sequence, KV head).
 template <typename KS, typename VS>
 void attend_scalar(const float* qf, const KS& ks, const VS& vs, const int64_t* table, int64_t len, int64_t g,
-                   int64_t hd, int64_t bs, float* scores, float* acc, float* buf, float* mass_row) {
+                   int64_t hd, int64_t bs, float* scores, float* acc, float* buf, float* mass_row,
+                 int64_t skip) {
   for (int64_t t0 = 0; t0 < len; t0 += bs) {
     const int64_t n = std::min(bs, len - t0);
     const float* kb = ks.rows(table[t0 / bs], n, buf);
@@ -475,6 +489,7 @@ void attend_scalar(const float* qf, const KS& ks, const VS& vs, const int64_t* t
       }
     }
   }
+  mask_front(scores, g, len, skip);
   for (int64_t j = 0; j < g; ++j) {
     float* sj = scores + j * len;
     float mx = -std::numeric_limits<float>::infinity();
@@ -509,24 +524,26 @@ void attend_scalar(const float* qf, const KS& ks, const VS& vs, const int64_t* t
 template <typename T, typename KS, typename VS>
 void attend_heads(const T* q, const KS& ks, const VS& vs, const int64_t* table, int64_t len, int64_t first_head,
                   int64_t g, int64_t hd, int64_t bs, float* scores, float* qf, float* acc, float* buf,
-                  float* mass_row, T* out) {
+                  float* mass_row, int64_t skip, T* out) {
   for (int64_t j = 0; j < g; ++j)
     for (int64_t d = 0; d < hd; ++d) qf[j * hd + d] = load(q, (first_head + j) * hd + d);
 #ifdef MCP_ATTN_AVX2
   if (hd % 8 == 0)
-    attend_avx2(qf, ks, vs, table, len, g, hd, bs, scores, acc, buf, mass_row);
+    attend_avx2(qf, ks, vs, table, len, g, hd, bs, scores, acc, buf, mass_row, skip);
   else
 #endif
-    attend_scalar(qf, ks, vs, table, len, g, hd, bs, scores, acc, buf, mass_row);
+    attend_scalar(qf, ks, vs, table, len, g, hd, bs, scores, acc, buf, mass_row, skip);
   for (int64_t j = 0; j < g; ++j)
     for (int64_t d = 0; d < hd; ++d) out[(first_head + j) * hd + d] = static_cast<T>(acc[j * hd + d]);
 }
 
-// Every (sequence, KV head) of a decode batch; sources(h) gives that KV head's (key, value) sources.
+// Every (sequence, KV head) of a decode batch; sources(h) gives that KV head's (key, value) sources. starts
+// (a sliding window's first position per sequence, or null: 0): the blocks before the one holding it are not
+// read, and its positions before it get no attention.
 template <typename T, typename Sources>
 void decode_attention_run(const T* q, const int64_t* tables, const int64_t* lengths, T* out, float* mass,
                           int64_t B, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, int64_t nb, int64_t max_len,
-                          const Sources& sources) {
+                          const Sources& sources, const int64_t* starts = nullptr) {
   const int64_t g = nh / nkv;
   // Threads take (sequence, KV head) pairs: a unit of g query heads. With fewer pairs than two per thread (a
   // batch-1 step: 3 KV heads on 2 threads is 2 : 1) they take single query heads instead, a KV head whose heads
@@ -545,8 +562,11 @@ void decode_attention_run(const T* q, const int64_t* tables, const int64_t* leng
       const int64_t heads = std::min(g - j0, end * unit - head);
       float* mass_row = mass == nullptr ? nullptr : mass + (b * nkv + h) * nb;
       const auto src = sources(h);
-      attend_heads(q + b * nh * hd, src.first, src.second, tables + b * nb, lengths[b], h * g + j0, heads, hd,
-                   bs, scores.data(), qf.data(), acc.data(), buf.data(), mass_row, out + b * nh * hd);
+      const int64_t first_block = starts == nullptr ? 0 : starts[b] / bs;
+      const int64_t skip = starts == nullptr ? 0 : starts[b] - first_block * bs;
+      attend_heads(q + b * nh * hd, src.first, src.second, tables + b * nb + first_block,
+                   lengths[b] - first_block * bs, h * g + j0, heads, hd, bs, scores.data(), qf.data(), acc.data(),
+                   buf.data(), mass_row, skip, out + b * nh * hd);
       head += heads;
     }
   });
@@ -577,18 +597,33 @@ float* check_mass(const c10::optional<torch::Tensor>& mass, int64_t B, int64_t n
   return mass->data_ptr<float>();
 }
 
+// starts (B,) int64, each 0 <= start < its length, or none; a window ranks no blocks for eviction.
+const int64_t* check_starts(const c10::optional<torch::Tensor>& starts, const torch::Tensor& lc, int64_t B,
+                            bool with_mass) {
+  if (!starts.has_value()) return nullptr;
+  TORCH_CHECK(!with_mass, "a sliding window's starts and attention mass (eviction scores) do not combine");
+  TORCH_CHECK(starts->scalar_type() == torch::kLong && starts->is_contiguous() && starts->dim() == 1 &&
+                  starts->size(0) == B,
+              "starts must be a contiguous int64 (B,) tensor");
+  const int64_t* sp = starts->data_ptr<int64_t>();
+  const int64_t* lp = lc.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(sp[b] >= 0 && sp[b] < lp[b], "a window start must lie before its length");
+  return sp;
+}
+
 }  // namespace
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& tables,
-                                     const torch::Tensor& lengths, const c10::optional<torch::Tensor>& mass) {
-  return paged_decode_attention_into(q, k_cache, v_cache, tables, lengths, mass, nullptr);
+                                     const torch::Tensor& lengths, const c10::optional<torch::Tensor>& mass,
+                                     const c10::optional<torch::Tensor>& starts) {
+  return paged_decode_attention_into(q, k_cache, v_cache, tables, lengths, mass, nullptr, starts);
 }
 
 torch::Tensor paged_decode_attention_into(const torch::Tensor& q, const torch::Tensor& k_cache,
                                           const torch::Tensor& v_cache, const torch::Tensor& tables,
                                           const torch::Tensor& lengths, const c10::optional<torch::Tensor>& mass,
-                                          torch::Tensor* slot) {
+                                          torch::Tensor* slot, const c10::optional<torch::Tensor>& starts) {
   check_cpu_float(q, "q");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q must be (B, nh, hd), caches 4-D");
   // The caches may be narrower than q (bf16 / fp16 K/V with fp32 activations: half the bytes to read, the
@@ -608,6 +643,7 @@ torch::Tensor paged_decode_attention_into(const torch::Tensor& q, const torch::T
   TORCH_CHECK(k_cache.size(3) == hd && nh % nkv == 0, "head sizes do not match");
   const int64_t max_len = check_decode_batch(tc, lc, B, bs, k_cache.size(0));
   float* mp = check_mass(mass, B, nkv, nb);
+  const int64_t* sp = check_starts(starts, lc, B, mp != nullptr);
   auto out = slot_or_empty(slot, qc.sizes(), qc.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, qc.scalar_type(), "paged_decode_attention", [&] {
     using T = scalar_t;
@@ -622,7 +658,7 @@ torch::Tensor paged_decode_attention_into(const torch::Tensor& q, const torch::T
                               RawSource<KV>{vp, h * bs * hd, block_stride, hd});
       };
       decode_attention_run<T>(qc.data_ptr<T>(), tc.data_ptr<int64_t>(), lc.data_ptr<int64_t>(), out.data_ptr<T>(),
-                              mp, B, nh, nkv, hd, bs, nb, max_len, sources);
+                              mp, B, nh, nkv, hd, bs, nb, max_len, sources, sp);
     });
   });
   return out;

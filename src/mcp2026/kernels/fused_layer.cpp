@@ -70,7 +70,8 @@ std::vector<torch::Tensor> DecodeStack::run(const torch::Tensor& x, const torch:
                                             const torch::Tensor& v_planes, const torch::Tensor& rows,
                                             const torch::Tensor& tables, const torch::Tensor& lengths,
                                             const c10::optional<torch::Tensor>& cos_local,
-                                            const c10::optional<torch::Tensor>& sin_local) const {
+                                            const c10::optional<torch::Tensor>& sin_local,
+                                            const c10::optional<torch::Tensor>& window_starts) const {
   TORCH_CHECK(k_planes.dim() == 5 && v_planes.dim() == 5 && k_planes.size(0) == (int64_t)layers.size() &&
                   v_planes.sizes() == k_planes.sizes(),
               "k_planes and v_planes must be (layers, blocks, nkv, bs, hd) with one plane per layer");
@@ -93,7 +94,8 @@ std::vector<torch::Tensor> DecodeStack::run(const torch::Tensor& x, const torch:
       const auto kb = k_planes.select(0, (int64_t)i), vb = v_planes.select(0, (int64_t)i);
       auto k_rows = kb.view({-1, hd}), v_rows = vb.view({-1, hd});
       write_kv_rows(k_rows, v_rows, rows, qkv[1], qkv[2]);
-      const auto attn = paged_decode_attention_into(qkv[0], kb, vb, tables, lengths, c10::nullopt, &slots.attn);
+      const auto attn = paged_decode_attention_into(qkv[0], kb, vb, tables, lengths, c10::nullopt, &slots.attn,
+                                                    l.extras.windowed ? window_starts : c10::nullopt);
       h = layer_attn_out_mlp(attn, residual, l.o, l.norm2, l.eps2, l.gate_up, l.down, l.extras, &slots);
     }
   });

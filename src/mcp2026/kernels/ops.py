@@ -216,16 +216,20 @@ def paged_decode_attention(
     tables: torch.Tensor,
     lengths: torch.Tensor,
     mass: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (B, nh, hd) pre-scaled; caches (num_blocks, nkv, bs, hd); tables (B, nb) live block ids in order;
     lengths (B,) tokens to attend. ``mass`` (B, nkv, nb) float32: each block's attention per KV head (summed over
-    its query heads) is added to it (eviction scores; CPU only). Only called when ``decode_kernel_available``
-    said yes."""
+    its query heads) is added to it (eviction scores; CPU only). ``starts`` (B,) int64: a sliding window's first
+    position per sequence (CPU only; the keys before it get no attention). Only called when
+    ``decode_kernel_available`` said yes."""
     if q.is_cuda:
         if mass is not None:
             raise ValueError("the GPU decode kernel does not sum attention per block (eviction scores)")
+        if starts is not None:
+            raise ValueError("the GPU decode kernel does not start at a window (its steps gather the window)")
         return gpu.load().paged_decode_attention(q, k_cache, v_cache, tables, lengths)
-    return cpu.load().paged_decode_attention(q, k_cache, v_cache, tables, lengths, mass)
+    return cpu.load().paged_decode_attention(q, k_cache, v_cache, tables, lengths, mass, starts)
 
 
 def paged_decode_attention_quantized(

@@ -109,20 +109,24 @@ class PrefillSlice:
 
 @dataclass
 class WindowView:
-    """What the layers sliding over one window read in a step where some sequence outgrew it: for the decodes
-    (None when every decode fits in the window), the blocks holding each sequence's last ``window`` positions
-    (B, nb) and a bias hiding the keys before the window and past the length; for each prefill chunk, its slice
-    over the same span (None: no query of that chunk sees past the window, the full slice is exact)."""
+    """What the layers sliding over one window read in a step where some sequence outgrew it. For the decodes
+    (None when every decode fits in the window): each sequence's first position in the window (B,); where the
+    step's decodes read the cache in place, the paged kernel starts there, else (``decode_read``) the blocks
+    holding each sequence's last ``window`` positions (B, nb) are gathered with a bias hiding the keys before the
+    window and past the length. For each prefill chunk, its slice over the same span (None: no query of that
+    chunk sees past the window, the full slice is exact)."""
 
     decode_read: BlockRead | None = None
     decode_bias: torch.Tensor | None = None  # (B, 1, 1, nb * bs) 0 / -inf
     prefills: list[PrefillSlice | None] = field(default_factory=list)
+    decode_starts: torch.Tensor | None = None  # (B,) int64
 
     def to(self, device: torch.device) -> WindowView:
         return WindowView(
             None if self.decode_read is None else self.decode_read.to(device),
             None if self.decode_bias is None else self.decode_bias.to(device, non_blocking=True),
             [None if p is None else p.to(device) for p in self.prefills],
+            None if self.decode_starts is None else self.decode_starts.to(device),
         )
 
 
@@ -415,21 +419,24 @@ def raw_decode_inputs(
 ) -> tuple[torch.Tensor, ...] | None:
     """What a whole decode step needs to run its layers in one compiled call (``kernels.DecodeStack``), where
     ``attention`` would take, for every layer, the raw rows write and the in-place paged decode kernel:
-    (k_planes, v_planes, rows, tables, lengths); None for any other step. ``windows``: the layers' windows."""
+    (k_planes, v_planes, rows, tables, lengths), and the window starts of the sliding layers where a sequence
+    outgrew their window; None for any other step. ``windows``: the layers' windows."""
     cache, meta = ctx.cache, ctx.meta
     if cache is None or meta is None or meta.num_decodes != num_tokens or meta.prefills or meta.layered:
         return None
     if meta.decode_mass is not None or meta.decode_tables is None or not cache.reads_in_place:
         return None
-    if any(
-        w is not None and (v := meta.windows.get(w)) is not None and v.decode_read is not None
-        for w in windows
-    ):
+    views = [v for w in windows if w is not None and (v := meta.windows.get(w)) is not None]
+    cut = [v for v in views if v.decode_starts is not None]
+    # the stack gives every sliding layer one set of window starts: a model whose layers slide over two
+    # windows takes the per-layer path in a step where either cuts a sequence
+    if cut and (len({w for w in windows if w is not None}) > 1 or cut[0].decode_read is not None):
         return None
     plan, planes = meta.write, cache.raw_planes()
     if planes is None or plan.rows is None or plan.is_monitored:
         return None
-    return (*planes, plan.rows, meta.decode_tables, meta.decode_lengths)
+    starts = (cut[0].decode_starts,) if cut else ()
+    return (*planes, plan.rows, meta.decode_tables, meta.decode_lengths, *starts)
 
 
 def attention(
@@ -458,6 +465,9 @@ def attention(
         if view is not None and view.decode_read is not None:  # no eviction with sliding windows: no scores
             kc, vc = cache.gather(layer, view.decode_read)  # (B, nkv, window's blocks * bs, hd)
             parts.append(_decode_attention(q[:b], kc, vc, view.decode_bias, None, meta.block_size))
+        elif view is not None and view.decode_starts is not None:  # in place, from each window's start
+            kb, vb = cache.layer_blocks(layer)
+            parts.append(ops.paged_decode_attention(q[:b], kb, vb, tables, lengths, None, view.decode_starts))
         elif tables is not None and cache.reads_in_place:
             kb, vb = cache.layer_blocks(layer)
             parts.append(ops.paged_decode_attention(q[:b], kb, vb, tables, lengths, mass))

@@ -128,8 +128,10 @@ def run(
     inputs: tuple[torch.Tensor, ...],
     local: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden, residual) after the last layer; ``inputs`` from ``DecodeStackCache.inputs``; ``local``: the
-    (cos, sin) of the layers that rotate with the local table (Gemma 3's sliding layers)."""
-    if local is None:
-        return tuple(stack.run(x, cos, sin, *inputs))
-    return tuple(stack.run(x, cos, sin, *inputs, *local))
+    """(hidden, residual) after the last layer; ``inputs`` from ``DecodeStackCache.inputs`` (with the window
+    starts of the sliding layers last, where a sequence outgrew their window); ``local``: the (cos, sin) of the
+    layers that rotate with the local table (Gemma 3's sliding layers)."""
+    extra = {} if local is None else {"cos_local": local[0], "sin_local": local[1]}
+    if len(inputs) > 5:
+        extra["window_starts"] = inputs[5]
+    return tuple(stack.run(x, cos, sin, *inputs[:5], **extra))

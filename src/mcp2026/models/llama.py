@@ -141,7 +141,12 @@ class LlamaDecoderLayer(nn.Module):
         return (*linears, self._extras(kernels, extra, reads))
 
     def _extras(self, kernels: Any, norms: dict[str, Any], reads: fused_linear.Reads | None) -> Any:
-        if not any(n is not None for n in norms.values()) and self.gate == 0 and not self.local_rope:
+        windowed = self._modules["attn"].window is not None
+        if (
+            not any(n is not None for n in norms.values())
+            and self.gate == 0
+            and not (self.local_rope or windowed)
+        ):
             return None
         weights = {
             k: None if n is None else fused_linear.tensor(n, "weight", reads) for k, n in norms.items()
@@ -159,6 +164,7 @@ class LlamaDecoderLayer(nn.Module):
                 post_mlp_eps=eps.get("post_mlp_norm", 1e-6),
                 gate=self.gate,
                 local_rope=self.local_rope,
+                windowed=windowed,
             )
 
         return fused_linear.held(self, "_compiled_extras", (kernels, *weights.values()), build, reads)
