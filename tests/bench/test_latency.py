@@ -62,3 +62,14 @@ def test_decode_tokens_count_every_token_a_step_kept():
     drafted = GenerationTiming(0.0, 1.0, [0.1, 0.2, 0.5, 0.9], [list(range(1 + 1 + 3 + 2))])
     assert drafted.decode_tokens == 6 and drafted.num_steps == 4
     assert GenerationTiming(0.0, 1.0, [0.1, 0.2, 0.3]).decode_tokens == 2  # no ids: one token per stamp
+
+
+def test_no_speculative_decodes_one_token_a_step(tmp_path):
+    model = str(save_tiny_hf(tmp_path / "tiny", max_position_embeddings=128))
+    config = LatencyConfig(
+        model=model, dtypes=("fp32",), new_tokens=6, prefill_tokens=8, repeats=1, warmup=0, peer=False,
+        speculative=False,
+    )  # fmt: skip
+    run = run_latency(config)
+    assert "--no-speculative" in run.command
+    assert all(r["tokens"] == r["steps"] == 5 for r in run.records if r["metric"] == "decode")

@@ -49,6 +49,8 @@ class LatencyConfig:
     # extra rows of ours with quantized weights: int8 | int4 | fp8 (uniform), or dqg:BITS (a DQG plan at that
     # average bits per weight, calibrated on ShareGPT at load)
     weights: tuple[str, ...] = ()
+    # ours drafts by prompt lookup as Pipeline() does by default; False: plain decoding, one token a step
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if self.new_tokens < 2:
@@ -76,6 +78,8 @@ class LatencyConfig:
             parts.append(f"--weights {','.join(self.weights)}")
         if not self.peer:
             parts.append("--no-peer")
+        if not self.speculative:
+            parts.append("--no-speculative")
         return " ".join(parts)
 
 
@@ -123,6 +127,10 @@ def _llama_cpp(llm: Any) -> Contender:
     )
 
 
+def _speculative(config: LatencyConfig) -> str | None:
+    return None if config.speculative else "off"  # None: Pipeline's default
+
+
 def _prompts(pipe: Any, config: LatencyConfig) -> tuple[list[int], list[int]]:
     tokenizer = pipe.tokenizer
     vocab = pipe.loaded.config.vocab_size
@@ -152,13 +160,22 @@ def _load_contenders(
         t0 = time.perf_counter()
         # Prefix caching off: the same prompt is measured again and again.
         kv = KVConfig(memory_gb=0.5, enable_prefix_caching=False)
-        pipes[dtype] = Pipeline(config.model, dtype=dtype, kv_config=kv, scheduler=scheduler)
+        pipes[dtype] = Pipeline(
+            config.model, dtype=dtype, kv_config=kv, scheduler=scheduler, speculative=_speculative(config)
+        )
         load_s[f"mcp2026-{dtype}"] = time.perf_counter() - t0
     quantized = []
     for fmt in config.weights:  # activations in the first dtype; the format's kernel picks its compute dtype
         t0 = time.perf_counter()
         kv = KVConfig(memory_gb=0.5, enable_prefix_caching=False)
-        pipe = Pipeline(config.model, quant_config(fmt), config.dtypes[0], kv_config=kv, scheduler=scheduler)
+        pipe = Pipeline(
+            config.model,
+            quant_config(fmt),
+            config.dtypes[0],
+            kv_config=kv,
+            scheduler=scheduler,
+            speculative=_speculative(config),
+        )
         quantized.append(_ours(pipe, f"{fmt} weights"))
         layer_bits[f"{fmt} weights"] = model_layer_bits(pipe.loaded.model)
         load_s[f"mcp2026-{fmt}"] = time.perf_counter() - t0
@@ -197,7 +214,12 @@ def _load_contenders(
 
 def run_latency(config: LatencyConfig | None = None, progress: Any = None) -> BenchRun:
     config = config or LatencyConfig()
-    notes: list[str] = []
+    notes: list[str] = [
+        "mcp2026 drafts by prompt lookup, as by default (exact: greedy tokens as plain decoding's); a step that "
+        "kept drafts gives several tokens (the tokens-per-step column); `--no-speculative` decodes one a step"
+        if config.speculative
+        else "mcp2026 decodes one token a step (--no-speculative)"
+    ]
     layer_bits: dict[str, dict[str, float]] = {}
     contenders, pipe, load_s = _load_contenders(config, notes, layer_bits)
     decode_ids, prefill_ids = _prompts(pipe, config)

@@ -37,6 +37,13 @@ def latency(
     warmup: Annotated[int, typer.Option(help="rounds run first and excluded")] = 1,
     seed: SeedOpt = 0,
     peer: PeerOpt = True,
+    speculative: Annotated[
+        bool,
+        typer.Option(
+            help="ours drafts by prompt lookup, as by default (exact: the same tokens); --no-speculative: plain "
+            "decoding, one token a step"
+        ),
+    ] = True,
     write_docs: DocsOpt = False,
     out_dir: OutOpt = None,
     progress: ProgressOpt = True,
@@ -44,7 +51,9 @@ def latency(
     """Single-stream decode and prefill tok/s: ours vs HF transformers (interleaved, median of repeats)."""
     dtypes = tuple(d.strip() for d in dtype.split(",") if d.strip())
     formats = tuple(w.strip() for w in weights.split(",") if w.strip())
-    config = LatencyConfig(model, dtypes, new_tokens, prefill_tokens, repeats, warmup, peer, seed, formats)
+    config = LatencyConfig(
+        model, dtypes, new_tokens, prefill_tokens, repeats, warmup, peer, seed, formats, speculative
+    )
     with progress_bars(progress) as bar:
         run = run_latency(config, bar)
     finish_run(run, out_dir, write_docs, "latency")
