@@ -17,13 +17,12 @@ from torch import nn
 
 from mcp2026.config import ModelConfig
 from mcp2026.kernels import ops
-from mcp2026.models import decode_stack, fused_linear
+from mcp2026.models import fused_linear
 from mcp2026.models.attention import ForwardContext
 from mcp2026.models.family import ModelFamily
 from mcp2026.models.layers import Linear, RMSNorm
 from mcp2026.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, fused_kernels
 from mcp2026.models.rotary import RotaryEmbedding
-from mcp2026.quant.cpu_routing import gemv_rows
 
 
 class GegluMLP(nn.Module):
@@ -107,24 +106,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             for sliding, rope in ((False, self.rope), (True, self.rope_local))
         }
         residual = None
-        kernels, fused = fused_kernels(x), None
-        if kernels is not None:
-            quant_rows = gemv_rows(x)
-            stacks = self.__dict__.get("_decode_stack")
-            if stacks is None:
-                stacks = self.__dict__["_decode_stack"] = decode_stack.DecodeStackCache.for_layers(
-                    self.layers
-                )
-            inputs = stacks.inputs(ctx, x.shape[0])
-            if inputs is not None:
-                stack, fused = stacks.get(kernels, self.layers, quant_rows)
-                if stack is not None:
-                    x, residual = decode_stack.run(stack, x, *tables[False][1:], inputs, tables[True][1:])
-                    return self.norm.add(residual, x)[0]
-            if fused is None:
-                fused = [layer.fused(kernels, quant_rows) for layer in self.layers]
-        for i, layer in enumerate(self.layers):
-            linears = None if fused is None else fused[i]
+        kernels = fused_kernels(x)
+        stacked, fused = self.compiled_step(kernels, x, ctx, *tables[False][1:], tables[True][1:])
+        if stacked is not None:
+            return stacked
+        for layer, linears in zip(self.layers, fused):
             if linears is not None:
                 _, cos, sin = tables[layer.sliding]
                 x, residual = layer.forward_fused(kernels, linears, x, residual, cos, sin, ctx)

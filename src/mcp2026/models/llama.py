@@ -239,30 +239,44 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope.table(positions, x.dtype)
         residual = None
         kernels = fused_kernels(x)
-        # Whether quantized linears take their GEMVs at this row count: one answer for every format because fused
-        # steps (<= ops.FUSED_MAX_ROWS rows) are under each format's GEMV row limit (a test holds that).
-        quant_rows = kernels is not None and gemv_rows(x)
-        fused = None
-        if kernels is not None:
-            stacks = self.__dict__.get("_decode_stack")
-            if stacks is None:
-                stacks = self.__dict__["_decode_stack"] = decode_stack.DecodeStackCache.for_layers(
-                    self.layers
-                )
-            inputs = stacks.inputs(ctx, x.shape[0])
-            if inputs is not None:
-                stack, fused = stacks.get(kernels, self.layers, quant_rows)
-                if stack is not None:
-                    x, residual = decode_stack.run(stack, x, cos, sin, inputs)
-                    return self.norm.add(residual, x)[0]
-        if fused is None:
-            fused = [None if kernels is None else layer.fused(kernels, quant_rows) for layer in self.layers]
+        stacked, fused = self.compiled_step(kernels, x, ctx, cos, sin)
+        if stacked is not None:
+            return stacked
         for layer, linears in zip(self.layers, fused):
             if linears is not None:
                 x, residual = layer.forward_fused(kernels, linears, x, residual, cos, sin, ctx)
             else:
                 x, residual = layer(x, residual, self.rope, cos, sin, ctx)
         return self.norm.add(residual, x)[0]
+
+    def compiled_step(
+        self,
+        kernels: Any | None,
+        x: torch.Tensor,
+        ctx: ForwardContext,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        local: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor | None, list[Any]]:
+        """The step through the compiled layers, as far as they take it: (the final hidden states, when the
+        whole decode stack ran the step, else None; each layer's compiled handles, None for a layer that runs
+        per op). ``local``: the (cos, sin) of layers with the local rotary table."""
+        if kernels is None:
+            return None, [None] * len(self.layers)
+        # Whether quantized linears take their GEMVs at this row count: one answer for every format because fused
+        # steps (<= ops.FUSED_MAX_ROWS rows) are under each format's GEMV row limit (a test holds that).
+        quant_rows = gemv_rows(x)
+        stacks = self.__dict__.get("_decode_stack")
+        if stacks is None:
+            stacks = self.__dict__["_decode_stack"] = decode_stack.DecodeStackCache.for_layers(self.layers)
+        inputs = stacks.inputs(ctx, x.shape[0])
+        if inputs is None:
+            return None, [layer.fused(kernels, quant_rows) for layer in self.layers]
+        stack, fused = stacks.get(kernels, self.layers, quant_rows)
+        if stack is None:
+            return None, fused
+        x, residual = decode_stack.run(stack, x, cos, sin, inputs, local)
+        return self.norm.add(residual, x)[0], fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # A quantized output projection (stored blocks, int8, int4) computes in fp32 whatever the activations'
