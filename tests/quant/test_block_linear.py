@@ -45,7 +45,7 @@ def test_packable_shapes():
     assert not packable((24, 256)) and not packable((64, 48))
 
 
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 32), (8, 16)])
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (5, 32), (8, 32), (8, 16)])
 def test_dequantize_round_trips_the_packing(bits, group):
     blocks = random_blocks(48, 128, bits, group)
     module = BlockLinear(blocks)
@@ -54,13 +54,20 @@ def test_dequantize_round_trips_the_packing(bits, group):
     assert torch.equal(module.dequantize_rows(rows), blocks.dequantize()[rows])
 
 
-def test_four_bit_values_need_groups_of_32():
+@pytest.mark.parametrize("bits", [4, 5])
+def test_nibble_values_need_groups_of_32(bits):
     with pytest.raises(ValueError, match="no kernel"):
-        BlockLinear(random_blocks(16, 64, 4, 16))
+        BlockLinear(random_blocks(16, 64, bits, 16))
+
+
+def test_five_bit_values_pack_into_five_bits_a_weight():
+    blocks = random_blocks(32, 128, 5, 32)
+    assert BlockLinear(blocks).weight.numel() * 8 == 5 * 32 * 128
+    assert torch.equal(BlockLinear(blocks).dequantize(), blocks.dequantize())
 
 
 @needs_kernels
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 32), (8, 16)])
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (5, 32), (8, 32), (8, 16)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 33])
 @pytest.mark.parametrize("fp16", [False, True])
 def test_gemm_equals_the_rounded_activation_oracle(bits, group, rows, fp16):
@@ -97,7 +104,7 @@ def test_bf16_input_gives_bf16_output_of_the_same_sums():
 
 
 @needs_kernels
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 32), (8, 16)])
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (5, 32), (8, 32), (8, 16)])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_bf16_output_is_the_fp32_output_rounded_to_nearest_even(bits, group, rows):
     """The kernels round bf16 results themselves: bit for bit what converting their fp32 results gives (rows
@@ -135,7 +142,7 @@ def test_scaled_and_rows():
     torch.testing.assert_close(a.scaled(0.125).dequantize(), a.dequantize() * 0.125)
 
 
-@pytest.mark.parametrize(("bits", "group"), [(8, 32), (8, 16), (4, 32)])
+@pytest.mark.parametrize(("bits", "group"), [(8, 32), (8, 16), (4, 32), (5, 32)])
 def test_embedding_reads_the_table_rows(bits, group):
     """The compiled lookup gives dequantize_rows's values bit for bit (the product rounded before the add)."""
     table = BlockLinear(random_blocks(48, 64, bits, group))

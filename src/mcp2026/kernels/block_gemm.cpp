@@ -4,9 +4,12 @@
 // Q8_0: u = q + 128, offset -128 d; Q5_0/Q5_1/Q5_K: the 5-bit value; Q6_K: the 6-bit value in groups of 16), so
 // a GGUF file runs on its stored values instead of a float copy of them.
 //
-// Two layouts of u, both in tiles of 16 output columns: nibbles (N/16, K/8, 64), the int4 GEMM's (byte 4c + e of
-// vector j holds column c's k = 8j + e in its low nibble and 8j + 4 + e in its high one), and bytes
-// (N/16, K/4, 64) (byte 4c + e of vector j is column c's k = 4j + e); scales and offsets (N/16, K/G, 2, 16).
+// Three layouts of u, all in tiles of 16 output columns: nibbles (N/16, K/8, 64), the int4 GEMM's (byte 4c + e
+// of vector j holds column c's k = 8j + e in its low nibble and 8j + 4 + e in its high one); 5-bit values
+// (N/16, K/8, 80), each vector's 64 bytes of nibbles followed by two 64-bit masks of the fifth bits (bit 4c + e
+// of the first: the low nibble's value of byte 4c + e is 16 more; of the second: the high nibble's), so
+// Q5_0 / Q5_1 / Q5_K read 5 bits a weight, not 8; and bytes (N/16, K/4, 64) (byte 4c + e of vector j is
+// column c's k = 4j + e). Scales and offsets (N/16, K/G, 2, 16).
 // Activations are quantized per 32 values as every other int8 path quantizes them (quantize_rows.h). Per group
 // the int32 dot of u with the row's int8 values is scaled by scale x the block's dx, and offset x dx x sum(xq over
 // the group) is added: the same arithmetic on every ISA, so AVX-512 VNNI (dpbusd), AVX2 (maddubs) and the scalar
@@ -78,6 +81,76 @@ void block_rows(const uint8_t* wp, const S* so, const QuantizedRows& xr, const f
   });
 }
 
+// R rows x C column tiles of 5-bit values, groups of 32: the int4 GEMM's micro-tile (int4_gemm.cpp) with each
+// nibble vector's fifth bits added from its two masks (one masked byte add each).
+template <int R, int C, typename S, typename O>
+void block5_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx, const float* dxs, int64_t K,
+                 const float* bias, O* out, int64_t N, bool stream) {
+  const int64_t nblk = K / 32, tile_bytes = (K / 8) * 80, tile_scales = nblk * 2 * kColTile;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nblk; ++b) {
+    __m512i dot[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) dot[r][c] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      __m512i lo[C], hi[C];
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* src = wp + c * tile_bytes + (b * 4 + j) * 80;
+        if (stream) _mm_prefetch(reinterpret_cast<const char*>(src + kStreamAhead), _MM_HINT_NTA);
+        const __m512i v = _mm512_loadu_si512(src);
+        uint64_t fifth_lo, fifth_hi;
+        std::memcpy(&fifth_lo, src + 64, 8);
+        std::memcpy(&fifth_hi, src + 72, 8);
+        const __m512i l = _mm512_and_si512(v, nibble), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        lo[c] = _mm512_mask_add_epi8(l, _cvtu64_mask64(fifth_lo), l, sixteen);
+        hi[c] = _mm512_mask_add_epi8(h, _cvtu64_mask64(fifth_hi), h, sixteen);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = xq + r * K + b * 32 + j * 8;
+        const __m512i x_lo = broadcast_dword(x), x_hi = broadcast_dword(x + 4);
+        for (int c = 0; c < C; ++c) {
+          dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], lo[c], x_lo);
+          dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], hi[c], x_hi);
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512 s = load16(so + c * tile_scales + b * 2 * kColTile);
+      const __m512 o = load16(so + c * tile_scales + b * 2 * kColTile + kColTile);
+      for (int r = 0; r < R; ++r) {
+        const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(dx[r * nblk + b]));
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), scale, acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(o, _mm512_set1_ps(dxs[r * nblk + b]), acc[r][c]);
+      }
+    }
+  }
+  store_tile<R, C>(acc, bias, out, N);
+}
+
+template <typename S, typename O>
+void block5_run(const QuantizedRows& xr, const uint8_t* w, const S* s, int64_t M, int64_t K, const float* bias,
+                O* out, int64_t N) {
+  const int64_t tiles = N / kColTile, tile_bytes = (K / 8) * 80, tile_scales = (K / 32) * 2 * kColTile;
+  const int64_t nblk = K / 32;
+  for_column_tiles(tiles, M, [&](int64_t t, bool pair) {
+    for_row_tiles(M, [&](int64_t r0, auto rows) {
+      constexpr int R = decltype(rows)::value;
+      const uint8_t* wt = w + t * tile_bytes;
+      const S* st = s + t * tile_scales;
+      const float* bt = bias ? bias + t * kColTile : nullptr;
+      const int8_t* xq = xr.q.data() + r0 * K;
+      const float *dx = xr.scale.data() + r0 * nblk, *dxs = xr.sum.data() + r0 * nblk;
+      if (pair)
+        block5_tile<R, 2, S, O>(wt, st, xq, dx, dxs, K, bt, out + r0 * N + t * kColTile, N, M <= kGemmRows);
+      else
+        block5_tile<R, 1, S, O>(wt, st, xq, dx, dxs, K, bt, out + r0 * N + t * kColTile, N, M <= kGemmRows);
+    });
+  });
+}
+
 template <int G, typename S, typename O>
 void block_gemm_run(const QuantizedRows& xr, const float* dxs, const uint8_t* w, const S* s, int64_t M,
                     int64_t K, const float* bias, O* out, int64_t N) {
@@ -93,6 +166,17 @@ void block_gemm_run(const QuantizedRows& xr, const float* dxs, const uint8_t* w,
   });
 }
 #endif
+
+// The values' width from the packed layout: nibbles (N/16, K/8, 64), 5-bit (N/16, K/8, 80), bytes (N/16, K/4, 64).
+inline int packed_bits(const torch::Tensor& wp, int64_t K) {
+  TORCH_CHECK(wp.scalar_type() == torch::kByte && wp.is_contiguous() && wp.dim() == 3,
+              "wp must be contiguous uint8 (N/16, *, *)");
+  if (wp.size(1) * 8 == K && wp.size(2) == 64) return 4;
+  if (wp.size(1) * 8 == K && wp.size(2) == 80) return 5;
+  TORCH_CHECK(wp.size(1) * 4 == K && wp.size(2) == 64,
+              "wp must be (N/16, K/8, 64) nibbles, (N/16, K/8, 80) 5-bit values or (N/16, K/4, 64) bytes for this K");
+  return 8;
+}
 
 // Per (row, group): the int sum of the row's int8 values over the group, and dx times it.
 struct GroupSums {
@@ -114,12 +198,17 @@ GroupSums group_sums(const QuantizedRows& xr, int64_t M, int64_t K, int64_t G) {
   return gs;
 }
 
-// u[n][k] from either layout (the scalar path and nothing hot).
+// u[n][k] from any layout (the scalar path and nothing hot).
 inline int32_t stored_value(const uint8_t* w, int bits, int64_t n, int64_t k, int64_t K) {
   const int64_t t = n / kColTile, c = n % kColTile;
-  if (bits == 4) {
-    const uint8_t byte = w[(t * (K / 8) + k / 8) * 64 + 4 * c + (k % 4)];
-    return (k % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
+  if (bits == 4 || bits == 5) {
+    const int64_t vector_bytes = bits == 4 ? 64 : 80, i = 4 * c + (k % 4);
+    const uint8_t* v = w + (t * (K / 8) + k / 8) * vector_bytes;
+    const bool low = (k % 8) < 4;
+    const int32_t nib = low ? (v[i] & 0x0F) : (v[i] >> 4);
+    if (bits == 4) return nib;
+    const uint8_t* mask = v + (low ? 64 : 72);
+    return nib | (((mask[i / 8] >> (i % 8)) & 1) << 4);
   }
   return w[(t * (K / 4) + k / 4) * 64 + 4 * c + (k % 4)];
 }
@@ -149,7 +238,19 @@ void scalar_gemm(const uint8_t* w, const S* so, int bits, int64_t G, const Quant
 // The whole weight as fp32 (N, K): scale * u + offset, tile by tile (reads the packed bytes in order).
 template <typename S>
 void dequantize_tiles(const uint8_t* w, const S* so, int bits, int64_t G, int64_t K, int64_t N, float* out) {
-  const int64_t ngrp = K / G, per_vector = bits == 4 ? 8 : 4, vectors = K / per_vector;
+  const int64_t ngrp = K / G;
+  if (bits == 5) {  // not on a hot path of VNNI CPUs; the value lookup is the scalar GEMM's
+    team::parallel_for(0, N, kColTile, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const S* st = so + (n / kColTile) * ngrp * 2 * kColTile + n % kColTile;
+        for (int64_t k = 0; k < K; ++k)
+          out[n * K + k] = static_cast<float>(st[(k / G) * 2 * kColTile]) * static_cast<float>(stored_value(w, 5, n, k, K)) +
+                           static_cast<float>(st[(k / G) * 2 * kColTile + kColTile]);
+      }
+    });
+    return;
+  }
+  const int64_t per_vector = bits == 4 ? 8 : 4, vectors = K / per_vector;
   team::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* wt = w + t * vectors * 64;
@@ -186,10 +287,20 @@ inline __m256i splat_dword(const int8_t* p) {
 // time keeps R int32 dots and R float sums in registers). maddubs takes u8 x s8 pairs into int16: nibbles
 // (<= 15) never saturate; bytes (u up to 255) could, so they are multiplied as signed q = u - 128 (|q| <= 128,
 // the sign moved onto x) and 128 x sum(xq) is added back: the same int32 dot of u as dpbusd computes.
+// The fifth bits of 32 bytes (bit i of m for byte i) as 16 in those bytes, 0 elsewhere.
+inline __m256i fifth_bits(uint32_t m) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                                          3, 3, 3, 3, 3, 3, 3);
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(m)), spread);
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select);
+  return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
 template <int R, int BITS, int G, typename S>
 void avx2_half(const uint8_t* wt, const S* st, const QuantizedRows& xr, const GroupSums& gs, int64_t r0,
                int h, int64_t K, float* out, int64_t N) {
-  constexpr int kPerVector = BITS == 4 ? 8 : 4, kVectors = G / kPerVector;
+  constexpr int kPerVector = BITS == 8 ? 4 : 8, kVectors = G / kPerVector, kVectorBytes = BITS == 5 ? 80 : 64;
   const int64_t ngrp = K / G, nblk = K / 32;
   const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(-128);
   const int8_t* xrow[R];
@@ -200,10 +311,18 @@ void avx2_half(const uint8_t* wt, const S* st, const QuantizedRows& xr, const Gr
     __m256i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
     for (int j = 0; j < kVectors; ++j) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + (g * kVectors + j) * 64 + 32 * h));
+      const uint8_t* vec = wt + (g * kVectors + j) * kVectorBytes;
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vec + 32 * h));
       const int64_t k = g * G + j * kPerVector;
-      if constexpr (BITS == 4) {
-        const __m256i lo = _mm256_and_si256(w, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+      if constexpr (BITS != 8) {  // nibbles (<= 15; with the fifth bit <= 31): maddubs never saturates
+        __m256i lo = _mm256_and_si256(w, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+        if constexpr (BITS == 5) {
+          uint32_t fifth_lo, fifth_hi;
+          std::memcpy(&fifth_lo, vec + 64 + 4 * h, 4);
+          std::memcpy(&fifth_hi, vec + 72 + 4 * h, 4);
+          lo = _mm256_or_si256(lo, fifth_bits(fifth_lo));
+          hi = _mm256_or_si256(hi, fifth_bits(fifth_hi));
+        }
         for (int r = 0; r < R; ++r) {
           const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, splat_dword(xrow[r] + k)),
                                              _mm256_maddubs_epi16(hi, splat_dword(xrow[r] + k + 4)));
@@ -234,7 +353,8 @@ void avx2_half(const uint8_t* wt, const S* st, const QuantizedRows& xr, const Gr
 template <int BITS, int G, typename S>
 void avx2_gemm(const uint8_t* w, const S* so, const QuantizedRows& xr, const GroupSums& gs, int64_t M,
                int64_t K, int64_t N, float* out) {
-  const int64_t tile_bytes = (BITS == 4 ? K / 8 : K / 4) * 64, tile_scales = (K / G) * 2 * kColTile;
+  const int64_t tile_bytes = BITS == 8 ? (K / 4) * 64 : (K / 8) * (BITS == 5 ? 80 : 64);
+  const int64_t tile_scales = (K / G) * 2 * kColTile;
   team::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int h = 0; h < 2; ++h)
@@ -261,10 +381,7 @@ torch::Tensor block_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, c
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
   const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * kColTile;
   TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
-  TORCH_CHECK(wp.scalar_type() == torch::kByte && wp.is_contiguous() && wp.dim() == 3 && wp.size(2) == 64 &&
-                  (wp.size(1) * 8 == K || wp.size(1) * 4 == K),
-              "wp must be (N/16, K/8, 64) nibbles or (N/16, K/4, 64) bytes for this K");
-  const int bits = wp.size(1) * 8 == K ? 4 : 8;
+  const int bits = packed_bits(wp, K);
   TORCH_CHECK((so.scalar_type() == torch::kFloat || so.scalar_type() == torch::kHalf) && so.is_contiguous() &&
                   so.dim() == 4 && so.size(0) == wp.size(0) && so.size(2) == 2 && so.size(3) == kColTile,
               "so must be (N/16, K/G, 2, 16) fp32 or fp16");
@@ -273,6 +390,20 @@ torch::Tensor block_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, c
               "groups must be 32 weights (or 16 with byte values)");
 #ifdef MCP_INT4_VNNI
   if (bits == 4) return int4_gemm_into(x, wp, so, bias, slot);
+  if (bits == 5) {
+    const auto xc = x.contiguous();
+    QuantizedRows& xr = thread_rows();
+    AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, xc.scalar_type(), "block_gemm_q5", [&] {
+      quantize_rows_into<scalar_t>(xr, xc.data_ptr<scalar_t>(), M, K);
+    });
+    auto out = gemm_output(x, M, N, slot);
+    const auto b = gemm_bias(bias, N);
+    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+    with_output(out, [&](auto* op) {
+      with_scales(so, [&](const auto* s) { block5_run(xr, wp.data_ptr<uint8_t>(), s, M, K, bp, op, N); });
+    });
+    return out;
+  }
 #else
   // Without VNNI the int8 dot products cost several instructions per 32 values, and from a few dozen rows a
   // float GEMM over the weight dequantized once per call is faster (a prefill chunk, a large batch): both the
@@ -320,6 +451,8 @@ torch::Tensor block_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, c
 #if defined(__AVX2__) && defined(__FMA__)
     if (bits == 4)
       avx2_gemm<4, 32, S>(w, s, xr, gs, M, K, N, op);
+    else if (bits == 5)
+      avx2_gemm<5, 32, S>(w, s, xr, gs, M, K, N, op);
     else if (G == 32)
       avx2_gemm<8, 32, S>(w, s, xr, gs, M, K, N, op);
     else
@@ -345,7 +478,7 @@ int64_t block_float_gemm_min_rows(int64_t n, int64_t k) {
 // The weight as the kernel holds it, fp32 (N, K) (tests; the float GEMM path of CPUs without VNNI).
 torch::Tensor block_dequant(const torch::Tensor& wp, const torch::Tensor& so, int64_t K) {
   const int64_t N = wp.size(0) * kColTile;
-  const int bits = wp.size(1) * 8 == K ? 4 : 8;
+  const int bits = packed_bits(wp, K);
   auto out = torch::empty({N, K}, so.options().dtype(torch::kFloat));
   with_scales(so, [&](const auto* s) {
     dequantize_tiles(wp.data_ptr<uint8_t>(), s, bits, K / so.size(1), K, N, out.data_ptr<float>());
@@ -356,7 +489,7 @@ torch::Tensor block_dequant(const torch::Tensor& wp, const torch::Tensor& so, in
 // The portable loop over the same layouts, on any CPU (tests hold the SIMD paths against it).
 torch::Tensor block_gemm_reference(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so) {
   const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * kColTile;
-  const int bits = wp.size(1) * 8 == K ? 4 : 8;
+  const int bits = packed_bits(wp, K);
   const int64_t G = K / so.size(1);
   const auto xc = x.contiguous().to(torch::kFloat);
   const QuantizedRows xr = quantize_rows<float>(xc.data_ptr<float>(), M, K);
@@ -370,15 +503,13 @@ torch::Tensor block_gemm_reference(const torch::Tensor& x, const torch::Tensor& 
 // Rows ids of a block weight as fp32 (T, K): scale * u + offset, the product rounded before the add, as
 // BlockLinear.dequantize_rows computes it (a token embedding reads its table this way: one row a decode step).
 torch::Tensor block_weight_rows(const torch::Tensor& wp, const torch::Tensor& so, int64_t K, const torch::Tensor& ids) {
-  TORCH_CHECK(wp.scalar_type() == torch::kByte && wp.is_contiguous() && wp.dim() == 3 && wp.size(2) == 64,
-              "wp must be block_gemm's (N/16, K/8 or K/4, 64) uint8 values");
   TORCH_CHECK((so.scalar_type() == torch::kFloat || so.scalar_type() == torch::kHalf) && so.is_contiguous() &&
                   so.dim() == 4 && so.size(0) == wp.size(0) && so.size(2) == 2 && so.size(3) == kColTile,
               "so must be (N/16, K/G, 2, 16) fp32 or fp16");
   TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1, "ids must be a 1-D int64 tensor");
   const int64_t N = wp.size(0) * kColTile, ngrp = so.size(1);
-  TORCH_CHECK((wp.size(1) * 8 == K || wp.size(1) * 4 == K) && K % ngrp == 0, "K does not match wp and so");
-  const int bits = wp.size(1) * 8 == K ? 4 : 8;
+  TORCH_CHECK(K % ngrp == 0, "K does not match so");
+  const int bits = packed_bits(wp, K);
   const int64_t G = K / ngrp;
   const auto ic = ids.contiguous();
   const int64_t T = ic.size(0);

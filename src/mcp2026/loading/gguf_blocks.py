@@ -103,7 +103,7 @@ def _q6_k(b: np.ndarray) -> Parts:
 class BlockFormat:
     block_bytes: int  # bytes per stored block
     group_size: int  # weights per scale and offset
-    bits: int  # the widest stored value (4: the int4 GEMM takes it; else the byte GEMM)
+    bits: int  # the widest stored value (4: nibble tiles; 5: nibbles and a plane of fifth bits; 8: bytes)
     read: Callable[[np.ndarray], Parts]
 
 
@@ -111,11 +111,11 @@ class BlockFormat:
 BLOCK_FORMATS: dict[str, BlockFormat] = {
     "Q4_0": BlockFormat(18, 32, 4, _q4_0),
     "Q4_1": BlockFormat(20, 32, 4, _q4_1),
-    "Q5_0": BlockFormat(22, 32, 8, _q5_0),
-    "Q5_1": BlockFormat(24, 32, 8, _q5_1),
+    "Q5_0": BlockFormat(22, 32, 5, _q5_0),
+    "Q5_1": BlockFormat(24, 32, 5, _q5_1),
     "Q8_0": BlockFormat(34, 32, 8, _q8_0),
     "Q4_K": BlockFormat(144, 32, 4, _q4_k),
-    "Q5_K": BlockFormat(176, 32, 8, _q5_k),
+    "Q5_K": BlockFormat(176, 32, 5, _q5_k),
     "Q6_K": BlockFormat(210, 16, 8, _q6_k),
 }
 

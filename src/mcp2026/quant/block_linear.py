@@ -31,8 +31,8 @@ GROUP_SIZES = (16, 32)
 class BlockWeights:
     """An (N, K) weight as ``scale * u + offset`` per group of ``group_size`` along K.
 
-    u: (N, K) uint8; scale, offset: (N, K / group_size) fp32; bits: the widest value u holds (4 or 8, which
-    picks the kernel); formats: the stored types it came from (for reports)."""
+    u: (N, K) uint8; scale, offset: (N, K / group_size) fp32; bits: the widest value u holds (4, 5 or 8, which
+    picks the packed layout); formats: the stored types it came from (for reports)."""
 
     u: Tensor
     scale: Tensor
@@ -129,6 +129,18 @@ def pack_int4_tiles(u: Tensor) -> Tensor:
     )
 
 
+def pack_int5_tiles(u: Tensor) -> Tensor:
+    """u (N, K) in 0..31 -> the block GEMM's 5-bit (N/16, K/8, 80) bytes: per vector, the low four bits as
+    ``pack_int4_tiles`` lays them out, then two 64-bit little-endian masks of the fifth bits: bit 4c + e of the
+    first for u[16t + c][8j + e], of the second for u[16t + c][8j + 4 + e]."""
+    n, k = u.shape
+    nibbles = pack_int4_tiles(u & 0x0F).numpy()  # (t, j, 64)
+    v = (u.numpy() >> 4).reshape(n // COLUMN_TILE, COLUMN_TILE, k // 8, 2, 4)  # (t, c, j, half, e)
+    fifth = np.ascontiguousarray(v.transpose(0, 2, 3, 1, 4)).reshape(n // COLUMN_TILE, k // 8, 2, 64)
+    masks = np.packbits(fifth, axis=-1, bitorder="little").reshape(n // COLUMN_TILE, k // 8, 16)
+    return torch.from_numpy(np.concatenate([nibbles, masks], axis=-1))
+
+
 def pack_byte_tiles(u: Tensor) -> Tensor:
     """u (N, K) bytes -> the block GEMM's (N/16, K/4, 64): byte 4c + e of vector j of tile t is u[16t + c][4j + e]."""
     n, k = u.shape
@@ -156,7 +168,8 @@ def block_kernel() -> str:
 class BlockLinear(nn.Module):
     """y = x @ W.T (+ bias) with W held as a file stored it (``BlockWeights``), packed for our VNNI GEMMs.
 
-    ``weight`` is the packed values ((N/16, K/8, 64) nibbles or (N/16, K/4, 64) bytes), ``scales_offsets``
+    ``weight`` is the packed values ((N/16, K/8, 64) nibbles, (N/16, K/8, 80) 5-bit values or (N/16, K/4, 64)
+    bytes), ``scales_offsets``
     (N/16, K/G, 2, 16), fp16 where that is exact (``tile_scales``), else fp32. Runs on the compiled kernels only (the loader checks they are there)."""
 
     def __init__(self, blocks: BlockWeights, bias: Tensor | None = None) -> None:
@@ -164,11 +177,11 @@ class BlockLinear(nn.Module):
         n, k = blocks.shape
         if not packable((n, k)):
             raise ValueError(f"a ({n}, {k}) weight does not fit the GEMM tiles (rows in 16s, K in 32s)")
-        if blocks.group_size not in GROUP_SIZES or (blocks.bits == 4 and blocks.group_size != BLOCK):
+        if blocks.group_size not in GROUP_SIZES or (blocks.bits < 8 and blocks.group_size != BLOCK):
             raise ValueError(f"groups of {blocks.group_size} with {blocks.bits}-bit values have no kernel")
         self.in_features, self.out_features = k, n
         self.bits, self.group_size, self.formats = blocks.bits, blocks.group_size, blocks.formats
-        pack = pack_int4_tiles if blocks.bits == 4 else pack_byte_tiles
+        pack = {4: pack_int4_tiles, 5: pack_int5_tiles}.get(blocks.bits, pack_byte_tiles)
         self.register_buffer("weight", pack(blocks.u))
         self.register_buffer("scales_offsets", tile_scales(blocks.scale, blocks.offset))
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
@@ -205,12 +218,19 @@ class BlockLinear(nn.Module):
         tile, col = rows // COLUMN_TILE, rows % COLUMN_TILE
         t, picked = rows.numel(), torch.arange(rows.numel())
         # NOTE: index_select, not weight[tile]: advanced indexing of a uint8 tensor this size takes milliseconds
-        packed = torch.index_select(self.weight, 0, tile)  # (T, K/8 or K/4, 64)
-        per_col = packed.view(t, packed.shape[1], COLUMN_TILE, 4)[picked, :, col]  # (T, J, 4)
-        if self.bits == 4:
-            u = torch.stack([per_col & 0xF, per_col >> 4], dim=2).reshape(t, self.in_features)
-        else:
+        packed = torch.index_select(self.weight, 0, tile)  # (T, K/8 or K/4, 64 or 80)
+        per_col = packed[..., :64].reshape(t, packed.shape[1], COLUMN_TILE, 4)[picked, :, col]  # (T, J, 4)
+        if self.bits == 8:
             u = per_col.reshape(t, self.in_features)
+        else:
+            halves = torch.stack([per_col & 0xF, per_col >> 4], dim=2)  # (T, J, 2, 4)
+            if self.bits == 5:  # the fifth bits of column c: bits 4c .. 4c + 3 of each mask
+                masks = packed[..., 64:].reshape(t, packed.shape[1], 2, 8)[
+                    picked, :, :, col // 2
+                ]  # (T, J, 2)
+                shift = (4 * (col % 2)).view(t, 1, 1, 1) + torch.arange(4)
+                halves = halves | (((masks.unsqueeze(-1).long() >> shift) & 1) << 4).to(halves.dtype)
+            u = halves.reshape(t, self.in_features)
         so = torch.index_select(self.scales_offsets, 0, tile)[picked, :, :, col].float()  # (T, G, 2)
         g = self.group_size
         w = u.float().view(t, -1, g) * so[..., 0:1] + so[..., 1:2]
