@@ -27,11 +27,13 @@ def tiny_qkv_bias(tmp_path_factory):
     return load_model(save_tiny_hf(tmp_path_factory.mktemp("fused_qwen2"), arch="qwen2"))
 
 
-def _run(loaded, fused: bool, monkeypatch, speculative: str = "ngram") -> list[tuple[list[int], list]]:
+def _run(
+    loaded, fused: bool, monkeypatch, speculative: str = "ngram", prompts=PROMPTS
+) -> list[tuple[list[int], list]]:
     monkeypatch.setattr(fused_linear, "ENABLED", fused)
-    config = EngineConfig(KVConfig(num_blocks=64), speculative=SpeculativeConfig(method=speculative))
+    config = EngineConfig(KVConfig(num_blocks=128), speculative=SpeculativeConfig(method=speculative))
     engine = LLMEngine(loaded.model, loaded.config, None, config)
-    return [(o.token_ids, o.logprobs) for o in engine.generate(PROMPTS, SAMPLING)]
+    return [(o.token_ids, o.logprobs) for o in engine.generate(prompts, SAMPLING)]
 
 
 @pytest.mark.usefixtures("kernels")
@@ -425,3 +427,52 @@ def test_changed_extra_norms_reach_the_compiled_layers(tiny_with_extras, monkeyp
         layer.attn.k_norm.weight = torch.nn.Parameter(layer.attn.k_norm.weight * 3.0)
     after = _run(loaded, True, monkeypatch, "off")
     assert after == _run(loaded, False, monkeypatch, "off") and after != before
+
+
+# 12 sequences decoding together: more rows than the int8 / int4 GEMVs take (routing.GEMV_MAX_ROWS)
+MANY_PROMPTS = [[(7 * i + j) % 300 + 1 for j in range(3 + i)] for i in range(12)]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [None, LayerQuantSpec("int8"), LayerQuantSpec("int4", group_size=32)],
+    ids=["fp32", "int8", "int4"],
+)
+def test_batched_steps_past_the_gemv_rows_fuse_where_the_module_runs_one_kernel(
+    tiny_qkv_bias, spec, kernels, monkeypatch
+):
+    """Past the GEMVs' row limit the compiled layers still run the linears whose module runs one kernel at every
+    row count (float weights, the VNNI int4 / int8 GEMMs, a GGUF's stored blocks): same results as per op."""
+    from mcp2026.models import decode_stack
+    from mcp2026.quant import cpu_routing
+
+    assert len(MANY_PROMPTS) > cpu_routing.GEMV_MAX_ROWS
+    loaded = copy.deepcopy(tiny_qkv_bias)
+    if spec is not None:
+        quantize_(loaded.model, QuantPlan({"layers.*": spec}))
+    kinds = set()
+    for m in _linears(loaded.model):
+        fused_linear.fused_linear(kernels, m, True)
+        kinds.add(m.__dict__["_fused"].built[0])
+    runs = _count_stack_runs(monkeypatch)
+    stacked = _run(loaded, True, monkeypatch, "off", MANY_PROMPTS)
+    assert (runs[0] > 0) == (kinds <= fused_linear.ROW_COUNT_FREE)
+    monkeypatch.setattr(decode_stack, "ENABLED", False)
+    assert stacked == _run(loaded, False, monkeypatch, "off", MANY_PROMPTS)
+
+
+@pytest.mark.usefixtures("kernels")
+def test_a_gguf_s_stored_blocks_fuse_at_every_batch_size(tmp_path, monkeypatch):
+    from gguf_files import write_tiny_gguf
+
+    loaded = load_model(write_tiny_gguf(tmp_path / "tiny.gguf", "Q5_0", tie=True), torch.float32, native=True)
+    runs = _count_stack_runs(monkeypatch)
+    stacked = _run(loaded, True, monkeypatch, "off", MANY_PROMPTS)
+    assert runs[0] > 0
+    assert stacked == _run(loaded, False, monkeypatch, "off", MANY_PROMPTS)
+
+
+def _linears(model):
+    return [
+        m for name, m in model.named_modules() if name.startswith("layers.") and hasattr(m, "in_features")
+    ]

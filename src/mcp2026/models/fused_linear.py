@@ -26,6 +26,9 @@ from mcp2026.quant.int8_linear import Int8Linear
 ENABLED = True
 
 DENSE, INT8, INT4, INT4_GEMM, INT8_GEMM, BLOCK_GEMM = 0, 1, 2, 3, 4, 5
+# Kinds whose module runs this same kernel at every row count a fused step has: they fuse at any such count.
+# The int8 / int4 GEMVs (INT8, INT4) only where the module sends the step's rows to them (``quant_rows``).
+ROW_COUNT_FREE = frozenset({DENSE, INT4_GEMM, INT8_GEMM, BLOCK_GEMM})
 
 
 def _build(kernels: Any, m: nn.Module) -> tuple[int, Any] | None:
@@ -127,7 +130,7 @@ def fused_linear(kernels: Any, m: nn.Module, quant_rows: bool, reads: Reads | No
     if reads is not None:  # the handle as it stands now, rebuilt or not
         reads.get(m.__dict__, "_fused")
     built = cached.built
-    if built is None or (built[0] != DENSE and not quant_rows):
+    if built is None or (built[0] not in ROW_COUNT_FREE and not quant_rows):
         return None
     return built[1]
 
