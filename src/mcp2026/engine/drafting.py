@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mcp2026.config import SpeculativeConfig
-from mcp2026.engine.output import SchedulerOutput
+from mcp2026.engine.output import ScheduledChunk, SchedulerOutput
 
 # Acceptance of a request with no history yet: a request whose text repeats an n-gram is presumed to copy
 # until its drafts say otherwise (few do on free-form text, and a rejected draft costs less than a step).
@@ -181,3 +181,22 @@ def split_draft_rows(
             rest[rid] = (drafts[rid], logits[row + 1 : row + 1 + k])
         row += 1 + k
     return logits[torch.tensor(first, device=logits.device)], rest
+
+
+def draft_rows(chunk: ScheduledChunk) -> list[ScheduledChunk]:
+    """A drafted chunk as one decode row per token, each attending to the positions up to its own: the rows
+    write their K/V before any reads in each layer, so row i sees rows < i. They run in the batched decode
+    kernels, which cost less than a chunk's prefill path at these sizes and compute each row as plain decoding
+    would (a rejected draft changes no kept token's numbers). Unstaged codecs only: a staged tail is one per
+    request (the engine turns drafting off for those)."""
+    return [
+        ScheduledChunk(
+            chunk.request_id,
+            [token],
+            chunk.start_pos + i,
+            chunk.block_table,
+            True,
+            kv_offset=chunk.kv_offset,
+        )
+        for i, token in enumerate(chunk.token_ids)
+    ]

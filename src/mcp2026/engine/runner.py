@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from mcp2026.engine.decode_graphs import DecodeGraphs, graphable
+from mcp2026.engine.drafting import draft_rows
 from mcp2026.engine.output import ScheduledChunk, SchedulerOutput
 from mcp2026.kernels import ops
 from mcp2026.kv.eviction import ScoringSpec, StepScores
@@ -43,25 +44,6 @@ def _in_window(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | Non
     """(q, k) bool: key position <= query position, and within the query's last ``window`` positions."""
     attend = key_pos.unsqueeze(0) <= query_pos
     return attend if window is None else attend & (key_pos.unsqueeze(0) > query_pos - window)
-
-
-def draft_rows(chunk: ScheduledChunk) -> list[ScheduledChunk]:
-    """A drafted chunk as one decode row per token, each attending to the positions up to its own: the rows
-    write their K/V before any reads in each layer, so row i sees rows < i. They run in the batched decode
-    kernels, which cost less than a chunk's prefill path at these sizes and compute each row as plain decoding
-    would (a rejected draft changes no kept token's numbers). Unstaged codecs only: a staged tail is one per
-    request (the engine turns drafting off for those)."""
-    return [
-        ScheduledChunk(
-            chunk.request_id,
-            [token],
-            chunk.start_pos + i,
-            chunk.block_table,
-            True,
-            kv_offset=chunk.kv_offset,
-        )
-        for i, token in enumerate(chunk.token_ids)
-    ]
 
 
 def _pad(rows: list[list[int]], value: int) -> torch.Tensor:

@@ -49,7 +49,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "tanh-approximated GELU(gate) * up");
   m.def("rms_norm_heads_", &rms_norm_heads_, "per-head RMSNorm of (T, heads, hd) in place: q heads, then k heads",
         py::arg("x"), py::arg("q_weight"), py::arg("k_weight"), py::arg("nq"), py::arg("eps"));
-  py::class_<LayerExtras>(m, "LayerExtras")
+  // The classes are module-local: another build of these sources loaded beside this one (the test of the AVX2
+  // build) registers its own instead of clashing with these names.
+  py::class_<LayerExtras>(m, "LayerExtras", py::module_local())
       .def(py::init([](c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, double qk_eps,
                        c10::optional<torch::Tensor> post_attn_norm, double post_attn_eps,
                        c10::optional<torch::Tensor> post_mlp_norm, double post_mlp_eps, int64_t gate,
@@ -64,7 +66,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("post_attn_norm") = py::none(), py::arg("post_attn_eps") = 1e-6,
            py::arg("post_mlp_norm") = py::none(), py::arg("post_mlp_eps") = 1e-6, py::arg("gate") = 0,
            py::arg("local_rope") = false, py::arg("windowed") = false);
-  py::class_<FusedLinear>(m, "FusedLinear")
+  py::class_<FusedLinear>(m, "FusedLinear", py::module_local())
       .def(py::init([](int64_t kind, torch::Tensor a, torch::Tensor b, c10::optional<torch::Tensor> bias,
                        c10::optional<torch::Tensor> inv_scale) {
              TORCH_CHECK(kind >= 0 && kind <= 5,
@@ -100,7 +102,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "o projection (+ its norm) + residual add + RMSNorm + gated MLP (+ its norm)", py::arg("attn"),
       py::arg("residual"), py::arg("o"), py::arg("norm_w"), py::arg("eps"), py::arg("gate_up"), py::arg("down"),
       py::arg("extras") = LayerExtras{});
-  py::class_<DecodeLayer>(m, "DecodeLayer")
+  py::class_<DecodeLayer>(m, "DecodeLayer", py::module_local())
       .def(py::init([](torch::Tensor norm1, double eps1, FusedLinear qkv, torch::Tensor norm2, double eps2,
                        FusedLinear o, FusedLinear gate_up, FusedLinear down, LayerExtras extras) {
              return DecodeLayer{std::move(norm1), eps1, std::move(qkv), std::move(norm2), eps2,
@@ -108,7 +110,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("norm1"), py::arg("eps1"), py::arg("qkv"), py::arg("norm2"), py::arg("eps2"), py::arg("o"),
            py::arg("gate_up"), py::arg("down"), py::arg("extras") = LayerExtras{});
-  py::class_<DecodeStack>(m, "DecodeStack")
+  py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init([](std::vector<DecodeLayer> layers, int64_t nh, int64_t nkv, int64_t hd) {
              TORCH_CHECK(!layers.empty(), "a decode stack needs at least one layer");
              TORCH_CHECK(nh > 0 && nkv > 0 && hd > 0 && nh % nkv == 0, "bad head counts");
@@ -119,7 +121,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_planes"), py::arg("v_planes"), py::arg("rows"),
            py::arg("tables"), py::arg("lengths"), py::arg("cos_local") = py::none(),
            py::arg("sin_local") = py::none(), py::arg("window_starts") = py::none());
-  py::class_<LookupGuard>(m, "LookupGuard")
+  py::class_<LookupGuard>(m, "LookupGuard", py::module_local())
       .def(py::init([](const std::vector<py::tuple>& reads, const std::vector<py::object>& empty, py::object missing) {
              LookupGuard g;
              for (const auto& r : reads) {

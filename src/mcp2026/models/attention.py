@@ -414,31 +414,6 @@ def _fresh_attention(
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
-def raw_decode_inputs(
-    ctx: ForwardContext, num_tokens: int, windows: frozenset[int | None]
-) -> tuple[torch.Tensor, ...] | None:
-    """What a whole decode step needs to run its layers in one compiled call (``kernels.DecodeStack``), where
-    ``attention`` would take, for every layer, the raw rows write and the in-place paged decode kernel:
-    (k_planes, v_planes, rows, tables, lengths), and the window starts of the sliding layers where a sequence
-    outgrew their window; None for any other step. ``windows``: the layers' windows."""
-    cache, meta = ctx.cache, ctx.meta
-    if cache is None or meta is None or meta.num_decodes != num_tokens or meta.prefills or meta.layered:
-        return None
-    if meta.decode_mass is not None or meta.decode_tables is None or not cache.reads_in_place:
-        return None
-    views = [v for w in windows if w is not None and (v := meta.windows.get(w)) is not None]
-    cut = [v for v in views if v.decode_starts is not None]
-    # the stack gives every sliding layer one set of window starts: a model whose layers slide over two
-    # windows takes the per-layer path in a step where either cuts a sequence
-    if cut and (len({w for w in windows if w is not None}) > 1 or cut[0].decode_read is not None):
-        return None
-    plan, planes = meta.write, cache.raw_planes()
-    if planes is None or plan.rows is None or plan.is_monitored:
-        return None
-    starts = (cut[0].decode_starts,) if cut else ()
-    return (*planes, plan.rows, meta.decode_tables, meta.decode_lengths, *starts)
-
-
 def attention(
     layer: int,
     q: torch.Tensor,
