@@ -453,7 +453,7 @@ def test_batched_steps_past_the_gemv_rows_fuse_where_the_module_runs_one_kernel(
     kinds = set()
     for m in _linears(loaded.model):
         fused_linear.fused_linear(kernels, m, True)
-        kinds.add(m.__dict__["_fused"].built[0])
+        kinds.add(m.__dict__["_fused"].value[0])
     runs = _count_stack_runs(monkeypatch)
     stacked = _run(loaded, True, monkeypatch, "off", MANY_PROMPTS)
     assert (runs[0] > 0) == (kinds <= fused_linear.ROW_COUNT_FREE)

@@ -88,7 +88,7 @@ def test_the_fused_decode_layer_runs_the_gemm_as_the_module_does(gemm):
 
     q = layer(128, 64, bias=True)
     handle = fused_linear(gemm, q, quant_rows=True)
-    assert q.__dict__["_fused"].built[0] == INT4_GEMM
+    assert q.__dict__["_fused"].value[0] == INT4_GEMM
     x = torch.randn(2, 128)
     with torch.inference_mode():
         assert torch.equal(handle(x), q(x))

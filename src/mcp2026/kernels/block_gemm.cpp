@@ -81,76 +81,6 @@ void block_rows(const uint8_t* wp, const S* so, const QuantizedRows& xr, const f
   });
 }
 
-// R rows x C column tiles of 5-bit values, groups of 32: the int4 GEMM's micro-tile (int4_gemm.cpp) with each
-// nibble vector's fifth bits added from its two masks (one masked byte add each).
-template <int R, int C, typename S, typename O>
-void block5_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx, const float* dxs, int64_t K,
-                 const float* bias, O* out, int64_t N, bool stream) {
-  const int64_t nblk = K / 32, tile_bytes = (K / 8) * 80, tile_scales = nblk * 2 * kColTile;
-  const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nblk; ++b) {
-    __m512i dot[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) dot[r][c] = _mm512_setzero_si512();
-    for (int j = 0; j < 4; ++j) {
-      __m512i lo[C], hi[C];
-      for (int c = 0; c < C; ++c) {
-        const uint8_t* src = wp + c * tile_bytes + (b * 4 + j) * 80;
-        if (stream) _mm_prefetch(reinterpret_cast<const char*>(src + kStreamAhead), _MM_HINT_NTA);
-        const __m512i v = _mm512_loadu_si512(src);
-        uint64_t fifth_lo, fifth_hi;
-        std::memcpy(&fifth_lo, src + 64, 8);
-        std::memcpy(&fifth_hi, src + 72, 8);
-        const __m512i l = _mm512_and_si512(v, nibble), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-        lo[c] = _mm512_mask_add_epi8(l, _cvtu64_mask64(fifth_lo), l, sixteen);
-        hi[c] = _mm512_mask_add_epi8(h, _cvtu64_mask64(fifth_hi), h, sixteen);
-      }
-      for (int r = 0; r < R; ++r) {
-        const int8_t* x = xq + r * K + b * 32 + j * 8;
-        const __m512i x_lo = broadcast_dword(x), x_hi = broadcast_dword(x + 4);
-        for (int c = 0; c < C; ++c) {
-          dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], lo[c], x_lo);
-          dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], hi[c], x_hi);
-        }
-      }
-    }
-    for (int c = 0; c < C; ++c) {
-      const __m512 s = load16(so + c * tile_scales + b * 2 * kColTile);
-      const __m512 o = load16(so + c * tile_scales + b * 2 * kColTile + kColTile);
-      for (int r = 0; r < R; ++r) {
-        const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(dx[r * nblk + b]));
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), scale, acc[r][c]);
-        acc[r][c] = _mm512_fmadd_ps(o, _mm512_set1_ps(dxs[r * nblk + b]), acc[r][c]);
-      }
-    }
-  }
-  store_tile<R, C>(acc, bias, out, N);
-}
-
-template <typename S, typename O>
-void block5_run(const QuantizedRows& xr, const uint8_t* w, const S* s, int64_t M, int64_t K, const float* bias,
-                O* out, int64_t N) {
-  const int64_t tiles = N / kColTile, tile_bytes = (K / 8) * 80, tile_scales = (K / 32) * 2 * kColTile;
-  const int64_t nblk = K / 32;
-  for_column_tiles(tiles, M, [&](int64_t t, bool pair) {
-    for_row_tiles(M, [&](int64_t r0, auto rows) {
-      constexpr int R = decltype(rows)::value;
-      const uint8_t* wt = w + t * tile_bytes;
-      const S* st = s + t * tile_scales;
-      const float* bt = bias ? bias + t * kColTile : nullptr;
-      const int8_t* xq = xr.q.data() + r0 * K;
-      const float *dx = xr.scale.data() + r0 * nblk, *dxs = xr.sum.data() + r0 * nblk;
-      if (pair)
-        block5_tile<R, 2, S, O>(wt, st, xq, dx, dxs, K, bt, out + r0 * N + t * kColTile, N, M <= kGemmRows);
-      else
-        block5_tile<R, 1, S, O>(wt, st, xq, dx, dxs, K, bt, out + r0 * N + t * kColTile, N, M <= kGemmRows);
-    });
-  });
-}
-
 template <int G, typename S, typename O>
 void block_gemm_run(const QuantizedRows& xr, const float* dxs, const uint8_t* w, const S* s, int64_t M,
                     int64_t K, const float* bias, O* out, int64_t N) {
@@ -368,8 +298,9 @@ void avx2_gemm(const uint8_t* w, const S* so, const QuantizedRows& xr, const Gro
 
 }  // namespace
 
-// x (M, K) fp32/bf16; wp: u in the nibble (N/16, K/8, 64) or byte (N/16, K/4, 64) layout; so (N/16, K/G, 2, 16)
-// fp32 or fp16. -> (M, N) in x's dtype. On AVX-512 VNNI, nibbles go through int4_gemm (the same arithmetic).
+// x (M, K) fp32/bf16; wp: u in the nibble (N/16, K/8, 64), 5-bit (N/16, K/8, 80) or byte (N/16, K/4, 64) layout; so
+// fp32 or fp16. -> (M, N) in x's dtype. On AVX-512 VNNI, nibbles and 5-bit values go through int4_gemm (the same
+// arithmetic).
 torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so,
                          const c10::optional<torch::Tensor>& bias) {
   return block_gemm_into(x, wp, so, bias, nullptr);
@@ -389,21 +320,7 @@ torch::Tensor block_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, c
   TORCH_CHECK(so.size(1) * G == K && (G == 32 || (G == 16 && bits == 8)),
               "groups must be 32 weights (or 16 with byte values)");
 #ifdef MCP_INT4_VNNI
-  if (bits == 4) return int4_gemm_into(x, wp, so, bias, slot);
-  if (bits == 5) {
-    const auto xc = x.contiguous();
-    QuantizedRows& xr = thread_rows();
-    AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, xc.scalar_type(), "block_gemm_q5", [&] {
-      quantize_rows_into<scalar_t>(xr, xc.data_ptr<scalar_t>(), M, K);
-    });
-    auto out = gemm_output(x, M, N, slot);
-    const auto b = gemm_bias(bias, N);
-    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-    with_output(out, [&](auto* op) {
-      with_scales(so, [&](const auto* s) { block5_run(xr, wp.data_ptr<uint8_t>(), s, M, K, bp, op, N); });
-    });
-    return out;
-  }
+  if (bits == 4 || bits == 5) return int4_gemm_into(x, wp, so, bias, slot);  // its micro-tile reads both
 #else
   // Without VNNI the int8 dot products cost several instructions per 32 values, and from a few dozen rows a
   // float GEMM over the weight dequantized once per call is faster (a prefill chunk, a large batch): both the

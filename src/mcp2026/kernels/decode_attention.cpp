@@ -475,7 +475,7 @@ void attend_avx2(const float* qf, const Int8Source& ks, const Int8Source& vs, co
 template <typename KS, typename VS>
 void attend_scalar(const float* qf, const KS& ks, const VS& vs, const int64_t* table, int64_t len, int64_t g,
                    int64_t hd, int64_t bs, float* scores, float* acc, float* buf, float* mass_row,
-                 int64_t skip) {
+                   int64_t skip) {
   for (int64_t t0 = 0; t0 < len; t0 += bs) {
     const int64_t n = std::min(bs, len - t0);
     const float* kb = ks.rows(table[t0 / bs], n, buf);

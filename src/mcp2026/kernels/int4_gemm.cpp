@@ -20,14 +20,17 @@
 namespace {
 
 #ifdef MCP_INT4_VNNI
-// R rows x C column tiles of 16. wp: the first tile's packed weights (K/8 vectors of 64 bytes, the next tile
+// R rows x C column tiles of 16. wp: the first tile's packed weights (K/8 vectors of VB bytes, the next tile
 // tile_bytes further); so: its 16 scales then 16 offsets per 32-block; xq: R rows of K int8; dx, dxs: their
-// (row, block) scales and dx * sum(xq). out: R rows of stride N at the tile's first column.
-template <int R, int C, typename S, typename O>
+// (row, block) scales and dx * sum(xq). out: R rows of stride N at the tile's first column. VB = 80: the block
+// GEMM's 5-bit layout (block_gemm.cpp), each vector's nibbles followed by two 64-bit masks of fifth bits, added
+// to the nibbles with one masked byte add each.
+template <int R, int C, int VB, typename S, typename O>
 void gemm_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx, const float* dxs,
                int64_t K, const float* bias, O* out, int64_t N, bool stream) {
-  const int64_t nblk = K / 32, tile_bytes = (K / 8) * 64, tile_scales = nblk * 2 * kColTile;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  static_assert(VB == 64 || VB == 80, "nibble vectors, or nibbles and their fifth bits");
+  const int64_t nblk = K / 32, tile_bytes = (K / 8) * VB, tile_scales = nblk * 2 * kColTile;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -38,11 +41,18 @@ void gemm_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx
     for (int j = 0; j < 4; ++j) {  // a block's 32 k: 4 vectors, each 8 k (low nibbles k..k+3, high k+4..k+7)
       __m512i lo[C], hi[C];
       for (int c = 0; c < C; ++c) {
-        const uint8_t* src = wp + c * tile_bytes + (b * 4 + j) * 64;
+        const uint8_t* src = wp + c * tile_bytes + (b * 4 + j) * VB;
         if (stream) _mm_prefetch(reinterpret_cast<const char*>(src + kStreamAhead), _MM_HINT_NTA);
         const __m512i v = _mm512_loadu_si512(src);
         lo[c] = _mm512_and_si512(v, nibble);
         hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        if constexpr (VB == 80) {
+          uint64_t fifth_lo, fifth_hi;
+          std::memcpy(&fifth_lo, src + 64, 8);
+          std::memcpy(&fifth_hi, src + 72, 8);
+          lo[c] = _mm512_mask_add_epi8(lo[c], _cvtu64_mask64(fifth_lo), lo[c], sixteen);
+          hi[c] = _mm512_mask_add_epi8(hi[c], _cvtu64_mask64(fifth_hi), hi[c], sixteen);
+        }
       }
       for (int r = 0; r < R; ++r) {
         const int8_t* x = xq + r * K + b * 32 + j * 8;
@@ -66,13 +76,28 @@ void gemm_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx
   store_tile<R, C>(acc, bias, out, N);
 }
 
-template <int C, typename S, typename O>
+template <int C, int VB, typename S, typename O>
 void gemm_rows(const uint8_t* wp, const S* so, const QuantizedRows& xr, int64_t M, int64_t K, const float* bias,
                O* out, int64_t N) {
   const int64_t nblk = K / 32;
   for_row_tiles(M, [&](int64_t r0, auto rows) {
-    gemm_tile<decltype(rows)::value, C, S, O>(wp, so, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
-                                        xr.sum.data() + r0 * nblk, K, bias, out + r0 * N, N, M <= kGemmRows);
+    gemm_tile<decltype(rows)::value, C, VB, S, O>(wp, so, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
+                                            xr.sum.data() + r0 * nblk, K, bias, out + r0 * N, N, M <= kGemmRows);
+  });
+}
+
+template <int VB, typename S, typename O>
+void gemm_columns(const uint8_t* w, const S* s, const QuantizedRows& xr, int64_t M, int64_t K, const float* bias,
+                  O* out, int64_t N) {
+  const int64_t tiles = N / kColTile, tile_bytes = (K / 8) * VB, tile_scales = (K / 32) * 2 * kColTile;
+  for_column_tiles(tiles, M, [&](int64_t t, bool pair) {
+    const uint8_t* wt = w + t * tile_bytes;
+    const S* st = s + t * tile_scales;
+    const float* bt = bias ? bias + t * kColTile : nullptr;
+    if (pair)
+      gemm_rows<2, VB>(wt, st, xr, M, K, bt, out + t * kColTile, N);
+    else
+      gemm_rows<1, VB>(wt, st, xr, M, K, bt, out + t * kColTile, N);
   });
 }
 #endif
@@ -137,8 +162,9 @@ torch::Tensor int4_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, co
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x must be a CPU (M, K) tensor");
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
   const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * kColTile;
-  TORCH_CHECK(wp.scalar_type() == torch::kByte && wp.is_contiguous() && wp.size(1) * 8 == K && wp.size(2) == 64,
-              "wp must be int4_gemm_pack's (N/16, K/8, 64) uint8 for this K");
+  TORCH_CHECK(wp.scalar_type() == torch::kByte && wp.is_contiguous() && wp.dim() == 3 && wp.size(1) * 8 == K &&
+                  (wp.size(2) == 64 || wp.size(2) == 80),
+              "wp must be int4_gemm_pack's (N/16, K/8, 64) uint8 for this K (or the block GEMM's 5-bit (N/16, K/8, 80))");
   TORCH_CHECK((so.scalar_type() == torch::kFloat || so.scalar_type() == torch::kHalf) && so.is_contiguous() &&
                   so.numel() == N * (K / 32) * 2,
               "so must be (N/16, K/32, 2, 16) fp32 (int4_gemm_pack's) or fp16");
@@ -152,18 +178,13 @@ torch::Tensor int4_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, co
   const auto b = gemm_bias(bias, N);
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const uint8_t* w = wp.data_ptr<uint8_t>();
-  const int64_t tiles = N / kColTile, tile_bytes = (K / 8) * 64, tile_scales = (K / 32) * 2 * kColTile;
+  const bool fifth = wp.size(2) == 80;
   with_output(out, [&](auto* op) {
     with_scales(so, [&](const auto* s) {
-      for_column_tiles(tiles, M, [&](int64_t t, bool pair) {
-        const auto* wt = w + t * tile_bytes;
-        const auto* st = s + t * tile_scales;
-        const float* bt = bp ? bp + t * kColTile : nullptr;
-        if (pair)
-          gemm_rows<2>(wt, st, xr, M, K, bt, op + t * kColTile, N);
-        else
-          gemm_rows<1>(wt, st, xr, M, K, bt, op + t * kColTile, N);
-      });
+      if (fifth)
+        gemm_columns<80>(w, s, xr, M, K, bp, op, N);
+      else
+        gemm_columns<64>(w, s, xr, M, K, bp, op, N);
     });
   });
   return out;

@@ -131,10 +131,9 @@ def run(
     """(hidden, residual) after the last layer; ``inputs`` from ``DecodeStackCache.inputs`` (with the window
     starts of the sliding layers last, where a sequence outgrew their window); ``local``: the (cos, sin) of the
     layers that rotate with the local table (Gemma 3's sliding layers)."""
-    extra = {} if local is None else {"cos_local": local[0], "sin_local": local[1]}
-    if len(inputs) > 5:
-        extra["window_starts"] = inputs[5]
-    return tuple(stack.run(x, cos, sin, *inputs[:5], **extra))
+    cos_local, sin_local = local or (None, None)
+    starts = inputs[5] if len(inputs) > 5 else None
+    return tuple(stack.run(x, cos, sin, *inputs[:5], cos_local, sin_local, starts))
 
 
 def raw_decode_inputs(

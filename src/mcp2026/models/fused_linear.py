@@ -53,25 +53,9 @@ def _build(kernels: Any, m: nn.Module) -> tuple[int, Any] | None:
     return None  # fp8 and anything else: the layer takes the per-op path
 
 
-class _Cached:
-    """The handle and the tensors it was built from. Copies and pickles of a module drop it (it holds a
-    compiled object that cannot be pickled; a copy rebuilds its own on first use)."""
-
-    __slots__ = ("weight", "bias", "built")
-
-    def __init__(self, weight: Tensor, bias: Tensor | None, built: tuple[int, Any] | None) -> None:
-        self.weight, self.bias, self.built = weight, bias, built
-
-    def __deepcopy__(self, memo: dict) -> None:
-        return None
-
-    def __reduce__(self) -> tuple:
-        return type(None), ()
-
-
 class _Held:
-    """A compiled object and what it was built from, kept on its owner's ``__dict__``; copies and pickles of the
-    owner drop it as they drop ``_Cached``."""
+    """A compiled object and what it was built from, kept on its owner's ``__dict__``. Copies and pickles of the
+    owner drop it (it holds a compiled object that cannot be pickled; a copy rebuilds its own on first use)."""
 
     __slots__ = ("sources", "value")
 
@@ -87,9 +71,16 @@ class _Held:
 
 def held(owner: nn.Module, name: str, sources: tuple, build: Any, reads: Reads | None = None) -> Any:
     """``build()``'s object, built again when any of ``sources`` is not the object it was built from (compared
-    by identity) and kept on ``owner`` under ``name``. ``reads``: record the lookup."""
+    by identity) and kept on ``owner`` under ``name``. ``reads``: record the lookup (the object as it stands
+    now, rebuilt or not). Runs for every linear of a per-layer decode step: a plain loop, no generator."""
     h = owner.__dict__.get(name)
-    if h is None or len(h.sources) != len(sources) or any(a is not b for a, b in zip(h.sources, sources)):
+    fresh = h is not None and len(h.sources) == len(sources)
+    if fresh:
+        for old, new in zip(h.sources, sources):
+            if old is not new:
+                fresh = False
+                break
+    if not fresh:
         h = owner.__dict__[name] = _Held(sources, build())
     if reads is not None:
         reads.get(owner.__dict__, name)
@@ -124,12 +115,7 @@ def fused_linear(kernels: Any, m: nn.Module, quant_rows: bool, reads: Reads | No
     weight, bias = tensor(m, "weight", reads), tensor(m, "bias", reads)
     if weight is None:  # a split layer (two kernels and a gather): never fused
         return None
-    cached = m.__dict__.get("_fused")
-    if cached is None or cached.weight is not weight or cached.bias is not bias:
-        cached = m.__dict__["_fused"] = _Cached(weight, bias, _build(kernels, m))
-    if reads is not None:  # the handle as it stands now, rebuilt or not
-        reads.get(m.__dict__, "_fused")
-    built = cached.built
+    built = held(m, "_fused", (weight, bias), lambda: _build(kernels, m), reads)
     if built is None or (built[0] not in ROW_COUNT_FREE and not quant_rows):
         return None
     return built[1]

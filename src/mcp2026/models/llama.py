@@ -76,6 +76,15 @@ class LlamaMLP(nn.Module):
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
+# kernels.LayerExtras's eps field of each of its norms (q and k norms share one)
+_EPS_FIELD = {
+    "q_norm": "qk_eps",
+    "k_norm": "qk_eps",
+    "post_attn_norm": "post_attn_eps",
+    "post_mlp_norm": "post_mlp_eps",
+}
+
+
 class LlamaDecoderLayer(nn.Module):
     # The norms the compiled layer (kernels.DecodeLayer) applies before the attention and before the MLP, and
     # its MLP gate (0: SiLU, 1: tanh-GELU): a family with its own layer (Gemma 3) names its own.
@@ -153,19 +162,11 @@ class LlamaDecoderLayer(nn.Module):
         }
 
         def build() -> Any:
-            eps = {k: n.eps for k, n in norms.items() if n is not None}
-            return kernels.LayerExtras(
-                q_norm=weights.get("q_norm"),
-                k_norm=weights.get("k_norm"),
-                qk_eps=eps.get("q_norm", 1e-6),
-                post_attn_norm=weights.get("post_attn_norm"),
-                post_attn_eps=eps.get("post_attn_norm", 1e-6),
-                post_mlp_norm=weights.get("post_mlp_norm"),
-                post_mlp_eps=eps.get("post_mlp_norm", 1e-6),
-                gate=self.gate,
-                local_rope=self.local_rope,
-                windowed=windowed,
-            )
+            fields = {"gate": self.gate, "local_rope": self.local_rope, "windowed": windowed}
+            for name, norm in norms.items():  # the norms the layer has, each with its eps
+                if norm is not None:
+                    fields[name], fields[_EPS_FIELD[name]] = weights[name], norm.eps
+            return kernels.LayerExtras(**fields)
 
         return fused_linear.held(self, "_compiled_extras", (kernels, *weights.values()), build, reads)
 
