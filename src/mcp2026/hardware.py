@@ -210,3 +210,13 @@ def peak_read_bandwidth(refresh: bool = False) -> float:
     except OSError:
         pass
     return value
+
+
+def cap_cpu_threads() -> int:
+    """Run torch on at most the cores this process may use: torch starts one thread per core it sees,
+    but a container's CPU quota (cgroup) may grant fewer, and oversubscribed threads stall each other.
+    Never raises a lower count (OMP_NUM_THREADS, torch.set_num_threads). Returns the thread count."""
+    usable = usable_cpu_count()
+    if torch.get_num_threads() > usable:
+        torch.set_num_threads(usable)
+    return torch.get_num_threads()

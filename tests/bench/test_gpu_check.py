@@ -31,3 +31,17 @@ def test_docs_section_is_replaced_between_markers(results, tmp_path):
     assert first.count(gpu_check.START) == 1 and "| prefill 8 x 2048 bf16, tok/s |" in first
     gpu_check.write_docs(docs, gpu_check.markdown(results))
     assert docs.read_text() == first  # rewritten in place, not appended twice
+
+
+def test_the_quantized_kv_stage_reports_both_codecs(results, tmp_path):
+    import torch
+
+    path = gpu_check.build_checkpoint(tmp_path / "tiny")  # the fixture's run left the check at its tiny size
+    out = gpu_check.kv_quantized_decode(gpu_check.ours(path, torch.float32))
+    for dtype in ("int8", "fp8"):
+        assert "error" not in out[dtype], out[dtype]
+        assert out[dtype]["ms_per_token"] > 0 and out[dtype]["batch64_output_tok_s"] > 0
+        assert out[dtype]["graphs"] is False  # graphs are captured on CUDA only
+    assert "| int8 KV cache (bf16 weights)" in gpu_check.markdown(
+        {**results, "kv_quantized_decode_bf16": out}
+    )

@@ -89,9 +89,36 @@ def test_prefill_steps_run_eagerly(tiny):
     assert not graphs.accepts(prefill.chunks)
 
 
-def test_quantized_caches_are_not_graphed(tiny):
-    engine = make_engine(tiny, graphs=False, kv=KVCompressor(dtype="int8"))
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_int8_and_fp8_caches_run_through_the_graph_buffers(tiny, dtype):
+    """Per-token int8 / fp8 rows are encoded on the device and read in place by the decode kernel: their
+    steps are graphed, padding included, and generate what eager steps over the same codec do."""
+    ps = prompts(3, seed=7)
+    eager = make_engine(tiny, graphs=False, kv=KVCompressor(dtype=dtype))
+    expected = [o.token_ids for o in eager.generate(ps, GREEDY)]
+    engine = make_engine(tiny, graphs=True, kv=KVCompressor(dtype=dtype))
+    assert graphable(engine.cache)
+    assert [o.token_ids for o in engine.generate(ps, GREEDY)] == expected
+    assert engine.runner.graphs.num_runs == GREEDY.max_tokens - 1
+
+
+def test_staged_int4_caches_are_not_graphed(tiny):
+    engine = make_engine(tiny, graphs=False, kv=KVCompressor(dtype="int4", block_size=16))
     assert not graphable(engine.cache)
-    assert "quantized" in engine.runner.enable_decode_graphs(8, engine.max_model_len, capture=False)
-    with pytest.raises(ValueError, match="K/V as they are"):
+    assert "staged" in engine.runner.enable_decode_graphs(8, engine.max_model_len, capture=False)
+    with pytest.raises(ValueError, match="per-token K/V rows"):
         DecodeGraphs(tiny.model, engine.cache, 8, engine.max_model_len, capture=False)
+
+
+def test_graphs_turn_drafting_off(tiny):
+    """A drafted step is not decode-only, so it would run eagerly beside the graphs: with graphs the engine
+    does not draft, and says so."""
+    config = EngineConfig(KVConfig(block_size=16, num_blocks=64), SchedulerConfig(max_num_seqs=4))
+    engine = LLMEngine(tiny.model, tiny.config, None, config)
+    assert engine.speculation["enabled"]
+    assert engine.use_decode_graphs(4, capture=False) is None
+    assert not engine.speculation["enabled"] and "CUDA graphs" in engine.speculation["reason"]
+    repeating = [7, 8, 9, 10] * 8  # prompt lookup would draft here
+    out = engine.generate([repeating], GREEDY)[0].token_ids
+    assert out == make_engine(tiny, graphs=False).generate([repeating], GREEDY)[0].token_ids
+    assert engine.runner.graphs.num_runs == GREEDY.max_tokens - 1  # every decode step a graph step

@@ -6,7 +6,8 @@ import torch
 
 from mcp2026 import hardware
 from mcp2026.config import EngineConfig, KVConfig
-from mcp2026.engine.engine import LLMEngine, cap_cpu_threads
+from mcp2026.engine.engine import LLMEngine
+from mcp2026.hardware import cap_cpu_threads
 from mcp2026.loading.loader import load_model
 
 

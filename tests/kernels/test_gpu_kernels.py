@@ -116,6 +116,80 @@ def test_paged_decode_attention_matches_reference(dtype, splits):
     torch.testing.assert_close(out.float(), expected, **_tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("codec_name,kind", [("int8", 1), ("fp8", 3)])
+def test_paged_decode_attention_reads_quantized_blocks(dtype, codec_name, kind):
+    """int8 / fp8 KV blocks as the codecs store them, decoded by the kernel as it reads them: the same
+    attention as over the codec's own decoding of the blocks (which is what the quantization costs)."""
+    from mcp2026.kv.codecs import Fp8PerToken, Int8PerToken
+
+    codec = {"int8": Int8PerToken, "fp8": Fp8PerToken}[codec_name]()
+    g = torch.Generator().manual_seed(5)
+    num_blocks, nkv, bs, hd, nh = 24, 2, 16, 32, 8
+    planes_k = codec.encode(torch.randn(num_blocks, nkv, bs, hd, generator=g) * 3)
+    planes_v = codec.encode(torch.randn(num_blocks, nkv, bs, hd, generator=g))
+    lengths = torch.tensor([1, 33, 120, 64])
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:8] for _ in lengths])
+    q = (torch.randn(len(lengths), nh, hd, generator=g) / hd**0.5).to(dtype)
+    names = ["q", *gpu_attention.QUANTIZED_KINDS[kind][1]]
+    out = gpu_attention.paged_decode_attention_quantized(
+        q, kind, [planes_k[n] for n in names], [planes_v[n] for n in names], tables, lengths, splits=3
+    )
+    k_float, v_float = codec.decode(planes_k, torch.float32), codec.decode(planes_v, torch.float32)
+    expected = _reference_decode(q, k_float, v_float, tables, lengths)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_quantized_decode_reads_a_live_cache_as_the_cpu_kernel_does(tmp_path, dtype):
+    """The planes a PagedKVCache hands the decode step (its own layout and strides, written by a real
+    generation) read by the GPU kernel give the CPU kernel's attention."""
+    from mcp2026.config import EngineConfig, KVConfig
+    from mcp2026.engine.engine import LLMEngine
+    from mcp2026.kernels import ops
+    from mcp2026.kv.compressor import KVCompressor
+    from mcp2026.loading.loader import load_model
+    from mcp2026.types import SamplingParams
+
+    from conftest import save_tiny_hf
+
+    tiny = load_model(save_tiny_hf(tmp_path, max_position_embeddings=256))
+    config = EngineConfig(KVConfig(block_size=16, num_blocks=32), kv_compressor=KVCompressor(dtype=dtype))
+    engine = LLMEngine(tiny.model, tiny.config, None, config)
+    engine.generate([list(range(3, 40)), list(range(50, 70))], SamplingParams(max_tokens=4, ignore_eos=True))
+    cache = engine.cache
+    assert cache.quantized_kernel_kind in (1, 3)
+    g = torch.Generator().manual_seed(8)
+    nh, hd = tiny.config.num_heads, cache.head_dim
+    q = torch.randn(2, nh, hd, generator=g) / hd**0.5
+    tables = torch.tensor([[0, 1, 2], [3, 4, 0]])
+    lengths = torch.tensor([40, 23])
+    for layer in range(cache.num_layers):
+        kp, vp, sk, sv = cache.layer_planes(layer)
+        expected = ops.paged_decode_attention_quantized(
+            q, cache.quantized_kernel_kind, kp, vp, sk, sv, tables, lengths
+        )
+        out = gpu_attention.paged_decode_attention_quantized(
+            q, cache.quantized_kernel_kind, kp, vp, tables, lengths
+        )
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_quantized_decode_refuses_planes_it_cannot_read():
+    q = torch.zeros(1, 2, 16)
+    data = torch.zeros(4, 1, 16, 16, dtype=torch.uint8)
+    scale = torch.zeros(4, 1, 16, dtype=torch.float16)
+    tables, lengths = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    with pytest.raises(ValueError, match="kind 2"):
+        gpu_attention.paged_decode_attention_quantized(q, 2, [data], [data], tables, lengths)
+    with pytest.raises(ValueError, match="scale, zero"):
+        gpu_attention.paged_decode_attention_quantized(q, 1, [data, scale], [data, scale], tables, lengths)
+    with pytest.raises(ValueError, match="fp16"):
+        wrong = [data, scale.float(), scale]
+        gpu_attention.paged_decode_attention_quantized(q, 1, wrong, wrong, tables, lengths)
+
+
 def test_split_count_follows_the_batch():
     assert gpu_attention.num_splits(1, 3, 132) == gpu_attention.MAX_SPLITS
     assert gpu_attention.num_splits(256, 3, 132) == 1

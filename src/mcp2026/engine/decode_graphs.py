@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from mcp2026.engine.output import ScheduledChunk
+from mcp2026.kernels import gpu
 from mcp2026.kv.manager import cdiv
 from mcp2026.kv.paged_cache import PagedKVCache
 from mcp2026.kv.write_plan import WritePlan
@@ -38,9 +39,11 @@ def buckets_up_to(max_batch: int) -> tuple[int, ...]:
 
 
 def graphable(cache: PagedKVCache) -> bool:
-    """Whether a decode step over this cache can be captured: K/V stored as they are (one row write per token
-    and head) in one pool shared by all layers; quantized, staged (int4) and per-layer caches run eagerly."""
-    return cache.stores_exactly and not cache.layered and not cache.codec.is_staged
+    """Whether a decode step over this cache can be captured: one row write per token and head (K/V as they
+    are, or int8 / fp8 rows encoded on the device) into one pool shared by all layers, read in place by the
+    decode kernels; staged (int4) and per-layer caches run eagerly."""
+    per_token = cache.stores_exactly or cache.quantized_kernel_kind in gpu.QUANTIZED_KV_KINDS
+    return per_token and not cache.layered and not cache.codec.is_staged
 
 
 class DecodeGraphs:
@@ -54,7 +57,7 @@ class DecodeGraphs:
     ) -> None:
         if not graphable(cache):
             raise ValueError(
-                "decode graphs need a cache storing K/V as they are, in one pool (see graphable)"
+                "decode graphs need a cache of per-token K/V rows (float, int8 or fp8) in one pool (see graphable)"
             )
         self.model, self.cache = model, cache
         self.capture = capture

@@ -152,6 +152,13 @@ class Drafter:
             self._requests.pop(rid, None)
 
 
+# why an engine whose decode steps replay CUDA graphs does not draft
+DRAFTS_LEAVE_GRAPHS = (
+    "decode steps replay CUDA graphs of one token per sequence, and a drafted step would run eagerly, costing "
+    "many graph steps (EngineConfig.cuda_graph_max_batch=0 drafts without graphs)"
+)
+
+
 def speculation_blocker(config: SpeculativeConfig, evictor: Any, cache: Any) -> str | None:
     """Why drafts cannot run with this engine's KV cache (None: they can). A rejected draft's KV is left in its
     slots to be overwritten; an evictor would rank it and a staged codec would quantize it."""

@@ -19,7 +19,7 @@ from torch import nn
 
 from mcp2026 import hardware
 from mcp2026.config import EngineConfig, KVConfig, ModelConfig
-from mcp2026.engine.drafting import Drafter, speculation_blocker, split_draft_rows
+from mcp2026.engine.drafting import DRAFTS_LEAVE_GRAPHS, Drafter, speculation_blocker, split_draft_rows
 from mcp2026.engine.embedding import Embedder
 from mcp2026.engine.fault_isolation import FaultHook, execute_isolating, without_failed
 from mcp2026.engine.kv_setup import build_engine_kv
@@ -38,16 +38,6 @@ from mcp2026.kv.dtss import DTSSController
 from mcp2026.types import CompletionOutput, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-def cap_cpu_threads() -> int:
-    """Run torch on at most the cores this process may use: torch starts one thread per core it sees,
-    but a container's CPU quota (cgroup) may grant fewer, and oversubscribed threads stall each other.
-    Never raises a lower count (OMP_NUM_THREADS, torch.set_num_threads). Returns the thread count."""
-    usable = hardware.usable_cpu_count()
-    if torch.get_num_threads() > usable:
-        torch.set_num_threads(usable)
-    return torch.get_num_threads()
 
 
 @dataclass
@@ -74,7 +64,7 @@ class LLMEngine:
         self.kv_dtype = kv_dtype
         self.device = first_param.device
         if self.device.type == "cpu":
-            cap_cpu_threads()
+            hardware.cap_cpu_threads()
         kv = build_engine_kv(self.config, model_config, model.max_positions, dtype, self.device)
         self.config, self.max_model_len = kv.config, kv.max_model_len
         self.cache, self.kv_manager, self.evictor = kv.cache, kv.manager, kv.evictor
@@ -97,9 +87,7 @@ class LLMEngine:
         )
         if self.device.type == "cuda" and self.config.cuda_graph_max_batch:
             max_batch = min(self.config.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
-            reason = self.runner.enable_decode_graphs(max_batch, self.max_model_len)
-            if reason:
-                log.info("decode steps run eagerly, without CUDA graphs: %s", reason)
+            self.use_decode_graphs(max_batch)
         self.sampler = Sampler()
         self.embedder = Embedder(
             model,
@@ -281,6 +269,17 @@ class LLMEngine:
             self.release_kv_shards(1)
         elif decision > 0:
             self.grow_kv_shards(1)
+
+    def use_decode_graphs(self, max_batch: int, capture: bool = True) -> str | None:
+        """Replay decode-only steps from graphs (``ModelRunner.enable_decode_graphs``); returns why not. A
+        drafted step would leave the graph (run eagerly, costing many graph steps): graphs turn drafting off."""
+        reason = self.runner.enable_decode_graphs(max_batch, self.max_model_len, capture=capture)
+        if reason:
+            log.info("decode steps run eagerly, without CUDA graphs: %s", reason)
+        elif self.drafter is not None:
+            self.drafter = self.scheduler.draft = None
+            self.speculation_blocker = DRAFTS_LEAVE_GRAPHS
+        return reason
 
     # ---- speculative decoding -------------------------------------------------------------------------
     def _propose_drafts(self, request: Request, num_decoding: int) -> list[int]:

@@ -17,7 +17,7 @@ from torch import nn
 from mcp2026.engine.decode_graphs import DecodeGraphs, graphable
 from mcp2026.engine.drafting import draft_rows
 from mcp2026.engine.output import ScheduledChunk, SchedulerOutput
-from mcp2026.kernels import ops
+from mcp2026.kernels import gpu, ops
 from mcp2026.kv.eviction import ScoringSpec, StepScores
 from mcp2026.kv.layer_pages import LayerPages, LayerTable
 from mcp2026.kv.manager import cdiv
@@ -74,9 +74,10 @@ class ModelRunner:
         self.scoring = scoring or ScoringSpec()
         # decode attention by the fused kernel (blocks read in place, quantized ones decoded as they are read,
         # int4's staged tails included) where the storage and device allow
-        # (the GPU kernel reads plain float blocks and sums no per-block scores)
+        # (the GPU kernel reads float, int8 and fp8 blocks and sums no per-block scores)
         readable = (
-            cache.reads_in_place and not self.scoring.decode
+            (cache.reads_in_place or cache.quantized_kernel_kind in gpu.QUANTIZED_KV_KINDS)
+            and not self.scoring.decode
             if cache.device.type == "cuda"
             else cache.reads_in_place or cache.quantized_kernel_kind > 0
         )
@@ -113,7 +114,10 @@ class ModelRunner:
                 "captured graph would replay the first step's routing)"
             )
         if not graphable(self.cache):
-            return "the KV cache is quantized, staged or per-layer (graphs need plain K/V rows in one pool)"
+            return (
+                "the KV cache is staged (int4), per-layer or of a codec the decode kernels do not read in "
+                "place (graphs need float, int8 or fp8 K/V rows in one pool)"
+            )
         if not self.fused_decode:
             return "no decode kernel reads the paged blocks in place here (on CUDA: pip install triton)"
         if self.scoring.decode:

@@ -35,6 +35,7 @@ def load() -> Any | None:
         rope_=gpu_fused.rope_,
         write_kv_rows=gpu_fused.write_kv_rows,
         paged_decode_attention=gpu_attention.paged_decode_attention,
+        paged_decode_attention_quantized=gpu_attention.paged_decode_attention_quantized,
     )
 
 
@@ -63,6 +64,12 @@ def kernels_for(*tensors: torch.Tensor) -> Any | None:
     return module
 
 
+# the quantized KV layouts the GPU decode kernel reads in place (``PagedKVCache.quantized_kernel_kind``): int8
+# and fp8 per (token, head); int4's per-channel keys with their staged tails are not among them
+QUANTIZED_KV_KINDS = (1, 3)
+
+
 def decode_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether decode attention on ``device`` reads paged blocks in place with our kernel."""
+    """Whether decode attention on ``device`` reads paged blocks in place with our kernel (float blocks, or
+    quantized ones of ``QUANTIZED_KV_KINDS``)."""
     return device.type == "cuda" and dtype in _DTYPES and load() is not None

@@ -245,7 +245,16 @@ def paged_decode_attention_quantized(
 ) -> torch.Tensor:
     """``paged_decode_attention`` over a quantized pool, blocks decoded as they are read: ``kind`` 1 = int8
     (planes q, scale, zero), 2 = int4 (q, scale and zero codes, meta), 3 = fp8 (q, scale); block ids >= the pool's blocks name
-    staging entries of ``stage_k`` / ``stage_v`` (bf16 (entries, nkv, bs, hd), or empty)."""
+    staging entries of ``stage_k`` / ``stage_v`` (bf16 (entries, nkv, bs, hd), or empty). On the GPU: int8 and
+    fp8 (``gpu.QUANTIZED_KV_KINDS``), which stage nothing, without per-block scores."""
+    if q.is_cuda:
+        if mass is not None:
+            raise ValueError("the GPU decode kernel does not sum attention per block (eviction scores)")
+        if stage_k.numel() or kind not in gpu.QUANTIZED_KV_KINDS:
+            raise ValueError(
+                f"the GPU decode kernel reads int8 and fp8 KV blocks, not kind {kind} with staging"
+            )
+        return gpu.load().paged_decode_attention_quantized(q, kind, k_planes, v_planes, tables, lengths)
     return cpu.load().paged_decode_attention_quantized(
         q, kind, k_planes, v_planes, stage_k, stage_v, tables, lengths, mass
     )
@@ -253,7 +262,7 @@ def paged_decode_attention_quantized(
 
 def decode_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether decode attention on ``device`` reads the paged blocks in place with one of our kernels (on the
-    GPU: plain float blocks only, no per-block scores)."""
+    GPU: float, int8 and fp8 blocks, no per-block scores)."""
     if device.type == "cuda":
         return gpu.decode_available(device, dtype)
     return device.type == "cpu" and dtype in _KERNEL_DTYPES and cpu.load() is not None
