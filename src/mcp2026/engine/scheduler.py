@@ -353,6 +353,8 @@ class Scheduler:
         return tokens
 
     def _num_new_tokens(self, num_remaining: int, budget: int) -> int:
+        if num_remaining == 1 and budget > 0:  # a decode: the same under every rule below
+            return 1
         if self.config.enable_chunked_prefill:
             num_new = min(num_remaining, self.chunk_cap(), budget)
         elif num_remaining <= budget:

@@ -142,6 +142,10 @@ class KVCacheManager:
         must not cost cached prefixes). False, with nothing changed, if it cannot."""
         rid = request.request_id
         table = self._tables.get(rid)
+        if table is not None and not computed_block_ids:  # the common decode step: its blocks already hold it
+            num_covered = request.num_computed_tokens + num_new_tokens - self.num_dropped_tokens(rid)
+            if num_covered <= len(table) * self.block_size:
+                return True
         if computed_block_ids and (table or request.num_computed_tokens):
             raise ValueError(f"request {rid}: prefix hits can only seed a request with no blocks")
         if any(self.cache.entry_of(b) is None for b in computed_block_ids):
