@@ -144,6 +144,33 @@ def test_paged_decode_attention_matches_a_gather_and_softmax(kernels, dtype, kv_
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize(
+    ("hd", "group", "bs"), [(32, 1, 16), (64, 3, 16), (96, 4, 16), (128, 7, 32), (256, 8, 16), (256, 4, 8)]
+)
+def test_bf16_decode_attention_over_head_sizes_and_groups(kernels, hd, group, bs):
+    """bf16 queries over bf16 blocks (where the CPU has AVX-512 BF16: its dot-product path, 16 key rows a pass,
+    value accumulators held per group): every head size and group it takes, partial blocks and passes, and the
+    per-block attention mass, against a float32 reference."""
+    torch.manual_seed(5)
+    num_blocks, nkv = 80, 2
+    nh = nkv * group
+    k_cache = torch.randn(num_blocks, nkv, bs, hd).bfloat16()
+    v_cache = torch.randn(num_blocks, nkv, bs, hd).bfloat16()
+    q = (torch.randn(4, nh, hd) / hd**0.5).bfloat16()
+    lengths = torch.tensor([1, 9, bs + 3, 150])
+    nb = -(-150 // bs)
+    tables = torch.randperm(num_blocks)[: 4 * nb].view(4, nb)
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths)
+    expected = _reference_attention(q, k_cache, v_cache, tables, lengths)
+    torch.testing.assert_close(out.float(), expected, atol=_tol(torch.bfloat16), rtol=_tol(torch.bfloat16))
+    mass = torch.zeros(4, nkv, nb)
+    assert torch.equal(kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths, mass), out)
+    # each query head's probabilities sum to 1 over the blocks: a KV head's row holds its group's total
+    used = torch.arange(nb)[None, :] < (-(-lengths // bs))[:, None]
+    torch.testing.assert_close(mass.sum(-1), torch.full((4, nkv), float(group)), atol=1e-4, rtol=1e-4)
+    assert (mass[~used[:, None, :].expand(-1, nkv, -1)] == 0).all()
+
+
 @pytest.mark.parametrize(("dtype", "hd"), [(torch.float32, 32), (torch.bfloat16, 64), (torch.float32, 12)])
 def test_paged_decode_attention_from_a_window_start(kernels, dtype, hd):
     """A sliding window's first position per sequence: on a block boundary, inside a block (the block's

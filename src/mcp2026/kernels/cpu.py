@@ -49,8 +49,11 @@ SOURCES = tuple(
 )
 HEADERS = tuple(
     KERNEL_DIR / name
-    for name in ("cpu_kernels.h", "simd.h", "kv_blocks.h", "quantize_rows.h", "vnni_gemm.h", "thread_team.h")
-)
+    for name in (
+        "cpu_kernels.h", "simd.h", "kv_blocks.h", "attention_bf16.h", "quantize_rows.h", "vnni_gemm.h",
+        "thread_team.h",
+    )
+)  # fmt: skip
 _lock = threading.Lock()
 _module: Any = None
 _reason: str | None = None  # why the kernels are unavailable (None: not tried yet, or loaded)

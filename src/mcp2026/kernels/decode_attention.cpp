@@ -519,6 +519,21 @@ void attend_scalar(const float* qf, const KS& ks, const VS& vs, const int64_t* t
   }
 }
 
+}  // namespace
+
+// The AVX-512 BF16 path for bf16 blocks (it uses mask_front and softmax_heads_avx2 above).
+#include "attention_bf16.h"
+
+namespace {
+
+// Whether the AVX-512 BF16 path takes these queries and sources: bf16 queries over bf16 blocks (a float query
+// would be rounded to bf16 there).
+template <typename T, typename KS, typename VS>
+constexpr bool bf16_blocks() {
+  return std::is_same_v<T, at::BFloat16> && std::is_same_v<KS, RawSource<at::BFloat16>> &&
+         std::is_same_v<VS, RawSource<at::BFloat16>>;
+}
+
 // One (sequence, KV head)'s query heads j0 .. j0 + g - 1 (of the head's nh / nkv): their queries in, their
 // outputs out. A query head's result does not depend on which other heads of its KV head are computed beside it.
 template <typename T, typename KS, typename VS>
@@ -527,12 +542,22 @@ void attend_heads(const T* q, const KS& ks, const VS& vs, const int64_t* table, 
                   float* mass_row, int64_t skip, T* out) {
   for (int64_t j = 0; j < g; ++j)
     for (int64_t d = 0; d < hd; ++d) qf[j * hd + d] = load(q, (first_head + j) * hd + d);
-#ifdef MCP_ATTN_AVX2
-  if (hd % 8 == 0)
-    attend_avx2(qf, ks, vs, table, len, g, hd, bs, scores, acc, buf, mass_row, skip);
-  else
+  bool done = false;
+#ifdef MCP_ATTN_BF16
+  if constexpr (bf16_blocks<T, KS, VS>()) {
+    if (bf16_attention_fits(g, hd)) {
+      attend_bf16(qf, ks, vs, table, len, g, hd, bs, scores, acc, mass_row, skip);
+      done = true;
+    }
+  }
 #endif
-    attend_scalar(qf, ks, vs, table, len, g, hd, bs, scores, acc, buf, mass_row, skip);
+#ifdef MCP_ATTN_AVX2
+  if (!done && hd % 8 == 0) {
+    attend_avx2(qf, ks, vs, table, len, g, hd, bs, scores, acc, buf, mass_row, skip);
+    done = true;
+  }
+#endif
+  if (!done) attend_scalar(qf, ks, vs, table, len, g, hd, bs, scores, acc, buf, mass_row, skip);
   for (int64_t j = 0; j < g; ++j)
     for (int64_t d = 0; d < hd; ++d) out[(first_head + j) * hd + d] = static_cast<T>(acc[j * hd + d]);
 }
