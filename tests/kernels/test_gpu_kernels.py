@@ -210,3 +210,12 @@ def test_int8_matmul_matches_dequantized_weights(dtype, m):
     out = gpu_int8.int8_matmul(x, weight, scales)
     assert out.shape == (m, 100) and out.dtype == dtype
     torch.testing.assert_close(out.float(), expected, **_tol(dtype))
+
+
+@pytest.mark.parametrize(("capability", "kinds"), [((8, 0), (1,)), ((8, 9), (1, 3)), ((9, 0), (1, 3))])
+def test_fp8_kv_blocks_are_read_where_the_gpu_converts_e4m3(monkeypatch, capability, kinds):
+    from mcp2026.kernels import gpu
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert gpu.quantized_kv_kinds.__wrapped__(torch.device("cuda", 0)) == kinds
+    assert gpu.quantized_kv_kinds(torch.device("cpu")) == ()

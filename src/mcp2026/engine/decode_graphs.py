@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from mcp2026.engine.output import ScheduledChunk
-from mcp2026.kernels import gpu
 from mcp2026.kv.manager import cdiv
 from mcp2026.kv.paged_cache import PagedKVCache
 from mcp2026.kv.write_plan import WritePlan
@@ -34,6 +33,11 @@ from mcp2026.models.attention import AttentionMetadata, ForwardContext
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 
+# quantized KV layouts written one row per token and head (int8, fp8: ``PagedKVCache.quantized_kernel_kind``);
+# whether this device's decode kernel reads them is the runner's fused_decode
+PER_TOKEN_KINDS = (1, 3)
+
+
 def buckets_up_to(max_batch: int) -> tuple[int, ...]:
     return tuple(sorted({b for b in BUCKETS if b < max_batch} | {max_batch}))
 
@@ -42,7 +46,7 @@ def graphable(cache: PagedKVCache) -> bool:
     """Whether a decode step over this cache can be captured: one row write per token and head (K/V as they
     are, or int8 / fp8 rows encoded on the device) into one pool shared by all layers, read in place by the
     decode kernels; staged (int4) and per-layer caches run eagerly."""
-    per_token = cache.stores_exactly or cache.quantized_kernel_kind in gpu.QUANTIZED_KV_KINDS
+    per_token = cache.stores_exactly or cache.quantized_kernel_kind in PER_TOKEN_KINDS
     return per_token and not cache.layered and not cache.codec.is_staged
 
 

@@ -76,7 +76,7 @@ class ModelRunner:
         # int4's staged tails included) where the storage and device allow
         # (the GPU kernel reads float, int8 and fp8 blocks and sums no per-block scores)
         readable = (
-            (cache.reads_in_place or cache.quantized_kernel_kind in gpu.QUANTIZED_KV_KINDS)
+            (cache.reads_in_place or cache.quantized_kernel_kind in gpu.quantized_kv_kinds(cache.device))
             and not self.scoring.decode
             if cache.device.type == "cuda"
             else cache.reads_in_place or cache.quantized_kernel_kind > 0

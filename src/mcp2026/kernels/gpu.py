@@ -64,12 +64,17 @@ def kernels_for(*tensors: torch.Tensor) -> Any | None:
     return module
 
 
-# the quantized KV layouts the GPU decode kernel reads in place (``PagedKVCache.quantized_kernel_kind``): int8
-# and fp8 per (token, head); int4's per-channel keys with their staged tails are not among them
-QUANTIZED_KV_KINDS = (1, 3)
+@functools.cache
+def quantized_kv_kinds(device: torch.device) -> tuple[int, ...]:
+    """The quantized KV layouts (``PagedKVCache.quantized_kernel_kind``) the GPU decode kernel reads in place on
+    ``device``: int8 per (token, head), and fp8 where the GPU converts e4m3 (sm89 and later); int4's per-channel
+    keys with their staged tails are not among them."""
+    if device.type != "cuda":
+        return ()
+    return (1, 3) if torch.cuda.get_device_capability(device) >= (8, 9) else (1,)
 
 
 def decode_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether decode attention on ``device`` reads paged blocks in place with our kernel (float blocks, or
-    quantized ones of ``QUANTIZED_KV_KINDS``)."""
+    quantized ones of ``quantized_kv_kinds``)."""
     return device.type == "cuda" and dtype in _DTYPES and load() is not None

@@ -246,13 +246,13 @@ def paged_decode_attention_quantized(
     """``paged_decode_attention`` over a quantized pool, blocks decoded as they are read: ``kind`` 1 = int8
     (planes q, scale, zero), 2 = int4 (q, scale and zero codes, meta), 3 = fp8 (q, scale); block ids >= the pool's blocks name
     staging entries of ``stage_k`` / ``stage_v`` (bf16 (entries, nkv, bs, hd), or empty). On the GPU: int8 and
-    fp8 (``gpu.QUANTIZED_KV_KINDS``), which stage nothing, without per-block scores."""
+    fp8 where the GPU has it (``gpu.quantized_kv_kinds``), which stage nothing, without per-block scores."""
     if q.is_cuda:
         if mass is not None:
             raise ValueError("the GPU decode kernel does not sum attention per block (eviction scores)")
-        if stage_k.numel() or kind not in gpu.QUANTIZED_KV_KINDS:
+        if stage_k.numel() or kind not in gpu.quantized_kv_kinds(q.device):
             raise ValueError(
-                f"the GPU decode kernel reads int8 and fp8 KV blocks, not kind {kind} with staging"
+                f"the GPU decode kernel reads int8 (and on sm89+ fp8) KV blocks, not kind {kind} with staging"
             )
         return gpu.load().paged_decode_attention_quantized(q, kind, k_planes, v_planes, tables, lengths)
     return cpu.load().paged_decode_attention_quantized(
