@@ -73,3 +73,21 @@ def test_no_speculative_decodes_one_token_a_step(tmp_path):
     run = run_latency(config)
     assert "--no-speculative" in run.command
     assert all(r["tokens"] == r["steps"] == 5 for r in run.records if r["metric"] == "decode")
+
+
+def test_a_long_context_run_decodes_after_that_many_tokens_and_is_its_own_kind(tmp_path):
+    import pytest
+
+    model = str(save_tiny_hf(tmp_path / "tiny", max_position_embeddings=256))
+    config = LatencyConfig(
+        model=model, dtypes=("fp32",), new_tokens=4, prefill_tokens=8, repeats=1, warmup=0, peer=False,
+        context_tokens=150,
+    )  # fmt: skip
+    run = run_latency(config)
+    assert run.kind == "latency-context" and "--context-tokens 150" in run.command
+    assert run.aggregates["decode_prompt_len"] == 150
+    assert "after a 150-token ShareGPT context" in run.tables[0].title
+    decode = [r for r in run.records if r["metric"] == "decode"]
+    assert decode and all(r["tokens"] == 3 for r in decode)
+    with pytest.raises(ValueError, match="context_tokens >= 0"):
+        LatencyConfig(context_tokens=-1)

@@ -51,12 +51,15 @@ class LatencyConfig:
     weights: tuple[str, ...] = ()
     # ours drafts by prompt lookup as Pipeline() does by default; False: plain decoding, one token a step
     speculative: bool = True
+    # 0: decode after the short chat prompt; N: after N tokens of held-out ShareGPT conversations (random ids
+    # without a tokenizer), where attention over the context weighs in every step
+    context_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.new_tokens < 2:
             raise ValueError(f"new_tokens must be >= 2 (decode rate needs two tokens), got {self.new_tokens}")
-        if self.prefill_tokens < 1 or self.repeats < 1 or self.warmup < 0:
-            raise ValueError("prefill_tokens and repeats must be >= 1, warmup >= 0")
+        if self.prefill_tokens < 1 or self.repeats < 1 or self.warmup < 0 or self.context_tokens < 0:
+            raise ValueError("prefill_tokens and repeats must be >= 1, warmup and context_tokens >= 0")
         bad = [d for d in self.dtypes if d not in ("auto", "fp32", "bf16")]
         if bad or not self.dtypes:
             raise ValueError(f"dtypes must be a non-empty list of auto, fp32, bf16; got {list(self.dtypes)}")
@@ -80,7 +83,14 @@ class LatencyConfig:
             parts.append("--no-peer")
         if not self.speculative:
             parts.append("--no-speculative")
+        if self.context_tokens:
+            parts.append(f"--context-tokens {self.context_tokens}")
         return " ".join(parts)
+
+    @property
+    def kind(self) -> str:
+        """The run's kind: a long-context run is not the headline's chat-prompt latency."""
+        return "latency-context" if self.context_tokens else "latency"
 
 
 @dataclass
@@ -134,7 +144,14 @@ def _speculative(config: LatencyConfig) -> str | None:
 def _prompts(pipe: Any, config: LatencyConfig) -> tuple[list[int], list[int]]:
     tokenizer = pipe.tokenizer
     vocab = pipe.loaded.config.vocab_size
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+    n = config.context_tokens
+    if n and tokenizer is not None:
+        spec = WorkloadSpec("long", 1, config.seed, min_context_len=n, max_context_len=n)
+        decode_ids = load_workload(spec, tokenizer, vocab)[0].prompt_token_ids
+    elif n:
+        decode_ids = load_workload(WorkloadSpec("random", 1, config.seed + 1, input_len=n), None, vocab)[0]
+        decode_ids = decode_ids.prompt_token_ids
+    elif tokenizer is not None and getattr(tokenizer, "chat_template", None):
         decode_ids = tokenizer.encode_chat([{"role": "user", "content": DECODE_PROMPT}])
     elif tokenizer is not None:
         decode_ids = tokenizer.encode(DECODE_PROMPT)
@@ -154,7 +171,8 @@ def _load_contenders(
     load_s: dict[str, float] = {}
     # Sequences as long as the workload's (the chat prompt is a few dozen tokens): a model's full context could
     # outgrow the 0.5 GB pool (Gemma 3: 32k positions x 36 KiB)
-    scheduler = SchedulerConfig(max_model_len=max(config.prefill_tokens, 256) + config.new_tokens)
+    longest = max(config.prefill_tokens, config.context_tokens, 256)
+    scheduler = SchedulerConfig(max_model_len=longest + config.new_tokens)
     contenders, pipes = [], {}
     for dtype in config.dtypes:
         t0 = time.perf_counter()
@@ -260,7 +278,7 @@ def run_latency(config: LatencyConfig | None = None, progress: Any = None) -> Be
     aggregates["greedy_agreement"] = _agreement(records)
     aggregates["layer_bits"] = layer_bits  # the bit-plan heatmaps of `bench report`
     run = BenchRun(
-        kind="latency",
+        kind=config.kind,
         command=config.command(),
         config={**asdict(config), "decode_prompt": DECODE_PROMPT},
         records=records,
@@ -342,8 +360,9 @@ def _table(aggregates: dict[str, Any], config: LatencyConfig, decode_prompt_len:
                 "—" if is_ref else f"{m['prefill'] / ref['prefill']:.2f}x",
             ]
         )
+    prompt = "ShareGPT context" if config.context_tokens else "chat prompt"
     title = (
-        f"Single stream: decode {config.new_tokens} tokens after a {decode_prompt_len}-token chat prompt, "
+        f"Single stream: decode {config.new_tokens} tokens after a {decode_prompt_len}-token {prompt}, "
         f"prefill {config.prefill_tokens} tokens (median of {config.repeats})"
     )
     columns = [

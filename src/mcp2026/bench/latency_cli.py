@@ -44,6 +44,13 @@ def latency(
             "decoding, one token a step"
         ),
     ] = True,
+    context_tokens: Annotated[
+        int,
+        typer.Option(
+            help="decode after this many tokens of held-out ShareGPT conversations instead of the short chat "
+            "prompt (0)"
+        ),
+    ] = 0,
     write_docs: DocsOpt = False,
     out_dir: OutOpt = None,
     progress: ProgressOpt = True,
@@ -52,8 +59,19 @@ def latency(
     dtypes = tuple(d.strip() for d in dtype.split(",") if d.strip())
     formats = tuple(w.strip() for w in weights.split(",") if w.strip())
     config = LatencyConfig(
-        model, dtypes, new_tokens, prefill_tokens, repeats, warmup, peer, seed, formats, speculative
+        model,
+        dtypes,
+        new_tokens,
+        prefill_tokens,
+        repeats,
+        warmup,
+        peer,
+        seed,
+        formats,
+        speculative,
+        context_tokens,
     )
     with progress_bars(progress) as bar:
         run = run_latency(config, bar)
-    finish_run(run, out_dir, write_docs, "latency")
+    section = f"latency-context-{context_tokens}" if context_tokens else "latency"
+    finish_run(run, out_dir, write_docs, section)
