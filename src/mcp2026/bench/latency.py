@@ -217,7 +217,8 @@ def _load_contenders(
     contenders += quantized
     if config.peer:
         try:
-            contenders.append(_llama_cpp(peers.load_llama_cpp(config.model)))
+            n_ctx = max(2048, longest + config.new_tokens)  # its context holds the longest prompt's
+            contenders.append(_llama_cpp(peers.load_llama_cpp(config.model, n_ctx=n_ctx)))
         except peers.PeerUnavailable as e:
             notes.append(str(e))
     else:
