@@ -118,6 +118,7 @@ def test_graphs_turn_drafting_off(tiny):
     assert engine.speculation["enabled"]
     assert engine.use_decode_graphs(4, capture=False) is None
     assert not engine.speculation["enabled"] and "CUDA graphs" in engine.speculation["reason"]
+    assert engine.scheduler.draft is None and engine.timer.on_decode is None  # nothing left costing drafts
     repeating = [7, 8, 9, 10] * 8  # prompt lookup would draft here
     out = engine.generate([repeating], GREEDY)[0].token_ids
     assert out == make_engine(tiny, graphs=False).generate([repeating], GREEDY)[0].token_ids

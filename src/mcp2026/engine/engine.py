@@ -85,9 +85,6 @@ class LLMEngine:
             self.evictor.scoring if self.evictor else None,
             self.evictor.layer_pages if self.evictor else None,
         )
-        if self.device.type == "cuda" and self.config.cuda_graph_max_batch:
-            max_batch = min(self.config.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
-            self.use_decode_graphs(max_batch)
         self.sampler = Sampler()
         self.embedder = Embedder(
             model,
@@ -104,6 +101,9 @@ class LLMEngine:
         self.timer = StepTimer(
             self.stats, self.scheduler.observe_prefill, self.drafter.observe_step if self.drafter else None
         )
+        if self.device.type == "cuda" and self.config.cuda_graph_max_batch:
+            max_batch = min(self.config.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
+            self.use_decode_graphs(max_batch)
         self.counters = EngineCounters()
         self.fault_hook: FaultHook | None = None  # tests inject failures here
         self.dtss = self._make_dtss(self.config.resolved_kv)
@@ -276,8 +276,8 @@ class LLMEngine:
         reason = self.runner.enable_decode_graphs(max_batch, self.max_model_len, capture=capture)
         if reason:
             log.info("decode steps run eagerly, without CUDA graphs: %s", reason)
-        elif self.drafter is not None:
-            self.drafter = self.scheduler.draft = None
+        elif self.drafter is not None:  # the scheduler stops asking for drafts, the timer stops costing them
+            self.drafter = self.scheduler.draft = self.timer.on_decode = None
             self.speculation_blocker = DRAFTS_LEAVE_GRAPHS
         return reason
 

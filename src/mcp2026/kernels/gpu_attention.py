@@ -152,10 +152,10 @@ def paged_decode_attention(
     """q (B, nh, hd) pre-scaled; caches (num_blocks, nkv, bs, hd); tables (B, nb) block ids; lengths (B,) >= 1
     tokens to attend. Returns (B, nh, hd) in q's dtype. Accumulates in fp32; fp32 caches multiply in IEEE fp32
     (not TF32), so an fp32 model stays exact."""
-    return _attend(q, 0, [k_cache], [v_cache], tables, lengths, splits)
+    return paged_decode_attention_quantized(q, 0, [k_cache], [v_cache], tables, lengths, splits)
 
 
-# the KV codecs' planes the kernel decodes: kind -> (data dtype, planes after the data)
+# the KV codecs' planes the kernel decodes: kind -> (data dtype, planes after the data); kind 0: float blocks
 QUANTIZED_KINDS = {1: (torch.uint8, ("scale", "zero")), 3: (torch.float8_e4m3fn, ("scale",))}
 
 
@@ -169,29 +169,19 @@ def paged_decode_attention_quantized(
     splits: int | None = None,
 ) -> torch.Tensor:
     """``paged_decode_attention`` over int8 (``kind`` 1: planes data uint8, scale and zero fp16) or fp8 (3: data
-    float8 e4m3, scale fp16) blocks: data (num_blocks, nkv, bs, hd), scales (num_blocks, nkv, bs)."""
-    if kind not in QUANTIZED_KINDS:
+    float8 e4m3, scale fp16) blocks: data (num_blocks, nkv, bs, hd), scales (num_blocks, nkv, bs). Kind 0 (the
+    float blocks of ``paged_decode_attention``) takes the data plane alone."""
+    if kind != 0 and kind not in QUANTIZED_KINDS:
         raise ValueError(f"the GPU decode kernel reads int8 (1) and fp8 (3) KV blocks, not kind {kind}")
-    data_dtype, params = QUANTIZED_KINDS[kind]
-    for planes in (k_planes, v_planes):
-        if len(planes) != 1 + len(params) or planes[0].dtype != data_dtype:
-            raise ValueError(f"kind {kind} needs planes (data {data_dtype}, {', '.join(params)})")
-        if any(p.dtype != torch.float16 or p.shape != planes[0].shape[:-1] for p in planes[1:]):
-            raise ValueError("the KV scales and zero points must be fp16 (num_blocks, nkv, bs)")
-        if any(p.stride(-1) != 1 or p.stride()[:2] != planes[1].stride()[:2] for p in planes[2:]):
-            raise ValueError("a KV scale and its zero point must be laid out alike")
-    return _attend(q, kind, k_planes, v_planes, tables, lengths, splits)
-
-
-def _attend(
-    q: torch.Tensor,
-    kind: int,
-    k_planes: list[torch.Tensor],
-    v_planes: list[torch.Tensor],
-    tables: torch.Tensor,
-    lengths: torch.Tensor,
-    splits: int | None,
-) -> torch.Tensor:
+    if kind:
+        data_dtype, params = QUANTIZED_KINDS[kind]
+        for planes in (k_planes, v_planes):
+            if len(planes) != 1 + len(params) or planes[0].dtype != data_dtype:
+                raise ValueError(f"kind {kind} needs planes (data {data_dtype}, {', '.join(params)})")
+            if any(p.dtype != torch.float16 or p.shape != planes[0].shape[:-1] for p in planes[1:]):
+                raise ValueError("the KV scales and zero points must be fp16 (num_blocks, nkv, bs)")
+            if any(p.stride(-1) != 1 or p.stride()[:2] != planes[1].stride()[:2] for p in planes[2:]):
+                raise ValueError("a KV scale and its zero point must be laid out alike")
     k_cache, v_cache = k_planes[0], v_planes[0]
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, page, cache_head_dim = k_cache.shape
