@@ -217,6 +217,85 @@ def test_decode_attention_split_by_query_head_gives_the_kv_head_split_bits(kerne
     torch.testing.assert_close(out.float(), expected, atol=_tol(torch.bfloat16), rtol=_tol(torch.bfloat16))
 
 
+@pytest.mark.parametrize(
+    ("dtype", "kv", "hd"),
+    [
+        (torch.bfloat16, torch.bfloat16, 64),  # the AVX-512 BF16 path where the CPU has it
+        (torch.float32, torch.bfloat16, 64),
+        (torch.float32, torch.float32, 12),  # the portable loops
+        (torch.float32, "int8", 64),
+        (torch.float32, "int4", 64),
+        (torch.bfloat16, "fp8", 64),
+    ],
+)
+def test_long_contexts_are_cut_by_position_and_keep_their_bits_in_any_batch(kernels, dtype, kv, hd):
+    """Contexts longer than one range are computed range by range (cut at fixed positions) and merged: against
+    the reference across one, two and several ranges and partial blocks; each sequence alone gives the bits it
+    gets in the batch (batch 1 splits work differently from a batch); recording the attention mass changes no
+    bit, and the mass of each KV head sums to its query heads over the blocks."""
+    torch.manual_seed(7)
+    num_blocks, nkv, bs, nh = 400, 2, 16, 6
+    if isinstance(kv, str):
+        kind = {"int8": 1, "int4": 2, "fp8": 3}[kv]
+        kp, vp, k_cache, v_cache = _quantized_pool(kv, num_blocks, nkv, bs, hd)
+        empty = torch.empty(0)
+
+        def attend(q, tables, lengths, mass=None):
+            return ops.paged_decode_attention_quantized(q, kind, kp, vp, empty, empty, tables, lengths, mass)
+
+        tol = _int_dot_tol(dtype) if kind in (1, 2) else _tol(dtype)
+    else:
+        k_cache = torch.randn(num_blocks, nkv, bs, hd).to(kv)
+        v_cache = torch.randn(num_blocks, nkv, bs, hd).to(kv)
+
+        def attend(q, tables, lengths, mass=None):
+            return kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths, mass)
+
+        tol = _tol(dtype)
+    lengths = torch.tensor([1, 700, 1024, 1025, 2049, 3100])
+    nb = -(-3100 // bs)
+    tables = torch.randint(0, num_blocks, (len(lengths), nb))  # blocks may repeat: reads only
+    q = (torch.randn(len(lengths), nh, hd) / hd**0.5).to(dtype)
+    out = attend(q, tables, lengths)
+    expected = _reference_attention(q, k_cache, v_cache, tables, lengths)
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    for b in range(len(lengths)):
+        alone = attend(q[b : b + 1], tables[b : b + 1], lengths[b : b + 1])
+        assert torch.equal(alone[0], out[b]), f"sequence {b} ({int(lengths[b])} tokens) alone"
+    mass = torch.zeros(len(lengths), nkv, nb)
+    assert torch.equal(attend(q, tables, lengths, mass), out)
+    used = torch.arange(nb)[None, :] < (-(-lengths // bs))[:, None]
+    torch.testing.assert_close(mass.sum(-1), torch.full((len(lengths), nkv), nh / nkv), atol=1e-4, rtol=1e-4)
+    assert (mass[~used[:, None, :].expand(-1, nkv, -1)] == 0).all()
+    b, n = 4, int(lengths[4])  # one cut sequence's mass per block against the reference probabilities
+    k = k_cache[tables[b, : -(-n // bs)]].transpose(0, 1).flatten(1, 2)[:, :n].float()
+    scores = torch.einsum("kgd,ktd->kgt", q[b].float().view(nkv, nh // nkv, hd), k)
+    per_token = torch.softmax(scores, -1).sum(1)
+    reference = torch.zeros(nkv, nb).index_add_(1, torch.arange(n) // bs, per_token)
+    torch.testing.assert_close(mass[b], reference, atol=1e-3, rtol=1e-3)
+
+
+def test_window_starts_in_a_later_range(kernels):
+    """A sliding window whose first position lies past the first range (the ranges before it not read) or
+    inside a range's first block."""
+    torch.manual_seed(8)
+    num_blocks, nkv, bs, nh, hd = 200, 3, 16, 9, 64
+    k_cache = torch.randn(num_blocks, nkv, bs, hd).bfloat16()
+    v_cache = torch.randn(num_blocks, nkv, bs, hd).bfloat16()
+    lengths = torch.tensor([2100, 2100, 1500, 600])
+    starts = torch.tensor([1100, 1024, 1499, 0])
+    tables = torch.randint(0, num_blocks, (4, -(-2100 // bs)))
+    q = (torch.randn(4, nh, hd) / hd**0.5).bfloat16()
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths, None, starts)
+    expected = _reference_attention(q, k_cache, v_cache, tables, lengths, starts)
+    torch.testing.assert_close(out.float(), expected, atol=_tol(torch.bfloat16), rtol=_tol(torch.bfloat16))
+    for b in range(4):
+        alone = kernels.paged_decode_attention(
+            q[b : b + 1], k_cache, v_cache, tables[b : b + 1], lengths[b : b + 1], None, starts[b : b + 1]
+        )
+        assert torch.equal(alone[0], out[b])
+
+
 def _quantized_pool(codec_name: str, num_blocks: int, nkv: int, bs: int, hd: int):
     """A pool of random blocks through a KV codec: (K planes, V planes, decoded K, decoded V) in the
     (num_blocks, nkv, ...) layout of kv.paged_cache."""

@@ -109,10 +109,10 @@ inline bool bf16_attention_fits(int64_t g, int64_t hd) {
 }
 
 // One (sequence, KV head): its g query heads (qf: floats that are bf16 values) over len tokens of bf16 blocks;
-// the same contract as attend_avx2 (scores: g * len floats, acc: g * hd, mass_row and skip likewise).
+// the same contract as attend_avx2 (scores: g * len floats, acc: g * hd, taps and skip likewise).
 inline void attend_bf16(const float* qf, const RawSource<at::BFloat16>& ks, const RawSource<at::BFloat16>& vs,
                         const int64_t* table, int64_t len, int64_t g, int64_t hd, int64_t bs, float* scores,
-                        float* acc, float* mass_row, int64_t skip) {
+                        float* acc, const SoftmaxTaps& taps, int64_t skip) {
   __m512bh qv[kBf16MaxGroup * kBf16MaxHeadDim / 32];
   const int64_t nc = hd / 32;
   for (int64_t j = 0; j < g; ++j)
@@ -127,7 +127,7 @@ inline void attend_bf16(const float* qf, const RawSource<at::BFloat16>& ks, cons
     score_block_bf16(qv, ks.at(table[t0 / bs]), n, g, hd, len, scores + t0);
   }
   mask_front(scores, g, len, skip);
-  softmax_heads_avx2(scores, g, len, bs, mass_row);
+  softmax_heads_avx2(scores, g, len, bs, taps);
   std::fill(acc, acc + g * hd, 0.f);
   switch (g) {
     case 1: accumulate_bf16<1>(scores, len, vs, table, hd, bs, acc); break;

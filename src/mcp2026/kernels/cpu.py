@@ -50,8 +50,8 @@ SOURCES = tuple(
 HEADERS = tuple(
     KERNEL_DIR / name
     for name in (
-        "cpu_kernels.h", "simd.h", "kv_blocks.h", "attention_bf16.h", "quantize_rows.h", "vnni_gemm.h",
-        "thread_team.h",
+        "cpu_kernels.h", "simd.h", "kv_blocks.h", "attention_bf16.h", "attention_int_codes.h", "decode_ranges.h",
+        "quantize_rows.h", "vnni_gemm.h", "thread_team.h",
     )
 )  # fmt: skip
 _lock = threading.Lock()
