@@ -33,6 +33,7 @@ from mcp2026.engine.scheduler import Scheduler
 from mcp2026.engine.scoring import ScoredChunk, teacher_forced_logits
 from mcp2026.engine.step_timer import StepStats, StepTimer
 from mcp2026.engine.structured import GrammarCompiler
+from mcp2026.engine.weight_pages import place_weights_in_huge_pages
 from mcp2026.kv.debug import fragmentation_report
 from mcp2026.kv.dtss import DTSSController
 from mcp2026.types import CompletionOutput, SamplingParams
@@ -65,6 +66,7 @@ class LLMEngine:
         self.device = first_param.device
         if self.device.type == "cpu":
             hardware.cap_cpu_threads()
+            place_weights_in_huge_pages(model)  # before the runner's kernels take the weights' addresses
         kv = build_engine_kv(self.config, model_config, model.max_positions, dtype, self.device)
         self.config, self.max_model_len = kv.config, kv.max_model_len
         self.cache, self.kv_manager, self.evictor = kv.cache, kv.manager, kv.evictor
