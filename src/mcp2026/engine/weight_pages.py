@@ -45,7 +45,12 @@ def place_weights_in_huge_pages(model: torch.nn.Module) -> int:
         return 0
     storages: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
     for tensor in (*model.parameters(), *model.buffers()):
-        if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_mkldnn:
+        if (
+            tensor.device.type != "cpu"
+            or tensor.layout != torch.strided
+            or tensor.is_mkldnn
+            or tensor.is_quantized
+        ):
             continue
         storage = tensor.untyped_storage()
         storages.setdefault(storage.data_ptr(), (storage, []))[1].append(tensor)
