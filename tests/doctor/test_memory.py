@@ -97,3 +97,26 @@ def test_no_cgroup_filesystem_warns(tmp_path):
 
 def test_bandwidth_is_skipped_in_quick_mode():
     assert memory.check_bandwidth(DoctorContext(quick=True)).status is Status.SKIP
+
+
+@pytest.mark.parametrize(
+    ("setting", "mode", "status"),
+    [
+        ("always [madvise] never", "madvise", "PASS"),
+        ("[always] madvise never", "always", "PASS"),
+        ("always madvise [never]", "never", "WARN"),
+    ],
+)
+def test_huge_pages_check_reads_the_transparent_hugepage_setting(
+    tmp_path, monkeypatch, setting, mode, status
+):
+    from mcp2026.engine import weight_pages
+
+    path = tmp_path / "enabled"
+    path.write_text(setting + "\n")
+    monkeypatch.setattr(weight_pages, "_THP_SETTING", path)
+    monkeypatch.setattr(weight_pages.mmap, "MADV_HUGEPAGE", 14, raising=False)
+    result = memory.check_huge_pages(DoctorContext())
+    assert result.status is Status[status] and f"mode {mode}" in result.reason
+    if status == "WARN":
+        assert "transparent_hugepage" in result.fix

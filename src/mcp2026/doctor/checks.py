@@ -17,6 +17,7 @@ CHECKS: tuple[Check, ...] = (
     Check("memory", "cpu threads", memory.check_cpu_threads),
     Check("memory", "memory fit", memory.check_memory_fit),
     Check("memory", "read bandwidth", memory.check_bandwidth),
+    Check("memory", "huge pages", memory.check_huge_pages),
     Check("model", "files", model_checks.check_model_files),
     Check("model", "architecture", model_checks.check_architecture),
     Check("model", "quant config", model_checks.check_quant_config),

@@ -28,14 +28,18 @@ def placed_mapping(model: torch.nn.Module) -> mmap.mmap | None:
     return _placed.get(model)
 
 
+def huge_page_setting() -> str | None:
+    """The OS's transparent huge page setting (e.g. "always [madvise] never"), None where it has none."""
+    try:
+        return _THP_SETTING.read_text().strip()
+    except OSError:
+        return None
+
+
 def huge_pages_available() -> bool:
     """Whether this OS gives an anonymous mapping transparent huge pages when asked (madvise or always)."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return False
-    try:
-        return "[never]" not in _THP_SETTING.read_text()
-    except OSError:
-        return False
+    setting = huge_page_setting()
+    return hasattr(mmap, "MADV_HUGEPAGE") and setting is not None and "[never]" not in setting
 
 
 def place_weights_in_huge_pages(model: torch.nn.Module) -> int:
