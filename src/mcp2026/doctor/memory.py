@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -192,9 +191,8 @@ def check_bandwidth(ctx: DoctorContext) -> CheckResult:
 
 def check_huge_pages(ctx: DoctorContext) -> CheckResult:
     name = "huge pages"
-    raw = weight_pages.huge_page_setting()  # e.g. "always [madvise] never": the bracketed mode is in force
-    chosen = re.search(r"\[(\w+)\]", raw or "")
-    setting = f"mode {chosen.group(1)}" if chosen else "no transparent_hugepage setting"
+    mode = weight_pages.huge_page_mode()
+    setting = f"mode {mode}" if mode else "no transparent_hugepage setting"
     if weight_pages.huge_pages_available():
         return passed(
             name,

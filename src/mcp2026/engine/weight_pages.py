@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
+import re
 import weakref
 from pathlib import Path
 
@@ -28,18 +29,19 @@ def placed_mapping(model: torch.nn.Module) -> mmap.mmap | None:
     return _placed.get(model)
 
 
-def huge_page_setting() -> str | None:
-    """The OS's transparent huge page setting (e.g. "always [madvise] never"), None where it has none."""
+def huge_page_mode() -> str | None:
+    """The OS's transparent huge page mode in force ("always", "madvise" or "never": the bracketed one of its
+    setting), None where it has no such setting."""
     try:
-        return _THP_SETTING.read_text().strip()
+        chosen = re.search(r"\[(\w+)\]", _THP_SETTING.read_text())
     except OSError:
         return None
+    return chosen.group(1) if chosen else None
 
 
 def huge_pages_available() -> bool:
     """Whether this OS gives an anonymous mapping transparent huge pages when asked (madvise or always)."""
-    setting = huge_page_setting()
-    return hasattr(mmap, "MADV_HUGEPAGE") and setting is not None and "[never]" not in setting
+    return hasattr(mmap, "MADV_HUGEPAGE") and huge_page_mode() in ("always", "madvise")
 
 
 def place_weights_in_huge_pages(model: torch.nn.Module) -> int:

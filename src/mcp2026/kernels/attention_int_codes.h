@@ -1,7 +1,7 @@
 // Paged decode attention over integer-coded blocks read in place (decode_attention.cpp includes it for the
 // int4 and int8 pools): int4 keys and values widened in registers, int8 keys scored by integer dot products. It
-// uses that file's generic AVX2 loops (attend_avx2, score_rows_avx2, softmax_heads_avx2, accumulate_rows_avx2)
-// for the shapes and staged blocks it does not take.
+// uses that file's generic AVX2 loops (attend_avx2, score_rows_avx2, softmax_heads_avx2, accumulate_rows_avx2,
+// softmax_then_row_values_avx2) for the shapes and staged blocks it does not take.
 #pragma once
 
 #include <torch/extension.h>
@@ -21,9 +21,7 @@ namespace {
 // query q_c s_c is rounded to int16 with one scale (error <= 2^-16 of its largest entry, far below the 4-bit
 // codes' own), the codes are widened to int16 and multiplied with madd: exact int32 sums, 16 products an
 // instruction, no float rows written and read back. Values: each row is widened and scaled in registers and
-// added to all the KV head's query heads at once. Measured (one layer, 4096 tokens, 9 query / 3 KV heads, a
-// throwaway micro-benchmark): 325 -> 218 us with the pool in cache; 30 layers' pools in turn (out of cache):
-// 12.5 -> ~10 ms per step, int8's 9.9.
+// added to all the KV head's query heads at once.
 
 // 64 nibble codes (32 packed bytes) as four vectors of 16 int16, channels in order.
 inline void unpack_u4x64_i16(const uint8_t* packed, __m256i out[4]) {
@@ -264,8 +262,7 @@ void attend_avx2(const float* qf, const Int4Source& ks, const Int4Source& vs, co
 // k_tc = s_t n_tc + z_t per row, so q . k_t = s_t (q . n_t) + z_t sum_c q_c. The query is rounded to int16 once
 // per (sequence, KV head), one scale per query head (error <= 2^-16 of its largest entry), and multiplied with
 // the widened codes by madd (exact int32 sums while hd <= 128). Values keep the row buffer: widening 8 codes
-// and one FMA per 8 values is all the buffer costs there. Measured with the int4 path's micro-benchmark: see
-// docs/kv-cache.md.
+// and one FMA per 8 values is all the buffer costs there.
 
 // 64 uint8 codes as four vectors of 16 int16, channels in order.
 inline void widen_u8x64_i16(const uint8_t* codes, __m256i out[4]) {
@@ -330,13 +327,7 @@ void attend_avx2(const float* qf, const Int8Source& ks, const Int8Source& vs, co
     vs.prefetch(table[t0 / bs], n, false);
     score_int8_keys(ks, table[t0 / bs], n, g, hd, len, scores + t0, w);
   }
-  mask_front(scores, g, len, skip);
-  softmax_heads_avx2(scores, g, len, bs, taps);
-  std::fill(acc, acc + g * hd, 0.f);
-  for (int64_t t0 = 0; t0 < len; t0 += bs) {
-    const int64_t n = std::min(bs, len - t0);
-    accumulate_rows_avx2(scores + t0, len, vs.rows(table[t0 / bs], n, buf), n, g, hd, acc);
-  }
+  softmax_then_row_values_avx2(scores, vs, table, len, g, hd, bs, acc, buf, taps, skip);
 }
 
 #endif  // MCP_ATTN_AVX2

@@ -146,6 +146,21 @@ inline void accumulate_rows_avx2(const float* probs, int64_t len, const float* v
   }
 }
 
+// A range's attention once its scores are in: the window's mask, the softmax (reporting to taps) and the
+// weighted sum of values, each block's rows widened or decoded into buf.
+template <typename VS>
+void softmax_then_row_values_avx2(float* scores, const VS& vs, const int64_t* table, int64_t len, int64_t g,
+                                  int64_t hd, int64_t bs, float* acc, float* buf, const SoftmaxTaps& taps,
+                                  int64_t skip) {
+  mask_front(scores, g, len, skip);
+  softmax_heads_avx2(scores, g, len, bs, taps);
+  std::fill(acc, acc + g * hd, 0.f);
+  for (int64_t t0 = 0; t0 < len; t0 += bs) {
+    const int64_t n = std::min(bs, len - t0);
+    accumulate_rows_avx2(scores + t0, len, vs.rows(table[t0 / bs], n, buf), n, g, hd, acc);
+  }
+}
+
 // One (sequence, KV head): its g query heads over len tokens. hd % 8 == 0.
 template <typename KS, typename VS>
 void attend_avx2(const float* qf, const KS& ks, const VS& vs, const int64_t* table, int64_t len, int64_t g,
@@ -160,13 +175,7 @@ void attend_avx2(const float* qf, const KS& ks, const VS& vs, const int64_t* tab
     vs.prefetch(table[t0 / bs], n, false);
     score_rows_avx2(qf, ks.rows(table[t0 / bs], n, buf), n, g, hd, len, scores + t0);
   }
-  mask_front(scores, g, len, skip);
-  softmax_heads_avx2(scores, g, len, bs, taps);
-  std::fill(acc, acc + g * hd, 0.f);
-  for (int64_t t0 = 0; t0 < len; t0 += bs) {
-    const int64_t n = std::min(bs, len - t0);
-    accumulate_rows_avx2(scores + t0, len, vs.rows(table[t0 / bs], n, buf), n, g, hd, acc);
-  }
+  softmax_then_row_values_avx2(scores, vs, table, len, g, hd, bs, acc, buf, taps, skip);
 }
 
 #endif
