@@ -3,7 +3,9 @@ OS gives no huge pages."""
 
 import copy
 import mmap
+import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -54,6 +56,26 @@ def test_weights_move_into_one_mapping_with_the_same_values_and_sharing(huge_pag
     assert weight_pages.place_weights_in_huge_pages(model) == 0  # placed once
     clone = copy.deepcopy(model)  # a copy is a model of its own, outside the mapping
     assert weight_pages.placed_mapping(clone) is None and torch.equal(clone(ids), expected)
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
+def test_each_original_is_freed_once_copied(huge_pages, monkeypatch):
+    """The copy never holds two whole models: at every heap trim during the move, the originals copied so far
+    are gone (numpy arrays behind the parameters show when torch lets go of their storage)."""
+    arrays = [np.full((64, 64), i, dtype=np.float32) for i in range(6)]
+    alive = [weakref.ref(a) for a in arrays]
+    model = torch.nn.Module()
+    for i, a in enumerate(arrays):
+        model.register_parameter(f"w{i}", torch.nn.Parameter(torch.from_numpy(a), requires_grad=False))
+    del arrays, a
+    seen: list[int] = []
+    monkeypatch.setattr(weight_pages, "_TRIM_EVERY", 64 * 64 * 4)  # a trim after every parameter
+    monkeypatch.setattr(
+        weight_pages.hardware, "release_free_heap", lambda: seen.append(sum(r() is not None for r in alive))
+    )
+    weight_pages.place_weights_in_huge_pages(model)
+    assert seen == [5, 4, 3, 2, 1, 0, 0]  # one fewer original at each trim; the last trim after the move
+    assert [int(getattr(model, f"w{i}")[0, 0]) for i in range(6)] == list(range(6))
 
 
 def test_nothing_moves_where_the_os_gives_no_huge_pages(huge_pages):

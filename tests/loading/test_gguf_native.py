@@ -11,11 +11,13 @@ from gguf.quants import dequantize
 
 from mcp2026.errors import ModelLoadError
 from mcp2026.kernels import ops as kernel_ops
+from mcp2026.loading import gguf_blocks
 from mcp2026.loading.gguf_blocks import BLOCK_FORMATS, read_blocks
+from mcp2026.loading.gguf_file import GGUFFile
 from mcp2026.loading.loader import load_model
 from mcp2026.quant.block_linear import BlockEmbedding, BlockLinear
 
-from gguf_files import random_blocks, write_tiny_gguf
+from gguf_files import VOCAB, random_blocks, write_tiny_gguf
 
 needs_kernels = pytest.mark.skipif(
     kernel_ops.cpu.load() is None, reason="stored blocks run on the compiled CPU kernels"
@@ -92,7 +94,7 @@ def test_stored_blocks_are_read_and_packed_one_layer_at_a_time(tmp_path, monkeyp
     from mcp2026.loading import loader
 
     events: list[tuple[str, int]] = []
-    read, pack = gguf_loading._blocks, loader._pack_layer_blocks
+    read, pack = gguf_loading._blocks, loader._pack_blocks
 
     def reading(reader, t, heads):
         if t.name.startswith("blk."):
@@ -100,11 +102,12 @@ def test_stored_blocks_are_read_and_packed_one_layer_at_a_time(tmp_path, monkeyp
         return read(reader, t, heads)
 
     def packing(name, weight):
-        events.append(("pack", int(name.split(".")[1])))
+        if name.startswith("layers."):
+            events.append(("pack", int(name.split(".")[1])))
         return pack(name, weight)
 
     monkeypatch.setattr(gguf_loading, "_blocks", reading)
-    monkeypatch.setattr(loader, "_pack_layer_blocks", packing)
+    monkeypatch.setattr(loader, "_pack_blocks", packing)
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_1")
     load_model(path, torch.float32, native=True)
     layers = sorted({layer for _, layer in events})
@@ -113,3 +116,27 @@ def test_stored_blocks_are_read_and_packed_one_layer_at_a_time(tmp_path, monkeyp
         last_pack = max(i for i, e in enumerate(events) if e == ("pack", layer))
         first_next_read = min(i for i, e in enumerate(events) if e == ("read", layer + 1))
         assert last_pack < first_next_read, events
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K"])
+def test_the_token_table_is_read_and_packed_part_by_part(tmp_path, monkeypatch, type_name):
+    """The token table (a whole vocabulary: the largest matrix of a small model) is read from the file a few rows
+    at a time and packed as it is read, into the same buffers as packing it whole."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", type_name)
+    whole = dict(load_model(path, torch.float32, native=True).model.embed_tokens.table.named_buffers())
+    reads: list[tuple[int, int]] = []
+    read_rows = GGUFFile.read_rows
+
+    def spy(self, info, start, end):
+        if info.name == "token_embd.weight":
+            reads.append((start, end))
+        return read_rows(self, info, start, end)
+
+    monkeypatch.setattr(GGUFFile, "read_rows", spy)
+    monkeypatch.setattr(gguf_blocks, "PACK_ROWS", 32)
+    parts = dict(load_model(path, torch.float32, native=True).model.embed_tokens.table.named_buffers())
+    assert reads == [(a, min(a + 32, VOCAB)) for a in range(0, VOCAB, 32)]
+    assert whole.keys() == parts.keys()
+    for name, buffer in whole.items():
+        assert buffer.dtype == parts[name].dtype and torch.equal(buffer, parts[name]), name

@@ -54,6 +54,32 @@ def test_dequantize_round_trips_the_packing(bits, group):
     assert torch.equal(module.dequantize_rows(rows), blocks.dequantize()[rows])
 
 
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (5, 32), (8, 32), (8, 16)])
+@pytest.mark.parametrize("fp16", [True, False])
+def test_packing_part_by_part_equals_packing_the_whole(bits, group, fp16):
+    blocks = random_blocks(16 * 7, 64, bits, group, fp16=fp16)
+    whole = BlockLinear(blocks.row_parts(16 * 7))
+    for rows in (16, 32, 48):  # parts of one tile, two, and three with a shorter last one
+        parts = BlockLinear(blocks.row_parts(rows))
+        for name, buffer in whole.named_buffers():
+            assert torch.equal(buffer, getattr(parts, name)) and buffer.dtype == getattr(parts, name).dtype
+    assert whole.scales_offsets.dtype == (torch.float16 if fp16 else torch.float32)
+
+
+def test_scales_are_fp16_only_where_every_part_is_exact_in_fp16():
+    blocks = random_blocks(64, 64, 4, 32, fp16=True)
+    blocks.scale[40, 1] = 1 / 3  # one scale fp16 cannot hold, in the third part of 16 rows
+    assert BlockLinear(blocks.row_parts(16)).scales_offsets.dtype == torch.float32
+
+
+def test_row_parts_that_miss_rows_are_an_error():
+    blocks = random_blocks(64, 64, 4, 32)
+    short = blocks.row_parts(16)
+    short.shape = torch.Size((80, 64))
+    with pytest.raises(ValueError, match="cover 64 of the weight's 80 rows"):
+        BlockLinear(short)
+
+
 @pytest.mark.parametrize("bits", [4, 5])
 def test_nibble_values_need_groups_of_32(bits):
     with pytest.raises(ValueError, match="no kernel"):

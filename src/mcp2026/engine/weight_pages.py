@@ -7,8 +7,6 @@ most one partly used 2 MiB page), and the heap pages they leave are handed back 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import mmap
 import re
 import weakref
@@ -16,8 +14,12 @@ from pathlib import Path
 
 import torch
 
+from mcp2026 import hardware
+
 _HUGE = 2 << 20
 _ALIGN = 64
+# Bytes of originals freed between heap trims while copying (a trim walks the heap: a few per model).
+_TRIM_EVERY = 16 << 20
 _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 # The mapping each placed model's weights live in (the tensors hold it mapped; this marks the model placed
 # without an attribute that copying or pickling the model would trip over: a copy's tensors are its own).
@@ -67,25 +69,22 @@ def place_weights_in_huge_pages(model: torch.nn.Module) -> int:
     mapping.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     offset = (-whole.data_ptr()) % _HUGE  # the first weight on a 2 MiB boundary
+    freed = 0
     with torch.no_grad():
-        for storage, tensors in storages.values():
+        while storages:  # each original dropped once copied: the copy never holds two whole models
+            storage, tensors = storages.popitem()[1]
             size = storage.nbytes()
             whole[offset : offset + size].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
             for tensor in tensors:  # offsets count elements; every copy starts 64-byte aligned
                 start = offset // tensor.element_size() + tensor.storage_offset()
                 tensor.set_(whole.untyped_storage(), start, tensor.shape, tensor.stride())
             offset += -(-size // _ALIGN) * _ALIGN
+            del storage, tensors
+            freed += size
+            if freed >= _TRIM_EVERY:  # glibc keeps freed heap pages resident until trimmed
+                hardware.release_free_heap()
+                freed = 0
     _placed[model] = mapping
-    del storages, whole
-    _return_free_heap()
+    del whole
+    hardware.release_free_heap()
     return total
-
-
-def _return_free_heap() -> None:
-    """Hand the heap pages the old copies held back to the OS (glibc keeps freed heap memory resident)."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        libc.malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
-        pass  # not glibc: nothing to trim

@@ -18,7 +18,7 @@ from gguf.quants import dequantize
 
 from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
-from mcp2026.loading.gguf_blocks import BLOCK_FORMATS, read_blocks
+from mcp2026.loading.gguf_blocks import BLOCK_FORMATS, read_block_rows, read_blocks
 from mcp2026.loading.gguf_file import GGUFFile, GGUFFormatError, GGUFTensorInfo
 from mcp2026.loading.names import (
     GGUF_GLOBAL_NAMES,
@@ -33,7 +33,7 @@ from mcp2026.loading.names import (
 from mcp2026.loading.progress import load_progress
 from mcp2026.loading.rope_scaling import normalized_rope_scaling
 from mcp2026.models.registry import family_of, resolve_architecture
-from mcp2026.quant.block_linear import BlockWeights, packable
+from mcp2026.quant.block_linear import BlockLinear, BlockWeights, packable
 from mcp2026.rope_types import unsupported_rope_type
 
 log = logging.getLogger(__name__)
@@ -267,7 +267,9 @@ def load_gguf_tensors(
             heads = _heads_of(ours, config)
             if native and keeps_blocks(t, ours, source):  # read when fuse_weights reaches its layer
                 tensors[ours] = PendingBlocks(
-                    torch.Size(t.shape), functools.partial(_blocks, reader, t, heads)
+                    torch.Size(t.shape),
+                    functools.partial(_blocks, reader, t, heads),
+                    None if heads is not None else functools.partial(_packed_blocks, reader, t),
                 )
                 continue
             data = _read_float(reader, t, source)
@@ -280,6 +282,11 @@ def load_gguf_tensors(
 def _blocks(reader: GGUFFile, t: GGUFTensorInfo, heads: int | None) -> BlockWeights:
     blocks = read_blocks(reader.raw(t), t.tensor_type.name)
     return blocks if heads is None else blocks.rows(_unpermute_rows(t.shape[0], heads))
+
+
+def _packed_blocks(reader: GGUFFile, t: GGUFTensorInfo) -> BlockLinear:
+    read_rows = functools.partial(reader.read_rows, t)
+    return BlockLinear(read_block_rows(read_rows, t.tensor_type.name, torch.Size(t.shape)))
 
 
 def _experts(

@@ -141,6 +141,17 @@ class GGUFFile:
         rows = math.prod(info.dims[1:]) if len(info.dims) > 1 else 1
         return data.reshape(*reversed(info.dims[1:]), info.nbytes // rows)
 
+    def read_rows(self, info: GGUFTensorInfo, start: int, end: int) -> np.ndarray:
+        """Rows [start, end) of a matrix's bytes, (rows, bytes per row), read into memory of their own: unlike
+        ``raw``'s mapping, nothing of the file stays resident once they are dropped."""
+        row_bytes = info.nbytes // info.dims[1]
+        if info.offset + info.nbytes > self.file_bytes:
+            self.raw(info)  # the truncation error
+        data = np.fromfile(
+            self.path, dtype=np.uint8, count=(end - start) * row_bytes, offset=info.offset + start * row_bytes
+        )
+        return data.reshape(end - start, row_bytes)
+
     @classmethod
     def open(cls, path: str | os.PathLike[str], tensors: bool = True) -> GGUFFile:
         """Parse the header (and the tensor table unless ``tensors=False``); GGUFFormatError on damage."""

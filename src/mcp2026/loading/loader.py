@@ -16,7 +16,7 @@ from mcp2026.errors import ModelLoadError
 from mcp2026.loading import gguf as gguf_loading
 from mcp2026.loading import hf as hf_loading
 from mcp2026.loading.artifact import load_artifact
-from mcp2026.loading.names import Weight, check_shapes, fuse_weights
+from mcp2026.loading.names import PendingBlocks, Weight, check_shapes, fuse_weights
 from mcp2026.loading.tokenizer import Tokenizer
 from mcp2026.models.registry import build_model_skeleton
 from mcp2026.quant.block_linear import BlockEmbedding, BlockLinear, BlockWeights
@@ -75,9 +75,12 @@ def parameter_count(model: nn.Module) -> int:
     return floats + sum(m.in_features * m.out_features for m in blocks.values())
 
 
-def _pack_layer_blocks(name: str, weight: object) -> object:
+def _pack_blocks(name: str, weight: object) -> object:
     """``fuse_weights``' finish: a layer's stored blocks packed for the kernels as soon as its layer is fused
-    (the unpacked values, a byte per weight, are freed layer by layer instead of after the whole model)."""
+    (the unpacked values, a byte per weight, are freed layer by layer instead of after the whole model); a
+    weight still unread (the token table) read and packed part by part where its reader can."""
+    if isinstance(weight, PendingBlocks):
+        weight = weight.read_packed() if weight.read_packed is not None else weight.read()
     return BlockLinear(weight) if isinstance(weight, BlockWeights) else weight
 
 
@@ -90,7 +93,7 @@ def _attach_blocks(
         weights = blocks.pop(name)  # each unpacked form freed once packed
         module_name = name.removesuffix(".weight")
         if module_name == "embed_tokens":
-            table = BlockLinear(weights)  # the token table is never packed early: only layers' weights are
+            table = weights if isinstance(weights, BlockLinear) else BlockLinear(weights)
             model.embed_tokens = BlockEmbedding(table, dtype)
             if config.tie_word_embeddings:
                 model.lm_head = table
@@ -172,7 +175,7 @@ def load_model(
 
         tokenizer = Tokenizer.from_gguf(reader)
         file_format, size = "gguf", source.stat().st_size
-    state = fuse_weights(tensors, config, str(source), finish=_pack_layer_blocks if native else None)
+    state = fuse_weights(tensors, config, str(source), finish=_pack_blocks if native else None)
     model = _instantiate(config, state, dtype, str(source))
     del tensors, state
     hardware.release_free_heap()  # the load's temporaries, freed, back to the OS

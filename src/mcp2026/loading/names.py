@@ -21,15 +21,25 @@ class PendingBlocks:
 
     shape: torch.Size
     read: Callable[[], BlockWeights]
+    # read and packed for the kernels part by part (None where the weight must be whole first, e.g. rows permuted)
+    read_packed: Callable[[], object] | None = None
 
 
 # a float tensor, or a file's stored blocks kept as they are (read, or still to be read)
 Weight = torch.Tensor | BlockWeights | PendingBlocks
-Finish = Callable[[str, Weight], object]  # what fuse_weights makes of each fused layer weight as it is done
+Finish = Callable[
+    [str, Weight], object
+]  # what fuse_weights makes of each weight once it is fused (or reached)
 
 
 def _loaded(w: Weight) -> torch.Tensor | BlockWeights:
     return w.read() if isinstance(w, PendingBlocks) else w
+
+
+def _finished(key: str, w: Weight, finish: Finish | None) -> object:
+    """A weight outside the layers (token table, output head): ``finish`` gets it unread, so a packer can read
+    it part by part."""
+    return _loaded(w) if finish is None else finish(key, w)
 
 
 HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -173,7 +183,8 @@ def fuse_weights(
     """Concatenate q/k/v and gate/up per layer and fold the query scale into the q rows (into the q norm's
     weight where heads are normalized first: the norm would undo a scale on the rows). Pending blocks are read
     as their layer is reached; ``finish`` (e.g. packing stored blocks for the kernels) gets each layer's weights
-    as soon as that layer is fused, so one layer's intermediate forms are alive at a time."""
+    as soon as that layer is fused, so one layer's intermediate forms are alive at a time, and the token table and
+    output head still unread."""
     out: dict[str, object] = {}
     scale = config.query_scale()
     for i in range(config.num_layers):
@@ -211,9 +222,9 @@ def fuse_weights(
     for key in ("embed_tokens.weight", "norm.weight"):
         if key not in tensors:
             raise ModelLoadError(f"{source}: missing tensor {key}")
-        out[key] = _loaded(tensors.pop(key))
+        out[key] = _finished(key, tensors.pop(key), finish)
     if "lm_head.weight" in tensors:
-        out["lm_head.weight"] = _loaded(tensors.pop("lm_head.weight"))
+        out["lm_head.weight"] = _finished("lm_head.weight", tensors.pop("lm_head.weight"), finish)
     if tensors:
         raise ModelLoadError(
             f"{source}: tensors not used by a {config.num_layers}-layer model: {sorted(tensors)[:3]}; "

@@ -12,7 +12,7 @@ here (and llama.cpp's) makes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,6 +80,20 @@ class BlockWeights:
             self.formats,
         )
 
+    def row_parts(self, rows: int | None = None) -> RowParts:
+        """This weight as consecutive parts of ``rows`` rows (``PACK_ROWS`` by default; whole 16-row tiles)."""
+        step = rows or PACK_ROWS
+        n = self.u.shape[0]
+
+        def parts() -> Iterator[BlockWeights]:
+            for a in range(0, n, step):
+                b = min(a + step, n)
+                yield BlockWeights(
+                    self.u[a:b], self.scale[a:b], self.offset[a:b], self.group_size, self.bits, self.formats
+                )
+
+        return RowParts(self.shape, self.group_size, self.bits, self.formats, parts())
+
     @staticmethod
     def concat(parts: Sequence[BlockWeights]) -> BlockWeights:
         """Rows of several weights as one (a fused qkv or gate/up): the finest grouping and widest values of
@@ -103,17 +117,61 @@ def packable(shape: Sequence[int]) -> bool:
     return n % COLUMN_TILE == 0 and k % BLOCK == 0
 
 
-def tile_scales(scale: Tensor, offset: Tensor) -> Tensor:
-    """(N, G) scales and offsets -> (N/16, G, 2, 16): per (tile, group) the 16 rows' scales, then offsets; fp16
-    where fp16 holds every one of them exactly (GGUF's Q4_0 / Q4_1 / Q8_0 store fp16: half the bytes), else fp32
-    (a K-quant's super-block scale times its 6-bit sub-scale needs up to 17 significant bits)."""
+# Rows packed at a time: the packers' temporaries (a few copies of these rows) stay a few MB, where a whole token
+# table's would set the load's peak memory.
+PACK_ROWS = 1024
+
+
+@dataclass
+class RowParts:
+    """An (N, K) weight's blocks as consecutive parts of whole 16-row tiles, produced one at a time (read from a
+    file part by part, nothing holds the whole weight unpacked). ``bits``: the widest value of any part."""
+
+    shape: torch.Size
+    group_size: int
+    bits: int
+    formats: tuple[str, ...]
+    parts: Iterable[BlockWeights]
+
+
+def _tiles_fp32(scale: Tensor, offset: Tensor) -> Tensor:
     n, groups = scale.shape
     per_tile = [
         t.float().reshape(n // COLUMN_TILE, COLUMN_TILE, groups).transpose(1, 2) for t in (scale, offset)
     ]
-    tiled = torch.stack(per_tile, dim=2).contiguous()
+    return torch.stack(per_tile, dim=2).contiguous()
+
+
+def _narrowed(tiled: Tensor) -> Tensor:
+    """fp16 where fp16 holds every value exactly (GGUF's Q4_0 / Q4_1 / Q8_0 store fp16: half the bytes), else fp32
+    (a K-quant's super-block scale times its 6-bit sub-scale needs up to 17 significant bits)."""
     half = tiled.to(torch.float16)
     return half if torch.equal(half.float(), tiled) else tiled
+
+
+def tile_scales(scale: Tensor, offset: Tensor) -> Tensor:
+    """(N, G) scales and offsets -> (N/16, G, 2, 16): per (tile, group) the 16 rows' scales, then offsets; fp16
+    where that is exact, else fp32 (``_narrowed``)."""
+    return _narrowed(_tiles_fp32(scale, offset))
+
+
+def pack_row_parts(weight: RowParts) -> tuple[Tensor, Tensor]:
+    """The packed values and tiled scales and offsets (``tile_scales``) of a weight given part by part."""
+    pack = {4: pack_int4_tiles, 5: pack_int5_tiles}.get(weight.bits, pack_byte_tiles)
+    tiles = weight.shape[0] // COLUMN_TILE
+    packed = scales = None
+    done = 0
+    for part in weight.parts:
+        values, part_scales = pack(part.u), _tiles_fp32(part.scale, part.offset)
+        if packed is None or scales is None:
+            packed = torch.empty((tiles, *values.shape[1:]), dtype=values.dtype)
+            scales = torch.empty((tiles, *part_scales.shape[1:]))
+        end = done + values.shape[0]
+        packed[done:end], scales[done:end] = values, part_scales
+        done = end
+    if packed is None or scales is None or done != tiles:
+        raise ValueError(f"row parts cover {done * COLUMN_TILE} of the weight's {weight.shape[0]} rows")
+    return packed, _narrowed(scales)
 
 
 # NOTE: the packing runs in numpy: its strided uint8 copies are several times faster than torch's here, and a
@@ -172,18 +230,19 @@ class BlockLinear(nn.Module):
     bytes), ``scales_offsets``
     (N/16, K/G, 2, 16), fp16 where that is exact (``tile_scales``), else fp32. Runs on the compiled kernels only (the loader checks they are there)."""
 
-    def __init__(self, blocks: BlockWeights, bias: Tensor | None = None) -> None:
+    def __init__(self, blocks: BlockWeights | RowParts, bias: Tensor | None = None) -> None:
         super().__init__()
-        n, k = blocks.shape
+        weight = blocks if isinstance(blocks, RowParts) else blocks.row_parts()
+        n, k = weight.shape
         if not packable((n, k)):
             raise ValueError(f"a ({n}, {k}) weight does not fit the GEMM tiles (rows in 16s, K in 32s)")
-        if blocks.group_size not in GROUP_SIZES or (blocks.bits < 8 and blocks.group_size != BLOCK):
-            raise ValueError(f"groups of {blocks.group_size} with {blocks.bits}-bit values have no kernel")
+        if weight.group_size not in GROUP_SIZES or (weight.bits < 8 and weight.group_size != BLOCK):
+            raise ValueError(f"groups of {weight.group_size} with {weight.bits}-bit values have no kernel")
         self.in_features, self.out_features = k, n
-        self.bits, self.group_size, self.formats = blocks.bits, blocks.group_size, blocks.formats
-        pack = {4: pack_int4_tiles, 5: pack_int5_tiles}.get(blocks.bits, pack_byte_tiles)
-        self.register_buffer("weight", pack(blocks.u))
-        self.register_buffer("scales_offsets", tile_scales(blocks.scale, blocks.offset))
+        self.bits, self.group_size, self.formats = weight.bits, weight.group_size, weight.formats
+        packed, scales_offsets = pack_row_parts(weight)
+        self.register_buffer("weight", packed)
+        self.register_buffer("scales_offsets", scales_offsets)
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
 
     @property
