@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from mcp2026.bench.serve_cli import load_tokenizer
-from mcp2026.bench.soak import RssSampler, SoakConfig, rss_bytes, run_soak, slope_mb_per_min
+from mcp2026.bench.soak import (
+    RssSampler,
+    SoakConfig,
+    rss_bytes,
+    run_soak,
+    slope_mb_per_min,
+    window_peaks,
+)
 from mcp2026.bench.workloads import WorkloadSpec, load_workload
 
 
@@ -19,6 +26,12 @@ def test_slope_is_megabytes_per_minute_and_needs_three_points():
     assert slope_mb_per_min(flat) == 0.0
     growing = [(t, 500_000_000 + int(t * 1e6 / 6)) for t in (0.0, 30.0, 60.0, 90.0)]  # 10 MB per minute
     assert slope_mb_per_min(growing) == pytest.approx(10.0)
+
+
+def test_window_peaks_are_the_largest_sample_of_each_span():
+    points = [(10.0, 5), (12.0, 9), (25.0, 7), (31.0, 8), (59.9, 6), (60.0, 99), (5.0, 99)]
+    assert window_peaks(points, 10.0, 60.0, 5) == [9, 7, 8, None, 6]  # outside [10, 60): not counted
+    assert window_peaks([], 0.0, 1.0, 2) == [None, None]
 
 
 def test_rss_of_this_process_and_of_none():
@@ -74,3 +87,7 @@ def test_a_short_soak_against_a_real_server(tmp_path):
     assert a["server_after"]["idle"]  # nothing running, no KV held once the load stopped
     assert {"idle", "load", "after"} <= {r["phase"] for r in run.records}
     assert run.tables[0].rows[0][0] == "ready after launch (s)"
+    assert (
+        len(a["rss_window_peaks_mb"]) == 6
+        and max(v or 0 for v in a["rss_window_peaks_mb"]) <= a["rss_peak_mb"]
+    )

@@ -30,6 +30,8 @@ from mcp2026.bench.serve import bench_serve
 from mcp2026.bench.serve_config import ServeBenchConfig
 from mcp2026.bench.workloads import BenchRequest
 
+WINDOWS = 6  # spans of the load whose RSS peaks the report lists
+
 
 @dataclass(frozen=True)
 class SoakConfig:
@@ -134,6 +136,19 @@ def slope_mb_per_min(points: list[tuple[float, int]]) -> float | None:
         return None
     cov = sum((t - mean_t) * (r - mean_r) for t, r in points)
     return cov / var * 60 / 1e6
+
+
+def window_peaks(points: list[tuple[float, int]], start: float, end: float, windows: int) -> list[int | None]:
+    """The largest RSS sampled in each of ``windows`` equal spans of [start, end) (None where a span has no
+    sample): a plateau shows as level peaks, a leak as rising ones."""
+    width = (end - start) / windows
+    peaks: list[int | None] = [None] * windows
+    for t, r in points:
+        i = int((t - start) // width) if width > 0 else 0
+        if 0 <= i < windows:
+            current = peaks[i]
+            peaks[i] = r if current is None else max(current, r)
+    return peaks
 
 
 def free_port() -> int:
@@ -257,6 +272,10 @@ def _aggregate(
         "rss_end_of_load_mb": mb(load[-1][1] if load else None),
         "rss_after_mb": mb(after[-1] if after else None),
         "rss_slope_mb_per_min": slope_mb_per_min(settled),
+        # the peak of each sixth of the load: level once memory plateaus
+        "rss_window_peaks_mb": [
+            mb(r) for r in window_peaks(load, load_started, load_started + config.duration_s, WINDOWS)
+        ],
         "num_completed": served.get("completed"),
         "num_5xx": served.get("num_5xx"),
         "num_429": sum(int(by.get("429", 0)) for by in (served.get("statuses") or {}).values()),
@@ -283,6 +302,10 @@ def _table(a: dict[str, Any], config: SoakConfig) -> Table:
         ],
         ["RSS idle after the load (MB)", fmt(a["rss_after_mb"])],
         ["RSS slope after warm-up (MB/min)", fmt(a["rss_slope_mb_per_min"], 2)],
+        [
+            f"RSS peak in each sixth of the load ({config.duration_s / WINDOWS / 60:g} min each, MB)",
+            " / ".join(fmt(v) for v in a.get("rss_window_peaks_mb") or []),
+        ],
         ["server errors (5xx)", str(a["num_5xx"])],
         ["output tok/s", fmt(a["output_throughput"], 1)],
         ["requests completed", str(a["num_completed"])],
