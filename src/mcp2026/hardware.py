@@ -149,16 +149,25 @@ def usable_cpu_count() -> int:
     return count if quota is None else min(count, max(1, int(quota)))
 
 
+@lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL | None:
+    """The C library, found once (``find_library`` runs ``ldconfig -p`` in a subprocess each time)."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
 def release_free_heap() -> bool:
     """Hand the heap's free pages back to the OS (glibc ``malloc_trim``); False where there is no glibc.
 
     Loading a model frees hundreds of MB of temporaries that glibc keeps mapped, so without this a server's
     resident memory stays at the load's peak for its whole life."""
-
-    name = ctypes.util.find_library("c")
+    libc = _libc()
     try:
-        return bool(ctypes.CDLL(name).malloc_trim(0)) if name else False
-    except (OSError, AttributeError):  # musl and other libcs have no malloc_trim
+        return bool(libc.malloc_trim(0)) if libc is not None else False
+    except AttributeError:  # musl and other libcs have no malloc_trim
         return False
 
 

@@ -11,10 +11,10 @@ from gguf.quants import dequantize
 
 from mcp2026.errors import ModelLoadError
 from mcp2026.kernels import ops as kernel_ops
-from mcp2026.loading import gguf_blocks
 from mcp2026.loading.gguf_blocks import BLOCK_FORMATS, read_blocks
 from mcp2026.loading.gguf_file import GGUFFile
 from mcp2026.loading.loader import load_model
+from mcp2026.quant import block_linear
 from mcp2026.quant.block_linear import BlockEmbedding, BlockLinear
 
 from gguf_files import VOCAB, random_blocks, write_tiny_gguf
@@ -50,6 +50,7 @@ def test_native_load_matches_the_dequantized_model(tmp_path, type_name):
     for name, module in model.named_modules():
         if isinstance(module, BlockLinear) and name != "embed_tokens.table":
             assert torch.equal(module.dequantize(), reference.get_submodule(name).weight), name
+    assert torch.equal(model.embed_tokens.table.dequantize(), reference.embed_tokens.weight)
     ids = torch.tensor([5, 77, 3, 250, 19, 42, 300, 8])
     got, expected = _logits(model, ids), _logits(reference, ids)
     # the only difference: activations rounded to int8 per 32 values before each of the 5 matmuls a token meets
@@ -134,7 +135,7 @@ def test_the_token_table_is_read_and_packed_part_by_part(tmp_path, monkeypatch, 
         return read_rows(self, info, start, end)
 
     monkeypatch.setattr(GGUFFile, "read_rows", spy)
-    monkeypatch.setattr(gguf_blocks, "PACK_ROWS", 32)
+    monkeypatch.setattr(block_linear, "PACK_ROWS", 32)
     parts = dict(load_model(path, torch.float32, native=True).model.embed_tokens.table.named_buffers())
     assert reads == [(a, min(a + 32, VOCAB)) for a in range(0, VOCAB, 32)]
     assert whole.keys() == parts.keys()

@@ -12,7 +12,11 @@ from mcp2026.quant.block_linear import (
     BlockLinear,
     BlockWeights,
     kernels_unavailable,
+    pack_byte_tiles,
+    pack_int4_tiles,
+    pack_int5_tiles,
     packable,
+    tile_scales,
 )
 
 needs_kernels = pytest.mark.skipif(
@@ -58,12 +62,13 @@ def test_dequantize_round_trips_the_packing(bits, group):
 @pytest.mark.parametrize("fp16", [True, False])
 def test_packing_part_by_part_equals_packing_the_whole(bits, group, fp16):
     blocks = random_blocks(16 * 7, 64, bits, group, fp16=fp16)
-    whole = BlockLinear(blocks.row_parts(16 * 7))
-    for rows in (16, 32, 48):  # parts of one tile, two, and three with a shorter last one
+    pack = {4: pack_int4_tiles, 5: pack_int5_tiles, 8: pack_byte_tiles}[bits]
+    whole = {"weight": pack(blocks.u), "scales_offsets": tile_scales(blocks.scale, blocks.offset)}
+    assert whole["scales_offsets"].dtype == (torch.float16 if fp16 else torch.float32)
+    for rows in (16, 32, 48, 16 * 7):  # parts of one tile, two, three with a shorter last one, and one part
         parts = BlockLinear(blocks.row_parts(rows))
-        for name, buffer in whole.named_buffers():
+        for name, buffer in whole.items():
             assert torch.equal(buffer, getattr(parts, name)) and buffer.dtype == getattr(parts, name).dtype
-    assert whole.scales_offsets.dtype == (torch.float16 if fp16 else torch.float32)
 
 
 def test_scales_are_fp16_only_where_every_part_is_exact_in_fp16():
@@ -72,12 +77,22 @@ def test_scales_are_fp16_only_where_every_part_is_exact_in_fp16():
     assert BlockLinear(blocks.row_parts(16)).scales_offsets.dtype == torch.float32
 
 
-def test_row_parts_that_miss_rows_are_an_error():
+def test_row_parts_that_do_not_cover_the_weight_in_whole_tiles_are_an_error():
     blocks = random_blocks(64, 64, 4, 32)
     short = blocks.row_parts(16)
     short.shape = torch.Size((80, 64))
     with pytest.raises(ValueError, match="cover 64 of the weight's 80 rows"):
         BlockLinear(short)
+    long = blocks.row_parts(16)
+    long.shape = torch.Size((48, 64))
+    with pytest.raises(ValueError, match="within the weight's 48"):
+        BlockLinear(long)
+    with pytest.raises(ValueError, match="rows in 16s"):
+        blocks.row_parts(24)
+    mixed = random_blocks(64, 64, 8, 32).row_parts(16)
+    mixed.group_size = 16
+    with pytest.raises(ValueError, match="groups of 32 in a weight of 8-bit values in groups of 16"):
+        BlockLinear(mixed)
 
 
 @pytest.mark.parametrize("bits", [4, 5])

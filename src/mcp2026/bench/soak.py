@@ -272,7 +272,7 @@ def _aggregate(
         "rss_end_of_load_mb": mb(load[-1][1] if load else None),
         "rss_after_mb": mb(after[-1] if after else None),
         "rss_slope_mb_per_min": slope_mb_per_min(settled),
-        # the peak of each sixth of the load: level once memory plateaus
+        # the peak of each span of the load: level once memory plateaus
         "rss_window_peaks_mb": [
             mb(r) for r in window_peaks(load, load_started, load_started + config.duration_s, WINDOWS)
         ],
@@ -303,7 +303,7 @@ def _table(a: dict[str, Any], config: SoakConfig) -> Table:
         ["RSS idle after the load (MB)", fmt(a["rss_after_mb"])],
         ["RSS slope after warm-up (MB/min)", fmt(a["rss_slope_mb_per_min"], 2)],
         [
-            f"RSS peak in each sixth of the load ({config.duration_s / WINDOWS / 60:g} min each, MB)",
+            f"RSS peak in each of {WINDOWS} spans of the load ({config.duration_s / WINDOWS / 60:g} min each, MB)",
             " / ".join(fmt(v) for v in a.get("rss_window_peaks_mb") or []),
         ],
         ["server errors (5xx)", str(a["num_5xx"])],

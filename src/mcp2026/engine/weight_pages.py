@@ -18,7 +18,7 @@ from mcp2026 import hardware
 
 _HUGE = 2 << 20
 _ALIGN = 64
-# Bytes of originals freed between heap trims while copying (a trim walks the heap: a few per model).
+# Bytes of originals freed between heap trims while copying (a trim walks the heap's free chunks).
 _TRIM_EVERY = 16 << 20
 _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 # The mapping each placed model's weights live in (the tensors hold it mapped; this marks the model placed
@@ -72,7 +72,7 @@ def place_weights_in_huge_pages(model: torch.nn.Module) -> int:
     freed = 0
     with torch.no_grad():
         while storages:  # each original dropped once copied: the copy never holds two whole models
-            storage, tensors = storages.popitem()[1]
+            storage, tensors = storages.pop(next(iter(storages)))  # in module order
             size = storage.nbytes()
             whole[offset : offset + size].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
             for tensor in tensors:  # offsets count elements; every copy starts 64-byte aligned

@@ -269,7 +269,8 @@ def load_gguf_tensors(
                 tensors[ours] = PendingBlocks(
                     torch.Size(t.shape),
                     functools.partial(_blocks, reader, t, heads),
-                    None if heads is not None else functools.partial(_packed_blocks, reader, t),
+                    # the token table and output head only: a layer's weights are fused before packing
+                    None if ours.startswith("layers.") else functools.partial(_packed_blocks, reader, t),
                 )
                 continue
             data = _read_float(reader, t, source)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mcp2026.quant.block_linear import PACK_ROWS, BlockWeights, RowParts
+from mcp2026.quant import block_linear
+from mcp2026.quant.block_linear import BlockWeights, RowParts
 
 QK = 32  # weights per block of the simple formats
 QK_K = 256  # weights per super-block of the K-quants
@@ -139,10 +140,10 @@ def read_blocks(raw: np.ndarray, type_name: str) -> BlockWeights:
 def read_block_rows(
     read_rows: Callable[[int, int], np.ndarray], type_name: str, shape: torch.Size, rows: int | None = None
 ) -> RowParts:
-    """Like ``read_blocks``, but ``rows`` rows at a time (``PACK_ROWS`` by default; ``read_rows(start, end)``: their bytes) as a packer asks
-    for them: the whole weight is never unpacked at once (for a token table, a byte per weight of the whole
-    vocabulary)."""
+    """Like ``read_blocks``, but ``rows`` rows at a time (``block_linear.PACK_ROWS`` by default;
+    ``read_rows(start, end)`` gives their bytes) as the packer asks for them: the whole weight is never unpacked
+    at once (for a token table, a byte per weight of the whole vocabulary)."""
     fmt = BLOCK_FORMATS[type_name]
-    n, step = shape[0], rows or PACK_ROWS
+    n, step = shape[0], rows or block_linear.PACK_ROWS
     parts = (read_blocks(read_rows(a, min(a + step, n)), type_name) for a in range(0, n, step))
     return RowParts(shape, fmt.group_size, fmt.bits, (type_name,), parts)

@@ -11,7 +11,7 @@ import torch
 
 from mcp2026.config import ModelConfig
 from mcp2026.errors import ModelLoadError
-from mcp2026.quant.block_linear import BlockWeights
+from mcp2026.quant.block_linear import BlockLinear, BlockWeights
 
 
 @dataclass(frozen=True)
@@ -22,14 +22,13 @@ class PendingBlocks:
     shape: torch.Size
     read: Callable[[], BlockWeights]
     # read and packed for the kernels part by part (None where the weight must be whole first, e.g. rows permuted)
-    read_packed: Callable[[], object] | None = None
+    read_packed: Callable[[], BlockLinear] | None = None
 
 
 # a float tensor, or a file's stored blocks kept as they are (read, or still to be read)
 Weight = torch.Tensor | BlockWeights | PendingBlocks
-Finish = Callable[
-    [str, Weight], object
-]  # what fuse_weights makes of each weight once it is fused (or reached)
+# what fuse_weights makes of each weight once it is fused (the token table and output head: once reached)
+Finish = Callable[[str, Weight], object]
 
 
 def _loaded(w: Weight) -> torch.Tensor | BlockWeights:

@@ -83,6 +83,8 @@ class BlockWeights:
     def row_parts(self, rows: int | None = None) -> RowParts:
         """This weight as consecutive parts of ``rows`` rows (``PACK_ROWS`` by default; whole 16-row tiles)."""
         step = rows or PACK_ROWS
+        if step % COLUMN_TILE:
+            raise ValueError(f"parts are whole tiles: rows in {COLUMN_TILE}s, got {step}")
         n = self.u.shape[0]
 
         def parts() -> Iterator[BlockWeights]:
@@ -162,11 +164,22 @@ def pack_row_parts(weight: RowParts) -> tuple[Tensor, Tensor]:
     packed = scales = None
     done = 0
     for part in weight.parts:
+        rows = part.u.shape[0]
+        if rows % COLUMN_TILE or done * COLUMN_TILE + rows > weight.shape[0]:
+            raise ValueError(
+                f"a part of {rows} rows after {done * COLUMN_TILE}: parts are whole tiles of {COLUMN_TILE} rows "
+                f"within the weight's {weight.shape[0]}"
+            )
+        if part.group_size != weight.group_size or part.bits > weight.bits:
+            raise ValueError(
+                f"a part of {part.bits}-bit values in groups of {part.group_size} in a weight of "
+                f"{weight.bits}-bit values in groups of {weight.group_size}"
+            )
         values, part_scales = pack(part.u), _tiles_fp32(part.scale, part.offset)
         if packed is None or scales is None:
             packed = torch.empty((tiles, *values.shape[1:]), dtype=values.dtype)
-            scales = torch.empty((tiles, *part_scales.shape[1:]))
-        end = done + values.shape[0]
+            scales = torch.empty((tiles, *part_scales.shape[1:]), dtype=part_scales.dtype)
+        end = done + rows // COLUMN_TILE
         packed[done:end], scales[done:end] = values, part_scales
         done = end
     if packed is None or scales is None or done != tiles:
