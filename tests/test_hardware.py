@@ -1,6 +1,12 @@
-"""cgroup CPU quota: v2 cpu.max and v1 cfs quota/period both cap usable_cpu_count()."""
+"""Machine probes and process settings: the cgroup CPU quota (v2 cpu.max, v1 cfs quota/period) caps
+usable_cpu_count(); freed large blocks go back to the OS once a serving process asks."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
 
 from mcp2026 import hardware
 
@@ -36,3 +42,31 @@ def test_cpu_family_model_tells_generations_apart(tmp_path):
     info.write_text("processor\t: 0\nmodel name\t: some CPU\n")
     assert hardware.cpu_family_model(info) is None
     assert hardware.cpu_family_model(tmp_path / "missing") is None
+
+
+_HEAP_HOLES = """
+import sys, torch
+from mcp2026 import hardware
+if sys.argv[1] == "set":
+    assert hardware.return_large_blocks_at_once()
+def anon():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssAnon")) << 10
+kept, base = [], anon()
+for _ in range(8):
+    big = torch.ones(2 << 20)  # 8 MB, then a small block above it in the heap: the big one's pages cannot be trimmed
+    kept.append(torch.ones(64))
+    del big
+print(anon() - base)
+"""
+
+
+@pytest.mark.skipif(hardware._libc() is None or not sys.platform.startswith("linux"), reason="glibc only")
+def test_large_blocks_go_back_to_the_os_when_freed():
+    def growth(mode: str) -> int:
+        run = subprocess.run(
+            [sys.executable, "-c", _HEAP_HOLES, mode], capture_output=True, text=True, check=True
+        )
+        return int(run.stdout.split()[-1])
+
+    assert growth("default") >= 6 << 20  # glibc's raised threshold: a freed 8 MB block stays in the heap
+    assert growth("set") < 2 << 20

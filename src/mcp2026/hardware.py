@@ -171,6 +171,25 @@ def release_free_heap() -> bool:
         return False
 
 
+# glibc's mallopt parameter for the size from which an allocation gets its own mapping
+_M_MMAP_THRESHOLD = -3
+
+
+def return_large_blocks_at_once(threshold_bytes: int = 1 << 20) -> bool:
+    """From now on, allocations of ``threshold_bytes`` or more get their own mapping, handed back to the OS as soon
+    as they are freed (glibc ``mallopt(M_MMAP_THRESHOLD)``); False where there is no glibc.
+
+    Why: glibc raises that threshold to the largest block freed so far (up to 32 MB), after which a prefill step's
+    MB-sized temporaries come from the heap and stay resident until the next trim. A serving process pays a page
+    fault per 4 KiB of such a temporary instead (small beside the matmuls that fill it). A process-wide setting:
+    ``mcp2026 serve`` sets it for its own process; a library call never does."""
+    libc = _libc()
+    try:
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold_bytes)) if libc is not None else False
+    except AttributeError:
+        return False
+
+
 def peak_rss_reset() -> None:
     """Reset the kernel's peak-RSS mark (VmHWM) so a later read is the peak of what followed."""
     with contextlib.suppress(OSError):

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from mcp2026 import hardware
 from mcp2026.cli_errors import err, user_errors
 from mcp2026.config import EngineConfig
 from mcp2026.serve.config import ServeConfig, kv_compressor_from_options, load_serve_yaml
@@ -119,5 +120,6 @@ def serve(
             highlight=False,
         )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    hardware.return_large_blocks_at_once()  # this process serves: temporaries do not linger in the heap
     server = build_server(serve_config, engine_config, log_level=log_level)
     server.run()
