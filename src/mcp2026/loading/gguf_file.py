@@ -132,21 +132,23 @@ class GGUFFile:
     def raw(self, info: GGUFTensorInfo) -> np.ndarray:
         """The tensor's bytes as a read-only uint8 view shaped (*outer dims, bytes per row), the layout
         ``gguf.quants.dequantize`` takes for every type."""
+        self._check_in_file(info)
+        data = np.memmap(self.path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,))
+        rows = math.prod(info.dims[1:]) if len(info.dims) > 1 else 1
+        return data.reshape(*reversed(info.dims[1:]), info.nbytes // rows)
+
+    def _check_in_file(self, info: GGUFTensorInfo) -> None:
         if info.offset + info.nbytes > self.file_bytes:
             raise GGUFFormatError(
                 f"tensor {info.name} ends at byte {info.offset + info.nbytes} but the file has "
                 f"{self.file_bytes} bytes (truncated download?)"
             )
-        data = np.memmap(self.path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,))
-        rows = math.prod(info.dims[1:]) if len(info.dims) > 1 else 1
-        return data.reshape(*reversed(info.dims[1:]), info.nbytes // rows)
 
     def read_rows(self, info: GGUFTensorInfo, start: int, end: int) -> np.ndarray:
         """Rows [start, end) of a matrix's bytes, (rows, bytes per row), read into memory of their own: unlike
         ``raw``'s mapping, nothing of the file stays resident once they are dropped."""
+        self._check_in_file(info)
         row_bytes = info.nbytes // info.dims[1]
-        if info.offset + info.nbytes > self.file_bytes:
-            self.raw(info)  # the truncation error
         data = np.fromfile(
             self.path, dtype=np.uint8, count=(end - start) * row_bytes, offset=info.offset + start * row_bytes
         )

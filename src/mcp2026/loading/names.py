@@ -21,7 +21,7 @@ class PendingBlocks:
 
     shape: torch.Size
     read: Callable[[], BlockWeights]
-    # read and packed for the kernels part by part (None where the weight must be whole first, e.g. rows permuted)
+    # read and packed for the kernels part by part: the token table and output head (a layer's are fused first)
     read_packed: Callable[[], BlockLinear] | None = None
 
 
