@@ -103,6 +103,18 @@ def test_without_the_sdk_the_error_says_how_to_enable():
     assert "pip install 'mcp2026[otel]'" in out.stdout
 
 
+def test_a_server_without_traces_never_imports_the_sdk():
+    # The SDK's import is ~0.1 s of a start-up that must stay under 5 s; it is imported once traces are asked.
+    # (FastAPI itself imports the small opentelemetry API package, not the SDK.)
+    code = (
+        "import sys\n"
+        "import mcp2026.serve.server, mcp2026.serve.cli\n"
+        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_otlp_exporter_follows_the_protocol_variable(monkeypatch):
     pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs the otel extra's exporter")
     from mcp2026.serve.tracing import TracingUnavailable, otlp_exporter

@@ -60,11 +60,22 @@ class _Cursor:
         return list(values)
 
     def string(self) -> str:
-        size = self.scalar("Q")
-        if self.pos + size > len(self.buf):
-            raise GGUFFormatError(f"string of {size} bytes at byte {self.pos} runs past the end of the file")
-        self.pos += size
-        return bytes(self.buf[self.pos - size : self.pos]).decode("utf-8")
+        return self.strings(1)[0]
+
+    def strings(self, count: int) -> list[str]:
+        """``count`` length-prefixed strings: one tight loop, as a vocabulary holds tens of thousands."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        size_at = struct.Struct(self.endian + "Q").unpack_from
+        out = []
+        for _ in range(count):
+            (size,) = size_at(buf, pos)
+            pos += 8
+            if pos + size > end:
+                raise GGUFFormatError(f"string of {size} bytes at byte {pos} runs past the end of the file")
+            out.append(buf[pos : pos + size].decode("utf-8"))
+            pos += size
+        self.pos = pos
+        return out
 
     def value(self, kind: int) -> Any:
         if kind == _STRING:
@@ -73,6 +84,8 @@ class _Cursor:
             item_kind, count = self.scalar("I"), self.scalar("Q")
             if item_kind in _SCALARS:
                 return self.array(_SCALARS[item_kind], count)
+            if item_kind == _STRING:
+                return self.strings(count)
             return [self.value(item_kind) for _ in range(count)]
         if kind not in _SCALARS:
             raise GGUFFormatError(f"unknown GGUF value type {kind} at byte {self.pos}")

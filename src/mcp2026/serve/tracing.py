@@ -5,30 +5,22 @@ Off unless ``--otlp-traces-endpoint`` is given; then the W3C ``traceparent`` a c
 parent, and spans go to that OTLP endpoint (the exporter also reads the standard ``OTEL_EXPORTER_OTLP_*``
 variables: headers, timeout, certificates; ``OTEL_SERVICE_NAME`` names the service). Needs the ``otel``
 extra (``pip install 'mcp2026[otel]'``); without it, asking for traces fails at start with that command.
-Off costs no request time: no middleware is installed and the service holds no tracer.
+Off costs nothing: the SDK is not even imported (~0.1 s and several MB of start-up), no middleware is
+installed and the service holds no tracer.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mcp2026.errors import MCPError
-
-try:  # the otel extra: without it the server runs untraced, and asking for traces raises TracingUnavailable
-    from opentelemetry import trace
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-    HAS_SDK = True
-except ImportError:
-    HAS_SDK = False
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -42,17 +34,34 @@ class TracingUnavailable(MCPError):
     """Traces were asked for but the OpenTelemetry SDK (or the asked exporter) is not installed."""
 
 
-def _require_sdk() -> None:
-    if not HAS_SDK:
+@functools.cache
+def _sdk() -> SimpleNamespace:
+    """The SDK's parts we use, imported the first time traces are asked for (the otel extra: without it the
+    server runs untraced, and asking for traces raises TracingUnavailable)."""
+    try:
+        from opentelemetry import trace
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    except ImportError:
         raise TracingUnavailable(
             f"OpenTelemetry tracing needs the OpenTelemetry SDK, which is not installed: {INSTALL_HINT}"
-        )
+        ) from None
+    return SimpleNamespace(
+        trace=trace,
+        Resource=Resource,
+        TracerProvider=TracerProvider,
+        BatchSpanProcessor=BatchSpanProcessor,
+        SimpleSpanProcessor=SimpleSpanProcessor,
+        TraceContextTextMapPropagator=TraceContextTextMapPropagator,
+    )
 
 
 def otlp_exporter(endpoint: str) -> SpanExporter:
     """The OTLP span exporter for ``endpoint``: http/protobuf (``.../v1/traces``) by default, gRPC when
     ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` (or ``OTEL_EXPORTER_OTLP_PROTOCOL``) says ``grpc``."""
-    _require_sdk()
+    _sdk()
     protocol = os.environ.get(
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
     )
@@ -79,17 +88,19 @@ class Tracing:
 
     def __init__(self, tracer: Tracer) -> None:
         self.tracer = tracer
-        self.propagator = TraceContextTextMapPropagator()
+        self.trace = _sdk().trace
+        self.propagator = _sdk().TraceContextTextMapPropagator()
 
     @classmethod
     def with_exporter(cls, exporter: SpanExporter, batch: bool = True) -> Tracing:
         """A tracer of its own provider (the process-global one is left alone), spans sent to ``exporter``
         in batches off the request path (``batch=False``: as each span ends, for tests)."""
-        _require_sdk()
+        sdk = _sdk()
         # Resource.create reads OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES; ours is only the default name.
-        resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "mcp2026")})
-        provider = TracerProvider(resource=resource)
-        provider.add_span_processor(BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter))
+        resource = sdk.Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "mcp2026")})
+        provider = sdk.TracerProvider(resource=resource)
+        processor = sdk.BatchSpanProcessor(exporter) if batch else sdk.SimpleSpanProcessor(exporter)
+        provider.add_span_processor(processor)
         return cls(provider.get_tracer("mcp2026.serve"))
 
     @classmethod
@@ -100,6 +111,7 @@ class Tracing:
         """Attributes of the finished ``job`` (a serve.generation Job, not imported: generation imports us)
         on the current request span, and one set of child spans per choice. Called by GenerationService.release
         inside the request's context."""
+        trace = self.trace
         span = trace.get_current_span()
         if not span.is_recording():
             return  # released outside a traced request (e.g. a path we do not trace)
@@ -186,6 +198,7 @@ class TracingMiddleware:
         carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         parent = self.tracing.propagator.extract(carrier)
         name = f"{scope['method']} {scope['path']}"
+        trace = self.tracing.trace
         with self.tracing.tracer.start_as_current_span(
             name, context=parent, kind=trace.SpanKind.SERVER
         ) as span:
