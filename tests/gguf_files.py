@@ -19,7 +19,11 @@ SCALE_FIELDS = {
     "Q4_K": ((0, 0.0001), (2, 0.0001)),
     "Q5_K": ((0, 0.00005), (2, 0.00005)),
     "Q6_K": ((208, 0.00002),),
-    "Q3_K": ((108, 0.001),),  # no exact kernel form: the loaders' error path
+    "Q2_K": ((80, 0.002), (82, 0.005)),
+    "Q3_K": ((108, 0.001),),
+    "IQ4_NL": ((0, 0.0008),),
+    "IQ4_XS": ((0, 0.00003),),
+    "IQ2_XXS": ((0, 0.001),),  # no exact kernel form: the loaders' error path
 }
 
 # byte offset of the first quantized value of a block; llama.cpp's quantizers map each block's extremes onto

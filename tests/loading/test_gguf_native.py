@@ -81,8 +81,8 @@ def test_float_path_unchanged_without_native(tmp_path):
 
 
 def test_a_type_without_an_exact_kernel_names_the_tensor_and_the_float_path(tmp_path):
-    path = write_tiny_gguf(tmp_path / "q3k.gguf", "Q3_K")
-    with pytest.raises(ModelLoadError, match=r"token_embd.weight is stored as Q3_K.*dtype='fp32'"):
+    path = write_tiny_gguf(tmp_path / "iq2.gguf", "IQ2_XXS")
+    with pytest.raises(ModelLoadError, match=r"token_embd.weight is stored as IQ2_XXS.*dtype='fp32'"):
         load_model(path, torch.float32, native=True)
     assert load_model(path, torch.float32).weights == "float"
 

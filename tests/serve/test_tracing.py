@@ -111,7 +111,9 @@ def test_a_server_without_traces_never_imports_the_sdk():
         "import mcp2026.serve.server, mcp2026.serve.cli\n"
         "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk')))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert out.stdout.strip() == "[]"
 
 

@@ -1,7 +1,8 @@
 """GGUF block formats read into ``BlockWeights`` (``scale * u + offset`` per group), without a float copy.
 
 Each reader follows the byte layout of its ggml type (as the ``gguf`` package's dequantizers do) and returns the
-same values they compute: u the stored unsigned integer, scale and offset in fp32 per group of 32 (16 for Q6_K).
+same values they compute: u the stored unsigned integer (IQ4's levels plus 128), scale and offset in fp32 per group
+of 32 (16 for Q2_K, Q3_K and Q6_K).
 The tests hold every format against ``gguf.quants.dequantize`` element for element.
 """
 
@@ -61,6 +62,9 @@ def _q8_0(b: np.ndarray) -> Parts:
     return u, d, -128 * d
 
 
+_TWO_BIT_SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+
+
 def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The 12 packed bytes of a Q4_K/Q5_K super-block -> its 8 six-bit scales and 8 six-bit mins."""
     d, m, md = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
@@ -89,6 +93,49 @@ def _q5_k(b: np.ndarray) -> Parts:
     return u.reshape(-1, QK_K), d * sc, -(dmin * mn)
 
 
+def _q2_k(b: np.ndarray) -> Parts:
+    sc = b[:, :16]  # per 16 weights: scale in the low nibble, min in the high one
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    # 2-bit values by (half, shift, 32): that is the sub-blocks' order
+    u = (b[:, 16:80].reshape(-1, 2, 1, 32) >> _TWO_BIT_SHIFTS) & 0x03
+    return u.reshape(-1, QK_K), d * (sc & 0x0F).astype(np.float32), -(dmin * (sc >> 4).astype(np.float32))
+
+
+def _q3_k(b: np.ndarray) -> Parts:
+    hmask, qs, packed = b[:, :32], b[:, 32:96], b[:, 96:108]
+    d = _f16(b[:, 108:110])
+    low = packed[:, :8].reshape(-1, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+    high = packed[:, 8:].reshape(-1, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)
+    sc = ((low.reshape(-1, 16) & 0x0F) | ((high.reshape(-1, 16) & 0x03) << 4)).astype(np.float32) - 32
+    q = (qs.reshape(-1, 2, 1, 32) >> _TWO_BIT_SHIFTS) & 0x03
+    # a set mask bit is the value as stored, a clear one subtracts 4: u = q + 4 * bit, offset -4
+    bit = (hmask.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    u = q.reshape(-1, 8, 32) | (bit << 2)
+    scale = d * sc
+    return u.reshape(-1, QK_K), scale, -4 * scale
+
+
+# IQ4_NL's and IQ4_XS's 16 non-uniform levels (ggml's kvalues_iq4nl), plus 128: unsigned bytes, offset -128
+_IQ4_LEVELS = (
+    np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]) + 128
+).astype(np.uint8)
+
+
+def _iq4_nl(b: np.ndarray) -> Parts:
+    d = _f16(b[:, :2])
+    return _IQ4_LEVELS[_nibbles(b[:, 2:18])], d, -128 * d
+
+
+def _iq4_xs(b: np.ndarray) -> Parts:
+    d = _f16(b[:, :2])
+    high = np.ascontiguousarray(b[:, 2:4]).view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16)
+    low = b[:, 4:8].reshape(-1, 4, 1) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2)
+    sc = ((low.reshape(-1, 8) & 0x0F) | ((high & 0x03).astype(np.uint8) << 4)).astype(np.float32) - 32
+    u = _IQ4_LEVELS[_nibbles(b[:, 8:136].reshape(-1, 16)).reshape(-1, QK_K)]
+    scale = d * sc
+    return u, scale, -128 * scale
+
+
 def _q6_k(b: np.ndarray) -> Parts:
     ql, qh = b[:, :128], b[:, 128:192]
     sc = b[:, 192:208].view(np.int8).astype(np.float32)
@@ -104,11 +151,13 @@ def _q6_k(b: np.ndarray) -> Parts:
 class BlockFormat:
     block_bytes: int  # bytes per stored block
     group_size: int  # weights per scale and offset
-    bits: int  # the widest stored value (4: nibble tiles; 5: nibbles and a plane of fifth bits; 8: bytes)
+    # the widest stored value (4: nibble tiles; 5: nibbles and a plane of fifth bits; 8: bytes, which every
+    # format in groups of 16 takes, as the nibble kernels read groups of 32)
+    bits: int
     read: Callable[[np.ndarray], Parts]
 
 
-# ggml type name -> how to read it. Types not here (Q2_K, Q3_K, IQ*, TQ*) have no exact kernel form yet.
+# ggml type name -> how to read it. Types not here (IQ1-IQ3, TQ*: codebook grids) have no exact kernel form yet.
 BLOCK_FORMATS: dict[str, BlockFormat] = {
     "Q4_0": BlockFormat(18, 32, 4, _q4_0),
     "Q4_1": BlockFormat(20, 32, 4, _q4_1),
@@ -118,6 +167,10 @@ BLOCK_FORMATS: dict[str, BlockFormat] = {
     "Q4_K": BlockFormat(144, 32, 4, _q4_k),
     "Q5_K": BlockFormat(176, 32, 5, _q5_k),
     "Q6_K": BlockFormat(210, 16, 8, _q6_k),
+    "Q2_K": BlockFormat(84, 16, 8, _q2_k),
+    "Q3_K": BlockFormat(110, 16, 8, _q3_k),
+    "IQ4_NL": BlockFormat(18, 32, 8, _iq4_nl),
+    "IQ4_XS": BlockFormat(136, 32, 8, _iq4_xs),
 }
 
 
