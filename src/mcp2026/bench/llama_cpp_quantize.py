@@ -23,7 +23,10 @@ from gguf import GGUFReader
 from mcp2026.bench.peers import PeerUnavailable
 
 # The file types the quality bench can score; the default ones are the common files from 4 to 8 bits.
-LLAMA_CPP_FILE_TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q5_1", "Q5_0", "Q4_K_M", "Q4_1", "Q4_0")
+LLAMA_CPP_FILE_TYPES = (
+    "Q8_0", "Q6_K", "Q5_K_M", "Q5_1", "Q5_0", "Q4_K_M", "Q4_1", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K_M", "Q3_K_S",
+    "Q2_K",
+)  # fmt: skip
 DEFAULT_LLAMA_CPP_TYPES = ("Q8_0", "Q5_K_M", "Q4_K_M", "Q4_1", "Q4_0")
 
 
