@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from mcp2026 import hardware
 from mcp2026.kernels import cpu
-from mcp2026.quant.block_linear import BlockLinear, BlockWeights
+from mcp2026.quant.block_linear import LEVEL_VALUES, BlockLinear, BlockWeights
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,27 @@ def test_block_gemm_matches_the_portable_loop(avx2, bits, group, rows):
     u = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
     scale = torch.rand(n, k // group) + 0.5
     linear = BlockLinear(BlockWeights(u, scale, -(2 ** (bits - 1)) * scale, group, bits, ("test",)))
+    x = torch.randn(rows, k)
+    y = avx2.block_gemm(x, linear.weight, linear.scales_offsets)
+    if rows >= 32:
+        expected = x @ linear.dequantize().T
+    else:
+        expected = avx2.block_gemm_reference(x, linear.weight, linear.scales_offsets)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4 * expected.abs().max().item())
+    ids = torch.tensor([0, 17, 63])
+    torch.testing.assert_close(
+        avx2.block_weight_rows(linear.weight, linear.scales_offsets, k, ids), linear.dequantize()[ids]
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 40])
+def test_block_gemm_of_iq4_levels_matches_the_portable_loop(avx2, rows):
+    torch.manual_seed(rows)
+    n, k = 64, 256
+    u = torch.tensor(LEVEL_VALUES, dtype=torch.uint8)[torch.randint(0, 16, (n, k))]
+    scale = torch.rand(n, k // 32) + 0.5
+    linear = BlockLinear(BlockWeights(u, scale, -128 * scale, 32, 8, ("IQ4_NL",)))
+    assert linear.weight.dtype == torch.int8
     x = torch.randn(rows, k)
     y = avx2.block_gemm(x, linear.weight, linear.scales_offsets)
     if rows >= 32:

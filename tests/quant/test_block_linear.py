@@ -8,6 +8,7 @@ import torch
 
 from mcp2026.kernels import ops as kernel_ops
 from mcp2026.quant.block_linear import (
+    LEVEL_VALUES,
     BlockEmbedding,
     BlockLinear,
     BlockWeights,
@@ -33,6 +34,16 @@ def random_blocks(n: int, k: int, bits: int, group: int, seed: int = 0, fp16: bo
     if fp16:
         scale, offset = scale.half().float(), offset.half().float()
     return BlockWeights(u, scale, offset, group, bits, (f"test{bits}",))
+
+
+def level_blocks(n: int, k: int, seed: int = 0, fp16: bool = False, formats=("IQ4_NL",)) -> BlockWeights:
+    """Random IQ4 blocks: every value one of the 16 levels (plus 128), offset -128 scale."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.tensor(LEVEL_VALUES, dtype=torch.uint8)[torch.randint(0, 16, (n, k), generator=g)]
+    scale = torch.rand(n, k // 32, generator=g) * 0.01 + 0.001
+    if fp16:
+        scale = scale.half().float()
+    return BlockWeights(u, scale, -128 * scale, 32, 8, formats)
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
@@ -134,6 +145,58 @@ def test_gemm_equals_the_rounded_activation_oracle(bits, group, rows, fp16):
     if not floats:  # this CPU's SIMD path against the scalar loop
         reference = kernels.block_gemm_reference(x, module.weight, module.scales_offsets) + bias
         torch.testing.assert_close(got, reference, **tolerance)
+
+
+@pytest.mark.parametrize("fp16", [True, False])
+def test_iq4_levels_are_held_as_four_bit_indices(fp16):
+    blocks = level_blocks(48, 128, fp16=fp16, formats=("IQ4_NL", "IQ4_XS"))
+    module = BlockLinear(blocks)
+    assert module.levels and module.bits == 4 and module.weight.dtype == torch.int8
+    assert module.weight.numel() * 8 == 4 * 48 * 128
+    assert module.bits_per_weight == 4 + (32 if fp16 else 64) / 32
+    assert torch.equal(module.dequantize(), blocks.dequantize())
+    rows = torch.tensor([0, 17, 47, 17])
+    assert torch.equal(module.dequantize_rows(rows), blocks.dequantize()[rows])
+    whole = module.weight
+    for rows in (16, 32):  # packed part by part: the same bytes
+        assert torch.equal(BlockLinear(blocks.row_parts(rows)).weight, whole)
+
+
+def test_levels_only_for_iq4_formats_and_their_values():
+    blocks = level_blocks(32, 64)
+    other = random_blocks(32, 64, 8, 32)
+    mixed = BlockLinear(BlockWeights.concat([blocks, other]))  # IQ4 with Q8_0 rows: plain bytes, exact
+    assert not mixed.levels and mixed.bits == 8
+    assert torch.equal(mixed.dequantize(), BlockWeights.concat([blocks, other]).dequantize())
+    blocks.u[3, 5] = 2  # not a level
+    with pytest.raises(ValueError, match="value 2 is not one of the IQ4 levels"):
+        BlockLinear(blocks)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 33])
+def test_level_gemm_equals_the_rounded_activation_oracle(rows):
+    torch.manual_seed(rows)
+    blocks = level_blocks(64, 256, seed=rows, fp16=rows % 2 == 0)
+    bias = torch.randn(64)
+    module = BlockLinear(blocks, bias)
+    x = torch.randn(rows, 256)
+    kernels = kernel_ops.cpu.load()
+    float_from = kernels.block_float_gemm_min_rows(64, 256)
+    floats = 0 < float_from <= rows
+    inputs = x.double() if floats else round_activations(x).double()
+    expected = inputs @ blocks.dequantize().double().T + bias.double()
+    got = module(x)
+    tolerance = dict(rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    torch.testing.assert_close(got.double(), expected, **tolerance)
+    dequantized = kernels.block_dequant(module.weight, module.scales_offsets, 256)
+    torch.testing.assert_close(dequantized, blocks.dequantize(), rtol=1e-6, atol=1e-7)
+    if not floats:
+        reference = kernels.block_gemm_reference(x, module.weight, module.scales_offsets) + bias
+        torch.testing.assert_close(got, reference, **tolerance)
+    embedding = BlockEmbedding(module, torch.float32)
+    ids = torch.tensor([0, 63, 5])
+    assert torch.equal(embedding(ids), module.dequantize()[ids])
 
 
 @needs_kernels

@@ -1,10 +1,11 @@
 // Stored block quantization x int8 activations: w = scale * u + offset per group of 16 or 32 weights along K,
 // u unsigned, scale and offset fp32 (or fp16 where that holds a weight's every scale and offset exactly: Q4_0,
 // Q4_1 and Q8_0 store fp16, so their layers keep half the bytes of scales). This holds GGUF's block formats exactly (Q4_0/Q4_1/Q4_K: u the nibble;
-// Q8_0: u = q + 128, offset -128 d; Q5_0/Q5_1/Q5_K: the 5-bit value; Q6_K: the 6-bit value in groups of 16), so
-// a GGUF file runs on its stored values instead of a float copy of them.
+// Q8_0: u = q + 128, offset -128 d; Q5_0/Q5_1/Q5_K: the 5-bit value; Q6_K: the 6-bit value in groups of 16;
+// IQ4_NL/IQ4_XS: one of 16 levels plus 128), so a GGUF file runs on its stored values instead of a float copy.
 //
-// Three layouts of u, all in tiles of 16 output columns: nibbles (N/16, K/8, 64), the int4 GEMM's (byte 4c + e
+// Three layouts of u, all in tiles of 16 output columns (a fourth: the nibble layout typed int8, whose nibbles
+// index kLevelValues, IQ4's levels): nibbles (N/16, K/8, 64), the int4 GEMM's (byte 4c + e
 // of vector j holds column c's k = 8j + e in its low nibble and 8j + 4 + e in its high one); 5-bit values
 // (N/16, K/8, 80), each vector's 64 bytes of nibbles followed by two 64-bit masks of the fifth bits (bit 4c + e
 // of the first: the low nibble's value of byte 4c + e is 16 more; of the second: the high nibble's), so
@@ -97,11 +98,17 @@ void block_gemm_run(const QuantizedRows& xr, const float* dxs, const uint8_t* w,
 }
 #endif
 
-// The values' width from the packed layout: nibbles (N/16, K/8, 64), 5-bit (N/16, K/8, 80), bytes (N/16, K/4, 64).
+// The "bits" of the level layout: nibbles that index kLevelValues (the values are bytes).
+constexpr int kLevelNibbles = 16;
+
+// The values' width from the packed layout: nibbles (N/16, K/8, 64), 5-bit (N/16, K/8, 80), bytes (N/16, K/4, 64);
+// kLevelNibbles: int8 (N/16, K/8, 64).
 inline int packed_bits(const torch::Tensor& wp, int64_t K) {
-  TORCH_CHECK(wp.scalar_type() == torch::kByte && wp.is_contiguous() && wp.dim() == 3,
-              "wp must be contiguous uint8 (N/16, *, *)");
-  if (wp.size(1) * 8 == K && wp.size(2) == 64) return 4;
+  const bool levels = wp.scalar_type() == torch::kChar;
+  TORCH_CHECK((wp.scalar_type() == torch::kByte || levels) && wp.is_contiguous() && wp.dim() == 3,
+              "wp must be contiguous uint8 (N/16, *, *), or int8 level indices");
+  if (wp.size(1) * 8 == K && wp.size(2) == 64) return levels ? kLevelNibbles : 4;
+  TORCH_CHECK(!levels, "int8 level indices must be (N/16, K/8, 64) for this K");
   if (wp.size(1) * 8 == K && wp.size(2) == 80) return 5;
   TORCH_CHECK(wp.size(1) * 4 == K && wp.size(2) == 64,
               "wp must be (N/16, K/8, 64) nibbles, (N/16, K/8, 80) 5-bit values or (N/16, K/4, 64) bytes for this K");
@@ -131,11 +138,12 @@ GroupSums group_sums(const QuantizedRows& xr, int64_t M, int64_t K, int64_t G) {
 // u[n][k] from any layout (the scalar path and nothing hot).
 inline int32_t stored_value(const uint8_t* w, int bits, int64_t n, int64_t k, int64_t K) {
   const int64_t t = n / kColTile, c = n % kColTile;
-  if (bits == 4 || bits == 5) {
-    const int64_t vector_bytes = bits == 4 ? 64 : 80, i = 4 * c + (k % 4);
+  if (bits != 8) {
+    const int64_t vector_bytes = bits == 5 ? 80 : 64, i = 4 * c + (k % 4);
     const uint8_t* v = w + (t * (K / 8) + k / 8) * vector_bytes;
     const bool low = (k % 8) < 4;
     const int32_t nib = low ? (v[i] & 0x0F) : (v[i] >> 4);
+    if (bits == kLevelNibbles) return kLevelValues[nib];
     if (bits == 4) return nib;
     const uint8_t* mask = v + (low ? 64 : 72);
     return nib | (((mask[i / 8] >> (i % 8)) & 1) << 4);
@@ -180,7 +188,7 @@ void dequantize_tiles(const uint8_t* w, const S* so, int bits, int64_t G, int64_
     });
     return;
   }
-  const int64_t per_vector = bits == 4 ? 8 : 4, vectors = K / per_vector;
+  const int64_t per_vector = bits == 8 ? 4 : 8, vectors = K / per_vector;
   team::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* wt = w + t * vectors * 64;
@@ -193,10 +201,13 @@ void dequantize_tiles(const uint8_t* w, const S* so, int bits, int64_t G, int64_
             const int64_t k = j * per_vector + e;
             const S* sg = st + (k / G) * 2 * kColTile + c;
             const float s0 = static_cast<float>(sg[0]), o0 = static_cast<float>(sg[kColTile]);
-            if (bits == 4) {
+            if (bits != 8) {
               const S* sh = st + ((k + 4) / G) * 2 * kColTile + c;
-              row[k] = s0 * static_cast<float>(byte & 0x0F) + o0;
-              row[k + 4] = static_cast<float>(sh[0]) * static_cast<float>(byte >> 4) + static_cast<float>(sh[kColTile]);
+              const int lo = byte & 0x0F, hi = byte >> 4;
+              const bool levels = bits == kLevelNibbles;
+              row[k] = s0 * static_cast<float>(levels ? kLevelValues[lo] : lo) + o0;
+              row[k + 4] = static_cast<float>(sh[0]) * static_cast<float>(levels ? kLevelValues[hi] : hi) +
+                           static_cast<float>(sh[kColTile]);
             } else {
               row[k] = s0 * static_cast<float>(byte) + o0;
             }
@@ -231,8 +242,12 @@ template <int R, int BITS, int G, typename S>
 void avx2_half(const uint8_t* wt, const S* st, const QuantizedRows& xr, const GroupSums& gs, int64_t r0,
                int h, int64_t K, float* out, int64_t N) {
   constexpr int kPerVector = BITS == 8 ? 4 : 8, kVectors = G / kPerVector, kVectorBytes = BITS == 5 ? 80 : 64;
+  // bytes, and level indices looked up as bytes: signed q = u - 128 in maddubs, 128 x sum(xq) added back
+  constexpr bool kSigned = BITS == 8 || BITS == kLevelNibbles;
   const int64_t ngrp = K / G, nblk = K / 32;
   const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(-128);
+  const __m256i levels =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kLevelValues)));
   const int8_t* xrow[R];
   for (int r = 0; r < R; ++r) xrow[r] = xr.q.data() + (r0 + r) * K;
   __m256 acc[R];
@@ -244,7 +259,18 @@ void avx2_half(const uint8_t* wt, const S* st, const QuantizedRows& xr, const Gr
       const uint8_t* vec = wt + (g * kVectors + j) * kVectorBytes;
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vec + 32 * h));
       const int64_t k = g * G + j * kPerVector;
-      if constexpr (BITS != 8) {  // nibbles (<= 15; with the fifth bit <= 31): maddubs never saturates
+      if constexpr (BITS == kLevelNibbles) {  // each nibble plane's levels as signed bytes, as the byte path below
+        const __m256i lo = _mm256_and_si256(w, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+        const __m256i ql = _mm256_xor_si256(_mm256_shuffle_epi8(levels, lo), flip);
+        const __m256i qh = _mm256_xor_si256(_mm256_shuffle_epi8(levels, hi), flip);
+        const __m256i ml = _mm256_abs_epi8(ql), mh = _mm256_abs_epi8(qh);
+        for (int r = 0; r < R; ++r) {
+          const __m256i xl = _mm256_sign_epi8(splat_dword(xrow[r] + k), ql);
+          const __m256i xh = _mm256_sign_epi8(splat_dword(xrow[r] + k + 4), qh);
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ml, xl), ones));
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mh, xh), ones));
+        }
+      } else if constexpr (BITS != 8) {  // nibbles (<= 15; with the fifth bit <= 31): maddubs never saturates
         __m256i lo = _mm256_and_si256(w, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
         if constexpr (BITS == 5) {
           uint32_t fifth_lo, fifth_hi;
@@ -271,7 +297,7 @@ void avx2_half(const uint8_t* wt, const S* st, const QuantizedRows& xr, const Gr
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
       __m256i d = dot[r];
-      if constexpr (BITS == 8) d = _mm256_add_epi32(d, _mm256_set1_epi32(128 * gs.isum[row * ngrp + g]));
+      if constexpr (kSigned) d = _mm256_add_epi32(d, _mm256_set1_epi32(128 * gs.isum[row * ngrp + g]));
       const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(xr.scale[row * nblk + g * G / 32]));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), scale, acc[r]);
       acc[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(gs.dxs[row * ngrp + g]), acc[r]);
@@ -283,7 +309,7 @@ void avx2_half(const uint8_t* wt, const S* st, const QuantizedRows& xr, const Gr
 template <int BITS, int G, typename S>
 void avx2_gemm(const uint8_t* w, const S* so, const QuantizedRows& xr, const GroupSums& gs, int64_t M,
                int64_t K, int64_t N, float* out) {
-  const int64_t tile_bytes = BITS == 8 ? (K / 4) * 64 : (K / 8) * (BITS == 5 ? 80 : 64);
+  const int64_t tile_bytes = BITS == 8 ? (K / 4) * 64 : (K / 8) * (BITS == 5 ? 80 : 64);  // levels: nibbles
   const int64_t tile_scales = (K / G) * 2 * kColTile;
   team::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
@@ -320,7 +346,7 @@ torch::Tensor block_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, c
   TORCH_CHECK(so.size(1) * G == K && (G == 32 || (G == 16 && bits == 8)),
               "groups must be 32 weights (or 16 with byte values)");
 #ifdef MCP_INT4_VNNI
-  if (bits == 4 || bits == 5) return int4_gemm_into(x, wp, so, bias, slot);  // its micro-tile reads both
+  if (bits != 8) return int4_gemm_into(x, wp, so, bias, slot);  // its micro-tile reads every nibble layout
 #else
   // Without VNNI the int8 dot products cost several instructions per 32 values, and from a few dozen rows a
   // float GEMM over the weight dequantized once per call is faster (a prefill chunk, a large batch): both the
@@ -330,7 +356,7 @@ torch::Tensor block_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, c
     if (!buffer.defined() || buffer.numel() < N * K) buffer = torch::empty({N * K}, x.options());
     auto w = buffer.narrow(0, 0, N * K).view({N, K});
     with_scales(so, [&](const auto* s) {
-      dequantize_tiles(wp.data_ptr<uint8_t>(), s, bits, G, K, N, w.data_ptr<float>());
+      dequantize_tiles(static_cast<const uint8_t*>(wp.data_ptr()), s, bits, G, K, N, w.data_ptr<float>());
     });
     auto out = at::matmul(x, w.t());
     return bias.has_value() ? out.add_(*bias) : out;
@@ -341,7 +367,7 @@ torch::Tensor block_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, c
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, xc.scalar_type(), "block_gemm_q", [&] {
     quantize_rows_into<scalar_t>(xr, xc.data_ptr<scalar_t>(), M, K);
   });
-  const uint8_t* w = wp.data_ptr<uint8_t>();
+  const auto* w = static_cast<const uint8_t*>(wp.data_ptr());
 #ifdef MCP_INT4_VNNI
   auto out = gemm_output(x, M, N, slot);
   const auto b = gemm_bias(bias, N);
@@ -368,6 +394,8 @@ torch::Tensor block_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, c
 #if defined(__AVX2__) && defined(__FMA__)
     if (bits == 4)
       avx2_gemm<4, 32, S>(w, s, xr, gs, M, K, N, op);
+    else if (bits == kLevelNibbles)
+      avx2_gemm<kLevelNibbles, 32, S>(w, s, xr, gs, M, K, N, op);
     else if (bits == 5)
       avx2_gemm<5, 32, S>(w, s, xr, gs, M, K, N, op);
     else if (G == 32)
@@ -398,7 +426,8 @@ torch::Tensor block_dequant(const torch::Tensor& wp, const torch::Tensor& so, in
   const int bits = packed_bits(wp, K);
   auto out = torch::empty({N, K}, so.options().dtype(torch::kFloat));
   with_scales(so, [&](const auto* s) {
-    dequantize_tiles(wp.data_ptr<uint8_t>(), s, bits, K / so.size(1), K, N, out.data_ptr<float>());
+    dequantize_tiles(static_cast<const uint8_t*>(wp.data_ptr()), s, bits, K / so.size(1), K, N,
+                     out.data_ptr<float>());
   });
   return out;
 }
@@ -412,7 +441,8 @@ torch::Tensor block_gemm_reference(const torch::Tensor& x, const torch::Tensor& 
   const QuantizedRows xr = quantize_rows<float>(xc.data_ptr<float>(), M, K);
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   with_scales(so, [&](const auto* s) {
-    scalar_gemm(wp.data_ptr<uint8_t>(), s, bits, G, xr, group_sums(xr, M, K, G), M, K, N, out.data_ptr<float>());
+    scalar_gemm(static_cast<const uint8_t*>(wp.data_ptr()), s, bits, G, xr, group_sums(xr, M, K, G), M, K, N,
+                out.data_ptr<float>());
   });
   return out;
 }
@@ -434,7 +464,7 @@ torch::Tensor block_weight_rows(const torch::Tensor& wp, const torch::Tensor& so
   for (int64_t r = 0; r < T; ++r)
     TORCH_CHECK_INDEX(id[r] >= 0 && id[r] < N, "token id out of range for a ", N, "-token vocabulary");
   auto out = torch::empty({T, K}, so.options().dtype(torch::kFloat));
-  const uint8_t* w = wp.data_ptr<uint8_t>();
+  const auto* w = static_cast<const uint8_t*>(wp.data_ptr());
   float* op = out.data_ptr<float>();
   with_scales(so, [&](const auto* s) {
     for (int64_t r = 0; r < T; ++r) {

@@ -63,6 +63,10 @@ torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& w, const to
 torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
 torch::Tensor int4_dequant(const torch::Tensor& qs, const torch::Tensor& sz, bool out_bf16,
                            const c10::optional<torch::Tensor>& out_buffer);
+// IQ4_NL's and IQ4_XS's 16 levels plus 128 (quant/block_linear.py LEVEL_VALUES holds the same): a block weight
+// typed int8 holds 4-bit indices into this table where a uint8 one holds the 4-bit values themselves.
+inline constexpr uint8_t kLevelValues[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
 // int4_gemm.cpp
 bool vnni_gemm_available();
 std::vector<torch::Tensor> int4_gemm_pack(const torch::Tensor& qs, const torch::Tensor& sz);

@@ -24,13 +24,16 @@ namespace {
 // tile_bytes further); so: its 16 scales then 16 offsets per 32-block; xq: R rows of K int8; dx, dxs: their
 // (row, block) scales and dx * sum(xq). out: R rows of stride N at the tile's first column. VB = 80: the block
 // GEMM's 5-bit layout (block_gemm.cpp), each vector's nibbles followed by two 64-bit masks of fifth bits, added
-// to the nibbles with one masked byte add each.
-template <int R, int C, int VB, typename S, typename O>
+// to the nibbles with one masked byte add each. L: the nibbles index kLevelValues (IQ4), looked up with one
+// byte shuffle each.
+template <int R, int C, int VB, bool L, typename S, typename O>
 void gemm_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx, const float* dxs,
                int64_t K, const float* bias, O* out, int64_t N, bool stream) {
   static_assert(VB == 64 || VB == 80, "nibble vectors, or nibbles and their fifth bits");
+  static_assert(!L || VB == 64, "level indices are plain nibbles");
   const int64_t nblk = K / 32, tile_bytes = (K / 8) * VB, tile_scales = nblk * 2 * kColTile;
   const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+  const __m512i levels = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kLevelValues)));
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -52,6 +55,10 @@ void gemm_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx
           std::memcpy(&fifth_hi, src + 72, 8);
           lo[c] = _mm512_mask_add_epi8(lo[c], _cvtu64_mask64(fifth_lo), lo[c], sixteen);
           hi[c] = _mm512_mask_add_epi8(hi[c], _cvtu64_mask64(fifth_hi), hi[c], sixteen);
+        }
+        if constexpr (L) {
+          lo[c] = _mm512_shuffle_epi8(levels, lo[c]);
+          hi[c] = _mm512_shuffle_epi8(levels, hi[c]);
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -76,17 +83,17 @@ void gemm_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx
   store_tile<R, C>(acc, bias, out, N);
 }
 
-template <int C, int VB, typename S, typename O>
+template <int C, int VB, bool L, typename S, typename O>
 void gemm_rows(const uint8_t* wp, const S* so, const QuantizedRows& xr, int64_t M, int64_t K, const float* bias,
                O* out, int64_t N) {
   const int64_t nblk = K / 32;
   for_row_tiles(M, [&](int64_t r0, auto rows) {
-    gemm_tile<decltype(rows)::value, C, VB, S, O>(wp, so, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
+    gemm_tile<decltype(rows)::value, C, VB, L, S, O>(wp, so, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
                                             xr.sum.data() + r0 * nblk, K, bias, out + r0 * N, N, M <= kGemmRows);
   });
 }
 
-template <int VB, typename S, typename O>
+template <int VB, bool L, typename S, typename O>
 void gemm_columns(const uint8_t* w, const S* s, const QuantizedRows& xr, int64_t M, int64_t K, const float* bias,
                   O* out, int64_t N) {
   const int64_t tiles = N / kColTile, tile_bytes = (K / 8) * VB, tile_scales = (K / 32) * 2 * kColTile;
@@ -95,9 +102,9 @@ void gemm_columns(const uint8_t* w, const S* s, const QuantizedRows& xr, int64_t
     const S* st = s + t * tile_scales;
     const float* bt = bias ? bias + t * kColTile : nullptr;
     if (pair)
-      gemm_rows<2, VB>(wt, st, xr, M, K, bt, out + t * kColTile, N);
+      gemm_rows<2, VB, L>(wt, st, xr, M, K, bt, out + t * kColTile, N);
     else
-      gemm_rows<1, VB>(wt, st, xr, M, K, bt, out + t * kColTile, N);
+      gemm_rows<1, VB, L>(wt, st, xr, M, K, bt, out + t * kColTile, N);
   });
 }
 #endif
@@ -162,9 +169,11 @@ torch::Tensor int4_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, co
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x must be a CPU (M, K) tensor");
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
   const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * kColTile;
-  TORCH_CHECK(wp.scalar_type() == torch::kByte && wp.is_contiguous() && wp.dim() == 3 && wp.size(1) * 8 == K &&
-                  (wp.size(2) == 64 || wp.size(2) == 80),
-              "wp must be int4_gemm_pack's (N/16, K/8, 64) uint8 for this K (or the block GEMM's 5-bit (N/16, K/8, 80))");
+  const bool levels = wp.scalar_type() == torch::kChar;  // the block GEMM's IQ4 level indices
+  TORCH_CHECK((wp.scalar_type() == torch::kByte || levels) && wp.is_contiguous() && wp.dim() == 3 &&
+                  wp.size(1) * 8 == K && (wp.size(2) == 64 || (wp.size(2) == 80 && !levels)),
+              "wp must be int4_gemm_pack's (N/16, K/8, 64) uint8 for this K (or the block GEMM's 5-bit (N/16, K/8, 80), "
+              "or its int8 level indices (N/16, K/8, 64))");
   TORCH_CHECK((so.scalar_type() == torch::kFloat || so.scalar_type() == torch::kHalf) && so.is_contiguous() &&
                   so.numel() == N * (K / 32) * 2,
               "so must be (N/16, K/32, 2, 16) fp32 (int4_gemm_pack's) or fp16");
@@ -177,14 +186,16 @@ torch::Tensor int4_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, co
   auto out = gemm_output(x, M, N, slot);
   const auto b = gemm_bias(bias, N);
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  const uint8_t* w = wp.data_ptr<uint8_t>();
+  const auto* w = static_cast<const uint8_t*>(wp.data_ptr());
   const bool fifth = wp.size(2) == 80;
   with_output(out, [&](auto* op) {
     with_scales(so, [&](const auto* s) {
       if (fifth)
-        gemm_columns<80>(w, s, xr, M, K, bp, op, N);
+        gemm_columns<80, false>(w, s, xr, M, K, bp, op, N);
+      else if (levels)
+        gemm_columns<64, true>(w, s, xr, M, K, bp, op, N);
       else
-        gemm_columns<64>(w, s, xr, M, K, bp, op, N);
+        gemm_columns<64, false>(w, s, xr, M, K, bp, op, N);
     });
   });
   return out;

@@ -115,10 +115,9 @@ def _q3_k(b: np.ndarray) -> Parts:
     return u.reshape(-1, QK_K), scale, -4 * scale
 
 
-# IQ4_NL's and IQ4_XS's 16 non-uniform levels (ggml's kvalues_iq4nl), plus 128: unsigned bytes, offset -128
-_IQ4_LEVELS = (
-    np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]) + 128
-).astype(np.uint8)
+# IQ4_NL's and IQ4_XS's 16 non-uniform levels plus 128 (unsigned bytes, offset -128 scale); BlockLinear holds
+# them as 4-bit indices into this table
+_IQ4_LEVELS = np.array(block_linear.LEVEL_VALUES, dtype=np.uint8)
 
 
 def _iq4_nl(b: np.ndarray) -> Parts:

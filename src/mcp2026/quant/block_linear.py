@@ -157,9 +157,38 @@ def tile_scales(scale: Tensor, offset: Tensor) -> Tensor:
     return _narrowed(_tiles_fp32(scale, offset))
 
 
-def pack_row_parts(weight: RowParts) -> tuple[Tensor, Tensor]:
-    """The packed values and tiled scales and offsets (``tile_scales``) of a weight given part by part."""
-    pack = {4: pack_int4_tiles, 5: pack_int5_tiles}.get(weight.bits, pack_byte_tiles)
+# IQ4_NL's and IQ4_XS's 16 non-uniform levels (ggml's kvalues_iq4nl) plus 128: the bytes u of those formats. A
+# weight made only of them is packed as 4-bit indices into this table (kernels/cpu_kernels.h kLevelValues holds
+# the same), typed int8 so the kernels tell the layout from plain nibbles.
+LEVEL_VALUES = (1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241)
+LEVEL_FORMATS = frozenset({"IQ4_NL", "IQ4_XS"})
+_LEVEL_INDEX = np.full(256, 255, dtype=np.uint8)
+_LEVEL_INDEX[list(LEVEL_VALUES)] = np.arange(16, dtype=np.uint8)
+
+
+def holds_levels(weight: BlockWeights | RowParts) -> bool:
+    """Whether every value is one of ``LEVEL_VALUES`` by its formats (IQ4 only, groups of 32)."""
+    return bool(weight.formats) and set(weight.formats) <= LEVEL_FORMATS and weight.group_size == BLOCK
+
+
+def pack_level_tiles(u: Tensor) -> Tensor:
+    """u (N, K), every value one of ``LEVEL_VALUES`` -> their indices laid out as ``pack_int4_tiles`` lays
+    nibbles, as int8 (the kernels' mark of this layout)."""
+    index = _LEVEL_INDEX[u.numpy()]
+    if (index == 255).any():
+        bad = int(u.numpy()[index == 255][0])
+        raise ValueError(f"value {bad} is not one of the IQ4 levels {LEVEL_VALUES}")
+    return pack_int4_tiles(torch.from_numpy(index)).view(torch.int8)
+
+
+def pack_row_parts(weight: RowParts, levels: bool = False) -> tuple[Tensor, Tensor]:
+    """The packed values and tiled scales and offsets (``tile_scales``) of a weight given part by part;
+    ``levels``: as indices into ``LEVEL_VALUES`` (``pack_level_tiles``)."""
+    pack = (
+        pack_level_tiles
+        if levels
+        else {4: pack_int4_tiles, 5: pack_int5_tiles}.get(weight.bits, pack_byte_tiles)
+    )
     tiles = weight.shape[0] // COLUMN_TILE
     packed = scales = None
     done = 0
@@ -239,9 +268,10 @@ def block_kernel() -> str:
 class BlockLinear(nn.Module):
     """y = x @ W.T (+ bias) with W held as a file stored it (``BlockWeights``), packed for our VNNI GEMMs.
 
-    ``weight`` is the packed values ((N/16, K/8, 64) nibbles, (N/16, K/8, 80) 5-bit values or (N/16, K/4, 64)
-    bytes), ``scales_offsets``
-    (N/16, K/G, 2, 16), fp16 where that is exact (``tile_scales``), else fp32. Runs on the compiled kernels only (the loader checks they are there)."""
+    ``weight`` is the packed values ((N/16, K/8, 64) nibbles, (N/16, K/8, 80) 5-bit values, (N/16, K/4, 64)
+    bytes, or IQ4's levels as (N/16, K/8, 64) int8 nibbles of indices: ``levels``), ``scales_offsets``
+    (N/16, K/G, 2, 16), fp16 where that is exact (``tile_scales``), else fp32. Runs on the compiled kernels only
+    (the loader checks they are there)."""
 
     def __init__(self, blocks: BlockWeights | RowParts, bias: Tensor | None = None) -> None:
         super().__init__()
@@ -252,8 +282,10 @@ class BlockLinear(nn.Module):
         if weight.group_size not in GROUP_SIZES or (weight.bits < 8 and weight.group_size != BLOCK):
             raise ValueError(f"groups of {weight.group_size} with {weight.bits}-bit values have no kernel")
         self.in_features, self.out_features = k, n
-        self.bits, self.group_size, self.formats = weight.bits, weight.group_size, weight.formats
-        packed, scales_offsets = pack_row_parts(weight)
+        self.levels = holds_levels(weight)
+        self.bits = 4 if self.levels else weight.bits  # the bits each value is held in
+        self.group_size, self.formats = weight.group_size, weight.formats
+        packed, scales_offsets = pack_row_parts(weight, self.levels)
         self.register_buffer("weight", packed)
         self.register_buffer("scales_offsets", scales_offsets)
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
@@ -290,7 +322,7 @@ class BlockLinear(nn.Module):
         tile, col = rows // COLUMN_TILE, rows % COLUMN_TILE
         t, picked = rows.numel(), torch.arange(rows.numel())
         # NOTE: index_select, not weight[tile]: advanced indexing of a uint8 tensor this size takes milliseconds
-        packed = torch.index_select(self.weight, 0, tile)  # (T, K/8 or K/4, 64 or 80)
+        packed = torch.index_select(self.weight.view(torch.uint8), 0, tile)  # (T, K/8 or K/4, 64 or 80)
         per_col = packed[..., :64].reshape(t, packed.shape[1], COLUMN_TILE, 4)[picked, :, col]  # (T, J, 4)
         if self.bits == 8:
             u = per_col.reshape(t, self.in_features)
@@ -303,6 +335,8 @@ class BlockLinear(nn.Module):
                 shift = (4 * (col % 2)).view(t, 1, 1, 1) + torch.arange(4)
                 halves = halves | (((masks.unsqueeze(-1).long() >> shift) & 1) << 4).to(halves.dtype)
             u = halves.reshape(t, self.in_features)
+            if self.levels:
+                u = torch.tensor(LEVEL_VALUES, dtype=torch.uint8)[u.long()]
         so = torch.index_select(self.scales_offsets, 0, tile)[picked, :, :, col].float()  # (T, G, 2)
         g = self.group_size
         w = u.float().view(t, -1, g) * so[..., 0:1] + so[..., 1:2]
@@ -314,7 +348,8 @@ class BlockLinear(nn.Module):
 
     def extra_repr(self) -> str:
         stored = "+".join(self.formats)
-        return f"{self.in_features}, {self.out_features}, {stored} as {self.bits}-bit g{self.group_size}"
+        held = "4-bit level indices" if self.levels else f"{self.bits}-bit"
+        return f"{self.in_features}, {self.out_features}, {stored} as {held} g{self.group_size}"
 
 
 class BlockEmbedding(nn.Module):
