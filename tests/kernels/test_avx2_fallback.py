@@ -38,12 +38,18 @@ def test_the_build_has_no_vnni_path(avx2):
 
 @pytest.mark.parametrize(("bits", "group"), [(4, 32), (5, 32), (8, 32), (8, 16)])
 @pytest.mark.parametrize("rows", [1, 3, 5, 40])  # 40: the float GEMM on the dequantized weight
-def test_block_gemm_matches_the_portable_loop(avx2, bits, group, rows):
+@pytest.mark.parametrize("symmetric", [False, True])  # True: the scales alone (offsets -center x scale)
+def test_block_gemm_matches_the_portable_loop(avx2, bits, group, rows, symmetric):
     torch.manual_seed(bits + group + rows)
     n, k = 64, 256
     u = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
     scale = torch.rand(n, k // group) + 0.5
-    linear = BlockLinear(BlockWeights(u, scale, -(2 ** (bits - 1)) * scale, group, bits, ("test",)))
+    center = 2 ** (bits - 1)
+    offset = -center * scale * (1 if symmetric else 1 + 0.1 * torch.randn(n, k // group))
+    linear = BlockLinear(
+        BlockWeights(u, scale, offset, group, bits, ("test",), center if symmetric else None)
+    )
+    assert linear.scales_offsets.shape[2] == (1 if symmetric else 2)
     x = torch.randn(rows, k)
     y = avx2.block_gemm(x, linear.weight, linear.scales_offsets)
     if rows >= 32:

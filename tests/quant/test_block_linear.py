@@ -3,6 +3,8 @@ rounded as the kernels round them), the packing round trip, and mixed-format con
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -25,15 +27,20 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
-def random_blocks(n: int, k: int, bits: int, group: int, seed: int = 0, fp16: bool = False) -> BlockWeights:
-    """Random blocks; ``fp16``: scales and offsets on fp16's grid (as Q4_0 / Q4_1 / Q8_0 store them)."""
+def random_blocks(
+    n: int, k: int, bits: int, group: int, seed: int = 0, fp16: bool = False, center: int | None = None
+) -> BlockWeights:
+    """Random blocks; ``fp16``: scales and offsets on fp16's grid (as Q4_0 / Q4_1 / Q8_0 store them);
+    ``center``: symmetric, values 0 .. 2 center - 1 and every offset -center x scale (as Q4_0, Q6_K store them)."""
     g = torch.Generator().manual_seed(seed)
-    u = torch.randint(0, 2**bits, (n, k), generator=g, dtype=torch.uint8)
+    u = torch.randint(0, 2 * center if center else 2**bits, (n, k), generator=g, dtype=torch.uint8)
     scale = torch.rand(n, k // group, generator=g) * 0.01 + 0.001
     offset = -(2 ** (bits - 1)) * scale * (1 + 0.1 * torch.randn(n, k // group, generator=g))
     if fp16:
         scale, offset = scale.half().float(), offset.half().float()
-    return BlockWeights(u, scale, offset, group, bits, (f"test{bits}",))
+    if center:
+        offset = -center * scale
+    return BlockWeights(u, scale, offset, group, bits, (f"test{bits}",), center)
 
 
 def level_blocks(n: int, k: int, seed: int = 0, fp16: bool = False, formats=("IQ4_NL",)) -> BlockWeights:
@@ -197,6 +204,71 @@ def test_level_gemm_equals_the_rounded_activation_oracle(rows):
     embedding = BlockEmbedding(module, torch.float32)
     ids = torch.tensor([0, 63, 5])
     assert torch.equal(embedding(ids), module.dequantize()[ids])
+
+
+# (bits, group, center): Q4_0, Q5_0, Q8_0, Q6_K (bytes moved to center 128), Q3_K-like
+SYMMETRIC = [(4, 32, 8), (5, 32, 16), (8, 32, 128), (8, 16, 32), (8, 16, 4)]
+
+
+@pytest.mark.parametrize(("bits", "group", "center"), SYMMETRIC)
+def test_symmetric_weights_keep_their_scales_alone(bits, group, center):
+    blocks = random_blocks(48, 128, bits, group, fp16=True, center=center)
+    module = BlockLinear(blocks)
+    assert module.scales_offsets.shape[2] == 1 and module.scales_offsets.dtype == torch.float16
+    assert module.bits_per_weight == bits + 16 / group
+    assert torch.equal(module.dequantize(), blocks.dequantize())
+    rows = torch.tensor([0, 17, 47, 17])
+    assert torch.equal(module.dequantize_rows(rows), blocks.dequantize()[rows])
+    assert torch.equal(BlockLinear(blocks.row_parts(16)).weight, module.weight)
+
+
+def test_scales_alone_only_where_every_offset_is_minus_center_times_scale():
+    blocks = random_blocks(32, 64, 4, 32, center=8)
+    other = random_blocks(32, 64, 4, 32)
+    assert BlockLinear(BlockWeights.concat([blocks, other])).scales_offsets.shape[2] == 2
+    nibbles_off_center = random_blocks(32, 64, 4, 32, center=4)  # nibble values sit at 8, not moved
+    assert BlockLinear(nibbles_off_center).scales_offsets.shape[2] == 2
+    blocks.offset[3, 1] *= 1.5
+    with pytest.raises(ValueError, match="not -8 x scale"):
+        BlockLinear(blocks)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("bits", "group", "center"), [*SYMMETRIC, ("levels", 32, 128)])
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_symmetric_gemm_equals_the_rounded_activation_oracle(bits, group, center, rows):
+    torch.manual_seed(rows)
+    if bits == "levels":
+        blocks = level_blocks(64, 256, seed=rows)
+        blocks.center = 128
+    else:
+        blocks = random_blocks(64, 256, bits, group, seed=rows, center=center)
+    bias = torch.randn(64)
+    module = BlockLinear(blocks, bias)
+    assert module.scales_offsets.shape[2] == 1
+    x = torch.randn(rows, 256)
+    kernels = kernel_ops.cpu.load()
+    floats = 0 < kernels.block_float_gemm_min_rows(64, 256) <= rows
+    inputs = x.double() if floats else round_activations(x).double()
+    expected = inputs @ blocks.dequantize().double().T + bias.double()
+    got = module(x)
+    tolerance = dict(rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    torch.testing.assert_close(got.double(), expected, **tolerance)
+    dequantized = kernels.block_dequant(module.weight, module.scales_offsets, 256)
+    torch.testing.assert_close(dequantized, blocks.dequantize(), rtol=1e-6, atol=1e-7)
+    if not floats:
+        reference = kernels.block_gemm_reference(x, module.weight, module.scales_offsets) + bias
+        torch.testing.assert_close(got, reference, **tolerance)
+    ids = torch.tensor([0, 63, 5])
+    assert torch.equal(BlockEmbedding(module, torch.float32)(ids), module.dequantize()[ids])
+    # the offsets the kernels derive are the ones they would have read: the same bits as with both kept, where
+    # the values stay where they are (bytes moved to center 128 change the float sums' rounding only)
+    both = BlockLinear(dataclasses.replace(blocks, center=None), bias)
+    assert both.scales_offsets.shape[2] == 2
+    if center in (8, 16, 128):
+        assert torch.equal(both(x), got)
+    else:
+        torch.testing.assert_close(both(x), got, rtol=1e-6, atol=1e-6 * got.abs().max().item())
 
 
 @needs_kernels

@@ -32,13 +32,15 @@ namespace {
 
 #ifdef MCP_INT4_VNNI
 // R rows x C column tiles of 16, groups of G. wp: the first tile's packed weights (K/4 vectors of 64 bytes, the
-// next tile tile_bytes further); so: per group the tile's 16 scales, then its 16 offsets; xq: R rows of K int8;
+// next tile tile_bytes further); so: per group the tile's 16 scales, then its 16 offsets (P = 2; P = 1: no
+// offsets, each -128 x its scale); xq: R rows of K int8;
 // dx: (row, 32-block) steps; dxs: (row, group) dx * sum(xq). out: R rows of stride N at the tile's first column.
 template <int R, int C, int G, typename S, typename O>
-void block_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx, const float* dxs,
+void block_tile(const uint8_t* wp, const S* so, int64_t P, const int8_t* xq, const float* dx, const float* dxs,
                 int64_t K, const float* bias, O* out, int64_t N, bool stream) {
   constexpr int kVectors = G / 4;  // 64-byte vectors per group
-  const int64_t ngrp = K / G, nblk = K / 32, tile_bytes = (K / 4) * 64, tile_scales = ngrp * 2 * kColTile;
+  const int64_t ngrp = K / G, nblk = K / 32, tile_bytes = (K / 4) * 64, tile_scales = ngrp * P * kColTile;
+  const __m512 neg_center = _mm512_set1_ps(-value_center(8));
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -60,8 +62,9 @@ void block_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* d
     }
     const int64_t blk = g * G / 32;
     for (int c = 0; c < C; ++c) {
-      const __m512 s = load16(so + c * tile_scales + g * 2 * kColTile);
-      const __m512 o = load16(so + c * tile_scales + g * 2 * kColTile + kColTile);
+      const S* sg = so + c * tile_scales + g * P * kColTile;
+      const __m512 s = load16(sg);
+      const __m512 o = P == 2 ? load16(sg + kColTile) : _mm512_mul_ps(s, neg_center);
       for (int r = 0; r < R; ++r) {
         const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(dx[r * nblk + blk]));
         acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), scale, acc[r][c]);
@@ -73,33 +76,43 @@ void block_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* d
 }
 
 template <int C, int G, typename S, typename O>
-void block_rows(const uint8_t* wp, const S* so, const QuantizedRows& xr, const float* dxs, int64_t M,
+void block_rows(const uint8_t* wp, const S* so, int64_t P, const QuantizedRows& xr, const float* dxs, int64_t M,
                 int64_t K, const float* bias, O* out, int64_t N) {
   const int64_t nblk = K / 32, ngrp = K / G;
   for_row_tiles(M, [&](int64_t r0, auto rows) {
-    block_tile<decltype(rows)::value, C, G, S, O>(wp, so, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
+    block_tile<decltype(rows)::value, C, G, S, O>(wp, so, P, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
                                                dxs + r0 * ngrp, K, bias, out + r0 * N, N, M <= kGemmRows);
   });
 }
 
 template <int G, typename S, typename O>
-void block_gemm_run(const QuantizedRows& xr, const float* dxs, const uint8_t* w, const S* s, int64_t M,
+void block_gemm_run(const QuantizedRows& xr, const float* dxs, const uint8_t* w, const S* s, int64_t P, int64_t M,
                     int64_t K, const float* bias, O* out, int64_t N) {
-  const int64_t tiles = N / kColTile, tile_bytes = (K / 4) * 64, tile_scales = (K / G) * 2 * kColTile;
+  const int64_t tiles = N / kColTile, tile_bytes = (K / 4) * 64, tile_scales = (K / G) * P * kColTile;
   for_column_tiles(tiles, M, [&](int64_t t, bool pair) {
     const auto* wt = w + t * tile_bytes;
     const S* st = s + t * tile_scales;
     const float* bt = bias ? bias + t * kColTile : nullptr;
     if (pair)
-      block_rows<2, G, S, O>(wt, st, xr, dxs, M, K, bt, out + t * kColTile, N);
+      block_rows<2, G, S, O>(wt, st, P, xr, dxs, M, K, bt, out + t * kColTile, N);
     else
-      block_rows<1, G, S, O>(wt, st, xr, dxs, M, K, bt, out + t * kColTile, N);
+      block_rows<1, G, S, O>(wt, st, P, xr, dxs, M, K, bt, out + t * kColTile, N);
   });
 }
 #endif
 
 // The "bits" of the level layout: nibbles that index kLevelValues (the values are bytes).
 constexpr int kLevelNibbles = 16;
+
+// Parts of so per group: (N/16, K/G, 2, 16) scales and offsets, or (N/16, K/G, 1, 16) scales alone (offsets
+// -value_center x scale), fp32 or fp16.
+inline int64_t scale_parts(const torch::Tensor& so, const torch::Tensor& wp) {
+  TORCH_CHECK((so.scalar_type() == torch::kFloat || so.scalar_type() == torch::kHalf) && so.is_contiguous() &&
+                  so.dim() == 4 && so.size(0) == wp.size(0) && (so.size(2) == 1 || so.size(2) == 2) &&
+                  so.size(3) == kColTile,
+              "so must be (N/16, K/G, 2, 16) scales and offsets or (N/16, K/G, 1, 16) scales, fp32 or fp16");
+  return so.size(2);
+}
 
 // The values' width from the packed layout: nibbles (N/16, K/8, 64), 5-bit (N/16, K/8, 80), bytes (N/16, K/4, 64);
 // kLevelNibbles: int8 (N/16, K/8, 64).
@@ -152,19 +165,20 @@ inline int32_t stored_value(const uint8_t* w, int bits, int64_t n, int64_t k, in
 }
 
 template <typename S>
-void scalar_gemm(const uint8_t* w, const S* so, int bits, int64_t G, const QuantizedRows& xr,
+void scalar_gemm(const uint8_t* w, const S* so, int64_t P, int bits, int64_t G, const QuantizedRows& xr,
                  const GroupSums& gs, int64_t M, int64_t K, int64_t N, float* out) {
   const int64_t ngrp = K / G, nblk = K / 32;
+  const float neg_center = -value_center(bits);
   team::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-      const S* st = so + (n / kColTile) * ngrp * 2 * kColTile + n % kColTile;
+      const S* st = so + (n / kColTile) * ngrp * P * kColTile + n % kColTile;
       for (int64_t r = 0; r < M; ++r) {
         float acc = 0.f;
         for (int64_t g = 0; g < ngrp; ++g) {
           int32_t dot = 0;
           for (int64_t k = g * G; k < (g + 1) * G; ++k) dot += stored_value(w, bits, n, k, K) * xr.q[r * K + k];
-          const float scale = static_cast<float>(st[g * 2 * kColTile]);
-          const float offset = static_cast<float>(st[g * 2 * kColTile + kColTile]);
+          const float scale = static_cast<float>(st[g * P * kColTile]);
+          const float offset = P == 2 ? static_cast<float>(st[g * P * kColTile + kColTile]) : neg_center * scale;
           acc += static_cast<float>(dot) * (scale * xr.scale[r * nblk + g * G / 32]) + offset * gs.dxs[r * ngrp + g];
         }
         out[r * N + n] = acc;
@@ -175,15 +189,23 @@ void scalar_gemm(const uint8_t* w, const S* so, int bits, int64_t G, const Quant
 
 // The whole weight as fp32 (N, K): scale * u + offset, tile by tile (reads the packed bytes in order).
 template <typename S>
-void dequantize_tiles(const uint8_t* w, const S* so, int bits, int64_t G, int64_t K, int64_t N, float* out) {
+void dequantize_tiles(const uint8_t* w, const S* so, int64_t P, int bits, int64_t G, int64_t K, int64_t N,
+                      float* out) {
   const int64_t ngrp = K / G;
+  const float neg_center = -value_center(bits);
+  // (scale, offset) of column n's group g, from a pointer to the tile's column n
+  auto group = [&](const S* sc, int64_t g) {
+    const float scale = static_cast<float>(sc[g * P * kColTile]);
+    return std::make_pair(scale, P == 2 ? static_cast<float>(sc[g * P * kColTile + kColTile]) : neg_center * scale);
+  };
   if (bits == 5) {  // not on a hot path of VNNI CPUs; the value lookup is the scalar GEMM's
     team::parallel_for(0, N, kColTile, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
-        const S* st = so + (n / kColTile) * ngrp * 2 * kColTile + n % kColTile;
-        for (int64_t k = 0; k < K; ++k)
-          out[n * K + k] = static_cast<float>(st[(k / G) * 2 * kColTile]) * static_cast<float>(stored_value(w, 5, n, k, K)) +
-                           static_cast<float>(st[(k / G) * 2 * kColTile + kColTile]);
+        const S* st = so + (n / kColTile) * ngrp * P * kColTile + n % kColTile;
+        for (int64_t k = 0; k < K; ++k) {
+          const auto [scale, offset] = group(st, k / G);
+          out[n * K + k] = scale * static_cast<float>(stored_value(w, 5, n, k, K)) + offset;
+        }
       }
     });
     return;
@@ -192,22 +214,20 @@ void dequantize_tiles(const uint8_t* w, const S* so, int bits, int64_t G, int64_
   team::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* wt = w + t * vectors * 64;
-      const S* st = so + t * ngrp * 2 * kColTile;
+      const S* st = so + t * ngrp * P * kColTile;
       for (int64_t j = 0; j < vectors; ++j)
         for (int64_t c = 0; c < kColTile; ++c) {
           float* row = out + (t * kColTile + c) * K;
           for (int64_t e = 0; e < 4; ++e) {
             const uint8_t byte = wt[j * 64 + 4 * c + e];
             const int64_t k = j * per_vector + e;
-            const S* sg = st + (k / G) * 2 * kColTile + c;
-            const float s0 = static_cast<float>(sg[0]), o0 = static_cast<float>(sg[kColTile]);
+            const auto [s0, o0] = group(st + c, k / G);
             if (bits != 8) {
-              const S* sh = st + ((k + 4) / G) * 2 * kColTile + c;
+              const auto [s1, o1] = group(st + c, (k + 4) / G);
               const int lo = byte & 0x0F, hi = byte >> 4;
               const bool levels = bits == kLevelNibbles;
               row[k] = s0 * static_cast<float>(levels ? kLevelValues[lo] : lo) + o0;
-              row[k + 4] = static_cast<float>(sh[0]) * static_cast<float>(levels ? kLevelValues[hi] : hi) +
-                           static_cast<float>(sh[kColTile]);
+              row[k + 4] = s1 * static_cast<float>(levels ? kLevelValues[hi] : hi) + o1;
             } else {
               row[k] = s0 * static_cast<float>(byte) + o0;
             }
@@ -239,7 +259,7 @@ inline __m256i fifth_bits(uint32_t m) {
 }
 
 template <int R, int BITS, int G, typename S>
-void avx2_half(const uint8_t* wt, const S* st, const QuantizedRows& xr, const GroupSums& gs, int64_t r0,
+void avx2_half(const uint8_t* wt, const S* st, int64_t P, const QuantizedRows& xr, const GroupSums& gs, int64_t r0,
                int h, int64_t K, float* out, int64_t N) {
   constexpr int kPerVector = BITS == 8 ? 4 : 8, kVectors = G / kPerVector, kVectorBytes = BITS == 5 ? 80 : 64;
   // bytes, and level indices looked up as bytes: signed q = u - 128 in maddubs, 128 x sum(xq) added back
@@ -248,6 +268,7 @@ void avx2_half(const uint8_t* wt, const S* st, const QuantizedRows& xr, const Gr
   const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(-128);
   const __m256i levels =
       _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kLevelValues)));
+  const __m256 neg_center = _mm256_set1_ps(-value_center(BITS));
   const int8_t* xrow[R];
   for (int r = 0; r < R; ++r) xrow[r] = xr.q.data() + (r0 + r) * K;
   __m256 acc[R];
@@ -292,8 +313,8 @@ void avx2_half(const uint8_t* wt, const S* st, const QuantizedRows& xr, const Gr
         }
       }
     }
-    const S* sg = st + g * 2 * kColTile + 8 * h;
-    const __m256 s = load8(sg), o = load8(sg + kColTile);
+    const S* sg = st + g * P * kColTile + 8 * h;
+    const __m256 s = load8(sg), o = P == 2 ? load8(sg + kColTile) : _mm256_mul_ps(s, neg_center);
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
       __m256i d = dot[r];
@@ -307,16 +328,16 @@ void avx2_half(const uint8_t* wt, const S* st, const QuantizedRows& xr, const Gr
 }
 
 template <int BITS, int G, typename S>
-void avx2_gemm(const uint8_t* w, const S* so, const QuantizedRows& xr, const GroupSums& gs, int64_t M,
+void avx2_gemm(const uint8_t* w, const S* so, int64_t P, const QuantizedRows& xr, const GroupSums& gs, int64_t M,
                int64_t K, int64_t N, float* out) {
   const int64_t tile_bytes = BITS == 8 ? (K / 4) * 64 : (K / 8) * (BITS == 5 ? 80 : 64);  // levels: nibbles
-  const int64_t tile_scales = (K / G) * 2 * kColTile;
+  const int64_t tile_scales = (K / G) * P * kColTile;
   team::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int h = 0; h < 2; ++h)
         for_row_tiles(M, [&](int64_t r0, auto rows) {
-          avx2_half<decltype(rows)::value, BITS, G, S>(w + t * tile_bytes, so + t * tile_scales, xr, gs, r0, h, K,
-                                                    out + t * kColTile, N);
+          avx2_half<decltype(rows)::value, BITS, G, S>(w + t * tile_bytes, so + t * tile_scales, P, xr, gs, r0, h,
+                                                    K, out + t * kColTile, N);
         });
   });
 }
@@ -339,9 +360,7 @@ torch::Tensor block_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, c
   const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * kColTile;
   TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
   const int bits = packed_bits(wp, K);
-  TORCH_CHECK((so.scalar_type() == torch::kFloat || so.scalar_type() == torch::kHalf) && so.is_contiguous() &&
-                  so.dim() == 4 && so.size(0) == wp.size(0) && so.size(2) == 2 && so.size(3) == kColTile,
-              "so must be (N/16, K/G, 2, 16) fp32 or fp16");
+  const int64_t P = scale_parts(so, wp);
   const int64_t G = K / so.size(1);
   TORCH_CHECK(so.size(1) * G == K && (G == 32 || (G == 16 && bits == 8)),
               "groups must be 32 weights (or 16 with byte values)");
@@ -356,7 +375,7 @@ torch::Tensor block_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, c
     if (!buffer.defined() || buffer.numel() < N * K) buffer = torch::empty({N * K}, x.options());
     auto w = buffer.narrow(0, 0, N * K).view({N, K});
     with_scales(so, [&](const auto* s) {
-      dequantize_tiles(static_cast<const uint8_t*>(wp.data_ptr()), s, bits, G, K, N, w.data_ptr<float>());
+      dequantize_tiles(static_cast<const uint8_t*>(wp.data_ptr()), s, P, bits, G, K, N, w.data_ptr<float>());
     });
     auto out = at::matmul(x, w.t());
     return bias.has_value() ? out.add_(*bias) : out;
@@ -377,10 +396,10 @@ torch::Tensor block_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, c
       using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
       using O = std::remove_pointer_t<decltype(op)>;
       if (G == 32) {
-        block_gemm_run<32, S, O>(xr, xr.sum.data(), w, s, M, K, bp, op, N);
+        block_gemm_run<32, S, O>(xr, xr.sum.data(), w, s, P, M, K, bp, op, N);
       } else {
         const GroupSums gs = group_sums(xr, M, K, 16);
-        block_gemm_run<16, S, O>(xr, gs.dxs.data(), w, s, M, K, bp, op, N);
+        block_gemm_run<16, S, O>(xr, gs.dxs.data(), w, s, P, M, K, bp, op, N);
       }
     });
   });
@@ -393,17 +412,17 @@ torch::Tensor block_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, c
     const GroupSums gs = group_sums(xr, M, K, G);
 #if defined(__AVX2__) && defined(__FMA__)
     if (bits == 4)
-      avx2_gemm<4, 32, S>(w, s, xr, gs, M, K, N, op);
+      avx2_gemm<4, 32, S>(w, s, P, xr, gs, M, K, N, op);
     else if (bits == kLevelNibbles)
-      avx2_gemm<kLevelNibbles, 32, S>(w, s, xr, gs, M, K, N, op);
+      avx2_gemm<kLevelNibbles, 32, S>(w, s, P, xr, gs, M, K, N, op);
     else if (bits == 5)
-      avx2_gemm<5, 32, S>(w, s, xr, gs, M, K, N, op);
+      avx2_gemm<5, 32, S>(w, s, P, xr, gs, M, K, N, op);
     else if (G == 32)
-      avx2_gemm<8, 32, S>(w, s, xr, gs, M, K, N, op);
+      avx2_gemm<8, 32, S>(w, s, P, xr, gs, M, K, N, op);
     else
-      avx2_gemm<8, 16, S>(w, s, xr, gs, M, K, N, op);
+      avx2_gemm<8, 16, S>(w, s, P, xr, gs, M, K, N, op);
 #else
-    scalar_gemm(w, s, bits, G, xr, gs, M, K, N, op);
+    scalar_gemm(w, s, P, bits, G, xr, gs, M, K, N, op);
 #endif
   });
   if (bias.has_value()) out.add_(*bias);
@@ -424,9 +443,10 @@ int64_t block_float_gemm_min_rows(int64_t n, int64_t k) {
 torch::Tensor block_dequant(const torch::Tensor& wp, const torch::Tensor& so, int64_t K) {
   const int64_t N = wp.size(0) * kColTile;
   const int bits = packed_bits(wp, K);
+  const int64_t P = scale_parts(so, wp);
   auto out = torch::empty({N, K}, so.options().dtype(torch::kFloat));
   with_scales(so, [&](const auto* s) {
-    dequantize_tiles(static_cast<const uint8_t*>(wp.data_ptr()), s, bits, K / so.size(1), K, N,
+    dequantize_tiles(static_cast<const uint8_t*>(wp.data_ptr()), s, P, bits, K / so.size(1), K, N,
                      out.data_ptr<float>());
   });
   return out;
@@ -436,12 +456,13 @@ torch::Tensor block_dequant(const torch::Tensor& wp, const torch::Tensor& so, in
 torch::Tensor block_gemm_reference(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so) {
   const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * kColTile;
   const int bits = packed_bits(wp, K);
+  const int64_t P = scale_parts(so, wp);
   const int64_t G = K / so.size(1);
   const auto xc = x.contiguous().to(torch::kFloat);
   const QuantizedRows xr = quantize_rows<float>(xc.data_ptr<float>(), M, K);
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   with_scales(so, [&](const auto* s) {
-    scalar_gemm(static_cast<const uint8_t*>(wp.data_ptr()), s, bits, G, xr, group_sums(xr, M, K, G), M, K, N,
+    scalar_gemm(static_cast<const uint8_t*>(wp.data_ptr()), s, P, bits, G, xr, group_sums(xr, M, K, G), M, K, N,
                 out.data_ptr<float>());
   });
   return out;
@@ -450,9 +471,7 @@ torch::Tensor block_gemm_reference(const torch::Tensor& x, const torch::Tensor& 
 // Rows ids of a block weight as fp32 (T, K): scale * u + offset, the product rounded before the add, as
 // BlockLinear.dequantize_rows computes it (a token embedding reads its table this way: one row a decode step).
 torch::Tensor block_weight_rows(const torch::Tensor& wp, const torch::Tensor& so, int64_t K, const torch::Tensor& ids) {
-  TORCH_CHECK((so.scalar_type() == torch::kFloat || so.scalar_type() == torch::kHalf) && so.is_contiguous() &&
-                  so.dim() == 4 && so.size(0) == wp.size(0) && so.size(2) == 2 && so.size(3) == kColTile,
-              "so must be (N/16, K/G, 2, 16) fp32 or fp16");
+  const int64_t P = scale_parts(so, wp);
   TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1, "ids must be a 1-D int64 tensor");
   const int64_t N = wp.size(0) * kColTile, ngrp = so.size(1);
   TORCH_CHECK(K % ngrp == 0, "K does not match so");
@@ -470,9 +489,10 @@ torch::Tensor block_weight_rows(const torch::Tensor& wp, const torch::Tensor& so
     for (int64_t r = 0; r < T; ++r) {
       const int64_t n = id[r], t = n / kColTile, c = n % kColTile;
       for (int64_t k = 0; k < K; ++k) {
-        const auto* sg = s + ((t * ngrp + k / G) * 2) * kColTile + c;
-        const float u = static_cast<float>(stored_value(w, bits, n, k, K));
-        op[r * K + k] = mul_rounded(u, static_cast<float>(sg[0])) + static_cast<float>(sg[kColTile]);
+        const auto* sg = s + ((t * ngrp + k / G) * P) * kColTile + c;
+        const float u = static_cast<float>(stored_value(w, bits, n, k, K)), scale = static_cast<float>(sg[0]);
+        const float offset = P == 2 ? static_cast<float>(sg[kColTile]) : -value_center(bits) * scale;
+        op[r * K + k] = mul_rounded(u, scale) + offset;
       }
     }
   });

@@ -67,6 +67,10 @@ torch::Tensor int4_dequant(const torch::Tensor& qs, const torch::Tensor& sz, boo
 // typed int8 holds 4-bit indices into this table where a uint8 one holds the 4-bit values themselves.
 inline constexpr uint8_t kLevelValues[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
+// Block weights' scales and offsets come per (tile, group) as the 16 columns' scales then their offsets (2 parts),
+// or as the scales alone (1 part) where every offset is -center x scale, center the middle of the layout's values.
+inline float value_center(int bits) { return bits == 4 ? 8.f : bits == 5 ? 16.f : 128.f; }
+
 // int4_gemm.cpp
 bool vnni_gemm_available();
 std::vector<torch::Tensor> int4_gemm_pack(const torch::Tensor& qs, const torch::Tensor& sz);

@@ -25,13 +25,14 @@ namespace {
 // (row, block) scales and dx * sum(xq). out: R rows of stride N at the tile's first column. VB = 80: the block
 // GEMM's 5-bit layout (block_gemm.cpp), each vector's nibbles followed by two 64-bit masks of fifth bits, added
 // to the nibbles with one masked byte add each. L: the nibbles index kLevelValues (IQ4), looked up with one
-// byte shuffle each.
+// byte shuffle each. P: parts of so per group (2: scales, offsets; 1: scales, offsets -center x scale).
 template <int R, int C, int VB, bool L, typename S, typename O>
-void gemm_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx, const float* dxs,
+void gemm_tile(const uint8_t* wp, const S* so, int64_t P, const int8_t* xq, const float* dx, const float* dxs,
                int64_t K, const float* bias, O* out, int64_t N, bool stream) {
   static_assert(VB == 64 || VB == 80, "nibble vectors, or nibbles and their fifth bits");
   static_assert(!L || VB == 64, "level indices are plain nibbles");
-  const int64_t nblk = K / 32, tile_bytes = (K / 8) * VB, tile_scales = nblk * 2 * kColTile;
+  const int64_t nblk = K / 32, tile_bytes = (K / 8) * VB, tile_scales = nblk * P * kColTile;
+  const __m512 neg_center = _mm512_set1_ps(-value_center(L ? 8 : VB == 80 ? 5 : 4));
   const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   const __m512i levels = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kLevelValues)));
   __m512 acc[R][C];
@@ -71,8 +72,9 @@ void gemm_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx
       }
     }
     for (int c = 0; c < C; ++c) {
-      const __m512 s = load16(so + c * tile_scales + b * 2 * kColTile);
-      const __m512 o = load16(so + c * tile_scales + b * 2 * kColTile + kColTile);
+      const S* sg = so + c * tile_scales + b * P * kColTile;
+      const __m512 s = load16(sg);
+      const __m512 o = P == 2 ? load16(sg + kColTile) : _mm512_mul_ps(s, neg_center);
       for (int r = 0; r < R; ++r) {
         const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(dx[r * nblk + b]));
         acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), scale, acc[r][c]);
@@ -84,27 +86,27 @@ void gemm_tile(const uint8_t* wp, const S* so, const int8_t* xq, const float* dx
 }
 
 template <int C, int VB, bool L, typename S, typename O>
-void gemm_rows(const uint8_t* wp, const S* so, const QuantizedRows& xr, int64_t M, int64_t K, const float* bias,
-               O* out, int64_t N) {
+void gemm_rows(const uint8_t* wp, const S* so, int64_t P, const QuantizedRows& xr, int64_t M, int64_t K,
+               const float* bias, O* out, int64_t N) {
   const int64_t nblk = K / 32;
   for_row_tiles(M, [&](int64_t r0, auto rows) {
-    gemm_tile<decltype(rows)::value, C, VB, L, S, O>(wp, so, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
+    gemm_tile<decltype(rows)::value, C, VB, L, S, O>(wp, so, P, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
                                             xr.sum.data() + r0 * nblk, K, bias, out + r0 * N, N, M <= kGemmRows);
   });
 }
 
 template <int VB, bool L, typename S, typename O>
-void gemm_columns(const uint8_t* w, const S* s, const QuantizedRows& xr, int64_t M, int64_t K, const float* bias,
-                  O* out, int64_t N) {
-  const int64_t tiles = N / kColTile, tile_bytes = (K / 8) * VB, tile_scales = (K / 32) * 2 * kColTile;
+void gemm_columns(const uint8_t* w, const S* s, int64_t P, const QuantizedRows& xr, int64_t M, int64_t K,
+                  const float* bias, O* out, int64_t N) {
+  const int64_t tiles = N / kColTile, tile_bytes = (K / 8) * VB, tile_scales = (K / 32) * P * kColTile;
   for_column_tiles(tiles, M, [&](int64_t t, bool pair) {
     const uint8_t* wt = w + t * tile_bytes;
     const S* st = s + t * tile_scales;
     const float* bt = bias ? bias + t * kColTile : nullptr;
     if (pair)
-      gemm_rows<2, VB, L>(wt, st, xr, M, K, bt, out + t * kColTile, N);
+      gemm_rows<2, VB, L>(wt, st, P, xr, M, K, bt, out + t * kColTile, N);
     else
-      gemm_rows<1, VB, L>(wt, st, xr, M, K, bt, out + t * kColTile, N);
+      gemm_rows<1, VB, L>(wt, st, P, xr, M, K, bt, out + t * kColTile, N);
   });
 }
 #endif
@@ -174,9 +176,10 @@ torch::Tensor int4_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, co
                   wp.size(1) * 8 == K && (wp.size(2) == 64 || (wp.size(2) == 80 && !levels)),
               "wp must be int4_gemm_pack's (N/16, K/8, 64) uint8 for this K (or the block GEMM's 5-bit (N/16, K/8, 80), "
               "or its int8 level indices (N/16, K/8, 64))");
+  const int64_t P = so.numel() == N * (K / 32) ? 1 : 2;  // 1: scales alone, offsets -8 (-16, -128) x scale
   TORCH_CHECK((so.scalar_type() == torch::kFloat || so.scalar_type() == torch::kHalf) && so.is_contiguous() &&
-                  so.numel() == N * (K / 32) * 2,
-              "so must be (N/16, K/32, 2, 16) fp32 (int4_gemm_pack's) or fp16");
+                  so.numel() == N * (K / 32) * P,
+              "so must be (N/16, K/32, 2, 16) fp32 (int4_gemm_pack's) or fp16, or (N/16, K/32, 1, 16)");
 #ifdef MCP_INT4_VNNI
   const auto xc = x.contiguous();
   QuantizedRows& xr = thread_rows();
@@ -191,11 +194,11 @@ torch::Tensor int4_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, co
   with_output(out, [&](auto* op) {
     with_scales(so, [&](const auto* s) {
       if (fifth)
-        gemm_columns<80, false>(w, s, xr, M, K, bp, op, N);
+        gemm_columns<80, false>(w, s, P, xr, M, K, bp, op, N);
       else if (levels)
-        gemm_columns<64, true>(w, s, xr, M, K, bp, op, N);
+        gemm_columns<64, true>(w, s, P, xr, M, K, bp, op, N);
       else
-        gemm_columns<64, false>(w, s, xr, M, K, bp, op, N);
+        gemm_columns<64, false>(w, s, P, xr, M, K, bp, op, N);
     });
   });
   return out;

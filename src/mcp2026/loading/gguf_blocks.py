@@ -154,22 +154,23 @@ class BlockFormat:
     # format in groups of 16 takes, as the nibble kernels read groups of 32)
     bits: int
     read: Callable[[np.ndarray], Parts]
+    center: int | None = None  # symmetric formats: every offset is -center x scale (BlockWeights.center)
 
 
 # ggml type name -> how to read it. Types not here (IQ1-IQ3, TQ*: codebook grids) have no exact kernel form yet.
 BLOCK_FORMATS: dict[str, BlockFormat] = {
-    "Q4_0": BlockFormat(18, 32, 4, _q4_0),
+    "Q4_0": BlockFormat(18, 32, 4, _q4_0, center=8),
     "Q4_1": BlockFormat(20, 32, 4, _q4_1),
-    "Q5_0": BlockFormat(22, 32, 5, _q5_0),
+    "Q5_0": BlockFormat(22, 32, 5, _q5_0, center=16),
     "Q5_1": BlockFormat(24, 32, 5, _q5_1),
-    "Q8_0": BlockFormat(34, 32, 8, _q8_0),
+    "Q8_0": BlockFormat(34, 32, 8, _q8_0, center=128),
     "Q4_K": BlockFormat(144, 32, 4, _q4_k),
     "Q5_K": BlockFormat(176, 32, 5, _q5_k),
-    "Q6_K": BlockFormat(210, 16, 8, _q6_k),
+    "Q6_K": BlockFormat(210, 16, 8, _q6_k, center=32),
     "Q2_K": BlockFormat(84, 16, 8, _q2_k),
-    "Q3_K": BlockFormat(110, 16, 8, _q3_k),
-    "IQ4_NL": BlockFormat(18, 32, 8, _iq4_nl),
-    "IQ4_XS": BlockFormat(136, 32, 8, _iq4_xs),
+    "Q3_K": BlockFormat(110, 16, 8, _q3_k, center=4),
+    "IQ4_NL": BlockFormat(18, 32, 8, _iq4_nl, center=128),
+    "IQ4_XS": BlockFormat(136, 32, 8, _iq4_xs, center=128),
 }
 
 
@@ -185,7 +186,13 @@ def read_blocks(raw: np.ndarray, type_name: str) -> BlockWeights:
 
     groups = k // fmt.group_size
     return BlockWeights(
-        tensor(u, k), tensor(scale, groups), tensor(offset, groups), fmt.group_size, fmt.bits, (type_name,)
+        tensor(u, k),
+        tensor(scale, groups),
+        tensor(offset, groups),
+        fmt.group_size,
+        fmt.bits,
+        (type_name,),
+        fmt.center,
     )
 
 
@@ -198,4 +205,4 @@ def read_block_rows(
     fmt = BLOCK_FORMATS[type_name]
     n, step = shape[0], rows or block_linear.PACK_ROWS
     parts = (read_blocks(read_rows(a, min(a + step, n)), type_name) for a in range(0, n, step))
-    return RowParts(shape, fmt.group_size, fmt.bits, (type_name,), parts)
+    return RowParts(shape, fmt.group_size, fmt.bits, (type_name,), parts, fmt.center)

@@ -32,7 +32,9 @@ class BlockWeights:
     """An (N, K) weight as ``scale * u + offset`` per group of ``group_size`` along K.
 
     u: (N, K) uint8; scale, offset: (N, K / group_size) fp32; bits: the widest value u holds (4, 5 or 8, which
-    picks the packed layout); formats: the stored types it came from (for reports)."""
+    picks the packed layout); formats: the stored types it came from (for reports); center: set where every
+    offset is -center x scale (the symmetric formats: Q4_0, Q5_0, Q8_0, Q3_K, Q6_K, IQ4), so the packing keeps
+    the scales alone."""
 
     u: Tensor
     scale: Tensor
@@ -40,6 +42,7 @@ class BlockWeights:
     group_size: int
     bits: int
     formats: tuple[str, ...]
+    center: int | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -57,13 +60,25 @@ class BlockWeights:
             return torch.index_select(t, 0, index)
 
         return BlockWeights(
-            take(self.u), take(self.scale), take(self.offset), self.group_size, self.bits, self.formats
+            take(self.u),
+            take(self.scale),
+            take(self.offset),
+            self.group_size,
+            self.bits,
+            self.formats,
+            self.center,
         )
 
     def scaled(self, factor: float) -> BlockWeights:
         """The weight times ``factor`` (scale and offset scaled; u unchanged)."""
         return BlockWeights(
-            self.u, self.scale * factor, self.offset * factor, self.group_size, self.bits, self.formats
+            self.u,
+            self.scale * factor,
+            self.offset * factor,
+            self.group_size,
+            self.bits,
+            self.formats,
+            self.center,
         )
 
     def regrouped(self, group_size: int) -> BlockWeights:
@@ -78,6 +93,7 @@ class BlockWeights:
             group_size,
             self.bits,
             self.formats,
+            self.center,
         )
 
     def row_parts(self, rows: int | None = None) -> RowParts:
@@ -91,10 +107,11 @@ class BlockWeights:
             for a in range(0, n, step):
                 b = min(a + step, n)
                 yield BlockWeights(
-                    self.u[a:b], self.scale[a:b], self.offset[a:b], self.group_size, self.bits, self.formats
-                )
+                    self.u[a:b], self.scale[a:b], self.offset[a:b], self.group_size, self.bits, self.formats,
+                    self.center,
+                )  # fmt: skip
 
-        return RowParts(self.shape, self.group_size, self.bits, self.formats, parts())
+        return RowParts(self.shape, self.group_size, self.bits, self.formats, parts(), self.center)
 
     @staticmethod
     def concat(parts: Sequence[BlockWeights]) -> BlockWeights:
@@ -103,6 +120,7 @@ class BlockWeights:
         group = min(p.group_size for p in parts)
         parts = [p.regrouped(group) for p in parts]
         formats = tuple(dict.fromkeys(f for p in parts for f in p.formats))
+        centers = {p.center for p in parts}
         return BlockWeights(
             torch.cat([p.u for p in parts]),
             torch.cat([p.scale for p in parts]),
@@ -110,6 +128,7 @@ class BlockWeights:
             group,
             max(p.bits for p in parts),
             formats,
+            centers.pop() if len(centers) == 1 else None,
         )
 
 
@@ -134,13 +153,13 @@ class RowParts:
     bits: int
     formats: tuple[str, ...]
     parts: Iterable[BlockWeights]
+    center: int | None = None  # as BlockWeights.center, for every part
 
 
-def _tiles_fp32(scale: Tensor, offset: Tensor) -> Tensor:
-    n, groups = scale.shape
-    per_tile = [
-        t.float().reshape(n // COLUMN_TILE, COLUMN_TILE, groups).transpose(1, 2) for t in (scale, offset)
-    ]
+def _tiles_fp32(*per_group: Tensor) -> Tensor:
+    """(N, G) scales (and offsets) -> (N/16, G, parts, 16)."""
+    n, groups = per_group[0].shape
+    per_tile = [t.float().reshape(n // COLUMN_TILE, COLUMN_TILE, groups).transpose(1, 2) for t in per_group]
     return torch.stack(per_tile, dim=2).contiguous()
 
 
@@ -181,14 +200,32 @@ def pack_level_tiles(u: Tensor) -> Tensor:
     return pack_int4_tiles(torch.from_numpy(index)).view(torch.int8)
 
 
+def value_center(bits: int, levels: bool = False) -> int:
+    """The middle of a packed layout's values (kernels/cpu_kernels.h value_center): where a symmetric weight's
+    scales alone are kept, each offset is -value_center x its scale."""
+    return 128 if levels or bits == 8 else 2 ** (bits - 1)
+
+
+def keeps_scales_alone(weight: BlockWeights | RowParts, levels: bool = False) -> bool:
+    """Whether every offset is -center x scale with the values centered where the layout wants them: nibbles
+    and 5-bit values at 8 and 16 exactly; bytes anywhere (``pack_row_parts`` moves them to 128)."""
+    center = weight.center
+    return center is not None and (
+        center == value_center(weight.bits, levels) or (weight.bits == 8 and not levels)
+    )
+
+
 def pack_row_parts(weight: RowParts, levels: bool = False) -> tuple[Tensor, Tensor]:
     """The packed values and tiled scales and offsets (``tile_scales``) of a weight given part by part;
-    ``levels``: as indices into ``LEVEL_VALUES`` (``pack_level_tiles``)."""
+    ``levels``: as indices into ``LEVEL_VALUES`` (``pack_level_tiles``). A symmetric weight
+    (``keeps_scales_alone``) keeps its scales alone, (N/16, K/G, 1, 16), its byte values moved to center 128."""
     pack = (
         pack_level_tiles
         if levels
         else {4: pack_int4_tiles, 5: pack_int5_tiles}.get(weight.bits, pack_byte_tiles)
     )
+    alone = keeps_scales_alone(weight, levels)
+    shift = value_center(weight.bits, levels) - weight.center if alone else 0
     tiles = weight.shape[0] // COLUMN_TILE
     packed = scales = None
     done = 0
@@ -204,7 +241,14 @@ def pack_row_parts(weight: RowParts, levels: bool = False) -> tuple[Tensor, Tens
                 f"a part of {part.bits}-bit values in groups of {part.group_size} in a weight of "
                 f"{weight.bits}-bit values in groups of {weight.group_size}"
             )
-        values, part_scales = pack(part.u), _tiles_fp32(part.scale, part.offset)
+        if alone:
+            if not torch.equal(part.offset, -weight.center * part.scale):
+                raise ValueError(
+                    f"offsets that are not -{weight.center} x scale in a weight marked symmetric"
+                )
+            values, part_scales = pack(part.u + shift if shift else part.u), _tiles_fp32(part.scale)
+        else:
+            values, part_scales = pack(part.u), _tiles_fp32(part.scale, part.offset)
         if packed is None or scales is None:
             packed = torch.empty((tiles, *values.shape[1:]), dtype=values.dtype)
             scales = torch.empty((tiles, *part_scales.shape[1:]), dtype=part_scales.dtype)
@@ -297,8 +341,9 @@ class BlockLinear(nn.Module):
 
     @property
     def bits_per_weight(self) -> float:
-        """Stored bits per weight: the values plus the scale and offset of each group (fp16 or fp32)."""
-        return self.bits + 2 * 8 * self.scales_offsets.element_size() / self.group_size
+        """Stored bits per weight: the values plus the scale (and offset) of each group (fp16 or fp32)."""
+        parts = self.scales_offsets.shape[2]
+        return self.bits + parts * 8 * self.scales_offsets.element_size() / self.group_size
 
     @property
     def nbytes(self) -> int:
@@ -337,9 +382,11 @@ class BlockLinear(nn.Module):
             u = halves.reshape(t, self.in_features)
             if self.levels:
                 u = torch.tensor(LEVEL_VALUES, dtype=torch.uint8)[u.long()]
-        so = torch.index_select(self.scales_offsets, 0, tile)[picked, :, :, col].float()  # (T, G, 2)
+        so = torch.index_select(self.scales_offsets, 0, tile)[picked, :, :, col].float()  # (T, G, 1 or 2)
         g = self.group_size
-        w = u.float().view(t, -1, g) * so[..., 0:1] + so[..., 1:2]
+        scale = so[..., 0:1]
+        offset = so[..., 1:2] if so.shape[-1] == 2 else -value_center(self.bits, self.levels) * scale
+        w = u.float().view(t, -1, g) * scale + offset
         return w.view(t, self.in_features)
 
     def dequantize(self) -> Tensor:
