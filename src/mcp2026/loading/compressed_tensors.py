@@ -97,14 +97,18 @@ def _int_blocks(module: str, parts: Mapping[str, Tensor], scheme: Mapping[str, A
     scale = parts["weight_scale"].float()  # (N, G)
     group = k // scale.shape[1]
     zero_point = torch.zeros_like(scale)
-    if not scheme.get("symmetric", True):
+    symmetric = scheme.get("symmetric", True)
+    if not symmetric:
         zero_point = unpack_int32(parts["weight_zero_point"], bits, n, dim=0).float() - (1 << (bits - 1))
     offset = -((1 << (bits - 1)) + zero_point) * scale  # w = (q - zp) * s = s * u - (2^(B-1) + zp) * s
     if group % BLOCK:
         raise ModelLoadError(
             f"{module}: groups of {group} weights are not supported (a multiple of {BLOCK} is)"
         )
-    blocks = BlockWeights(u, scale, offset, group, bits, (f"int{bits}",))
+    # symmetric: every offset is -2^(B-1) x scale, so the packing keeps the scales alone
+    blocks = BlockWeights(
+        u, scale, offset, group, bits, (f"int{bits}",), 1 << (bits - 1) if symmetric else None
+    )
     return blocks.regrouped(BLOCK)
 
 

@@ -170,10 +170,11 @@ def _narrowed(tiled: Tensor) -> Tensor:
     return half if torch.equal(half.float(), tiled) else tiled
 
 
-def tile_scales(scale: Tensor, offset: Tensor) -> Tensor:
+def tile_scales(scale: Tensor, offset: Tensor | None = None) -> Tensor:
     """(N, G) scales and offsets -> (N/16, G, 2, 16): per (tile, group) the 16 rows' scales, then offsets; fp16
-    where that is exact, else fp32 (``_narrowed``)."""
-    return _narrowed(_tiles_fp32(scale, offset))
+    where that is exact, else fp32 (``_narrowed``). Without offsets (a symmetric weight: each -value_center x its
+    scale) (N/16, G, 1, 16)."""
+    return _narrowed(_tiles_fp32(scale) if offset is None else _tiles_fp32(scale, offset))
 
 
 # IQ4_NL's and IQ4_XS's 16 non-uniform levels (ggml's kvalues_iq4nl) plus 128: the bytes u of those formats. A

@@ -56,12 +56,13 @@ class Int8GroupLinear(QuantLinear):
         return self._output(kernels.block_gemm(x2, *self.gemm_weights(), self.bias), x, bias_added=True)
 
     def gemm_weights(self) -> tuple[Tensor, Tensor]:
-        """The block GEMM's (N/16, K/4, 64) byte tiles and (N/16, K/32, 2, 16) scales and offsets (fp16: exact)."""
+        """The block GEMM's (N/16, K/4, 64) byte tiles (q + 128) and (N/16, K/32, 1, 16) scales (fp16: exact):
+        symmetric, so the kernel takes each offset as -128 x its scale."""
         gemm = self.__dict__.get("_gemm")
         if gemm is None:
             u = (self.weight.to(torch.int16) + _OFFSET).to(torch.uint8).cpu()
             scale = self.scales.float().cpu()
-            gemm = self.__dict__["_gemm"] = (pack_byte_tiles(u), tile_scales(scale, -_OFFSET * scale))
+            gemm = self.__dict__["_gemm"] = (pack_byte_tiles(u), tile_scales(scale))
         return gemm
 
     def _load_from_state_dict(self, *args, **kwargs):  # new weights: repack on next use
