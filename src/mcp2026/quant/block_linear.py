@@ -315,8 +315,8 @@ class BlockLinear(nn.Module):
 
     ``weight`` is the packed values ((N/16, K/8, 64) nibbles, (N/16, K/8, 80) 5-bit values, (N/16, K/4, 64)
     bytes, or IQ4's levels as (N/16, K/8, 64) int8 nibbles of indices: ``levels``), ``scales_offsets``
-    (N/16, K/G, 2, 16), fp16 where that is exact (``tile_scales``), else fp32. Runs on the compiled kernels only
-    (the loader checks they are there)."""
+    (N/16, K/G, 2, 16), or (N/16, K/G, 1, 16) for a symmetric weight (``keeps_scales_alone``), fp16 where that is
+    exact (``tile_scales``), else fp32. Runs on the compiled kernels only (the loader checks they are there)."""
 
     def __init__(self, blocks: BlockWeights | RowParts, bias: Tensor | None = None) -> None:
         super().__init__()
