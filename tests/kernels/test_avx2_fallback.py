@@ -36,6 +36,23 @@ def test_the_build_has_no_vnni_path(avx2):
     assert not avx2.vnni_gemm_available()
 
 
+def assert_matches_the_portable_loop(avx2, linear: BlockLinear, rows: int) -> None:
+    """The AVX2 GEMM against the portable loop (from 32 rows: the float GEMM on the dequantized weight), and
+    the row lookup against the dequantized weight."""
+    k = linear.in_features
+    x = torch.randn(rows, k)
+    y = avx2.block_gemm(x, linear.weight, linear.scales_offsets)
+    if rows >= 32:
+        expected = x @ linear.dequantize().T
+    else:
+        expected = avx2.block_gemm_reference(x, linear.weight, linear.scales_offsets)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4 * expected.abs().max().item())
+    ids = torch.tensor([0, 17, 63])
+    torch.testing.assert_close(
+        avx2.block_weight_rows(linear.weight, linear.scales_offsets, k, ids), linear.dequantize()[ids]
+    )
+
+
 @pytest.mark.parametrize(("bits", "group"), [(4, 32), (5, 32), (8, 32), (8, 16)])
 @pytest.mark.parametrize("rows", [1, 3, 5, 40])  # 40: the float GEMM on the dequantized weight
 @pytest.mark.parametrize("symmetric", [False, True])  # True: the scales alone (offsets -center x scale)
@@ -50,38 +67,20 @@ def test_block_gemm_matches_the_portable_loop(avx2, bits, group, rows, symmetric
         BlockWeights(u, scale, offset, group, bits, ("test",), center if symmetric else None)
     )
     assert linear.scales_offsets.shape[2] == (1 if symmetric else 2)
-    x = torch.randn(rows, k)
-    y = avx2.block_gemm(x, linear.weight, linear.scales_offsets)
-    if rows >= 32:
-        expected = x @ linear.dequantize().T
-    else:
-        expected = avx2.block_gemm_reference(x, linear.weight, linear.scales_offsets)
-    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4 * expected.abs().max().item())
-    ids = torch.tensor([0, 17, 63])
-    torch.testing.assert_close(
-        avx2.block_weight_rows(linear.weight, linear.scales_offsets, k, ids), linear.dequantize()[ids]
-    )
+    assert_matches_the_portable_loop(avx2, linear, rows)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 40])
-def test_block_gemm_of_iq4_levels_matches_the_portable_loop(avx2, rows):
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_block_gemm_of_iq4_levels_matches_the_portable_loop(avx2, rows, symmetric):
     torch.manual_seed(rows)
     n, k = 64, 256
     u = torch.tensor(LEVEL_VALUES, dtype=torch.uint8)[torch.randint(0, 16, (n, k))]
     scale = torch.rand(n, k // 32) + 0.5
-    linear = BlockLinear(BlockWeights(u, scale, -128 * scale, 32, 8, ("IQ4_NL",)))
+    center = 128 if symmetric else None
+    linear = BlockLinear(BlockWeights(u, scale, -128 * scale, 32, 8, ("IQ4_NL",), center))
     assert linear.weight.dtype == torch.int8
-    x = torch.randn(rows, k)
-    y = avx2.block_gemm(x, linear.weight, linear.scales_offsets)
-    if rows >= 32:
-        expected = x @ linear.dequantize().T
-    else:
-        expected = avx2.block_gemm_reference(x, linear.weight, linear.scales_offsets)
-    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4 * expected.abs().max().item())
-    ids = torch.tensor([0, 17, 63])
-    torch.testing.assert_close(
-        avx2.block_weight_rows(linear.weight, linear.scales_offsets, k, ids), linear.dequantize()[ids]
-    )
+    assert_matches_the_portable_loop(avx2, linear, rows)
 
 
 def test_gated_activations_and_head_norms_match_torch(avx2):

@@ -180,17 +180,16 @@ def test_levels_only_for_iq4_formats_and_their_values():
         BlockLinear(blocks)
 
 
-@needs_kernels
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 33])
-def test_level_gemm_equals_the_rounded_activation_oracle(rows):
-    torch.manual_seed(rows)
-    blocks = level_blocks(64, 256, seed=rows, fp16=rows % 2 == 0)
+def assert_gemm_matches_the_oracle(
+    blocks: BlockWeights, rows: int
+) -> tuple[BlockLinear, torch.Tensor, torch.Tensor]:
+    """The module of ``blocks`` (with a bias) against the rounded-activation oracle, the dequantized weight, the
+    portable loop and the embedding lookup; returns (module, x, its output)."""
     bias = torch.randn(64)
     module = BlockLinear(blocks, bias)
     x = torch.randn(rows, 256)
     kernels = kernel_ops.cpu.load()
-    float_from = kernels.block_float_gemm_min_rows(64, 256)
-    floats = 0 < float_from <= rows
+    floats = 0 < kernels.block_float_gemm_min_rows(64, 256) <= rows
     inputs = x.double() if floats else round_activations(x).double()
     expected = inputs @ blocks.dequantize().double().T + bias.double()
     got = module(x)
@@ -201,9 +200,17 @@ def test_level_gemm_equals_the_rounded_activation_oracle(rows):
     if not floats:
         reference = kernels.block_gemm_reference(x, module.weight, module.scales_offsets) + bias
         torch.testing.assert_close(got, reference, **tolerance)
-    embedding = BlockEmbedding(module, torch.float32)
     ids = torch.tensor([0, 63, 5])
-    assert torch.equal(embedding(ids), module.dequantize()[ids])
+    assert torch.equal(BlockEmbedding(module, torch.float32)(ids), module.dequantize()[ids])
+    return module, x, got
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 33])
+def test_level_gemm_equals_the_rounded_activation_oracle(rows):
+    torch.manual_seed(rows)
+    module, _, _ = assert_gemm_matches_the_oracle(level_blocks(64, 256, seed=rows, fp16=rows % 2 == 0), rows)
+    assert module.levels and module.scales_offsets.shape[2] == 2
 
 
 # (bits, group, center): Q4_0, Q5_0, Q8_0, Q6_K (bytes moved to center 128), Q3_K-like
@@ -243,27 +250,11 @@ def test_symmetric_gemm_equals_the_rounded_activation_oracle(bits, group, center
         blocks.center = 128
     else:
         blocks = random_blocks(64, 256, bits, group, seed=rows, center=center)
-    bias = torch.randn(64)
-    module = BlockLinear(blocks, bias)
+    module, x, got = assert_gemm_matches_the_oracle(blocks, rows)
     assert module.scales_offsets.shape[2] == 1
-    x = torch.randn(rows, 256)
-    kernels = kernel_ops.cpu.load()
-    floats = 0 < kernels.block_float_gemm_min_rows(64, 256) <= rows
-    inputs = x.double() if floats else round_activations(x).double()
-    expected = inputs @ blocks.dequantize().double().T + bias.double()
-    got = module(x)
-    tolerance = dict(rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    torch.testing.assert_close(got.double(), expected, **tolerance)
-    dequantized = kernels.block_dequant(module.weight, module.scales_offsets, 256)
-    torch.testing.assert_close(dequantized, blocks.dequantize(), rtol=1e-6, atol=1e-7)
-    if not floats:
-        reference = kernels.block_gemm_reference(x, module.weight, module.scales_offsets) + bias
-        torch.testing.assert_close(got, reference, **tolerance)
-    ids = torch.tensor([0, 63, 5])
-    assert torch.equal(BlockEmbedding(module, torch.float32)(ids), module.dequantize()[ids])
     # the offsets the kernels derive are the ones they would have read: the same bits as with both kept, where
     # the values stay where they are (bytes moved to center 128 change the float sums' rounding only)
-    both = BlockLinear(dataclasses.replace(blocks, center=None), bias)
+    both = BlockLinear(dataclasses.replace(blocks, center=None), module.bias)
     assert both.scales_offsets.shape[2] == 2
     if center in (8, 16, 128):
         assert torch.equal(both(x), got)
