@@ -268,10 +268,10 @@ def pack_int4_tiles(u: Tensor) -> Tensor:
     u[16t + c][8j + e] in its low nibble and u[16t + c][8j + 4 + e] in its high one."""
     n, k = u.shape
     v = u.numpy().reshape(n // COLUMN_TILE, COLUMN_TILE, k // 8, 2, 4)  # (t, c, j, half, e)
-    packed = v[:, :, :, 0] | (v[:, :, :, 1] << 4)  # (t, c, j, e)
-    return torch.from_numpy(
-        np.ascontiguousarray(packed.transpose(0, 2, 1, 3)).reshape(n // COLUMN_TILE, k // 8, 64)
-    )
+    # one strided copy into the tiles' order, then the nibbles joined over contiguous halves (twice as fast as
+    # joining over the strided view first)
+    v = np.ascontiguousarray(v.transpose(0, 2, 3, 1, 4))  # (t, j, half, c, e)
+    return torch.from_numpy((v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n // COLUMN_TILE, k // 8, 64))
 
 
 def pack_int5_tiles(u: Tensor) -> Tensor:
