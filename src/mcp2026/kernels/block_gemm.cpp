@@ -101,9 +101,6 @@ void block_gemm_run(const QuantizedRows& xr, const float* dxs, const uint8_t* w,
 }
 #endif
 
-// The "bits" of the level layout: nibbles that index kLevelValues (the values are bytes).
-constexpr int kLevelNibbles = 16;
-
 // Parts of so per group: (N/16, K/G, 2, 16) scales and offsets, or (N/16, K/G, 1, 16) scales alone (offsets
 // -value_center x scale), fp32 or fp16.
 inline int64_t scale_parts(const torch::Tensor& so, const torch::Tensor& wp) {
@@ -168,7 +165,6 @@ template <typename S>
 void scalar_gemm(const uint8_t* w, const S* so, int64_t P, int bits, int64_t G, const QuantizedRows& xr,
                  const GroupSums& gs, int64_t M, int64_t K, int64_t N, float* out) {
   const int64_t ngrp = K / G, nblk = K / 32;
-  const float neg_center = -value_center(bits);
   team::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const S* st = so + (n / kColTile) * ngrp * P * kColTile + n % kColTile;
@@ -177,8 +173,7 @@ void scalar_gemm(const uint8_t* w, const S* so, int64_t P, int bits, int64_t G, 
         for (int64_t g = 0; g < ngrp; ++g) {
           int32_t dot = 0;
           for (int64_t k = g * G; k < (g + 1) * G; ++k) dot += stored_value(w, bits, n, k, K) * xr.q[r * K + k];
-          const float scale = static_cast<float>(st[g * P * kColTile]);
-          const float offset = P == 2 ? static_cast<float>(st[g * P * kColTile + kColTile]) : neg_center * scale;
+          const auto [scale, offset] = group_scale_offset(st, g, P, bits);
           acc += static_cast<float>(dot) * (scale * xr.scale[r * nblk + g * G / 32]) + offset * gs.dxs[r * ngrp + g];
         }
         out[r * N + n] = acc;
@@ -192,12 +187,7 @@ template <typename S>
 void dequantize_tiles(const uint8_t* w, const S* so, int64_t P, int bits, int64_t G, int64_t K, int64_t N,
                       float* out) {
   const int64_t ngrp = K / G;
-  const float neg_center = -value_center(bits);
-  // (scale, offset) of column n's group g, from a pointer to the tile's column n
-  auto group = [&](const S* sc, int64_t g) {
-    const float scale = static_cast<float>(sc[g * P * kColTile]);
-    return std::make_pair(scale, P == 2 ? static_cast<float>(sc[g * P * kColTile + kColTile]) : neg_center * scale);
-  };
+  auto group = [&](const S* sc, int64_t g) { return group_scale_offset(sc, g, P, bits); };
   if (bits == 5) {  // not on a hot path of VNNI CPUs; the value lookup is the scalar GEMM's
     team::parallel_for(0, N, kColTile, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
@@ -489,10 +479,8 @@ torch::Tensor block_weight_rows(const torch::Tensor& wp, const torch::Tensor& so
     for (int64_t r = 0; r < T; ++r) {
       const int64_t n = id[r], t = n / kColTile, c = n % kColTile;
       for (int64_t k = 0; k < K; ++k) {
-        const auto* sg = s + ((t * ngrp + k / G) * P) * kColTile + c;
-        const float u = static_cast<float>(stored_value(w, bits, n, k, K)), scale = static_cast<float>(sg[0]);
-        const float offset = P == 2 ? static_cast<float>(sg[kColTile]) : -value_center(bits) * scale;
-        op[r * K + k] = mul_rounded(u, scale) + offset;
+        const auto [scale, offset] = group_scale_offset(s + t * ngrp * P * kColTile + c, k / G, P, bits);
+        op[r * K + k] = mul_rounded(static_cast<float>(stored_value(w, bits, n, k, K)), scale) + offset;
       }
     }
   });

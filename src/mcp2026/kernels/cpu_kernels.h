@@ -66,6 +66,8 @@ torch::Tensor int4_dequant(const torch::Tensor& qs, const torch::Tensor& sz, boo
 // IQ4_NL's and IQ4_XS's 16 levels plus 128 (quant/block_linear.py LEVEL_VALUES holds the same): a block weight
 // typed int8 holds 4-bit indices into this table where a uint8 one holds the 4-bit values themselves.
 inline constexpr uint8_t kLevelValues[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+// The "bits" the block GEMM gives that layout (its values are bytes).
+constexpr int kLevelNibbles = 16;
 
 // Block weights' scales and offsets come per (tile, group) as the 16 columns' scales then their offsets (2 parts),
 // or as the scales alone (1 part) where every offset is -center x scale, center the middle of the layout's values.

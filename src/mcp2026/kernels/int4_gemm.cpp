@@ -32,7 +32,7 @@ void gemm_tile(const uint8_t* wp, const S* so, int64_t P, const int8_t* xq, cons
   static_assert(VB == 64 || VB == 80, "nibble vectors, or nibbles and their fifth bits");
   static_assert(!L || VB == 64, "level indices are plain nibbles");
   const int64_t nblk = K / 32, tile_bytes = (K / 8) * VB, tile_scales = nblk * P * kColTile;
-  const __m512 neg_center = _mm512_set1_ps(-value_center(L ? 8 : VB == 80 ? 5 : 4));
+  const __m512 neg_center = _mm512_set1_ps(-value_center(L ? kLevelNibbles : VB == 80 ? 5 : 4));
   const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   const __m512i levels = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kLevelValues)));
   __m512 acc[R][C];

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "cpu_kernels.h"
 #include "quantize_rows.h"
@@ -24,6 +25,14 @@ constexpr int64_t kGemmRows = 4;   // rows per micro-tile
 // for every row tile and keeps the hardware's normal caching. 8 KiB: far enough ahead of one sequential stream
 // per thread to cover the memory latency (shorter distances left whole decode steps slower, longer gained nothing).
 constexpr int64_t kStreamAhead = 8192;
+
+// Group g's (scale, offset) for one column: sc points at the column's first scale in its tile, P parts a group
+// (2: scale then offset; 1: the scale alone, the offset -value_center(bits) x it). The scalar paths' reading.
+template <typename S>
+inline std::pair<float, float> group_scale_offset(const S* sc, int64_t g, int64_t P, int bits) {
+  const float scale = static_cast<float>(sc[g * P * kColTile]);
+  return {scale, P == 2 ? static_cast<float>(sc[g * P * kColTile + kColTile]) : -value_center(bits) * scale};
+}
 
 #ifdef MCP_INT4_VNNI
 // One dword (4 consecutive int8 activations) in every lane: dpbusd's signed operand for 16 columns at once.

@@ -140,7 +140,7 @@ def _q6_k(b: np.ndarray) -> Parts:
     sc = b[:, 192:208].view(np.int8).astype(np.float32)
     d = _f16(b[:, 208:210])
     low = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
-    high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
+    high = (qh.reshape(-1, 2, 1, 32) >> _TWO_BIT_SHIFTS) & 0x03
     u = low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << 4)
     scale = d * sc  # (B, 16): one per 16 weights
     return u.reshape(-1, QK_K), scale, -32 * scale

@@ -327,10 +327,10 @@ class BlockLinear(nn.Module):
         if weight.group_size not in GROUP_SIZES or (weight.bits < 8 and weight.group_size != BLOCK):
             raise ValueError(f"groups of {weight.group_size} with {weight.bits}-bit values have no kernel")
         self.in_features, self.out_features = k, n
-        self.levels = holds_levels(weight)
-        self.bits = 4 if self.levels else weight.bits  # the bits each value is held in
+        levels = holds_levels(weight)
+        self.bits = 4 if levels else weight.bits  # the bits each value is held in
         self.group_size, self.formats = weight.group_size, weight.formats
-        packed, scales_offsets = pack_row_parts(weight, self.levels)
+        packed, scales_offsets = pack_row_parts(weight, levels)
         self.register_buffer("weight", packed)
         self.register_buffer("scales_offsets", scales_offsets)
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
@@ -339,6 +339,11 @@ class BlockLinear(nn.Module):
     def shape(self) -> torch.Size:
         """(N, K): the weight's shape, as BlockWeights gives it (the loader checks shapes of either)."""
         return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def levels(self) -> bool:
+        """Whether the values are IQ4 level indices (``pack_level_tiles``: the packed buffer is typed int8)."""
+        return self.weight.dtype == torch.int8
 
     @property
     def bits_per_weight(self) -> float:
