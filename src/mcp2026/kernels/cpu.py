@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import logging
 import os
 import threading
@@ -77,11 +78,17 @@ def isa_flags(flags: frozenset[str]) -> list[str]:
     return sorted(f for f in flags if f.startswith(_ISA_PREFIXES))
 
 
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
+LDFLAGS = ("-fopenmp",)
+
+
 def build_key() -> str:
+    """What a built module depends on: the sources, the flags, torch's version and the CPU's instruction sets."""
     digest = hashlib.sha256()
     for path in (*SOURCES, *HEADERS):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
+    digest.update(" ".join((*CFLAGS, *LDFLAGS)).encode())
     digest.update(torch.__version__.encode())
     digest.update(" ".join(isa_flags(hardware.cpu_flags())).encode())
     return digest.hexdigest()[:16]
@@ -140,9 +147,8 @@ def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
 
 
 def _build(verbose: bool) -> Any:
-    from torch.utils import cpp_extension  # heavy (setuptools, compilers): only a kernel build needs it
-
     key = build_key()
+    name = f"mcp2026_cpu_{key}"
     build_dir = hardware.cache_dir() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
     with _held_build_lock(build_dir) as exclusive:
@@ -150,16 +156,39 @@ def _build(verbose: bool) -> Any:
             (build_dir / "lock").unlink(missing_ok=True)
         else:
             clear_stale_lock(build_dir)
-        if not (build_dir / f"mcp2026_cpu_{key}.so").exists():
+        built = build_dir / f"{name}.so"
+        if built.exists():
+            module = _import_built(name, built)
+            if module is not None:
+                return module
+        else:
             log.warning("mcp2026: building the fused CPU kernels once for this machine (about a minute)...")
+        from torch.utils import cpp_extension  # heavy (setuptools, compilers): only a kernel build needs it
+
         return cpp_extension.load(
-            name=f"mcp2026_cpu_{key}",
+            name=name,
             sources=[str(path) for path in _stage_sources(build_dir)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"],
-            extra_ldflags=["-fopenmp"],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
             build_directory=str(build_dir),
             verbose=verbose,
         )
+
+
+def _import_built(name: str, path: Path) -> Any | None:
+    """The module built earlier for this key (the key covers everything the build depends on, so an existing
+    file is this build's; importing it directly skips torch's build tooling and its ninja check). None when the
+    file does not load (a build killed while linking): it is removed, and the caller builds it again."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None  # an existing file with a module name always has one
+    try:
+        module = importlib.util.module_from_spec(spec)  # an extension module is opened here
+        spec.loader.exec_module(module)
+    except ImportError as exc:
+        log.warning("mcp2026: the built kernels at %s do not load (%s); building them again", path, exc)
+        path.unlink(missing_ok=True)
+        return None
+    return module
 
 
 @contextlib.contextmanager
