@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from mcp2026 import hardware
 from mcp2026.kernels import cpu
 from mcp2026.quant.block_linear import LEVEL_VALUES, BlockLinear, BlockWeights
+from super_block_weights import super_block_weights
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +81,19 @@ def test_block_gemm_of_iq4_levels_matches_the_portable_loop(avx2, rows, symmetri
     center = 128 if symmetric else None
     linear = BlockLinear(BlockWeights(u, scale, -128 * scale, 32, 8, ("IQ4_NL",), center))
     assert linear.weight.dtype == torch.int8
+    assert_matches_the_portable_loop(avx2, linear, rows)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize(
+    ("bits", "group", "center"), [(4, 32, None), (5, 32, None), (8, 16, 32), ("levels", 32, 128)]
+)
+def test_block_gemm_with_super_block_scales_matches_the_portable_loop(avx2, rows, bits, group, center):
+    """The K-quants' scales as stored (a factor per 256 weights, an integer per group): the AVX2 GEMM, the
+    dequantizer and the row lookup read them (Q4_K, Q5_K, Q6_K, IQ4_XS)."""
+    torch.manual_seed(rows)
+    linear = BlockLinear(super_block_weights(64, 512, bits, group, center, seed=rows))
+    assert linear.scales_offsets.dtype == torch.int8
     assert_matches_the_portable_loop(avx2, linear, rows)
 
 

@@ -29,7 +29,13 @@ FORMATS = sorted(BLOCK_FORMATS)
 def test_blocks_equal_the_gguf_package_dequantization(type_name):
     raw = random_blocks(np.random.default_rng(1), type_name, 16, 512)
     expected = dequantize(raw, GGMLQuantizationType[type_name]).reshape(16, 512)
-    assert np.array_equal(read_blocks(raw, type_name).dequantize().numpy(), expected)
+    blocks = read_blocks(raw, type_name)
+    assert np.array_equal(blocks.dequantize().numpy(), expected)
+    # the K-quants' (and IQ4_XS's) scales as stored, factor x integer: the same floats per group
+    assert (blocks.super_blocks is not None) == BLOCK_FORMATS[type_name].super_blocks
+    if blocks.super_blocks is not None:
+        scale, offset = blocks.super_blocks.expand()
+        assert torch.equal(scale, blocks.scale) and torch.equal(offset, blocks.offset)
 
 
 def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -47,9 +53,11 @@ def test_native_load_matches_the_dequantized_model(tmp_path, type_name):
     model, reference = native.model, floats.model
     assert isinstance(model.embed_tokens, BlockEmbedding) and isinstance(model.lm_head, BlockLinear)
     assert (model.lm_head is model.embed_tokens.table) == native.config.tie_word_embeddings
+    supers = BLOCK_FORMATS[type_name].super_blocks
     for name, module in model.named_modules():
         if isinstance(module, BlockLinear) and name != "embed_tokens.table":
             assert torch.equal(module.dequantize(), reference.get_submodule(name).weight), name
+            assert (module.scales_offsets.dtype == torch.int8) == supers, name  # held per super-block
     assert torch.equal(model.embed_tokens.table.dequantize(), reference.embed_tokens.weight)
     ids = torch.tensor([5, 77, 3, 250, 19, 42, 300, 8])
     got, expected = _logits(model, ids), _logits(reference, ids)

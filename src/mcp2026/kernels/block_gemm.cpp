@@ -10,7 +10,7 @@
 // (N/16, K/8, 80), each vector's 64 bytes of nibbles followed by two 64-bit masks of the fifth bits (bit 4c + e
 // of the first: the low nibble's value of byte 4c + e is 16 more; of the second: the high nibble's), so
 // Q5_0 / Q5_1 / Q5_K read 5 bits a weight, not 8; and bytes (N/16, K/4, 64) (byte 4c + e of vector j is
-// column c's k = 4j + e). Scales and offsets (N/16, K/G, 2, 16).
+// column c's k = 4j + e). Scales and offsets per group or per super-block (vnni_gemm.h tile_params).
 // Activations are quantized per 32 values as every other int8 path quantizes them (quantize_rows.h). Per group
 // the int32 dot of u with the row's int8 values is scaled by scale x the block's dx, and offset x dx x sum(xq over
 // the group) is added: the same arithmetic on every ISA, so AVX-512 VNNI (dpbusd), AVX2 (maddubs) and the scalar
@@ -32,14 +32,14 @@ namespace {
 
 #ifdef MCP_INT4_VNNI
 // R rows x C column tiles of 16, groups of G. wp: the first tile's packed weights (K/4 vectors of 64 bytes, the
-// next tile tile_bytes further); so: per group the tile's 16 scales, then its 16 offsets (P = 2; P = 1: no
-// offsets, each -128 x its scale); xq: R rows of K int8;
+// next tile tile_bytes further); so: the tile's scales and offsets (P = 2; P = 1: no offsets, each -128 x its
+// scale; vnni_gemm.h group_param16); xq: R rows of K int8;
 // dx: (row, 32-block) steps; dxs: (row, group) dx * sum(xq). out: R rows of stride N at the tile's first column.
 template <int R, int C, int G, typename S, typename O>
 void block_tile(const uint8_t* wp, const S* so, int64_t P, const int8_t* xq, const float* dx, const float* dxs,
                 int64_t K, const float* bias, O* out, int64_t N, bool stream) {
   constexpr int kVectors = G / 4;  // 64-byte vectors per group
-  const int64_t ngrp = K / G, nblk = K / 32, tile_bytes = (K / 4) * 64, tile_scales = ngrp * P * kColTile;
+  const int64_t ngrp = K / G, nblk = K / 32, tile_bytes = (K / 4) * 64, tile_scales = tile_params<S>(K, G, P);
   const __m512 neg_center = _mm512_set1_ps(-value_center(8));
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -62,9 +62,9 @@ void block_tile(const uint8_t* wp, const S* so, int64_t P, const int8_t* xq, con
     }
     const int64_t blk = g * G / 32;
     for (int c = 0; c < C; ++c) {
-      const S* sg = so + c * tile_scales + g * P * kColTile;
-      const __m512 s = load16(sg);
-      const __m512 o = P == 2 ? load16(sg + kColTile) : _mm512_mul_ps(s, neg_center);
+      const S* st = so + c * tile_scales;
+      const __m512 s = group_param16(st, g, 0, P, G);
+      const __m512 o = P == 2 ? group_param16(st, g, 1, P, G) : _mm512_mul_ps(s, neg_center);
       for (int r = 0; r < R; ++r) {
         const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(dx[r * nblk + blk]));
         acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), scale, acc[r][c]);
@@ -88,7 +88,7 @@ void block_rows(const uint8_t* wp, const S* so, int64_t P, const QuantizedRows& 
 template <int G, typename S, typename O>
 void block_gemm_run(const QuantizedRows& xr, const float* dxs, const uint8_t* w, const S* s, int64_t P, int64_t M,
                     int64_t K, const float* bias, O* out, int64_t N) {
-  const int64_t tiles = N / kColTile, tile_bytes = (K / 4) * 64, tile_scales = (K / G) * P * kColTile;
+  const int64_t tiles = N / kColTile, tile_bytes = (K / 4) * 64, tile_scales = tile_params<S>(K, G, P);
   for_column_tiles(tiles, M, [&](int64_t t, bool pair) {
     const auto* wt = w + t * tile_bytes;
     const S* st = s + t * tile_scales;
@@ -100,16 +100,6 @@ void block_gemm_run(const QuantizedRows& xr, const float* dxs, const uint8_t* w,
   });
 }
 #endif
-
-// Parts of so per group: (N/16, K/G, 2, 16) scales and offsets, or (N/16, K/G, 1, 16) scales alone (offsets
-// -value_center x scale), fp32 or fp16.
-inline int64_t scale_parts(const torch::Tensor& so, const torch::Tensor& wp) {
-  TORCH_CHECK((so.scalar_type() == torch::kFloat || so.scalar_type() == torch::kHalf) && so.is_contiguous() &&
-                  so.dim() == 4 && so.size(0) == wp.size(0) && (so.size(2) == 1 || so.size(2) == 2) &&
-                  so.size(3) == kColTile,
-              "so must be (N/16, K/G, 2, 16) scales and offsets or (N/16, K/G, 1, 16) scales, fp32 or fp16");
-  return so.size(2);
-}
 
 // The values' width from the packed layout: nibbles (N/16, K/8, 64), 5-bit (N/16, K/8, 80), bytes (N/16, K/4, 64);
 // kLevelNibbles: int8 (N/16, K/8, 64).
@@ -167,13 +157,13 @@ void scalar_gemm(const uint8_t* w, const S* so, int64_t P, int bits, int64_t G, 
   const int64_t ngrp = K / G, nblk = K / 32;
   team::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-      const S* st = so + (n / kColTile) * ngrp * P * kColTile + n % kColTile;
+      const S* st = so + (n / kColTile) * tile_params<S>(K, G, P);
       for (int64_t r = 0; r < M; ++r) {
         float acc = 0.f;
         for (int64_t g = 0; g < ngrp; ++g) {
           int32_t dot = 0;
           for (int64_t k = g * G; k < (g + 1) * G; ++k) dot += stored_value(w, bits, n, k, K) * xr.q[r * K + k];
-          const auto [scale, offset] = group_scale_offset(st, g, P, bits);
+          const auto [scale, offset] = group_scale_offset(st, n % kColTile, g, P, G, bits);
           acc += static_cast<float>(dot) * (scale * xr.scale[r * nblk + g * G / 32]) + offset * gs.dxs[r * ngrp + g];
         }
         out[r * N + n] = acc;
@@ -186,14 +176,14 @@ void scalar_gemm(const uint8_t* w, const S* so, int64_t P, int bits, int64_t G, 
 template <typename S>
 void dequantize_tiles(const uint8_t* w, const S* so, int64_t P, int bits, int64_t G, int64_t K, int64_t N,
                       float* out) {
-  const int64_t ngrp = K / G;
-  auto group = [&](const S* sc, int64_t g) { return group_scale_offset(sc, g, P, bits); };
+  const int64_t tile_scales = tile_params<S>(K, G, P);
+  auto group = [&](const S* st, int64_t c, int64_t g) { return group_scale_offset(st, c, g, P, G, bits); };
   if (bits == 5) {  // not on a hot path of VNNI CPUs; the value lookup is the scalar GEMM's
     team::parallel_for(0, N, kColTile, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
-        const S* st = so + (n / kColTile) * ngrp * P * kColTile + n % kColTile;
+        const S* st = so + (n / kColTile) * tile_scales;
         for (int64_t k = 0; k < K; ++k) {
-          const auto [scale, offset] = group(st, k / G);
+          const auto [scale, offset] = group(st, n % kColTile, k / G);
           out[n * K + k] = scale * static_cast<float>(stored_value(w, 5, n, k, K)) + offset;
         }
       }
@@ -204,16 +194,16 @@ void dequantize_tiles(const uint8_t* w, const S* so, int64_t P, int bits, int64_
   team::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* wt = w + t * vectors * 64;
-      const S* st = so + t * ngrp * P * kColTile;
+      const S* st = so + t * tile_scales;
       for (int64_t j = 0; j < vectors; ++j)
         for (int64_t c = 0; c < kColTile; ++c) {
           float* row = out + (t * kColTile + c) * K;
           for (int64_t e = 0; e < 4; ++e) {
             const uint8_t byte = wt[j * 64 + 4 * c + e];
             const int64_t k = j * per_vector + e;
-            const auto [s0, o0] = group(st + c, k / G);
+            const auto [s0, o0] = group(st, c, k / G);
             if (bits != 8) {
-              const auto [s1, o1] = group(st + c, (k + 4) / G);
+              const auto [s1, o1] = group(st, c, (k + 4) / G);
               const int lo = byte & 0x0F, hi = byte >> 4;
               const bool levels = bits == kLevelNibbles;
               row[k] = s0 * static_cast<float>(levels ? kLevelValues[lo] : lo) + o0;
@@ -303,8 +293,8 @@ void avx2_half(const uint8_t* wt, const S* st, int64_t P, const QuantizedRows& x
         }
       }
     }
-    const S* sg = st + g * P * kColTile + 8 * h;
-    const __m256 s = load8(sg), o = P == 2 ? load8(sg + kColTile) : _mm256_mul_ps(s, neg_center);
+    const __m256 s = group_param8(st, g, 0, P, G, h);
+    const __m256 o = P == 2 ? group_param8(st, g, 1, P, G, h) : _mm256_mul_ps(s, neg_center);
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
       __m256i d = dot[r];
@@ -321,7 +311,7 @@ template <int BITS, int G, typename S>
 void avx2_gemm(const uint8_t* w, const S* so, int64_t P, const QuantizedRows& xr, const GroupSums& gs, int64_t M,
                int64_t K, int64_t N, float* out) {
   const int64_t tile_bytes = BITS == 8 ? (K / 4) * 64 : (K / 8) * (BITS == 5 ? 80 : 64);  // levels: nibbles
-  const int64_t tile_scales = (K / G) * P * kColTile;
+  const int64_t tile_scales = tile_params<S>(K, G, P);
   team::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int h = 0; h < 2; ++h)
@@ -350,10 +340,8 @@ torch::Tensor block_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, c
   const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * kColTile;
   TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
   const int bits = packed_bits(wp, K);
-  const int64_t P = scale_parts(so, wp);
-  const int64_t G = K / so.size(1);
-  TORCH_CHECK(so.size(1) * G == K && (G == 32 || (G == 16 && bits == 8)),
-              "groups must be 32 weights (or 16 with byte values)");
+  const auto [P, G] = scale_shape(so, N, K);
+  TORCH_CHECK(G == 32 || (G == 16 && bits == 8), "groups must be 32 weights (or 16 with byte values)");
 #ifdef MCP_INT4_VNNI
   if (bits != 8) return int4_gemm_into(x, wp, so, bias, slot);  // its micro-tile reads every nibble layout
 #else
@@ -433,11 +421,10 @@ int64_t block_float_gemm_min_rows(int64_t n, int64_t k) {
 torch::Tensor block_dequant(const torch::Tensor& wp, const torch::Tensor& so, int64_t K) {
   const int64_t N = wp.size(0) * kColTile;
   const int bits = packed_bits(wp, K);
-  const int64_t P = scale_parts(so, wp);
+  const auto [P, G] = scale_shape(so, N, K);
   auto out = torch::empty({N, K}, so.options().dtype(torch::kFloat));
   with_scales(so, [&](const auto* s) {
-    dequantize_tiles(static_cast<const uint8_t*>(wp.data_ptr()), s, P, bits, K / so.size(1), K, N,
-                     out.data_ptr<float>());
+    dequantize_tiles(static_cast<const uint8_t*>(wp.data_ptr()), s, P, bits, G, K, N, out.data_ptr<float>());
   });
   return out;
 }
@@ -446,8 +433,7 @@ torch::Tensor block_dequant(const torch::Tensor& wp, const torch::Tensor& so, in
 torch::Tensor block_gemm_reference(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& so) {
   const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * kColTile;
   const int bits = packed_bits(wp, K);
-  const int64_t P = scale_parts(so, wp);
-  const int64_t G = K / so.size(1);
+  const auto [P, G] = scale_shape(so, N, K);
   const auto xc = x.contiguous().to(torch::kFloat);
   const QuantizedRows xr = quantize_rows<float>(xc.data_ptr<float>(), M, K);
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
@@ -461,12 +447,10 @@ torch::Tensor block_gemm_reference(const torch::Tensor& x, const torch::Tensor& 
 // Rows ids of a block weight as fp32 (T, K): scale * u + offset, the product rounded before the add, as
 // BlockLinear.dequantize_rows computes it (a token embedding reads its table this way: one row a decode step).
 torch::Tensor block_weight_rows(const torch::Tensor& wp, const torch::Tensor& so, int64_t K, const torch::Tensor& ids) {
-  const int64_t P = scale_parts(so, wp);
   TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1, "ids must be a 1-D int64 tensor");
-  const int64_t N = wp.size(0) * kColTile, ngrp = so.size(1);
-  TORCH_CHECK(K % ngrp == 0, "K does not match so");
+  const int64_t N = wp.size(0) * kColTile;
+  const auto [P, G] = scale_shape(so, N, K);
   const int bits = packed_bits(wp, K);
-  const int64_t G = K / ngrp;
   const auto ic = ids.contiguous();
   const int64_t T = ic.size(0);
   const int64_t* id = ic.data_ptr<int64_t>();
@@ -476,10 +460,11 @@ torch::Tensor block_weight_rows(const torch::Tensor& wp, const torch::Tensor& so
   const auto* w = static_cast<const uint8_t*>(wp.data_ptr());
   float* op = out.data_ptr<float>();
   with_scales(so, [&](const auto* s) {
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
     for (int64_t r = 0; r < T; ++r) {
       const int64_t n = id[r], t = n / kColTile, c = n % kColTile;
       for (int64_t k = 0; k < K; ++k) {
-        const auto [scale, offset] = group_scale_offset(s + t * ngrp * P * kColTile + c, k / G, P, bits);
+        const auto [scale, offset] = group_scale_offset(s + t * tile_params<S>(K, G, P), c, k / G, P, G, bits);
         op[r * K + k] = mul_rounded(static_cast<float>(stored_value(w, bits, n, k, K)), scale) + offset;
       }
     }

@@ -21,7 +21,7 @@ namespace {
 
 #ifdef MCP_INT4_VNNI
 // R rows x C column tiles of 16. wp: the first tile's packed weights (K/8 vectors of VB bytes, the next tile
-// tile_bytes further); so: its 16 scales then 16 offsets per 32-block; xq: R rows of K int8; dx, dxs: their
+// tile_bytes further); so: its scales and offsets per 32-block (vnni_gemm.h group_param16); xq: R rows of K int8; dx, dxs: their
 // (row, block) scales and dx * sum(xq). out: R rows of stride N at the tile's first column. VB = 80: the block
 // GEMM's 5-bit layout (block_gemm.cpp), each vector's nibbles followed by two 64-bit masks of fifth bits, added
 // to the nibbles with one masked byte add each. L: the nibbles index kLevelValues (IQ4), looked up with one
@@ -31,7 +31,7 @@ void gemm_tile(const uint8_t* wp, const S* so, int64_t P, const int8_t* xq, cons
                int64_t K, const float* bias, O* out, int64_t N, bool stream) {
   static_assert(VB == 64 || VB == 80, "nibble vectors, or nibbles and their fifth bits");
   static_assert(!L || VB == 64, "level indices are plain nibbles");
-  const int64_t nblk = K / 32, tile_bytes = (K / 8) * VB, tile_scales = nblk * P * kColTile;
+  const int64_t nblk = K / 32, tile_bytes = (K / 8) * VB, tile_scales = tile_params<S>(K, 32, P);
   const __m512 neg_center = _mm512_set1_ps(-value_center(L ? kLevelNibbles : VB == 80 ? 5 : 4));
   const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   const __m512i levels = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kLevelValues)));
@@ -72,9 +72,9 @@ void gemm_tile(const uint8_t* wp, const S* so, int64_t P, const int8_t* xq, cons
       }
     }
     for (int c = 0; c < C; ++c) {
-      const S* sg = so + c * tile_scales + b * P * kColTile;
-      const __m512 s = load16(sg);
-      const __m512 o = P == 2 ? load16(sg + kColTile) : _mm512_mul_ps(s, neg_center);
+      const S* st = so + c * tile_scales;
+      const __m512 s = group_param16(st, b, 0, P, 32);
+      const __m512 o = P == 2 ? group_param16(st, b, 1, P, 32) : _mm512_mul_ps(s, neg_center);
       for (int r = 0; r < R; ++r) {
         const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(dx[r * nblk + b]));
         acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), scale, acc[r][c]);
@@ -98,7 +98,7 @@ void gemm_rows(const uint8_t* wp, const S* so, int64_t P, const QuantizedRows& x
 template <int VB, bool L, typename S, typename O>
 void gemm_columns(const uint8_t* w, const S* s, int64_t P, const QuantizedRows& xr, int64_t M, int64_t K,
                   const float* bias, O* out, int64_t N) {
-  const int64_t tiles = N / kColTile, tile_bytes = (K / 8) * VB, tile_scales = (K / 32) * P * kColTile;
+  const int64_t tiles = N / kColTile, tile_bytes = (K / 8) * VB, tile_scales = tile_params<S>(K, 32, P);
   for_column_tiles(tiles, M, [&](int64_t t, bool pair) {
     const uint8_t* wt = w + t * tile_bytes;
     const S* st = s + t * tile_scales;
@@ -176,10 +176,8 @@ torch::Tensor int4_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, co
                   wp.size(1) * 8 == K && (wp.size(2) == 64 || (wp.size(2) == 80 && !levels)),
               "wp must be int4_gemm_pack's (N/16, K/8, 64) uint8 for this K (or the block GEMM's 5-bit (N/16, K/8, 80), "
               "or its int8 level indices (N/16, K/8, 64))");
-  const int64_t P = so.numel() == N * (K / 32) ? 1 : 2;  // 1: scales alone, offsets -8 (-16, -128) x scale
-  TORCH_CHECK((so.scalar_type() == torch::kFloat || so.scalar_type() == torch::kHalf) && so.is_contiguous() &&
-                  so.numel() == N * (K / 32) * P,
-              "so must be (N/16, K/32, 2, 16) fp32 (int4_gemm_pack's) or fp16, or (N/16, K/32, 1, 16)");
+  const auto [P, G] = scale_shape(so, N, K);  // P 1: scales alone, offsets -8 (-16, -128) x scale
+  TORCH_CHECK(G == 32, "int4_gemm takes groups of 32 weights");
 #ifdef MCP_INT4_VNNI
   const auto xc = x.contiguous();
   QuantizedRows& xr = thread_rows();

@@ -26,13 +26,79 @@ constexpr int64_t kGemmRows = 4;   // rows per micro-tile
 // per thread to cover the memory latency (shorter distances left whole decode steps slower, longer gained nothing).
 constexpr int64_t kStreamAhead = 8192;
 
-// Group g's (scale, offset) for one column: sc points at the column's first scale in its tile, P parts a group
-// (2: scale then offset; 1: the scale alone, the offset -value_center(bits) x it). The scalar paths' reading.
+// A weight's scales (part 0) and offsets (part 1; P = 1: none, each offset -value_center(bits) x its scale), in
+// one of two layouts, a tile's after another's:
+// - per group, S = float or at::Half: (N/16, K/G, P, 16), group g's part p of column c at (g P + p) 16 + c;
+// - per super-block, S = int8_t (quant/super_blocks.py): (N/16, K/256, P, 16 (4 + 256/G)) bytes, per super-block
+//   and part the 16 columns' fp32 factors, then per group their int8 integers; the value is factor x integer,
+//   exact in fp32 (the factors have at most 16 significant bits), so both layouts give the same floats.
+constexpr int64_t kSuperBlock = 256;
+
 template <typename S>
-inline std::pair<float, float> group_scale_offset(const S* sc, int64_t g, int64_t P, int bits) {
-  const float scale = static_cast<float>(sc[g * P * kColTile]);
-  return {scale, P == 2 ? static_cast<float>(sc[g * P * kColTile + kColTile]) : -value_center(bits) * scale};
+inline int64_t tile_params(int64_t K, int64_t G, int64_t P) {  // elements of S per tile
+  if constexpr (std::is_same_v<S, int8_t>)
+    return (K / kSuperBlock) * P * kColTile * (4 + kSuperBlock / G);
+  else
+    return (K / G) * P * kColTile;
 }
+
+// The bytes of group g's part p in its super-block: 16 fp32 factors, then (at group_integers) 16 int8.
+inline const int8_t* super_block_part(const int8_t* st, int64_t g, int64_t p, int64_t P, int64_t G) {
+  const int64_t per = kSuperBlock / G;
+  return st + ((g / per) * P + p) * kColTile * (4 + per);
+}
+inline const int8_t* group_integers(const int8_t* part, int64_t g, int64_t G) {
+  return part + kColTile * (4 + g % (kSuperBlock / G));
+}
+
+// Column c's part p of group g, st: its tile's first parameter. The scalar paths' reading.
+template <typename S>
+inline float group_param(const S* st, int64_t c, int64_t g, int64_t p, int64_t P, int64_t G) {
+  if constexpr (std::is_same_v<S, int8_t>) {
+    const int8_t* part = super_block_part(st, g, p, P, G);
+    float factor;
+    std::memcpy(&factor, part + 4 * c, sizeof factor);
+    return factor * static_cast<float>(group_integers(part, g, G)[c]);
+  } else {
+    return static_cast<float>(st[(g * P + p) * kColTile + c]);
+  }
+}
+
+// Group g's (scale, offset) for column c of a tile.
+template <typename S>
+inline std::pair<float, float> group_scale_offset(const S* st, int64_t c, int64_t g, int64_t P, int64_t G, int bits) {
+  const float scale = group_param(st, c, g, 0, P, G);
+  return {scale, P == 2 ? group_param(st, c, g, 1, P, G) : -value_center(bits) * scale};
+}
+
+#if defined(__AVX512F__)
+// The 16 columns' part p of group g.
+template <typename S>
+inline __m512 group_param16(const S* st, int64_t g, int64_t p, int64_t P, int64_t G) {
+  if constexpr (std::is_same_v<S, int8_t>) {
+    const int8_t* part = super_block_part(st, g, p, P, G);
+    const __m128i integers = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group_integers(part, g, G)));
+    return _mm512_mul_ps(_mm512_loadu_ps(part), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(integers)));
+  } else {
+    return load16(st + (g * P + p) * kColTile);
+  }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__F16C__)
+// Columns 8h .. 8h + 7's part p of group g.
+template <typename S>
+inline __m256 group_param8(const S* st, int64_t g, int64_t p, int64_t P, int64_t G, int h) {
+  if constexpr (std::is_same_v<S, int8_t>) {
+    const int8_t* part = super_block_part(st, g, p, P, G);
+    const __m128i integers = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(group_integers(part, g, G) + 8 * h));
+    return _mm256_mul_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(part) + 8 * h),
+                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(integers)));
+  } else {
+    return load8(st + (g * P + p) * kColTile + 8 * h);
+  }
+}
+#endif
 
 #ifdef MCP_INT4_VNNI
 // One dword (4 consecutive int8 activations) in every lane: dpbusd's signed operand for 16 columns at once.
@@ -77,13 +143,35 @@ void with_output(torch::Tensor& out, const F& fn) {
     fn(out.data_ptr<float>());
 }
 
-// Calls fn with the scales tensor's data as const float* or const at::Half* (the block GEMMs take either).
+// Calls fn with the scales tensor's data as const float*, const at::Half* or (per super-block) const int8_t*.
 template <typename F>
 void with_scales(const torch::Tensor& so, const F& fn) {
   if (so.scalar_type() == torch::kHalf)
     fn(static_cast<const at::Half*>(so.data_ptr<at::Half>()));
+  else if (so.scalar_type() == torch::kChar)
+    fn(static_cast<const int8_t*>(so.data_ptr<int8_t>()));
   else
     fn(static_cast<const float*>(so.data_ptr<float>()));
+}
+
+// A scales tensor's parts per group (P) and group size (G), checked against the weight's N and K.
+struct ScaleShape {
+  int64_t P, G;
+};
+inline ScaleShape scale_shape(const torch::Tensor& so, int64_t N, int64_t K) {
+  const auto type = so.scalar_type();
+  TORCH_CHECK((type == torch::kFloat || type == torch::kHalf || type == torch::kChar) && so.is_contiguous() &&
+                  so.dim() == 4 && so.size(0) * kColTile == N && (so.size(2) == 1 || so.size(2) == 2),
+              "so must be (N/16, K/G, 1 or 2, 16) fp32 or fp16, or (N/16, K/256, 1 or 2, 16 (4 + 256/G)) int8");
+  if (type != torch::kChar) {
+    TORCH_CHECK(so.size(3) == kColTile && so.size(1) > 0 && K % so.size(1) == 0, "so must be (N/16, K/G, P, 16)");
+    return {so.size(2), K / so.size(1)};
+  }
+  const int64_t per = so.size(3) / kColTile - 4;
+  TORCH_CHECK(K % kSuperBlock == 0 && so.size(1) * kSuperBlock == K && so.size(3) % kColTile == 0 &&
+                  (per == 8 || per == 16),
+              "super-block scales must be (N/16, K/256, P, 16 (4 + 256/G)) int8 with groups of 32 or 16");
+  return {so.size(2), kSuperBlock / per};
 }
 
 // Rows in micro-tiles of kGemmRows (a shorter last one): fn(first row, std::integral_constant<int, rows>), so a

@@ -2,7 +2,8 @@
 
 Each reader follows the byte layout of its ggml type (as the ``gguf`` package's dequantizers do) and returns the
 same values they compute: u the stored unsigned integer (IQ4's levels plus 128), scale and offset in fp32 per group
-of 32 (16 for Q2_K, Q3_K and Q6_K).
+of 32 (16 for Q2_K, Q3_K and Q6_K); the K-quants' and IQ4_XS's also as they store them, a factor per super-block
+and an integer per group (``SuperBlockScales``).
 The tests hold every format against ``gguf.quants.dequantize`` element for element.
 """
 
@@ -16,11 +17,20 @@ import torch
 
 from mcp2026.quant import block_linear
 from mcp2026.quant.block_linear import BlockWeights, RowParts
+from mcp2026.quant.super_blocks import SuperBlockScales
 
 QK = 32  # weights per block of the simple formats
 QK_K = 256  # weights per super-block of the K-quants
 
-Parts = tuple[np.ndarray, np.ndarray, np.ndarray]  # u (B, n), scale (B, groups), offset (B, groups)
+# u (B, n), scale (B, groups), offset (B, groups); the super-block formats add (scale factor (B, 1), scale
+# integers (B, groups), offset factor (B, 1), offset integers (B, groups))
+Parts = tuple[np.ndarray, ...]
+
+
+def _super(
+    scale_factor: np.ndarray, scale_sub: np.ndarray, offset_factor: np.ndarray, offset_sub: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    return scale_factor, scale_sub.astype(np.int8), offset_factor, offset_sub.astype(np.int8)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -82,7 +92,7 @@ def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
 def _q4_k(b: np.ndarray) -> Parts:
     d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
     sc, mn = _k_scales(b[:, 4:16])
-    return _k_low_nibbles(b[:, 16:144]).reshape(-1, QK_K), d * sc, -(dmin * mn)
+    return _k_low_nibbles(b[:, 16:144]).reshape(-1, QK_K), d * sc, -(dmin * mn), _super(d, sc, -dmin, mn)
 
 
 def _q5_k(b: np.ndarray) -> Parts:
@@ -90,7 +100,7 @@ def _q5_k(b: np.ndarray) -> Parts:
     sc, mn = _k_scales(b[:, 4:16])
     qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)  # bit j: sub-block j
     u = _k_low_nibbles(b[:, 48:176]) | ((qh & 1) << 4)
-    return u.reshape(-1, QK_K), d * sc, -(dmin * mn)
+    return u.reshape(-1, QK_K), d * sc, -(dmin * mn), _super(d, sc, -dmin, mn)
 
 
 def _q2_k(b: np.ndarray) -> Parts:
@@ -98,7 +108,8 @@ def _q2_k(b: np.ndarray) -> Parts:
     d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
     # 2-bit values by (half, shift, 32): that is the sub-blocks' order
     u = (b[:, 16:80].reshape(-1, 2, 1, 32) >> _TWO_BIT_SHIFTS) & 0x03
-    return u.reshape(-1, QK_K), d * (sc & 0x0F).astype(np.float32), -(dmin * (sc >> 4).astype(np.float32))
+    scale_sub, offset_sub = (sc & 0x0F).astype(np.float32), (sc >> 4).astype(np.float32)
+    return u.reshape(-1, QK_K), d * scale_sub, -(dmin * offset_sub), _super(d, scale_sub, -dmin, offset_sub)
 
 
 def _q3_k(b: np.ndarray) -> Parts:
@@ -112,7 +123,7 @@ def _q3_k(b: np.ndarray) -> Parts:
     bit = (hmask.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
     u = q.reshape(-1, 8, 32) | (bit << 2)
     scale = d * sc
-    return u.reshape(-1, QK_K), scale, -4 * scale
+    return u.reshape(-1, QK_K), scale, -4 * scale, _super(d, sc, -4 * d, sc)
 
 
 # IQ4_NL's and IQ4_XS's 16 non-uniform levels plus 128 (unsigned bytes, offset -128 scale); BlockLinear holds
@@ -132,7 +143,7 @@ def _iq4_xs(b: np.ndarray) -> Parts:
     sc = ((low.reshape(-1, 8) & 0x0F) | ((high & 0x03).astype(np.uint8) << 4)).astype(np.float32) - 32
     u = _IQ4_LEVELS[_nibbles(b[:, 8:136].reshape(-1, 16)).reshape(-1, QK_K)]
     scale = d * sc
-    return u, scale, -128 * scale
+    return u, scale, -128 * scale, _super(d, sc, -128 * d, sc)
 
 
 def _q6_k(b: np.ndarray) -> Parts:
@@ -143,7 +154,7 @@ def _q6_k(b: np.ndarray) -> Parts:
     high = (qh.reshape(-1, 2, 1, 32) >> _TWO_BIT_SHIFTS) & 0x03
     u = low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << 4)
     scale = d * sc  # (B, 16): one per 16 weights
-    return u.reshape(-1, QK_K), scale, -32 * scale
+    return u.reshape(-1, QK_K), scale, -32 * scale, _super(d, sc, -32 * d, sc)
 
 
 @dataclass(frozen=True)
@@ -155,6 +166,7 @@ class BlockFormat:
     bits: int
     read: Callable[[np.ndarray], Parts]
     center: int | None = None  # symmetric formats: every offset is -center x scale (BlockWeights.center)
+    super_blocks: bool = False  # its reader gives the scales as stored too (BlockWeights.super_blocks)
 
 
 # ggml type name -> how to read it. Types not here (IQ1-IQ3, TQ*: codebook grids) have no exact kernel form yet.
@@ -164,13 +176,13 @@ BLOCK_FORMATS: dict[str, BlockFormat] = {
     "Q5_0": BlockFormat(22, 32, 5, _q5_0, center=16),
     "Q5_1": BlockFormat(24, 32, 5, _q5_1),
     "Q8_0": BlockFormat(34, 32, 8, _q8_0, center=128),
-    "Q4_K": BlockFormat(144, 32, 4, _q4_k),
-    "Q5_K": BlockFormat(176, 32, 5, _q5_k),
-    "Q6_K": BlockFormat(210, 16, 8, _q6_k, center=32),
-    "Q2_K": BlockFormat(84, 16, 8, _q2_k),
-    "Q3_K": BlockFormat(110, 16, 8, _q3_k, center=4),
+    "Q4_K": BlockFormat(144, 32, 4, _q4_k, super_blocks=True),
+    "Q5_K": BlockFormat(176, 32, 5, _q5_k, super_blocks=True),
+    "Q6_K": BlockFormat(210, 16, 8, _q6_k, center=32, super_blocks=True),
+    "Q2_K": BlockFormat(84, 16, 8, _q2_k, super_blocks=True),
+    "Q3_K": BlockFormat(110, 16, 8, _q3_k, center=4, super_blocks=True),
     "IQ4_NL": BlockFormat(18, 32, 8, _iq4_nl, center=128),
-    "IQ4_XS": BlockFormat(136, 32, 8, _iq4_xs, center=128),
+    "IQ4_XS": BlockFormat(136, 32, 8, _iq4_xs, center=128, super_blocks=True),
 }
 
 
@@ -178,13 +190,22 @@ def read_blocks(raw: np.ndarray, type_name: str) -> BlockWeights:
     """A 2-D tensor's bytes (rows, bytes per row), stored as ``type_name``, as BlockWeights."""
     fmt = BLOCK_FORMATS[type_name]
     rows = raw.shape[0]
-    u, scale, offset = fmt.read(np.asarray(raw).reshape(-1, fmt.block_bytes))
+    u, scale, offset, *supers = fmt.read(np.asarray(raw).reshape(-1, fmt.block_bytes))
     k = u.size // rows
 
     def tensor(a: np.ndarray, cols: int) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a).reshape(rows, cols))
 
     groups = k // fmt.group_size
+    super_blocks = None
+    if supers:
+        scale_factor, scale_sub, offset_factor, offset_sub = supers[0]
+        super_blocks = SuperBlockScales(
+            tensor(scale_factor, k // QK_K),
+            tensor(scale_sub, groups),
+            tensor(offset_factor, k // QK_K),
+            tensor(offset_sub, groups),
+        )
     return BlockWeights(
         tensor(u, k),
         tensor(scale, groups),
@@ -193,6 +214,7 @@ def read_blocks(raw: np.ndarray, type_name: str) -> BlockWeights:
         fmt.bits,
         (type_name,),
         fmt.center,
+        super_blocks,
     )
 
 
@@ -205,4 +227,4 @@ def read_block_rows(
     fmt = BLOCK_FORMATS[type_name]
     n, step = shape[0], rows or block_linear.PACK_ROWS
     parts = (read_blocks(read_rows(a, min(a + step, n)), type_name) for a in range(0, n, step))
-    return RowParts(shape, fmt.group_size, fmt.bits, (type_name,), parts, fmt.center)
+    return RowParts(shape, fmt.group_size, fmt.bits, (type_name,), parts, fmt.center, fmt.super_blocks)

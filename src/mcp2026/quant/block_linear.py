@@ -6,8 +6,9 @@ Q4_K: scale d * sc, offset -dmin * m; ...). ``BlockWeights`` holds that form, ex
 of a float16 super-block scale and a 6- or 8-bit sub-scale. ``BlockLinear`` packs it for our block GEMM
 (kernels/block_gemm.cpp: AVX-512 VNNI, AVX2, or a scalar loop): 4-bit values into nibble tiles, wider ones into
 byte tiles, both with a scale and offset per group (fp16 where that holds them all exactly, as for Q4_0 / Q4_1 /
-Q8_0, else fp32), so the only rounding added is the activations' int8 per 32 values that every int8 dot product
-here (and llama.cpp's) makes.
+Q8_0; the K-quants' as they store them, a factor per super-block and an integer per group: ``super_blocks``), so
+the only rounding added is the activations' int8 per 32 values that every int8 dot product here (and llama.cpp's)
+makes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 
 from mcp2026 import hardware
 from mcp2026.kernels import ops as kernel_ops
+from mcp2026.quant.super_blocks import SUPER_BLOCK, SuperBlockScales, expand_tiles, tile_super_blocks
 
 COLUMN_TILE = 16  # output rows per packed tile (kernels/vnni_gemm.h kColTile)
 BLOCK = 32  # activation quantization block; every group divides or equals it
@@ -34,7 +36,8 @@ class BlockWeights:
     u: (N, K) uint8; scale, offset: (N, K / group_size) fp32; bits: the widest value u holds (4, 5 or 8, which
     picks the packed layout); formats: the stored types it came from (for reports); center: set where every
     offset is -center x scale (the symmetric formats: Q4_0, Q5_0, Q8_0, Q3_K, Q6_K, IQ4), so the packing keeps
-    the scales alone."""
+    the scales alone; super_blocks: the same scales and offsets as the K-quants store them (a factor per 256
+    weights, an integer per group), which the packing keeps instead of a float per group."""
 
     u: Tensor
     scale: Tensor
@@ -43,6 +46,7 @@ class BlockWeights:
     bits: int
     formats: tuple[str, ...]
     center: int | None = None
+    super_blocks: SuperBlockScales | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -67,6 +71,7 @@ class BlockWeights:
             self.bits,
             self.formats,
             self.center,
+            None if self.super_blocks is None else self.super_blocks.rows(index),
         )
 
     def scaled(self, factor: float) -> BlockWeights:
@@ -79,6 +84,7 @@ class BlockWeights:
             self.bits,
             self.formats,
             self.center,
+            None if self.super_blocks is None else self.super_blocks.scaled(factor),
         )
 
     def regrouped(self, group_size: int) -> BlockWeights:
@@ -94,6 +100,7 @@ class BlockWeights:
             self.bits,
             self.formats,
             self.center,
+            None if self.super_blocks is None else self.super_blocks.regrouped(repeat),
         )
 
     def row_parts(self, rows: int | None = None) -> RowParts:
@@ -108,10 +115,18 @@ class BlockWeights:
                 b = min(a + step, n)
                 yield BlockWeights(
                     self.u[a:b], self.scale[a:b], self.offset[a:b], self.group_size, self.bits, self.formats,
-                    self.center,
+                    self.center, None if self.super_blocks is None else self.super_blocks.row_range(a, b),
                 )  # fmt: skip
 
-        return RowParts(self.shape, self.group_size, self.bits, self.formats, parts(), self.center)
+        return RowParts(
+            self.shape,
+            self.group_size,
+            self.bits,
+            self.formats,
+            parts(),
+            self.center,
+            self.super_blocks is not None,
+        )
 
     @staticmethod
     def concat(parts: Sequence[BlockWeights]) -> BlockWeights:
@@ -121,6 +136,7 @@ class BlockWeights:
         parts = [p.regrouped(group) for p in parts]
         formats = tuple(dict.fromkeys(f for p in parts for f in p.formats))
         centers = {p.center for p in parts}
+        supers = [p.super_blocks for p in parts if p.super_blocks is not None]
         return BlockWeights(
             torch.cat([p.u for p in parts]),
             torch.cat([p.scale for p in parts]),
@@ -129,6 +145,7 @@ class BlockWeights:
             max(p.bits for p in parts),
             formats,
             centers.pop() if len(centers) == 1 else None,
+            SuperBlockScales.concat(supers) if len(supers) == len(parts) else None,
         )
 
 
@@ -154,6 +171,7 @@ class RowParts:
     formats: tuple[str, ...]
     parts: Iterable[BlockWeights]
     center: int | None = None  # as BlockWeights.center, for every part
+    super_blocks: bool = False  # every part has BlockWeights.super_blocks
 
 
 def _tiles_fp32(*per_group: Tensor) -> Tensor:
@@ -219,7 +237,8 @@ def keeps_scales_alone(weight: BlockWeights | RowParts, levels: bool = False) ->
 def pack_row_parts(weight: RowParts, levels: bool = False) -> tuple[Tensor, Tensor]:
     """The packed values and tiled scales and offsets (``tile_scales``) of a weight given part by part;
     ``levels``: as indices into ``LEVEL_VALUES`` (``pack_level_tiles``). A symmetric weight
-    (``keeps_scales_alone``) keeps its scales alone, (N/16, K/G, 1, 16), its byte values moved to center 128."""
+    (``keeps_scales_alone``) keeps its scales alone, (N/16, K/G, 1, 16), its byte values moved to center 128.
+    A weight with ``super_blocks`` keeps them so, int8 (N/16, K/256, 1 or 2, ...) (``tile_super_blocks``)."""
     pack = (
         pack_level_tiles
         if levels
@@ -227,6 +246,7 @@ def pack_row_parts(weight: RowParts, levels: bool = False) -> tuple[Tensor, Tens
     )
     alone = keeps_scales_alone(weight, levels)
     shift = value_center(weight.bits, levels) - weight.center if alone else 0
+    supers = weight.super_blocks and weight.shape[1] % SUPER_BLOCK == 0
     tiles = weight.shape[0] // COLUMN_TILE
     packed = scales = None
     done = 0
@@ -242,14 +262,15 @@ def pack_row_parts(weight: RowParts, levels: bool = False) -> tuple[Tensor, Tens
                 f"a part of {part.bits}-bit values in groups of {part.group_size} in a weight of "
                 f"{weight.bits}-bit values in groups of {weight.group_size}"
             )
-        if alone:
-            if not torch.equal(part.offset, -weight.center * part.scale):
-                raise ValueError(
-                    f"offsets that are not -{weight.center} x scale in a weight marked symmetric"
-                )
-            values, part_scales = pack(part.u + shift if shift else part.u), _tiles_fp32(part.scale)
+        if alone and not torch.equal(part.offset, -weight.center * part.scale):
+            raise ValueError(f"offsets that are not -{weight.center} x scale in a weight marked symmetric")
+        values = pack(part.u + shift if shift else part.u)
+        if supers:
+            if part.super_blocks is None:
+                raise ValueError("a part without super-block scales in a weight marked as having them")
+            part_scales = tile_super_blocks(part.super_blocks, 1 if alone else 2, COLUMN_TILE)
         else:
-            values, part_scales = pack(part.u), _tiles_fp32(part.scale, part.offset)
+            part_scales = _tiles_fp32(part.scale) if alone else _tiles_fp32(part.scale, part.offset)
         if packed is None or scales is None:
             packed = torch.empty((tiles, *values.shape[1:]), dtype=values.dtype)
             scales = torch.empty((tiles, *part_scales.shape[1:]), dtype=part_scales.dtype)
@@ -258,7 +279,7 @@ def pack_row_parts(weight: RowParts, levels: bool = False) -> tuple[Tensor, Tens
         done = end
     if packed is None or scales is None or done != tiles:
         raise ValueError(f"row parts cover {done * COLUMN_TILE} of the weight's {weight.shape[0]} rows")
-    return packed, _narrowed(scales)
+    return packed, scales if supers else _narrowed(scales)
 
 
 # NOTE: the packing runs in numpy: its strided uint8 copies are several times faster than torch's here, and a
@@ -316,7 +337,8 @@ class BlockLinear(nn.Module):
     ``weight`` is the packed values ((N/16, K/8, 64) nibbles, (N/16, K/8, 80) 5-bit values, (N/16, K/4, 64)
     bytes, or IQ4's levels as (N/16, K/8, 64) int8 nibbles of indices: ``levels``), ``scales_offsets``
     (N/16, K/G, 2, 16), or (N/16, K/G, 1, 16) for a symmetric weight (``keeps_scales_alone``), fp16 where that is
-    exact (``tile_scales``), else fp32. Runs on the compiled kernels only (the loader checks they are there)."""
+    exact (``tile_scales``), else fp32; a K-quant's as it stores them, int8 (N/16, K/256, 1 or 2, ...)
+    (``super_blocks.tile_super_blocks``). Runs on the compiled kernels only (the loader checks they are there)."""
 
     def __init__(self, blocks: BlockWeights | RowParts, bias: Tensor | None = None) -> None:
         super().__init__()
@@ -347,9 +369,9 @@ class BlockLinear(nn.Module):
 
     @property
     def bits_per_weight(self) -> float:
-        """Stored bits per weight: the values plus the scale (and offset) of each group (fp16 or fp32)."""
-        parts = self.scales_offsets.shape[2]
-        return self.bits + parts * 8 * self.scales_offsets.element_size() / self.group_size
+        """Stored bits per weight: the values plus the scales (and offsets), per group or per super-block."""
+        so = self.scales_offsets
+        return self.bits + 8 * so.numel() * so.element_size() / (self.in_features * self.out_features)
 
     @property
     def nbytes(self) -> int:
@@ -388,7 +410,10 @@ class BlockLinear(nn.Module):
             u = halves.reshape(t, self.in_features)
             if self.levels:
                 u = torch.tensor(LEVEL_VALUES, dtype=torch.uint8)[u.long()]
-        so = torch.index_select(self.scales_offsets, 0, tile)[picked, :, :, col].float()  # (T, G, 1 or 2)
+        so = torch.index_select(self.scales_offsets, 0, tile)
+        if so.dtype == torch.int8:
+            so = expand_tiles(so, self.group_size)
+        so = so[picked, :, :, col].float()  # (T, K/G, 1 or 2)
         g = self.group_size
         scale = so[..., 0:1]
         offset = so[..., 1:2] if so.shape[-1] == 2 else -value_center(self.bits, self.levels) * scale
