@@ -54,7 +54,9 @@ def assert_matches_the_portable_loop(avx2, linear: BlockLinear, rows: int) -> No
     )
 
 
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (5, 32), (8, 32), (8, 16)])
+@pytest.mark.parametrize(
+    ("bits", "group"), [(4, 32), (5, 32), (6, 32), (8, 32), (4, 16), (5, 16), (6, 16), (8, 16)]
+)
 @pytest.mark.parametrize("rows", [1, 3, 5, 40])  # 40: the float GEMM on the dequantized weight
 @pytest.mark.parametrize("symmetric", [False, True])  # True: the scales alone (offsets -center x scale)
 def test_block_gemm_matches_the_portable_loop(avx2, bits, group, rows, symmetric):
@@ -86,7 +88,7 @@ def test_block_gemm_of_iq4_levels_matches_the_portable_loop(avx2, rows, symmetri
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
 @pytest.mark.parametrize(
-    ("bits", "group", "center"), [(4, 32, None), (5, 32, None), (8, 16, 32), ("levels", 32, 128)]
+    ("bits", "group", "center"), [(4, 32, None), (5, 32, None), (6, 16, 32), (4, 16, 4), ("levels", 32, 128)]
 )
 def test_block_gemm_with_super_block_scales_matches_the_portable_loop(avx2, rows, bits, group, center):
     """The K-quants' scales as stored (a factor per 256 weights, an integer per group): the AVX2 GEMM, the

@@ -75,7 +75,7 @@ def test_mixed_formats_in_one_fused_projection(tmp_path):
     native = load_model(path, torch.float32, native=True)
     reference = load_model(path, torch.float32).model
     qkv = native.model.layers[0].attn.qkv_proj
-    assert (qkv.bits, qkv.group_size, qkv.formats) == (8, 16, ("Q4_K", "Q6_K"))
+    assert (qkv.bits, qkv.group_size, qkv.formats) == (6, 16, ("Q4_K", "Q6_K"))
     assert torch.equal(qkv.dequantize(), reference.layers[0].attn.qkv_proj.weight)
     out = native.model.layers[0].mlp.gate_up_proj
     assert (out.bits, out.group_size, out.formats) == (4, 32, ("Q4_K",))

@@ -18,8 +18,10 @@ from mcp2026.quant.block_linear import (
     pack_byte_tiles,
     pack_int4_tiles,
     pack_int5_tiles,
+    pack_int6_tiles,
     packable,
     tile_scales,
+    value_center,
 )
 
 needs_kernels = pytest.mark.skipif(
@@ -67,7 +69,9 @@ def test_packable_shapes():
     assert not packable((24, 256)) and not packable((64, 48))
 
 
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (5, 32), (8, 32), (8, 16)])
+@pytest.mark.parametrize(
+    ("bits", "group"), [(4, 32), (5, 32), (6, 32), (8, 32), (4, 16), (5, 16), (6, 16), (8, 16)]
+)
 def test_dequantize_round_trips_the_packing(bits, group):
     blocks = random_blocks(48, 128, bits, group)
     module = BlockLinear(blocks)
@@ -76,11 +80,13 @@ def test_dequantize_round_trips_the_packing(bits, group):
     assert torch.equal(module.dequantize_rows(rows), blocks.dequantize()[rows])
 
 
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (5, 32), (8, 32), (8, 16)])
+@pytest.mark.parametrize(
+    ("bits", "group"), [(4, 32), (5, 32), (6, 32), (8, 32), (4, 16), (5, 16), (6, 16), (8, 16)]
+)
 @pytest.mark.parametrize("fp16", [True, False])
 def test_packing_part_by_part_equals_packing_the_whole(bits, group, fp16):
     blocks = random_blocks(16 * 7, 64, bits, group, fp16=fp16)
-    pack = {4: pack_int4_tiles, 5: pack_int5_tiles, 8: pack_byte_tiles}[bits]
+    pack = {4: pack_int4_tiles, 5: pack_int5_tiles, 6: pack_int6_tiles, 8: pack_byte_tiles}[bits]
     whole = {"weight": pack(blocks.u), "scales_offsets": tile_scales(blocks.scale, blocks.offset)}
     assert whole["scales_offsets"].dtype == (torch.float16 if fp16 else torch.float32)
     for rows in (16, 32, 48, 16 * 7):  # parts of one tile, two, three with a shorter last one, and one part
@@ -113,20 +119,23 @@ def test_row_parts_that_do_not_cover_the_weight_in_whole_tiles_are_an_error():
         BlockLinear(mixed)
 
 
-@pytest.mark.parametrize("bits", [4, 5])
-def test_nibble_values_need_groups_of_32(bits):
+def test_groups_other_than_16_or_32_have_no_kernel():
     with pytest.raises(ValueError, match="no kernel"):
-        BlockLinear(random_blocks(16, 64, bits, 16))
+        BlockLinear(random_blocks(16, 128, 4, 64))
 
 
-def test_five_bit_values_pack_into_five_bits_a_weight():
-    blocks = random_blocks(32, 128, 5, 32)
-    assert BlockLinear(blocks).weight.numel() * 8 == 5 * 32 * 128
+@pytest.mark.parametrize("bits", [5, 6])
+@pytest.mark.parametrize("group", [32, 16])
+def test_five_and_six_bit_values_pack_into_that_many_bits_a_weight(bits, group):
+    blocks = random_blocks(32, 128, bits, group)
+    assert BlockLinear(blocks).weight.numel() * 8 == bits * 32 * 128
     assert torch.equal(BlockLinear(blocks).dequantize(), blocks.dequantize())
 
 
 @needs_kernels
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (5, 32), (8, 32), (8, 16)])
+@pytest.mark.parametrize(
+    ("bits", "group"), [(4, 32), (5, 32), (6, 32), (8, 32), (4, 16), (5, 16), (6, 16), (8, 16)]
+)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 33])
 @pytest.mark.parametrize("fp16", [False, True])
 def test_gemm_equals_the_rounded_activation_oracle(bits, group, rows, fp16):
@@ -213,8 +222,9 @@ def test_level_gemm_equals_the_rounded_activation_oracle(rows):
     assert module.levels and module.scales_offsets.shape[2] == 2
 
 
-# (bits, group, center): Q4_0, Q5_0, Q8_0, Q6_K (bytes moved to center 128), Q3_K-like
-SYMMETRIC = [(4, 32, 8), (5, 32, 16), (8, 32, 128), (8, 16, 32), (8, 16, 4)]
+# (bits, group, center): Q4_0, Q5_0, Q8_0, Q6_K, Q3_K (nibbles moved from 4 to center 8), and bytes moved to center
+# 128 (a fused weight of Q6_K and Q3_K parts)
+SYMMETRIC = [(4, 32, 8), (5, 32, 16), (8, 32, 128), (6, 16, 32), (4, 16, 4), (8, 16, 32), (8, 16, 4)]
 
 
 @pytest.mark.parametrize(("bits", "group", "center"), SYMMETRIC)
@@ -233,8 +243,8 @@ def test_scales_alone_only_where_every_offset_is_minus_center_times_scale():
     blocks = random_blocks(32, 64, 4, 32, center=8)
     other = random_blocks(32, 64, 4, 32)
     assert BlockLinear(BlockWeights.concat([blocks, other])).scales_offsets.shape[2] == 2
-    nibbles_off_center = random_blocks(32, 64, 4, 32, center=4)  # nibble values sit at 8, not moved
-    assert BlockLinear(nibbles_off_center).scales_offsets.shape[2] == 2
+    below_the_middle = random_blocks(32, 64, 4, 32, center=4)  # values 0 .. 7, moved up to sit around 8
+    assert BlockLinear(below_the_middle).scales_offsets.shape[2] == 1
     blocks.offset[3, 1] *= 1.5
     with pytest.raises(ValueError, match="not -8 x scale"):
         BlockLinear(blocks)
@@ -256,7 +266,7 @@ def test_symmetric_gemm_equals_the_rounded_activation_oracle(bits, group, center
     # the values stay where they are (bytes moved to center 128 change the float sums' rounding only)
     both = BlockLinear(dataclasses.replace(blocks, center=None), module.bias)
     assert both.scales_offsets.shape[2] == 2
-    if center in (8, 16, 128):
+    if center == value_center(module.bits, module.levels):  # values not moved
         assert torch.equal(both(x), got)
     else:
         torch.testing.assert_close(both(x), got, rtol=1e-6, atol=1e-6 * got.abs().max().item())
@@ -271,7 +281,9 @@ def test_bf16_input_gives_bf16_output_of_the_same_sums():
 
 
 @needs_kernels
-@pytest.mark.parametrize(("bits", "group"), [(4, 32), (5, 32), (8, 32), (8, 16)])
+@pytest.mark.parametrize(
+    ("bits", "group"), [(4, 32), (5, 32), (6, 32), (8, 32), (4, 16), (5, 16), (6, 16), (8, 16)]
+)
 @pytest.mark.parametrize("rows", [1, 5])
 def test_bf16_output_is_the_fp32_output_rounded_to_nearest_even(bits, group, rows):
     """The kernels round bf16 results themselves: bit for bit what converting their fp32 results gives (rows
@@ -309,7 +321,9 @@ def test_scaled_and_rows():
     torch.testing.assert_close(a.scaled(0.125).dequantize(), a.dequantize() * 0.125)
 
 
-@pytest.mark.parametrize(("bits", "group"), [(8, 32), (8, 16), (4, 32), (5, 32)])
+@pytest.mark.parametrize(
+    ("bits", "group"), [(4, 32), (5, 32), (6, 32), (8, 32), (4, 16), (5, 16), (6, 16), (8, 16)]
+)
 def test_embedding_reads_the_table_rows(bits, group):
     """The compiled lookup gives dequantize_rows's values bit for bit (the product rounded before the add)."""
     table = BlockLinear(random_blocks(48, 64, bits, group))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mcp2026.kernels import ops as kernel_ops
-from mcp2026.quant.block_linear import BlockEmbedding, BlockLinear, BlockWeights
+from mcp2026.quant.block_linear import BlockEmbedding, BlockLinear, BlockWeights, value_center
 from mcp2026.quant.super_blocks import expand_tiles
 from super_block_weights import super_block_weights
 
@@ -18,13 +18,15 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
-CASES = [  # (bits, group, center): Q4_K, Q5_K, Q2_K, Q3_K, Q6_K, IQ4_XS
+CASES = [  # (bits, group, center): Q4_K, Q5_K, Q2_K, Q3_K, Q6_K, IQ4_XS, and bytes (a fused IQ4_XS and Q4_K)
     (4, 32, None),
     (5, 32, None),
-    (8, 16, None),
-    (8, 16, 4),
-    (8, 16, 32),
+    (4, 16, None),
+    (4, 16, 4),
+    (6, 16, 32),
     ("levels", 32, 128),
+    (8, 32, None),
+    (8, 16, 32),
 ]
 
 
@@ -40,7 +42,7 @@ def test_the_packing_keeps_factors_and_integers(bits, group, center):
     assert module.bits_per_weight == module.bits + parts * (64 + 16 * per) * 8 / (16 * 256)
     per_group = BlockLinear(dataclasses.replace(blocks, super_blocks=None)).scales_offsets
     assert torch.equal(expand_tiles(so, group), per_group.float())
-    if center in (None, 128):
+    if center is None or center == value_center(module.bits, module.levels):
         assert torch.equal(module.dequantize(), blocks.dequantize())
     else:  # bytes moved to center 128 (u + 128 - center, offset -128 x scale): the same values, rounded anew
         torch.testing.assert_close(module.dequantize(), blocks.dequantize(), rtol=1e-6, atol=1e-7)

@@ -4,13 +4,14 @@
 // Q8_0: u = q + 128, offset -128 d; Q5_0/Q5_1/Q5_K: the 5-bit value; Q6_K: the 6-bit value in groups of 16;
 // IQ4_NL/IQ4_XS: one of 16 levels plus 128), so a GGUF file runs on its stored values instead of a float copy.
 //
-// Three layouts of u, all in tiles of 16 output columns (a fourth: the nibble layout typed int8, whose nibbles
+// Four layouts of u, all in tiles of 16 output columns (a fifth: the nibble layout typed int8, whose nibbles
 // index kLevelValues, IQ4's levels): nibbles (N/16, K/8, 64), the int4 GEMM's (byte 4c + e
 // of vector j holds column c's k = 8j + e in its low nibble and 8j + 4 + e in its high one); 5-bit values
 // (N/16, K/8, 80), each vector's 64 bytes of nibbles followed by two 64-bit masks of the fifth bits (bit 4c + e
 // of the first: the low nibble's value of byte 4c + e is 16 more; of the second: the high nibble's), so
-// Q5_0 / Q5_1 / Q5_K read 5 bits a weight, not 8; and bytes (N/16, K/4, 64) (byte 4c + e of vector j is
-// column c's k = 4j + e). Scales and offsets per group or per super-block (vnni_gemm.h tile_params).
+// Q5_0 / Q5_1 / Q5_K read 5 bits a weight, not 8; 6-bit values (N/16, K/8, 96), the 5-bit vector followed by two
+// masks of sixth bits (32 more), for Q6_K; and bytes (N/16, K/4, 64) (byte 4c + e of vector j is column c's
+// k = 4j + e). Groups are 32 or 16 weights in every layout but the levels' (32). Scales and offsets per group or per super-block (vnni_gemm.h tile_params).
 // Activations are quantized per 32 values as every other int8 path quantizes them (quantize_rows.h). Per group
 // the int32 dot of u with the row's int8 values is scaled by scale x the block's dx, and offset x dx x sum(xq over
 // the group) is added: the same arithmetic on every ISA, so AVX-512 VNNI (dpbusd), AVX2 (maddubs) and the scalar
@@ -101,8 +102,8 @@ void block_gemm_run(const QuantizedRows& xr, const float* dxs, const uint8_t* w,
 }
 #endif
 
-// The values' width from the packed layout: nibbles (N/16, K/8, 64), 5-bit (N/16, K/8, 80), bytes (N/16, K/4, 64);
-// kLevelNibbles: int8 (N/16, K/8, 64).
+// The values' width from the packed layout: nibbles (N/16, K/8, 64), 5-bit (N/16, K/8, 80), 6-bit (N/16, K/8, 96),
+// bytes (N/16, K/4, 64); kLevelNibbles: int8 (N/16, K/8, 64).
 inline int packed_bits(const torch::Tensor& wp, int64_t K) {
   const bool levels = wp.scalar_type() == torch::kChar;
   TORCH_CHECK((wp.scalar_type() == torch::kByte || levels) && wp.is_contiguous() && wp.dim() == 3,
@@ -110,43 +111,28 @@ inline int packed_bits(const torch::Tensor& wp, int64_t K) {
   if (wp.size(1) * 8 == K && wp.size(2) == 64) return levels ? kLevelNibbles : 4;
   TORCH_CHECK(!levels, "int8 level indices must be (N/16, K/8, 64) for this K");
   if (wp.size(1) * 8 == K && wp.size(2) == 80) return 5;
+  if (wp.size(1) * 8 == K && wp.size(2) == 96) return 6;
   TORCH_CHECK(wp.size(1) * 4 == K && wp.size(2) == 64,
-              "wp must be (N/16, K/8, 64) nibbles, (N/16, K/8, 80) 5-bit values or (N/16, K/4, 64) bytes for this K");
+              "wp must be (N/16, K/8, 64) nibbles, (N/16, K/8, 80) 5-bit or (N/16, K/8, 96) 6-bit values or "
+              "(N/16, K/4, 64) bytes for this K");
   return 8;
-}
-
-// Per (row, group): the int sum of the row's int8 values over the group, and dx times it.
-struct GroupSums {
-  std::vector<int32_t> isum;
-  std::vector<float> dxs;
-};
-
-GroupSums group_sums(const QuantizedRows& xr, int64_t M, int64_t K, int64_t G) {
-  const int64_t ngrp = K / G;
-  GroupSums gs{std::vector<int32_t>(M * ngrp), std::vector<float>(M * ngrp)};
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t g = 0; g < ngrp; ++g) {
-      const int8_t* q = xr.q.data() + r * K + g * G;
-      int32_t sum = 0;
-      for (int64_t k = 0; k < G; ++k) sum += q[k];
-      gs.isum[r * ngrp + g] = sum;
-      gs.dxs[r * ngrp + g] = xr.scale[r * (K / 32) + g * G / 32] * static_cast<float>(sum);
-    }
-  return gs;
 }
 
 // u[n][k] from any layout (the scalar path and nothing hot).
 inline int32_t stored_value(const uint8_t* w, int bits, int64_t n, int64_t k, int64_t K) {
   const int64_t t = n / kColTile, c = n % kColTile;
   if (bits != 8) {
-    const int64_t vector_bytes = bits == 5 ? 80 : 64, i = 4 * c + (k % 4);
+    const int64_t vector_bytes = bits == 6 ? 96 : bits == 5 ? 80 : 64, i = 4 * c + (k % 4);
     const uint8_t* v = w + (t * (K / 8) + k / 8) * vector_bytes;
     const bool low = (k % 8) < 4;
     const int32_t nib = low ? (v[i] & 0x0F) : (v[i] >> 4);
     if (bits == kLevelNibbles) return kLevelValues[nib];
     if (bits == 4) return nib;
-    const uint8_t* mask = v + (low ? 64 : 72);
-    return nib | (((mask[i / 8] >> (i % 8)) & 1) << 4);
+    const uint8_t* fifth = v + (low ? 64 : 72);
+    const int32_t u = nib | (((fifth[i / 8] >> (i % 8)) & 1) << 4);
+    if (bits == 5) return u;
+    const uint8_t* sixth = v + (low ? 80 : 88);
+    return u | (((sixth[i / 8] >> (i % 8)) & 1) << 5);
   }
   return w[(t * (K / 4) + k / 4) * 64 + 4 * c + (k % 4)];
 }
@@ -178,13 +164,13 @@ void dequantize_tiles(const uint8_t* w, const S* so, int64_t P, int bits, int64_
                       float* out) {
   const int64_t tile_scales = tile_params<S>(K, G, P);
   auto group = [&](const S* st, int64_t c, int64_t g) { return group_scale_offset(st, c, g, P, G, bits); };
-  if (bits == 5) {  // not on a hot path of VNNI CPUs; the value lookup is the scalar GEMM's
+  if (bits == 5 || bits == 6) {  // not on a hot path of VNNI CPUs; the value lookup is the scalar GEMM's
     team::parallel_for(0, N, kColTile, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
         const S* st = so + (n / kColTile) * tile_scales;
         for (int64_t k = 0; k < K; ++k) {
           const auto [scale, offset] = group(st, n % kColTile, k / G);
-          out[n * K + k] = scale * static_cast<float>(stored_value(w, 5, n, k, K)) + offset;
+          out[n * K + k] = scale * static_cast<float>(stored_value(w, bits, n, k, K)) + offset;
         }
       }
     });
@@ -228,20 +214,21 @@ inline __m256i splat_dword(const int8_t* p) {
 // time keeps R int32 dots and R float sums in registers). maddubs takes u8 x s8 pairs into int16: nibbles
 // (<= 15) never saturate; bytes (u up to 255) could, so they are multiplied as signed q = u - 128 (|q| <= 128,
 // the sign moved onto x) and 128 x sum(xq) is added back: the same int32 dot of u as dpbusd computes.
-// The fifth bits of 32 bytes (bit i of m for byte i) as 16 in those bytes, 0 elsewhere.
-inline __m256i fifth_bits(uint32_t m) {
+// The fifth (sixth) bits of 32 bytes (bit i of m for byte i) as 16 (32) in those bytes, 0 elsewhere.
+inline __m256i high_bits(uint32_t m, int8_t value) {
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
                                           3, 3, 3, 3, 3, 3, 3);
   const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
   const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(m)), spread);
   const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select);
-  return _mm256_and_si256(set, _mm256_set1_epi8(16));
+  return _mm256_and_si256(set, _mm256_set1_epi8(value));
 }
 
 template <int R, int BITS, int G, typename S>
 void avx2_half(const uint8_t* wt, const S* st, int64_t P, const QuantizedRows& xr, const GroupSums& gs, int64_t r0,
                int h, int64_t K, float* out, int64_t N) {
-  constexpr int kPerVector = BITS == 8 ? 4 : 8, kVectors = G / kPerVector, kVectorBytes = BITS == 5 ? 80 : 64;
+  constexpr int kPerVector = BITS == 8 ? 4 : 8, kVectors = G / kPerVector;
+  constexpr int kVectorBytes = BITS == 6 ? 96 : BITS == 5 ? 80 : 64;
   // bytes, and level indices looked up as bytes: signed q = u - 128 in maddubs, 128 x sum(xq) added back
   constexpr bool kSigned = BITS == 8 || BITS == kLevelNibbles;
   const int64_t ngrp = K / G, nblk = K / 32;
@@ -271,14 +258,21 @@ void avx2_half(const uint8_t* wt, const S* st, int64_t P, const QuantizedRows& x
           dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ml, xl), ones));
           dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mh, xh), ones));
         }
-      } else if constexpr (BITS != 8) {  // nibbles (<= 15; with the fifth bit <= 31): maddubs never saturates
+      } else if constexpr (BITS != 8) {  // nibbles (<= 15; with fifth and sixth bits <= 63): maddubs never saturates
         __m256i lo = _mm256_and_si256(w, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
-        if constexpr (BITS == 5) {
+        if constexpr (BITS >= 5) {
           uint32_t fifth_lo, fifth_hi;
           std::memcpy(&fifth_lo, vec + 64 + 4 * h, 4);
           std::memcpy(&fifth_hi, vec + 72 + 4 * h, 4);
-          lo = _mm256_or_si256(lo, fifth_bits(fifth_lo));
-          hi = _mm256_or_si256(hi, fifth_bits(fifth_hi));
+          lo = _mm256_or_si256(lo, high_bits(fifth_lo, 16));
+          hi = _mm256_or_si256(hi, high_bits(fifth_hi, 16));
+        }
+        if constexpr (BITS == 6) {
+          uint32_t sixth_lo, sixth_hi;
+          std::memcpy(&sixth_lo, vec + 80 + 4 * h, 4);
+          std::memcpy(&sixth_hi, vec + 88 + 4 * h, 4);
+          lo = _mm256_or_si256(lo, high_bits(sixth_lo, 32));
+          hi = _mm256_or_si256(hi, high_bits(sixth_hi, 32));
         }
         for (int r = 0; r < R; ++r) {
           const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, splat_dword(xrow[r] + k)),
@@ -310,7 +304,7 @@ void avx2_half(const uint8_t* wt, const S* st, int64_t P, const QuantizedRows& x
 template <int BITS, int G, typename S>
 void avx2_gemm(const uint8_t* w, const S* so, int64_t P, const QuantizedRows& xr, const GroupSums& gs, int64_t M,
                int64_t K, int64_t N, float* out) {
-  const int64_t tile_bytes = BITS == 8 ? (K / 4) * 64 : (K / 8) * (BITS == 5 ? 80 : 64);  // levels: nibbles
+  const int64_t tile_bytes = BITS == 8 ? (K / 4) * 64 : (K / 8) * (BITS == 6 ? 96 : BITS == 5 ? 80 : 64);
   const int64_t tile_scales = tile_params<S>(K, G, P);
   team::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
@@ -341,7 +335,7 @@ torch::Tensor block_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, c
   TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
   const int bits = packed_bits(wp, K);
   const auto [P, G] = scale_shape(so, N, K);
-  TORCH_CHECK(G == 32 || (G == 16 && bits == 8), "groups must be 32 weights (or 16 with byte values)");
+  TORCH_CHECK(G == 32 || (G == 16 && bits != kLevelNibbles), "groups must be 32 or 16 weights (levels: 32)");
 #ifdef MCP_INT4_VNNI
   if (bits != 8) return int4_gemm_into(x, wp, so, bias, slot);  // its micro-tile reads every nibble layout
 #else
@@ -389,16 +383,23 @@ torch::Tensor block_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, c
     using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
     const GroupSums gs = group_sums(xr, M, K, G);
 #if defined(__AVX2__) && defined(__FMA__)
-    if (bits == 4)
-      avx2_gemm<4, 32, S>(w, s, P, xr, gs, M, K, N, op);
-    else if (bits == kLevelNibbles)
+    auto by_bits = [&](auto group) {
+      constexpr int kG = decltype(group)::value;
+      if (bits == 4)
+        avx2_gemm<4, kG, S>(w, s, P, xr, gs, M, K, N, op);
+      else if (bits == 5)
+        avx2_gemm<5, kG, S>(w, s, P, xr, gs, M, K, N, op);
+      else if (bits == 6)
+        avx2_gemm<6, kG, S>(w, s, P, xr, gs, M, K, N, op);
+      else
+        avx2_gemm<8, kG, S>(w, s, P, xr, gs, M, K, N, op);
+    };
+    if (bits == kLevelNibbles)
       avx2_gemm<kLevelNibbles, 32, S>(w, s, P, xr, gs, M, K, N, op);
-    else if (bits == 5)
-      avx2_gemm<5, 32, S>(w, s, P, xr, gs, M, K, N, op);
     else if (G == 32)
-      avx2_gemm<8, 32, S>(w, s, P, xr, gs, M, K, N, op);
+      by_bits(std::integral_constant<int, 32>{});
     else
-      avx2_gemm<8, 16, S>(w, s, P, xr, gs, M, K, N, op);
+      by_bits(std::integral_constant<int, 16>{});
 #else
     scalar_gemm(w, s, P, bits, G, xr, gs, M, K, N, op);
 #endif

@@ -71,7 +71,7 @@ constexpr int kLevelNibbles = 16;
 
 // Block weights' scales and offsets come per (tile, group) as the 16 columns' scales then their offsets (2 parts),
 // or as the scales alone (1 part) where every offset is -center x scale, center the middle of the layout's values.
-inline float value_center(int bits) { return bits == 4 ? 8.f : bits == 5 ? 16.f : 128.f; }
+inline float value_center(int bits) { return bits == 4 ? 8.f : bits == 5 ? 16.f : bits == 6 ? 32.f : 128.f; }
 
 // int4_gemm.cpp
 bool vnni_gemm_available();

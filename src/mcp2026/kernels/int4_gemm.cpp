@@ -20,42 +20,53 @@
 namespace {
 
 #ifdef MCP_INT4_VNNI
-// R rows x C column tiles of 16. wp: the first tile's packed weights (K/8 vectors of VB bytes, the next tile
-// tile_bytes further); so: its scales and offsets per 32-block (vnni_gemm.h group_param16); xq: R rows of K int8; dx, dxs: their
-// (row, block) scales and dx * sum(xq). out: R rows of stride N at the tile's first column. VB = 80: the block
-// GEMM's 5-bit layout (block_gemm.cpp), each vector's nibbles followed by two 64-bit masks of fifth bits, added
-// to the nibbles with one masked byte add each. L: the nibbles index kLevelValues (IQ4), looked up with one
-// byte shuffle each. P: parts of so per group (2: scales, offsets; 1: scales, offsets -center x scale).
-template <int R, int C, int VB, bool L, typename S, typename O>
+// R rows x C column tiles of 16, groups of G (32 or 16) along K. wp: the first tile's packed weights (K/8
+// vectors of VB bytes, the next tile tile_bytes further); so: its scales and offsets per group (vnni_gemm.h
+// group_param16); xq: R rows of K int8; dx: their (row, 32-block) scales; dxs: (row, group) dx * sum(xq). out: R
+// rows of stride N at the tile's first column. VB = 80: the block GEMM's 5-bit layout (block_gemm.cpp), each
+// vector's nibbles followed by two 64-bit masks of fifth bits, added to the nibbles with one masked byte add
+// each; VB = 96: its 6-bit layout, two more masks of sixth bits. L: the nibbles index kLevelValues (IQ4), looked
+// up with one byte shuffle each. P: parts of so per group (2: scales, offsets; 1: scales, offsets -center x
+// scale).
+template <int R, int C, int VB, bool L, int G, typename S, typename O>
 void gemm_tile(const uint8_t* wp, const S* so, int64_t P, const int8_t* xq, const float* dx, const float* dxs,
                int64_t K, const float* bias, O* out, int64_t N, bool stream) {
-  static_assert(VB == 64 || VB == 80, "nibble vectors, or nibbles and their fifth bits");
+  static_assert(VB == 64 || VB == 80 || VB == 96, "nibble vectors, with their fifth (and sixth) bits");
   static_assert(!L || VB == 64, "level indices are plain nibbles");
-  const int64_t nblk = K / 32, tile_bytes = (K / 8) * VB, tile_scales = tile_params<S>(K, 32, P);
-  const __m512 neg_center = _mm512_set1_ps(-value_center(L ? kLevelNibbles : VB == 80 ? 5 : 4));
-  const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+  static_assert(G == 32 || G == 16, "groups of 32 or 16");
+  constexpr int kVectors = G / 8;  // 64-byte nibble vectors (8 k each) per group
+  const int64_t nblk = K / 32, ngrp = K / G, tile_bytes = (K / 8) * VB, tile_scales = tile_params<S>(K, G, P);
+  const __m512 neg_center = _mm512_set1_ps(-value_center(L ? kLevelNibbles : VB == 96 ? 6 : VB == 80 ? 5 : 4));
+  const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16), thirty_two = _mm512_set1_epi8(32);
   const __m512i levels = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kLevelValues)));
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nblk; ++b) {
+  for (int64_t g = 0; g < ngrp; ++g) {
     __m512i dot[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) dot[r][c] = _mm512_setzero_si512();
-    for (int j = 0; j < 4; ++j) {  // a block's 32 k: 4 vectors, each 8 k (low nibbles k..k+3, high k+4..k+7)
+    for (int j = 0; j < kVectors; ++j) {  // a group's G k: vectors of 8 k (low nibbles k..k+3, high k+4..k+7)
       __m512i lo[C], hi[C];
       for (int c = 0; c < C; ++c) {
-        const uint8_t* src = wp + c * tile_bytes + (b * 4 + j) * VB;
+        const uint8_t* src = wp + c * tile_bytes + (g * kVectors + j) * VB;
         if (stream) _mm_prefetch(reinterpret_cast<const char*>(src + kStreamAhead), _MM_HINT_NTA);
         const __m512i v = _mm512_loadu_si512(src);
         lo[c] = _mm512_and_si512(v, nibble);
         hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-        if constexpr (VB == 80) {
+        if constexpr (VB >= 80) {
           uint64_t fifth_lo, fifth_hi;
           std::memcpy(&fifth_lo, src + 64, 8);
           std::memcpy(&fifth_hi, src + 72, 8);
           lo[c] = _mm512_mask_add_epi8(lo[c], _cvtu64_mask64(fifth_lo), lo[c], sixteen);
           hi[c] = _mm512_mask_add_epi8(hi[c], _cvtu64_mask64(fifth_hi), hi[c], sixteen);
+        }
+        if constexpr (VB == 96) {
+          uint64_t sixth_lo, sixth_hi;
+          std::memcpy(&sixth_lo, src + 80, 8);
+          std::memcpy(&sixth_hi, src + 88, 8);
+          lo[c] = _mm512_mask_add_epi8(lo[c], _cvtu64_mask64(sixth_lo), lo[c], thirty_two);
+          hi[c] = _mm512_mask_add_epi8(hi[c], _cvtu64_mask64(sixth_hi), hi[c], thirty_two);
         }
         if constexpr (L) {
           lo[c] = _mm512_shuffle_epi8(levels, lo[c]);
@@ -63,7 +74,7 @@ void gemm_tile(const uint8_t* wp, const S* so, int64_t P, const int8_t* xq, cons
         }
       }
       for (int r = 0; r < R; ++r) {
-        const int8_t* x = xq + r * K + b * 32 + j * 8;
+        const int8_t* x = xq + r * K + g * G + j * 8;
         const __m512i x_lo = broadcast_dword(x), x_hi = broadcast_dword(x + 4);
         for (int c = 0; c < C; ++c) {
           dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], lo[c], x_lo);
@@ -71,42 +82,44 @@ void gemm_tile(const uint8_t* wp, const S* so, int64_t P, const int8_t* xq, cons
         }
       }
     }
+    const int64_t blk = g * G / 32;
     for (int c = 0; c < C; ++c) {
       const S* st = so + c * tile_scales;
-      const __m512 s = group_param16(st, b, 0, P, 32);
-      const __m512 o = P == 2 ? group_param16(st, b, 1, P, 32) : _mm512_mul_ps(s, neg_center);
+      const __m512 s = group_param16(st, g, 0, P, G);
+      const __m512 o = P == 2 ? group_param16(st, g, 1, P, G) : _mm512_mul_ps(s, neg_center);
       for (int r = 0; r < R; ++r) {
-        const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(dx[r * nblk + b]));
+        const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(dx[r * nblk + blk]));
         acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), scale, acc[r][c]);
-        acc[r][c] = _mm512_fmadd_ps(o, _mm512_set1_ps(dxs[r * nblk + b]), acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(o, _mm512_set1_ps(dxs[r * ngrp + g]), acc[r][c]);
       }
     }
   }
   store_tile<R, C>(acc, bias, out, N);
 }
 
-template <int C, int VB, bool L, typename S, typename O>
-void gemm_rows(const uint8_t* wp, const S* so, int64_t P, const QuantizedRows& xr, int64_t M, int64_t K,
-               const float* bias, O* out, int64_t N) {
+// dxs: (row, group) dx * sum(xq) (groups of 32: the quantized rows' own sums).
+template <int C, int VB, bool L, int G, typename S, typename O>
+void gemm_rows(const uint8_t* wp, const S* so, int64_t P, const QuantizedRows& xr, const float* dxs, int64_t M,
+               int64_t K, const float* bias, O* out, int64_t N) {
   const int64_t nblk = K / 32;
   for_row_tiles(M, [&](int64_t r0, auto rows) {
-    gemm_tile<decltype(rows)::value, C, VB, L, S, O>(wp, so, P, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
-                                            xr.sum.data() + r0 * nblk, K, bias, out + r0 * N, N, M <= kGemmRows);
+    gemm_tile<decltype(rows)::value, C, VB, L, G, S, O>(wp, so, P, xr.q.data() + r0 * K, xr.scale.data() + r0 * nblk,
+                                                     dxs + r0 * (K / G), K, bias, out + r0 * N, N, M <= kGemmRows);
   });
 }
 
-template <int VB, bool L, typename S, typename O>
-void gemm_columns(const uint8_t* w, const S* s, int64_t P, const QuantizedRows& xr, int64_t M, int64_t K,
-                  const float* bias, O* out, int64_t N) {
-  const int64_t tiles = N / kColTile, tile_bytes = (K / 8) * VB, tile_scales = tile_params<S>(K, 32, P);
+template <int VB, bool L, int G, typename S, typename O>
+void gemm_columns(const uint8_t* w, const S* s, int64_t P, const QuantizedRows& xr, const float* dxs, int64_t M,
+                  int64_t K, const float* bias, O* out, int64_t N) {
+  const int64_t tiles = N / kColTile, tile_bytes = (K / 8) * VB, tile_scales = tile_params<S>(K, G, P);
   for_column_tiles(tiles, M, [&](int64_t t, bool pair) {
     const uint8_t* wt = w + t * tile_bytes;
     const S* st = s + t * tile_scales;
     const float* bt = bias ? bias + t * kColTile : nullptr;
     if (pair)
-      gemm_rows<2, VB, L>(wt, st, P, xr, M, K, bt, out + t * kColTile, N);
+      gemm_rows<2, VB, L, G>(wt, st, P, xr, dxs, M, K, bt, out + t * kColTile, N);
     else
-      gemm_rows<1, VB, L>(wt, st, P, xr, M, K, bt, out + t * kColTile, N);
+      gemm_rows<1, VB, L, G>(wt, st, P, xr, dxs, M, K, bt, out + t * kColTile, N);
   });
 }
 #endif
@@ -172,12 +185,13 @@ torch::Tensor int4_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, co
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
   const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * kColTile;
   const bool levels = wp.scalar_type() == torch::kChar;  // the block GEMM's IQ4 level indices
+  const int64_t VB = wp.dim() == 3 ? wp.size(2) : 0;
   TORCH_CHECK((wp.scalar_type() == torch::kByte || levels) && wp.is_contiguous() && wp.dim() == 3 &&
-                  wp.size(1) * 8 == K && (wp.size(2) == 64 || (wp.size(2) == 80 && !levels)),
-              "wp must be int4_gemm_pack's (N/16, K/8, 64) uint8 for this K (or the block GEMM's 5-bit (N/16, K/8, 80), "
-              "or its int8 level indices (N/16, K/8, 64))");
-  const auto [P, G] = scale_shape(so, N, K);  // P 1: scales alone, offsets -8 (-16, -128) x scale
-  TORCH_CHECK(G == 32, "int4_gemm takes groups of 32 weights");
+                  wp.size(1) * 8 == K && (VB == 64 || ((VB == 80 || VB == 96) && !levels)),
+              "wp must be int4_gemm_pack's (N/16, K/8, 64) uint8 for this K (or the block GEMM's 5-bit (N/16, K/8, 80) "
+              "or 6-bit (N/16, K/8, 96), or its int8 level indices (N/16, K/8, 64))");
+  const auto [P, G] = scale_shape(so, N, K);  // P 1: scales alone, offsets -8 (-16, -32, -128) x scale
+  TORCH_CHECK(G == 32 || (G == 16 && !levels), "int4_gemm takes groups of 32 weights (or 16 without levels)");
 #ifdef MCP_INT4_VNNI
   const auto xc = x.contiguous();
   QuantizedRows& xr = thread_rows();
@@ -188,15 +202,26 @@ torch::Tensor int4_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, co
   const auto b = gemm_bias(bias, N);
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const auto* w = static_cast<const uint8_t*>(wp.data_ptr());
-  const bool fifth = wp.size(2) == 80;
+  GroupSums sums16;  // groups of 16 need their own sums; groups of 32 use the quantized rows' block sums
+  if (G == 16) sums16 = group_sums(xr, M, K, 16);
+  const float* dxs = G == 16 ? sums16.dxs.data() : xr.sum.data();
   with_output(out, [&](auto* op) {
     with_scales(so, [&](const auto* s) {
-      if (fifth)
-        gemm_columns<80, false>(w, s, P, xr, M, K, bp, op, N);
-      else if (levels)
-        gemm_columns<64, true>(w, s, P, xr, M, K, bp, op, N);
+      auto by_width = [&](auto group) {
+        constexpr int kG = decltype(group)::value;
+        if (VB == 96)
+          gemm_columns<96, false, kG>(w, s, P, xr, dxs, M, K, bp, op, N);
+        else if (VB == 80)
+          gemm_columns<80, false, kG>(w, s, P, xr, dxs, M, K, bp, op, N);
+        else
+          gemm_columns<64, false, kG>(w, s, P, xr, dxs, M, K, bp, op, N);
+      };
+      if (levels)
+        gemm_columns<64, true, 32>(w, s, P, xr, dxs, M, K, bp, op, N);
+      else if (G == 16)
+        by_width(std::integral_constant<int, 16>{});
       else
-        gemm_columns<64, false>(w, s, P, xr, M, K, bp, op, N);
+        by_width(std::integral_constant<int, 32>{});
     });
   });
   return out;

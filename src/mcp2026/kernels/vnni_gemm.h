@@ -100,6 +100,26 @@ inline __m256 group_param8(const S* st, int64_t g, int64_t p, int64_t P, int64_t
 }
 #endif
 
+// Per (row, group): the int sum of the row's int8 values over the group, and dx times it.
+struct GroupSums {
+  std::vector<int32_t> isum;
+  std::vector<float> dxs;
+};
+
+inline GroupSums group_sums(const QuantizedRows& xr, int64_t M, int64_t K, int64_t G) {
+  const int64_t ngrp = K / G;
+  GroupSums gs{std::vector<int32_t>(M * ngrp), std::vector<float>(M * ngrp)};
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < ngrp; ++g) {
+      const int8_t* q = xr.q.data() + r * K + g * G;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < G; ++k) sum += q[k];
+      gs.isum[r * ngrp + g] = sum;
+      gs.dxs[r * ngrp + g] = xr.scale[r * (K / 32) + g * G / 32] * static_cast<float>(sum);
+    }
+  return gs;
+}
+
 #ifdef MCP_INT4_VNNI
 // One dword (4 consecutive int8 activations) in every lane: dpbusd's signed operand for 16 columns at once.
 inline __m512i broadcast_dword(const int8_t* p) {

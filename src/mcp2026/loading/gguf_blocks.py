@@ -161,8 +161,8 @@ def _q6_k(b: np.ndarray) -> Parts:
 class BlockFormat:
     block_bytes: int  # bytes per stored block
     group_size: int  # weights per scale and offset
-    # the widest stored value (4: nibble tiles; 5: nibbles and a plane of fifth bits; 8: bytes, which every
-    # format in groups of 16 takes, as the nibble kernels read groups of 32)
+    # the widest stored value (4: nibble tiles, Q2_K's and Q3_K's values too; 5: nibbles and a plane of fifth
+    # bits; 6: and a plane of sixth bits; 8: bytes)
     bits: int
     read: Callable[[np.ndarray], Parts]
     center: int | None = None  # symmetric formats: every offset is -center x scale (BlockWeights.center)
@@ -178,9 +178,9 @@ BLOCK_FORMATS: dict[str, BlockFormat] = {
     "Q8_0": BlockFormat(34, 32, 8, _q8_0, center=128),
     "Q4_K": BlockFormat(144, 32, 4, _q4_k, super_blocks=True),
     "Q5_K": BlockFormat(176, 32, 5, _q5_k, super_blocks=True),
-    "Q6_K": BlockFormat(210, 16, 8, _q6_k, center=32, super_blocks=True),
-    "Q2_K": BlockFormat(84, 16, 8, _q2_k, super_blocks=True),
-    "Q3_K": BlockFormat(110, 16, 8, _q3_k, center=4, super_blocks=True),
+    "Q6_K": BlockFormat(210, 16, 6, _q6_k, center=32, super_blocks=True),
+    "Q2_K": BlockFormat(84, 16, 4, _q2_k, super_blocks=True),
+    "Q3_K": BlockFormat(110, 16, 4, _q3_k, center=4, super_blocks=True),
     "IQ4_NL": BlockFormat(18, 32, 8, _iq4_nl, center=128),
     "IQ4_XS": BlockFormat(136, 32, 8, _iq4_xs, center=128, super_blocks=True),
 }

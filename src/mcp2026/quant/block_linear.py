@@ -226,12 +226,11 @@ def value_center(bits: int, levels: bool = False) -> int:
 
 
 def keeps_scales_alone(weight: BlockWeights | RowParts, levels: bool = False) -> bool:
-    """Whether every offset is -center x scale with the values centered where the layout wants them: nibbles
-    and 5-bit values at 8 and 16 exactly; bytes anywhere (``pack_row_parts`` moves them to 128)."""
-    center = weight.center
-    return center is not None and (
-        center == value_center(weight.bits, levels) or (weight.bits == 8 and not levels)
-    )
+    """Whether every offset is -center x scale, with the values (0 .. 2 center - 1) movable to the layout's
+    center: IQ4's levels at 128 exactly; other values at or below it (``pack_row_parts`` moves them up, so Q3_K's
+    0 .. 7 around 4 are held as nibbles around 8)."""
+    center, middle = weight.center, value_center(weight.bits, levels)
+    return center is not None and (center == middle or (center < middle and not levels))
 
 
 def pack_row_parts(weight: RowParts, levels: bool = False) -> tuple[Tensor, Tensor]:
@@ -242,7 +241,7 @@ def pack_row_parts(weight: RowParts, levels: bool = False) -> tuple[Tensor, Tens
     pack = (
         pack_level_tiles
         if levels
-        else {4: pack_int4_tiles, 5: pack_int5_tiles}.get(weight.bits, pack_byte_tiles)
+        else {4: pack_int4_tiles, 5: pack_int5_tiles, 6: pack_int6_tiles}.get(weight.bits, pack_byte_tiles)
     )
     alone = keeps_scales_alone(weight, levels)
     shift = value_center(weight.bits, levels) - weight.center if alone else 0
@@ -295,16 +294,30 @@ def pack_int4_tiles(u: Tensor) -> Tensor:
     return torch.from_numpy((v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n // COLUMN_TILE, k // 8, 64))
 
 
+def _bit_masks(bit: np.ndarray) -> np.ndarray:
+    """(N, K) 0/1 -> per nibble vector two 64-bit little-endian masks (N/16, K/8, 16): bit 4c + e of the first
+    for element [16t + c][8j + e], of the second for [16t + c][8j + 4 + e]."""
+    n, k = bit.shape
+    v = bit.reshape(n // COLUMN_TILE, COLUMN_TILE, k // 8, 2, 4)  # (t, c, j, half, e)
+    planes = np.ascontiguousarray(v.transpose(0, 2, 3, 1, 4)).reshape(n // COLUMN_TILE, k // 8, 2, 64)
+    return np.packbits(planes, axis=-1, bitorder="little").reshape(n // COLUMN_TILE, k // 8, 16)
+
+
 def pack_int5_tiles(u: Tensor) -> Tensor:
     """u (N, K) in 0..31 -> the block GEMM's 5-bit (N/16, K/8, 80) bytes: per vector, the low four bits as
-    ``pack_int4_tiles`` lays them out, then two 64-bit little-endian masks of the fifth bits: bit 4c + e of the
-    first for u[16t + c][8j + e], of the second for u[16t + c][8j + 4 + e]."""
-    n, k = u.shape
+    ``pack_int4_tiles`` lays them out, then the fifth bits' two masks (``_bit_masks``)."""
+    values = u.numpy()
     nibbles = pack_int4_tiles(u & 0x0F).numpy()  # (t, j, 64)
-    v = (u.numpy() >> 4).reshape(n // COLUMN_TILE, COLUMN_TILE, k // 8, 2, 4)  # (t, c, j, half, e)
-    fifth = np.ascontiguousarray(v.transpose(0, 2, 3, 1, 4)).reshape(n // COLUMN_TILE, k // 8, 2, 64)
-    masks = np.packbits(fifth, axis=-1, bitorder="little").reshape(n // COLUMN_TILE, k // 8, 16)
-    return torch.from_numpy(np.concatenate([nibbles, masks], axis=-1))
+    return torch.from_numpy(np.concatenate([nibbles, _bit_masks(values >> 4)], axis=-1))
+
+
+def pack_int6_tiles(u: Tensor) -> Tensor:
+    """u (N, K) in 0..63 -> the block GEMM's 6-bit (N/16, K/8, 96) bytes: the 5-bit layout's vector, then the
+    sixth bits' two masks."""
+    values = u.numpy()
+    nibbles = pack_int4_tiles(u & 0x0F).numpy()
+    masks = [_bit_masks((values >> shift) & 1) for shift in (4, 5)]
+    return torch.from_numpy(np.concatenate([nibbles, *masks], axis=-1))
 
 
 def pack_byte_tiles(u: Tensor) -> Tensor:
@@ -334,8 +347,8 @@ def block_kernel() -> str:
 class BlockLinear(nn.Module):
     """y = x @ W.T (+ bias) with W held as a file stored it (``BlockWeights``), packed for our VNNI GEMMs.
 
-    ``weight`` is the packed values ((N/16, K/8, 64) nibbles, (N/16, K/8, 80) 5-bit values, (N/16, K/4, 64)
-    bytes, or IQ4's levels as (N/16, K/8, 64) int8 nibbles of indices: ``levels``), ``scales_offsets``
+    ``weight`` is the packed values ((N/16, K/8, 64) nibbles, (N/16, K/8, 80) 5-bit or (N/16, K/8, 96) 6-bit
+    values, (N/16, K/4, 64) bytes, or IQ4's levels as (N/16, K/8, 64) int8 nibbles of indices: ``levels``), ``scales_offsets``
     (N/16, K/G, 2, 16), or (N/16, K/G, 1, 16) for a symmetric weight (``keeps_scales_alone``), fp16 where that is
     exact (``tile_scales``), else fp32; a K-quant's as it stores them, int8 (N/16, K/256, 1 or 2, ...)
     (``super_blocks.tile_super_blocks``). Runs on the compiled kernels only (the loader checks they are there)."""
@@ -346,8 +359,8 @@ class BlockLinear(nn.Module):
         n, k = weight.shape
         if not packable((n, k)):
             raise ValueError(f"a ({n}, {k}) weight does not fit the GEMM tiles (rows in 16s, K in 32s)")
-        if weight.group_size not in GROUP_SIZES or (weight.bits < 8 and weight.group_size != BLOCK):
-            raise ValueError(f"groups of {weight.group_size} with {weight.bits}-bit values have no kernel")
+        if weight.group_size not in GROUP_SIZES:
+            raise ValueError(f"groups of {weight.group_size} have no kernel (groups of {GROUP_SIZES})")
         self.in_features, self.out_features = k, n
         levels = holds_levels(weight)
         self.bits = 4 if levels else weight.bits  # the bits each value is held in
@@ -401,12 +414,16 @@ class BlockLinear(nn.Module):
             u = per_col.reshape(t, self.in_features)
         else:
             halves = torch.stack([per_col & 0xF, per_col >> 4], dim=2)  # (T, J, 2, 4)
-            if self.bits == 5:  # the fifth bits of column c: bits 4c .. 4c + 3 of each mask
-                masks = packed[..., 64:].reshape(t, packed.shape[1], 2, 8)[
+            for plane in range(
+                self.bits - 4
+            ):  # fifth (sixth) bits of column c: bits 4c .. 4c + 3 of each mask
+                start = 64 + 16 * plane
+                masks = packed[..., start : start + 16].reshape(t, packed.shape[1], 2, 8)[
                     picked, :, :, col // 2
                 ]  # (T, J, 2)
                 shift = (4 * (col % 2)).view(t, 1, 1, 1) + torch.arange(4)
-                halves = halves | (((masks.unsqueeze(-1).long() >> shift) & 1) << 4).to(halves.dtype)
+                bit = ((masks.unsqueeze(-1).long() >> shift) & 1) << (4 + plane)
+                halves = halves | bit.to(halves.dtype)
             u = halves.reshape(t, self.in_features)
             if self.levels:
                 u = torch.tensor(LEVEL_VALUES, dtype=torch.uint8)[u.long()]
