@@ -72,7 +72,10 @@ SAMPLES = [
     "text<|endoftext|>more <jupyter_code>print(1)",
 ]
 
-TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
+# Unassigned code points (Cn to this Python's Unicode tables) are left out: the reference's `regex` and the
+# tokenizers library carry tables of different Unicode versions, so a code point assigned since the older one
+# (U+3E782, a letter to regex 2026.12 and unassigned to the tokenizers library) splits differently in each.
+TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cn")), max_size=40)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
