@@ -122,6 +122,22 @@ void gemm_columns(const uint8_t* w, const S* s, int64_t P, const QuantizedRows& 
       gemm_rows<1, VB, L, G>(wt, st, P, xr, dxs, M, K, bt, out + t * kColTile, N);
   });
 }
+
+// Groups of 16 (Q2_K, Q3_K, Q6_K and fusions with them), with their own group sums. Out of line: inlined, these
+// instantiations reshaped the dispatch of groups of 32 (the default model's decode path), whose decode steps then
+// ran slower under some address layouts.
+template <typename S, typename O>
+__attribute__((noinline)) void gemm_columns_16(const uint8_t* w, const S* s, int64_t P, const QuantizedRows& xr,
+                                               int64_t M, int64_t K, const float* bias, O* out, int64_t N,
+                                               int64_t VB) {
+  const GroupSums sums = group_sums(xr, M, K, 16);
+  if (VB == 64)
+    gemm_columns<64, false, 16>(w, s, P, xr, sums.dxs.data(), M, K, bias, out, N);
+  else if (VB == 80)
+    gemm_columns<80, false, 16>(w, s, P, xr, sums.dxs.data(), M, K, bias, out, N);
+  else
+    gemm_columns<96, false, 16>(w, s, P, xr, sums.dxs.data(), M, K, bias, out, N);
+}
 #endif
 
 }  // namespace
@@ -202,26 +218,21 @@ torch::Tensor int4_gemm_into(const torch::Tensor& x, const torch::Tensor& wp, co
   const auto b = gemm_bias(bias, N);
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const auto* w = static_cast<const uint8_t*>(wp.data_ptr());
-  GroupSums sums16;  // groups of 16 need their own sums; groups of 32 use the quantized rows' block sums
-  if (G == 16) sums16 = group_sums(xr, M, K, 16);
-  const float* dxs = G == 16 ? sums16.dxs.data() : xr.sum.data();
   with_output(out, [&](auto* op) {
     with_scales(so, [&](const auto* s) {
-      auto by_width = [&](auto group) {
-        constexpr int kG = decltype(group)::value;
-        if (VB == 96)
-          gemm_columns<96, false, kG>(w, s, P, xr, dxs, M, K, bp, op, N);
+      if (G == 32) {
+        const float* dxs = xr.sum.data();  // groups of 32: the quantized rows' own block sums
+        if (levels)
+          gemm_columns<64, true, 32>(w, s, P, xr, dxs, M, K, bp, op, N);
+        else if (VB == 64)
+          gemm_columns<64, false, 32>(w, s, P, xr, dxs, M, K, bp, op, N);
         else if (VB == 80)
-          gemm_columns<80, false, kG>(w, s, P, xr, dxs, M, K, bp, op, N);
+          gemm_columns<80, false, 32>(w, s, P, xr, dxs, M, K, bp, op, N);
         else
-          gemm_columns<64, false, kG>(w, s, P, xr, dxs, M, K, bp, op, N);
-      };
-      if (levels)
-        gemm_columns<64, true, 32>(w, s, P, xr, dxs, M, K, bp, op, N);
-      else if (G == 16)
-        by_width(std::integral_constant<int, 16>{});
-      else
-        by_width(std::integral_constant<int, 32>{});
+          gemm_columns<96, false, 32>(w, s, P, xr, dxs, M, K, bp, op, N);
+      } else {
+        gemm_columns_16(w, s, P, xr, M, K, bp, op, N, VB);
+      }
     });
   });
   return out;
