@@ -1,8 +1,10 @@
 // Stored block quantization x int8 activations: w = scale * u + offset per group of 16 or 32 weights along K,
-// u unsigned, scale and offset fp32 (or fp16 where that holds a weight's every scale and offset exactly: Q4_0,
-// Q4_1 and Q8_0 store fp16, so their layers keep half the bytes of scales). This holds GGUF's block formats exactly (Q4_0/Q4_1/Q4_K: u the nibble;
-// Q8_0: u = q + 128, offset -128 d; Q5_0/Q5_1/Q5_K: the 5-bit value; Q6_K: the 6-bit value in groups of 16;
-// IQ4_NL/IQ4_XS: one of 16 levels plus 128), so a GGUF file runs on its stored values instead of a float copy.
+// u unsigned, scale and offset per group in fp32 or fp16 (fp16 where that holds a weight's every one exactly:
+// Q4_0, Q4_1 and Q8_0 store fp16), or per super-block as a K-quant stores them (vnni_gemm.h tile_params). This
+// holds GGUF's block formats exactly (Q4_0/Q4_1/Q4_K: u the nibble; Q2_K/Q3_K: their 2- and 3-bit values as
+// nibbles; Q8_0: u = q + 128, offset -128 d; Q5_0/Q5_1/Q5_K: the 5-bit value; Q6_K: the 6-bit value in groups
+// of 16; IQ4_NL/IQ4_XS: one of 16 levels plus 128), so a GGUF file runs on its stored values instead of a float
+// copy.
 //
 // Four layouts of u, all in tiles of 16 output columns (a fifth: the nibble layout typed int8, whose nibbles
 // index kLevelValues, IQ4's levels): nibbles (N/16, K/8, 64), the int4 GEMM's (byte 4c + e
@@ -11,7 +13,7 @@
 // of the first: the low nibble's value of byte 4c + e is 16 more; of the second: the high nibble's), so
 // Q5_0 / Q5_1 / Q5_K read 5 bits a weight, not 8; 6-bit values (N/16, K/8, 96), the 5-bit vector followed by two
 // masks of sixth bits (32 more), for Q6_K; and bytes (N/16, K/4, 64) (byte 4c + e of vector j is column c's
-// k = 4j + e). Groups are 32 or 16 weights in every layout but the levels' (32). Scales and offsets per group or per super-block (vnni_gemm.h tile_params).
+// k = 4j + e). Groups are 32 or 16 weights in every layout but the levels' (32).
 // Activations are quantized per 32 values as every other int8 path quantizes them (quantize_rows.h). Per group
 // the int32 dot of u with the row's int8 values is scaled by scale x the block's dx, and offset x dx x sum(xq over
 // the group) is added: the same arithmetic on every ISA, so AVX-512 VNNI (dpbusd), AVX2 (maddubs) and the scalar

@@ -4,11 +4,11 @@ Every GGUF block format is ``w = scale * u + offset`` per group of 16 or 32 weig
 integer and float scale and offset (Q4_1: u the nibble, scale d, offset m; Q8_0: u = q + 128, offset -128 d;
 Q4_K: scale d * sc, offset -dmin * m; ...). ``BlockWeights`` holds that form, exactly: fp32 holds every product
 of a float16 super-block scale and a 6- or 8-bit sub-scale. ``BlockLinear`` packs it for our block GEMM
-(kernels/block_gemm.cpp: AVX-512 VNNI, AVX2, or a scalar loop): 4-bit values into nibble tiles, wider ones into
-byte tiles, both with a scale and offset per group (fp16 where that holds them all exactly, as for Q4_0 / Q4_1 /
-Q8_0; the K-quants' as they store them, a factor per super-block and an integer per group: ``super_blocks``), so
-the only rounding added is the activations' int8 per 32 values that every int8 dot product here (and llama.cpp's)
-makes.
+(kernels/block_gemm.cpp: AVX-512 VNNI, AVX2, or a scalar loop): 4-bit values into nibble tiles, 5- and 6-bit ones
+into nibble tiles with planes of their high bits, wider ones into byte tiles, all with a scale and offset per group
+(fp16 where that holds them all exactly, as for Q4_0 / Q4_1 / Q8_0; the K-quants' as they store them, a factor per
+super-block and an integer per group: ``super_blocks``), so the only rounding added is the activations' int8 per
+32 values that every int8 dot product here (and llama.cpp's) makes.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ GROUP_SIZES = (16, 32)
 class BlockWeights:
     """An (N, K) weight as ``scale * u + offset`` per group of ``group_size`` along K.
 
-    u: (N, K) uint8; scale, offset: (N, K / group_size) fp32; bits: the widest value u holds (4, 5 or 8, which
+    u: (N, K) uint8; scale, offset: (N, K / group_size) fp32; bits: the widest value u holds (4, 5, 6 or 8, which
     picks the packed layout); formats: the stored types it came from (for reports); center: set where every
     offset is -center x scale (the symmetric formats: Q4_0, Q5_0, Q8_0, Q3_K, Q6_K, IQ4), so the packing keeps
     the scales alone; super_blocks: the same scales and offsets as the K-quants store them (a factor per 256
@@ -236,7 +236,7 @@ def keeps_scales_alone(weight: BlockWeights | RowParts, levels: bool = False) ->
 def pack_row_parts(weight: RowParts, levels: bool = False) -> tuple[Tensor, Tensor]:
     """The packed values and tiled scales and offsets (``tile_scales``) of a weight given part by part;
     ``levels``: as indices into ``LEVEL_VALUES`` (``pack_level_tiles``). A symmetric weight
-    (``keeps_scales_alone``) keeps its scales alone, (N/16, K/G, 1, 16), its byte values moved to center 128.
+    (``keeps_scales_alone``) keeps its scales alone, (N/16, K/G, 1, 16), its values moved up to the layout's center.
     A weight with ``super_blocks`` keeps them so, int8 (N/16, K/256, 1 or 2, ...) (``tile_super_blocks``)."""
     pack = (
         pack_level_tiles
