@@ -120,11 +120,14 @@ inline int packed_bits(const torch::Tensor& wp, int64_t K) {
   return 8;
 }
 
+// Bytes per vector of 8 k in a nibble layout: the nibbles, then two 64-bit masks per bit above the fourth.
+constexpr int nibble_vector_bytes(int bits) { return bits == 6 ? 96 : bits == 5 ? 80 : 64; }
+
 // u[n][k] from any layout (the scalar path and nothing hot).
 inline int32_t stored_value(const uint8_t* w, int bits, int64_t n, int64_t k, int64_t K) {
   const int64_t t = n / kColTile, c = n % kColTile;
   if (bits != 8) {
-    const int64_t vector_bytes = bits == 6 ? 96 : bits == 5 ? 80 : 64, i = 4 * c + (k % 4);
+    const int64_t vector_bytes = nibble_vector_bytes(bits), i = 4 * c + (k % 4);
     const uint8_t* v = w + (t * (K / 8) + k / 8) * vector_bytes;
     const bool low = (k % 8) < 4;
     const int32_t nib = low ? (v[i] & 0x0F) : (v[i] >> 4);
@@ -230,7 +233,7 @@ template <int R, int BITS, int G, typename S>
 void avx2_half(const uint8_t* wt, const S* st, int64_t P, const QuantizedRows& xr, const GroupSums& gs, int64_t r0,
                int h, int64_t K, float* out, int64_t N) {
   constexpr int kPerVector = BITS == 8 ? 4 : 8, kVectors = G / kPerVector;
-  constexpr int kVectorBytes = BITS == 6 ? 96 : BITS == 5 ? 80 : 64;
+  constexpr int kVectorBytes = nibble_vector_bytes(BITS);
   // bytes, and level indices looked up as bytes: signed q = u - 128 in maddubs, 128 x sum(xq) added back
   constexpr bool kSigned = BITS == 8 || BITS == kLevelNibbles;
   const int64_t ngrp = K / G, nblk = K / 32;
@@ -262,19 +265,12 @@ void avx2_half(const uint8_t* wt, const S* st, int64_t P, const QuantizedRows& x
         }
       } else if constexpr (BITS != 8) {  // nibbles (<= 15; with fifth and sixth bits <= 63): maddubs never saturates
         __m256i lo = _mm256_and_si256(w, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
-        if constexpr (BITS >= 5) {
-          uint32_t fifth_lo, fifth_hi;
-          std::memcpy(&fifth_lo, vec + 64 + 4 * h, 4);
-          std::memcpy(&fifth_hi, vec + 72 + 4 * h, 4);
-          lo = _mm256_or_si256(lo, high_bits(fifth_lo, 16));
-          hi = _mm256_or_si256(hi, high_bits(fifth_hi, 16));
-        }
-        if constexpr (BITS == 6) {
-          uint32_t sixth_lo, sixth_hi;
-          std::memcpy(&sixth_lo, vec + 80 + 4 * h, 4);
-          std::memcpy(&sixth_hi, vec + 88 + 4 * h, 4);
-          lo = _mm256_or_si256(lo, high_bits(sixth_lo, 32));
-          hi = _mm256_or_si256(hi, high_bits(sixth_hi, 32));
+        for (int plane = 0; plane < BITS - 4; ++plane) {  // the fifth (and sixth) bits' masks
+          uint32_t mask_lo, mask_hi;
+          std::memcpy(&mask_lo, vec + 64 + 16 * plane + 4 * h, 4);
+          std::memcpy(&mask_hi, vec + 72 + 16 * plane + 4 * h, 4);
+          lo = _mm256_or_si256(lo, high_bits(mask_lo, static_cast<int8_t>(16 << plane)));
+          hi = _mm256_or_si256(hi, high_bits(mask_hi, static_cast<int8_t>(16 << plane)));
         }
         for (int r = 0; r < R; ++r) {
           const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, splat_dword(xrow[r] + k)),
@@ -306,7 +302,7 @@ void avx2_half(const uint8_t* wt, const S* st, int64_t P, const QuantizedRows& x
 template <int BITS, int G, typename S>
 void avx2_gemm(const uint8_t* w, const S* so, int64_t P, const QuantizedRows& xr, const GroupSums& gs, int64_t M,
                int64_t K, int64_t N, float* out) {
-  const int64_t tile_bytes = BITS == 8 ? (K / 4) * 64 : (K / 8) * (BITS == 6 ? 96 : BITS == 5 ? 80 : 64);
+  const int64_t tile_bytes = BITS == 8 ? (K / 4) * 64 : (K / 8) * nibble_vector_bytes(BITS);
   const int64_t tile_scales = tile_params<S>(K, G, P);
   team::parallel_for(0, N / kColTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
@@ -464,10 +460,12 @@ torch::Tensor block_weight_rows(const torch::Tensor& wp, const torch::Tensor& so
   float* op = out.data_ptr<float>();
   with_scales(so, [&](const auto* s) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
+    const int64_t tile_scales = tile_params<S>(K, G, P);
     for (int64_t r = 0; r < T; ++r) {
       const int64_t n = id[r], t = n / kColTile, c = n % kColTile;
+      const S* st = s + t * tile_scales;
       for (int64_t k = 0; k < K; ++k) {
-        const auto [scale, offset] = group_scale_offset(s + t * tile_params<S>(K, G, P), c, k / G, P, G, bits);
+        const auto [scale, offset] = group_scale_offset(st, c, k / G, P, G, bits);
         op[r * K + k] = mul_rounded(static_cast<float>(stored_value(w, bits, n, k, K)), scale) + offset;
       }
     }

@@ -7,8 +7,8 @@
 // of the weights with one broadcast dword of a row's int8 activations. Columns go 32 at a time and rows 4 at a
 // time (8 int32 and 8 fp32 accumulators); per group (32 values, or 16) the int32 dots are converted and scaled
 // by the weight scale x the activation scale, and the weight offset (zero - 8 scale) x the block's dx x sum(xq
-// over the group) is added, the GEMV's arithmetic. A thread takes a range of column tiles and runs every row through each tile,
-// so a tile's weights (K/2 bytes per column) stay in L1 while the activations come from L2.
+// over the group) is added, the GEMV's arithmetic. A thread takes a range of column tiles and runs every row
+// through each tile, so a tile's weights (K/2 bytes per column) stay in L1 while the activations come from L2.
 // Activations are quantized as the GEMV quantizes them (quantize_rows.h): prefill and decode round alike.
 
 #include <torch/extension.h>

@@ -14,7 +14,7 @@ super-block and an integer per group: ``super_blocks``), so the only rounding ad
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -63,28 +63,23 @@ class BlockWeights:
         def take(t: Tensor) -> Tensor:
             return torch.index_select(t, 0, index)
 
-        return BlockWeights(
-            take(self.u),
-            take(self.scale),
-            take(self.offset),
-            self.group_size,
-            self.bits,
-            self.formats,
-            self.center,
-            None if self.super_blocks is None else self.super_blocks.rows(index),
+        supers = self.super_blocks
+        return replace(
+            self,
+            u=take(self.u),
+            scale=take(self.scale),
+            offset=take(self.offset),
+            super_blocks=None if supers is None else supers.rows(index),
         )
 
     def scaled(self, factor: float) -> BlockWeights:
         """The weight times ``factor`` (scale and offset scaled; u unchanged)."""
-        return BlockWeights(
-            self.u,
-            self.scale * factor,
-            self.offset * factor,
-            self.group_size,
-            self.bits,
-            self.formats,
-            self.center,
-            None if self.super_blocks is None else self.super_blocks.scaled(factor),
+        supers = self.super_blocks
+        return replace(
+            self,
+            scale=self.scale * factor,
+            offset=self.offset * factor,
+            super_blocks=None if supers is None else supers.scaled(factor),
         )
 
     def regrouped(self, group_size: int) -> BlockWeights:
@@ -92,15 +87,13 @@ class BlockWeights:
         if group_size == self.group_size:
             return self
         repeat = self.group_size // group_size
-        return BlockWeights(
-            self.u,
-            self.scale.repeat_interleave(repeat, dim=1),
-            self.offset.repeat_interleave(repeat, dim=1),
-            group_size,
-            self.bits,
-            self.formats,
-            self.center,
-            None if self.super_blocks is None else self.super_blocks.regrouped(repeat),
+        supers = self.super_blocks
+        return replace(
+            self,
+            scale=self.scale.repeat_interleave(repeat, dim=1),
+            offset=self.offset.repeat_interleave(repeat, dim=1),
+            group_size=group_size,
+            super_blocks=None if supers is None else supers.regrouped(repeat),
         )
 
     def row_parts(self, rows: int | None = None) -> RowParts:
@@ -111,12 +104,16 @@ class BlockWeights:
         n = self.u.shape[0]
 
         def parts() -> Iterator[BlockWeights]:
+            supers = self.super_blocks
             for a in range(0, n, step):
                 b = min(a + step, n)
-                yield BlockWeights(
-                    self.u[a:b], self.scale[a:b], self.offset[a:b], self.group_size, self.bits, self.formats,
-                    self.center, None if self.super_blocks is None else self.super_blocks.row_range(a, b),
-                )  # fmt: skip
+                yield replace(
+                    self,
+                    u=self.u[a:b],
+                    scale=self.scale[a:b],
+                    offset=self.offset[a:b],
+                    super_blocks=None if supers is None else supers.row_range(a, b),
+                )
 
         return RowParts(
             self.shape,
@@ -303,21 +300,24 @@ def _bit_masks(bit: np.ndarray) -> np.ndarray:
     return np.packbits(planes, axis=-1, bitorder="little").reshape(n // COLUMN_TILE, k // 8, 16)
 
 
-def pack_int5_tiles(u: Tensor) -> Tensor:
-    """u (N, K) in 0..31 -> the block GEMM's 5-bit (N/16, K/8, 80) bytes: per vector, the low four bits as
-    ``pack_int4_tiles`` lays them out, then the fifth bits' two masks (``_bit_masks``)."""
+def _pack_bit_plane_tiles(u: Tensor, bits: int) -> Tensor:
+    """u (N, K) below 2^bits -> per vector the low four bits as ``pack_int4_tiles`` lays them out, then two masks
+    (``_bit_masks``) per bit above them: (N/16, K/8, 64 + 16 (bits - 4))."""
     values = u.numpy()
     nibbles = pack_int4_tiles(u & 0x0F).numpy()  # (t, j, 64)
-    return torch.from_numpy(np.concatenate([nibbles, _bit_masks(values >> 4)], axis=-1))
+    masks = [_bit_masks((values >> shift) & 1) for shift in range(4, bits)]
+    return torch.from_numpy(np.concatenate([nibbles, *masks], axis=-1))
+
+
+def pack_int5_tiles(u: Tensor) -> Tensor:
+    """u (N, K) in 0..31 -> the block GEMM's 5-bit (N/16, K/8, 80) bytes: nibbles and the fifth bits' masks."""
+    return _pack_bit_plane_tiles(u, 5)
 
 
 def pack_int6_tiles(u: Tensor) -> Tensor:
-    """u (N, K) in 0..63 -> the block GEMM's 6-bit (N/16, K/8, 96) bytes: the 5-bit layout's vector, then the
-    sixth bits' two masks."""
-    values = u.numpy()
-    nibbles = pack_int4_tiles(u & 0x0F).numpy()
-    masks = [_bit_masks((values >> shift) & 1) for shift in (4, 5)]
-    return torch.from_numpy(np.concatenate([nibbles, *masks], axis=-1))
+    """u (N, K) in 0..63 -> the block GEMM's 6-bit (N/16, K/8, 96) bytes: the 5-bit vector, then the sixth bits'
+    masks."""
+    return _pack_bit_plane_tiles(u, 6)
 
 
 def pack_byte_tiles(u: Tensor) -> Tensor:
@@ -348,10 +348,11 @@ class BlockLinear(nn.Module):
     """y = x @ W.T (+ bias) with W held as a file stored it (``BlockWeights``), packed for our VNNI GEMMs.
 
     ``weight`` is the packed values ((N/16, K/8, 64) nibbles, (N/16, K/8, 80) 5-bit or (N/16, K/8, 96) 6-bit
-    values, (N/16, K/4, 64) bytes, or IQ4's levels as (N/16, K/8, 64) int8 nibbles of indices: ``levels``), ``scales_offsets``
-    (N/16, K/G, 2, 16), or (N/16, K/G, 1, 16) for a symmetric weight (``keeps_scales_alone``), fp16 where that is
-    exact (``tile_scales``), else fp32; a K-quant's as it stores them, int8 (N/16, K/256, 1 or 2, ...)
-    (``super_blocks.tile_super_blocks``). Runs on the compiled kernels only (the loader checks they are there)."""
+    values, (N/16, K/4, 64) bytes, or IQ4's levels as (N/16, K/8, 64) int8 nibbles of indices: ``levels``),
+    ``scales_offsets`` (N/16, K/G, 2, 16), or (N/16, K/G, 1, 16) for a symmetric weight (``keeps_scales_alone``),
+    fp16 where that is exact (``tile_scales``), else fp32; a K-quant's as it stores them, int8 (N/16, K/256, 1 or
+    2, ...) (``super_blocks.tile_super_blocks``). Runs on the compiled kernels only (the loader checks they are
+    there)."""
 
     def __init__(self, blocks: BlockWeights | RowParts, bias: Tensor | None = None) -> None:
         super().__init__()
@@ -408,15 +409,14 @@ class BlockLinear(nn.Module):
         tile, col = rows // COLUMN_TILE, rows % COLUMN_TILE
         t, picked = rows.numel(), torch.arange(rows.numel())
         # NOTE: index_select, not weight[tile]: advanced indexing of a uint8 tensor this size takes milliseconds
-        packed = torch.index_select(self.weight.view(torch.uint8), 0, tile)  # (T, K/8 or K/4, 64 or 80)
+        packed = torch.index_select(self.weight.view(torch.uint8), 0, tile)  # (T, K/8 or K/4, 64, 80 or 96)
         per_col = packed[..., :64].reshape(t, packed.shape[1], COLUMN_TILE, 4)[picked, :, col]  # (T, J, 4)
         if self.bits == 8:
             u = per_col.reshape(t, self.in_features)
         else:
             halves = torch.stack([per_col & 0xF, per_col >> 4], dim=2)  # (T, J, 2, 4)
-            for plane in range(
-                self.bits - 4
-            ):  # fifth (sixth) bits of column c: bits 4c .. 4c + 3 of each mask
+            # the fifth (and sixth) bits of column c: bits 4c .. 4c + 3 of each mask
+            for plane in range(self.bits - 4):
                 start = 64 + 16 * plane
                 masks = packed[..., start : start + 16].reshape(t, packed.shape[1], 2, 8)[
                     picked, :, :, col // 2
