@@ -122,8 +122,7 @@ inline void attend_bf16(const float* qf, const RawSource<at::BFloat16>& ks, cons
     }
   for (int64_t t0 = 0; t0 < len; t0 += bs) {
     const int64_t n = std::min(bs, len - t0);
-    if (t0 + bs < len) ks.prefetch(table[t0 / bs + 1], std::min(bs, len - t0 - bs), true);
-    vs.prefetch(table[t0 / bs], n, false);
+    prefetch_key_pass(ks, vs, table, t0, len, bs);
     score_block_bf16(qv, ks.at(table[t0 / bs]), n, g, hd, len, scores + t0);
   }
   mask_front(scores, g, len, skip);

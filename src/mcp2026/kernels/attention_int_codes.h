@@ -239,8 +239,7 @@ void attend_avx2(const float* qf, const Int4Source& ks, const Int4Source& vs, co
   const Int4Work w{f[0], f[1], f[2], f[3], f[4], q16, dots, f[5], f[6]};
   for (int64_t t0 = 0; t0 < len; t0 += bs) {
     const int64_t n = std::min(bs, len - t0), block = table[t0 / bs];
-    if (t0 + bs < len) ks.prefetch(table[t0 / bs + 1], std::min(bs, len - t0 - bs), true);
-    vs.prefetch(block, n, false);
+    prefetch_key_pass(ks, vs, table, t0, len, bs);
     if (ks.staged.has(block))
       score_rows_avx2(qf, ks.rows(block, n, buf), n, g, hd, len, scores + t0);
     else
@@ -323,8 +322,7 @@ void attend_avx2(const float* qf, const Int8Source& ks, const Int8Source& vs, co
   }
   for (int64_t t0 = 0; t0 < len; t0 += bs) {
     const int64_t n = std::min(bs, len - t0);
-    if (t0 + bs < len) ks.prefetch(table[t0 / bs + 1], std::min(bs, len - t0 - bs), true);
-    vs.prefetch(table[t0 / bs], n, false);
+    prefetch_key_pass(ks, vs, table, t0, len, bs);
     score_int8_keys(ks, table[t0 / bs], n, g, hd, len, scores + t0, w);
   }
   softmax_then_row_values_avx2(scores, vs, table, len, g, hd, bs, acc, buf, taps, skip);

@@ -166,13 +166,11 @@ template <typename KS, typename VS>
 void attend_avx2(const float* qf, const KS& ks, const VS& vs, const int64_t* table, int64_t len, int64_t g,
                  int64_t hd, int64_t bs, float* scores, float* acc, float* buf, const SoftmaxTaps& taps,
                  int64_t skip) {
-  // A block is widened or decoded once and read by all g heads. Blocks lie anywhere in the pool, beyond the
-  // hardware prefetcher's reach: the next block's keys are fetched ahead, and this block's values into L2 for
-  // the second pass.
+  // A block is widened or decoded once and read by all g heads; keys and values are fetched ahead
+  // (prefetch_key_pass).
   for (int64_t t0 = 0; t0 < len; t0 += bs) {
     const int64_t n = std::min(bs, len - t0);
-    if (t0 + bs < len) ks.prefetch(table[t0 / bs + 1], std::min(bs, len - t0 - bs), true);
-    vs.prefetch(table[t0 / bs], n, false);
+    prefetch_key_pass(ks, vs, table, t0, len, bs);
     score_rows_avx2(qf, ks.rows(table[t0 / bs], n, buf), n, g, hd, len, scores + t0);
   }
   softmax_then_row_values_avx2(scores, vs, table, len, g, hd, bs, acc, buf, taps, skip);

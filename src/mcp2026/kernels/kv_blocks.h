@@ -10,6 +10,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -44,13 +45,19 @@ inline const float* attn_rows(const KV* src, int64_t count, float* buf) {
 // ---- block sources: where the attention loops get one (block, KV head)'s rows as floats --------------------
 // rows(block, n, buf) returns n rows of hd floats (in place or decoded into buf, bs * hd floats);
 // prefetch(block, n, near) asks for the block's bytes ahead (near: into L1, else L2).
+// As asm on x86: GCC may delete a loop of nothing but __builtin_prefetch calls as free of side effects (it did,
+// once such a loop was inlined into a function of only prefetches).
 inline void prefetch_bytes(const void* p, int64_t bytes, bool near) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) {
+#if defined(__x86_64__)
     if (near)
-      __builtin_prefetch(c + off, 0, 3);
+      asm volatile("prefetcht0 %0" : : "m"(c[off]));
     else
-      __builtin_prefetch(c + off, 0, 2);
+      asm volatile("prefetcht1 %0" : : "m"(c[off]));
+#else
+    __builtin_prefetch(c + off, 0, near ? 3 : 2);
+#endif
   }
 }
 
@@ -266,5 +273,20 @@ struct Int4Source {
     if (!staged.has(block)) prefetch_bytes(q + (block * nkv + h) * bs * (hd / 2), n * hd / 2, near);
   }
 };
+
+// The key pass's prefetches before it scores the block at t0 (of a range of len tokens in blocks of bs). Blocks
+// lie anywhere in the pool, beyond the hardware prefetchers' reach, and scoring one block takes less time than
+// a fetch from memory: fetched only one block ahead, each block's scoring waits on its keys. So the next block's
+// keys are asked into L1 (from L2 by then), this block's values into L2 for the second pass, and the keys
+// kKeysAhead blocks ahead into L2, in that order (the nearer fetches first).
+constexpr int64_t kKeysAhead = 4;
+template <typename KS, typename VS>
+inline void prefetch_key_pass(const KS& ks, const VS& vs, const int64_t* table, int64_t t0, int64_t len, int64_t bs) {
+  const int64_t i = t0 / bs;
+  if (t0 + bs < len) ks.prefetch(table[i + 1], std::min(bs, len - t0 - bs), true);
+  vs.prefetch(table[i], std::min(bs, len - t0), false);
+  if (t0 + kKeysAhead * bs < len)
+    ks.prefetch(table[i + kKeysAhead], std::min(bs, len - t0 - kKeysAhead * bs), false);
+}
 
 }  // namespace
