@@ -49,18 +49,26 @@ inline __m512bh load_bf16x32(const at::BFloat16* p) {
 }
 
 // scores[j * len + t] = q_j . k_t over one block's n key rows (kb, hd bf16 each, hd % 32 == 0), 16 rows a pass.
+// The rows are the inner loop: 16 independent sums, so the dot products overlap instead of each row waiting on
+// its own chain of VDPBF16PS (each row's sum still adds its 32-channel pieces in channel order).
 inline void score_block_bf16(const __m512bh* qv, const at::BFloat16* kb, int64_t n, int64_t g, int64_t hd,
                              int64_t len, float* scores) {
   const int64_t nc = hd / 32;
   for (int64_t r0 = 0; r0 < n; r0 += 16) {
     const int64_t m = std::min<int64_t>(16, n - r0);
+    const at::BFloat16* rows = kb + r0 * hd;
     for (int64_t j = 0; j < g; ++j) {
       __m512 a[16];
-      for (int64_t r = 0; r < 16; ++r) {
-        a[r] = _mm512_setzero_ps();
-        if (r >= m) continue;
-        const at::BFloat16* kr = kb + (r0 + r) * hd;
-        for (int64_t c = 0; c < nc; ++c) a[r] = _mm512_dpbf16_ps(a[r], qv[j * nc + c], load_bf16x32(kr + 32 * c));
+      for (int r = 0; r < 16; ++r) a[r] = _mm512_setzero_ps();
+      if (m == 16) {
+        for (int64_t c = 0; c < nc; ++c) {
+          const __m512bh qc = qv[j * nc + c];
+          for (int r = 0; r < 16; ++r) a[r] = _mm512_dpbf16_ps(a[r], qc, load_bf16x32(rows + r * hd + 32 * c));
+        }
+      } else {
+        for (int64_t c = 0; c < nc; ++c)
+          for (int64_t r = 0; r < m; ++r)
+            a[r] = _mm512_dpbf16_ps(a[r], qv[j * nc + c], load_bf16x32(rows + r * hd + 32 * c));
       }
       _mm512_mask_storeu_ps(scores + j * len + r0, static_cast<__mmask16>((1u << m) - 1), lane_sums16(a));
     }
