@@ -45,8 +45,8 @@ inline const float* attn_rows(const KV* src, int64_t count, float* buf) {
 // ---- block sources: where the attention loops get one (block, KV head)'s rows as floats --------------------
 // rows(block, n, buf) returns n rows of hd floats (in place or decoded into buf, bs * hd floats);
 // prefetch(block, n, near) asks for the block's bytes ahead (near: into L1, else L2).
-// As asm on x86: GCC may delete a loop of nothing but __builtin_prefetch calls as free of side effects (it did,
-// once such a loop was inlined into a function of only prefetches).
+// As asm on x86: GCC treats __builtin_prefetch as free of side effects and dropped these loops from the attention
+// once they sat in a helper that does nothing but prefetch (prefetch_key_pass); asm volatile always stays.
 inline void prefetch_bytes(const void* p, int64_t bytes, bool near) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) {
