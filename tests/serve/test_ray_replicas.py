@@ -81,10 +81,13 @@ def test_openai_api_through_the_ingress(cluster):
     url, ingress = cluster
     client = openai_client(url)
     client.api_key = KEY
-    completion = client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=5)
+    no_eos = {"ignore_eos": True}  # a sampled end of sequence would end a request before its max_tokens
+    completion = client.completions.create(
+        model="tiny", prompt="The capital of France is", max_tokens=5, extra_body=no_eos
+    )
     assert completion.usage.completion_tokens == 5 and completion.choices[0].finish_reason == "length"
     chat = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=4
+        model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=4, extra_body=no_eos
     )
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 4
     # Streamed tokens are counted by the usage chunk: a token whose text the detokenizer holds back, or one
@@ -97,6 +100,7 @@ def test_openai_api_through_the_ingress(cluster):
             max_tokens=6,
             stream=True,
             stream_options=usage,
+            extra_body=no_eos,
         )
     )
     assert chunks[-1].usage.completion_tokens == 6
@@ -104,7 +108,7 @@ def test_openai_api_through_the_ingress(cluster):
     assert any(c.choices and c.choices[0].delta.content for c in chunks)
     streamed = list(
         client.completions.create(
-            model="tiny", prompt="One two", max_tokens=3, stream=True, stream_options=usage
+            model="tiny", prompt="One two", max_tokens=3, stream=True, stream_options=usage, extra_body=no_eos
         )
     )
     assert streamed[-1].usage.completion_tokens == 3 and streamed[-2].choices[0].finish_reason == "length"
